@@ -1,0 +1,1 @@
+"""Load generator and reports for any OpenAI-compatible endpoint. Never imports torch."""

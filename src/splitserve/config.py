@@ -1,0 +1,147 @@
+"""Typed, frozen configuration for every part, validated in one place.
+
+Environment variables, YAML and the command line are read only at the edges (``cli.py``, ``endpoint.py``);
+everything below them receives these objects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse ``"2GiB"``, ``"512MB"``, ``"1073741824"`` or an int into a byte count."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 2GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+class Role(StrEnum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to load and how."""
+
+    model: str = "smollm2"  # a registry name or a path to a GGUF file or a Hugging Face folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto (CUDA when present, else CPU) | cpu | cuda
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0  # seeds the random-weight test model and unseeded sampling
+    served_model_name: str | None = None  # the name the API answers to; None: the model argument
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be one of auto, cpu, cuda; got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError(f"--max-model-len must be at least 16, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache held by the engine."""
+
+    block_size: int = 16  # tokens per KV block; also the unit of the key scheme
+    kv_cache_memory: str = "2GiB"  # bytes ("2GiB", "1073741824") or a fraction of free memory ("0.3")
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for weights + activations + KV
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.kv_cache_fraction_or_bytes()
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+
+    def kv_cache_fraction_or_bytes(self) -> tuple[float | None, int | None]:
+        """``(fraction, None)`` when given as a fraction of free memory, else ``(None, bytes)``."""
+        text = self.kv_cache_memory.strip()
+        if re.fullmatch(r"0?\.[0-9]+|1\.0*|1", text):
+            fraction = float(text)
+            if not 0.0 < fraction <= 1.0:
+                raise ValueError(f"--kv-cache-memory fraction must be in (0, 1], got {text}")
+            return fraction, None
+        num_bytes = parse_bytes(text)
+        if num_bytes < 1 << 20:
+            raise ValueError(f"--kv-cache-memory must be at least 1 MiB, got {text!r}")
+        return None, num_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 1024  # tokens computed per engine step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True  # off: a prompt is prefilled in one step, budget permitting
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and self.model.max_model_len is not None:
+            if sched.max_num_batched_tokens < self.model.max_model_len:
+                raise ValueError(
+                    "with chunked prefill off, --max-num-batched-tokens "
+                    f"({sched.max_num_batched_tokens}) must be at least --max-model-len "
+                    f"({self.model.max_model_len})"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The worker's HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: Role = Role.COLOCATED
+    max_request_body_bytes: int = 16 << 20
+    max_tokens_limit: int | None = None  # None: max_model_len
+
+    def validate(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")

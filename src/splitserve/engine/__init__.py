@@ -1,0 +1,1 @@
+"""The engine: requests, block pool, scheduler, model runner, sampler and the step loop."""

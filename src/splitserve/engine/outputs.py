@@ -1,0 +1,32 @@
+"""What the engine hands back after each step, one object per request that made progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The progress of one request in one engine step.
+
+    ``new_token_ids`` are the tokens sampled this step (usually one); ``new_text`` is the text they add
+    after incremental detokenization and stop-string handling (possibly empty while a multi-byte character
+    or a possible stop string is held back). When ``finished`` is true this is the request's last output.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (or a KV tier) instead of computed
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any

@@ -1,0 +1,1 @@
+"""Llama-family model, weight loaders, tokenizer and the registry of model names."""

@@ -1,0 +1,97 @@
+"""Paged attention over a flat KV cache: the contract between the model runner and the model.
+
+The KV cache of one layer is two tensors ``k_cache`` and ``v_cache`` of shape
+``[num_blocks * block_size, num_kv_heads, head_dim]``; the K/V of token position ``p`` of a request lives at
+slot ``block_table[p // block_size] * block_size + p % block_size``. The runner builds one
+``AttentionMetadata`` per step, shared by every layer.
+
+Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
+in the order of ``prefills``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """A run of ``num_query_tokens`` new tokens of one sequence, attending causally to its whole context."""
+
+    num_query_tokens: int
+    context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
+    num_context_tokens: int  # cached prefix + this chunk
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each input token's K/V is written
+    num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
+    decode_slots: torch.Tensor | None  # [B, max_context] int64 context slots per decode sequence, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_context] bool: True where a context slot is real
+    prefills: list[PrefillChunk]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store the step's K/V ([T, kv_heads, head_dim]) at their slots."""
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim], rotary already applied
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim], this step's K already written
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Attention of every query token over its sequence's cached context."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        # Grouped-query trick: the `group` query heads sharing a KV head act as `group` query rows.
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    start = nd
+    for chunk in meta.prefills:
+        end = start + chunk.num_query_tokens
+        out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, chunk, group, scale)
+        start = end
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # [Q, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    group: int,
+    scale: float,
+) -> torch.Tensor:  # [Q, H, D]
+    num_q, num_heads, head_dim = q.shape
+    num_ctx = chunk.num_context_tokens
+    num_kv_heads = num_heads // group
+    k = k_cache[chunk.context_slots].transpose(0, 1)  # [Hkv, C, D]
+    v = v_cache[chunk.context_slots].transpose(0, 1)
+    # [Hkv, G*Q, D]: the group's query heads stacked along the query axis
+    qg = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
+    if num_q == num_ctx:
+        mask = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_()
+    else:
+        # Query i sits at absolute position num_ctx - num_q + i and sees keys up to it.
+        mask = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_(num_ctx - num_q)
+    mask = mask.repeat(group, 1)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [Hkv, G*Q, D]
+    return o.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)

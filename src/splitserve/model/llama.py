@@ -1,0 +1,178 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, tied embeddings) over paged KV.
+
+Inputs are flat: a step's tokens from every sequence are concatenated into one ``[T]`` tensor, so the
+linear layers run once over the whole batch and only attention looks at sequence boundaries (through
+``AttentionMetadata``). Parameter names follow Hugging Face's ``LlamaForCausalLM`` so state dicts load
+unchanged; ``load_hf_state_dict`` fuses q/k/v and gate/up into single matrices for speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from splitserve.model.config import LlamaConfig
+
+
+class RotaryEmbedding(nn.Module):
+    """Hugging Face style (rotate-half) rotary embedding with cached cos/sin tables."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)  # [P, D]
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``positions`` [T], shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
+        x = x + self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
+        return x + self.mlp(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face ``LlamaForCausalLM`` state dict (``model.layers.N.self_attn.q_proj.weight``...).
+
+        Raises ``ValueError`` naming missing or mis-shaped tensors.
+        """
+        own = self.state_dict()
+        fused: dict[str, torch.Tensor] = {}
+        for name, target in own.items():
+            fused[name] = _hf_tensor_for(name, state, self.config)
+            if fused[name].shape != target.shape:
+                raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(fused[name].shape)}")
+        self.load_state_dict(fused, strict=True)
+
+
+def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: LlamaConfig) -> torch.Tensor:
+    """The HF tensor (or the concatenation of HF tensors) that fills our parameter ``name``."""
+
+    def get(key: str) -> torch.Tensor:
+        if key not in state:
+            raise ValueError(f"weights lack tensor {key!r}")
+        return state[key]
+
+    if name == "embed_tokens.weight":
+        return get("model.embed_tokens.weight")
+    if name == "norm":
+        return get("model.norm.weight")
+    if name == "lm_head.weight":
+        return state["lm_head.weight"] if "lm_head.weight" in state else get("model.embed_tokens.weight")
+    prefix, _, rest = name.partition(".")  # "layers", "N.self_attn.qkv_proj.weight"
+    index, _, leaf = rest.partition(".")
+    hf = f"model.layers.{index}."
+    if leaf == "self_attn.qkv_proj.weight":
+        return torch.cat([get(hf + f"self_attn.{p}_proj.weight") for p in "qkv"], dim=0)
+    if leaf == "mlp.gate_up_proj.weight":
+        return torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], dim=0)
+    if leaf in ("input_layernorm", "post_attention_layernorm"):
+        return get(hf + leaf + ".weight")
+    return get(hf + leaf)
