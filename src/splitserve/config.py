@@ -69,7 +69,9 @@ class CacheConfig:
     """The paged KV cache held by the engine."""
 
     block_size: int = 16  # tokens per KV block; also the unit of the key scheme
-    kv_cache_memory: str = "2GiB"  # bytes ("2GiB", "1073741824") or a fraction of free memory ("0.3")
+    # KV cache size: bytes ("2GiB", "1073741824") or a fraction of free memory ("0.3"). None: 2 GiB on CPU;
+    # on CUDA, what --gpu-memory-utilization leaves after weights and activations.
+    kv_cache_memory: str | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for weights + activations + KV
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
@@ -84,7 +86,9 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
 
     def kv_cache_fraction_or_bytes(self) -> tuple[float | None, int | None]:
-        """``(fraction, None)`` when given as a fraction of free memory, else ``(None, bytes)``."""
+        """``(fraction, None)`` for a fraction of free memory, ``(None, bytes)`` for a size, or both None."""
+        if self.kv_cache_memory is None:
+            return None, None
         text = self.kv_cache_memory.strip()
         if re.fullmatch(r"0?\.[0-9]+|1\.0*|1", text):
             fraction = float(text)
@@ -122,14 +126,6 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
-        sched = self.scheduler
-        if not sched.enable_chunked_prefill and self.model.max_model_len is not None:
-            if sched.max_num_batched_tokens < self.model.max_model_len:
-                raise ValueError(
-                    "with chunked prefill off, --max-num-batched-tokens "
-                    f"({sched.max_num_batched_tokens}) must be at least --max-model-len "
-                    f"({self.model.max_model_len})"
-                )
 
 
 @dataclass(frozen=True, slots=True)

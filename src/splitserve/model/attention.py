@@ -51,7 +51,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Attention of every query token over its sequence's cached context."""
-    num_tokens, num_heads, head_dim = q.shape
+    _num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)

@@ -166,7 +166,7 @@ def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: LlamaConfig) 
         return get("model.norm.weight")
     if name == "lm_head.weight":
         return state["lm_head.weight"] if "lm_head.weight" in state else get("model.embed_tokens.weight")
-    prefix, _, rest = name.partition(".")  # "layers", "N.self_attn.qkv_proj.weight"
+    _prefix, _, rest = name.partition(".")  # "layers", "N.self_attn.qkv_proj.weight"
     index, _, leaf = rest.partition(".")
     hf = f"model.layers.{index}."
     if leaf == "self_attn.qkv_proj.weight":

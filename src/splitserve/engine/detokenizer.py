@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings.
+
+Text is produced from output tokens a few at a time: decoding ``ids[prefix_offset:]`` and subtracting the
+text of ``ids[prefix_offset:read_offset]`` gives the new characters, with a token boundary as context so
+that byte-level BPE spaces and multi-byte characters come out right; an incomplete character
+(U+FFFD at the end) is held back until the next token completes it. When stop strings are set, the last
+``max(len(stop)) - 1`` characters are held back too, so a stop string split across tokens is never
+partly emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...], include_stop_str: bool) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop_str = include_stop_str
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all text decoded so far
+        self.num_emitted_chars = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def update(self, output_ids: list[int]) -> str | None:
+        """Take the request's whole output token list; returns the matched stop string, if any.
+
+        After a match, ``text`` ends at the stop string (or just before it).
+        """
+        num_before = len(self.text)
+        self.text += self._decode_new(output_ids)
+        if not self.stop or len(self.text) == num_before:
+            return None
+        search_from = max(0, num_before - max(len(s) for s in self.stop) + 1)
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at >= 0:
+                self.text = self.text[: at + len(stop)] if self.include_stop_str else self.text[:at]
+                return stop
+        return None
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet handed out; while unfinished, the possible start of a stop string is held back."""
+        end = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold_back)
+        new = self.text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return new
+
+    def _decode_new(self, ids: list[int]) -> str:
+        prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        return full[len(prefix) :]

@@ -1,0 +1,256 @@
+"""The engine: admit requests, run scheduler + model steps, and turn sampled tokens into outputs.
+
+Not thread-safe: every method must be called from one thread (``AsyncEngine`` owns that thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.outputs import FinishReason, RequestOutput
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from splitserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # cumulative prompt tokens found there
+    num_preemptions: int
+    num_prompt_tokens: int  # cumulative
+    num_generation_tokens: int  # cumulative
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer | None,
+        model_name: str,
+        device: torch.device,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        model_cfg = model.config
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = min(
+            config.model.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
+        )
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_gpu_blocks_override or num_kv_blocks(config, model, device)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, fewer than --max-model-len "
+                f"({self.max_model_len}); raise --kv-cache-memory or lower --max-model-len"
+            )
+        sched_cfg = config.scheduler
+        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < self.max_model_len:
+            # without chunking a whole prompt must fit in one step
+            sched_cfg = type(sched_cfg)(sched_cfg.max_num_seqs, self.max_model_len, False)
+        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, block_size)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len)
+        self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
+        self.eos_token_ids = _eos_ids(tokenizer, model)
+        self.requests: dict[str, Request] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens (%d tokens, %.2f GiB), max_model_len %d, dtype %s, device %s",
+            num_blocks, block_size, num_blocks * block_size,
+            self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**30,
+            self.max_model_len, self.runner.dtype, device,
+        )  # fmt: skip
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model and tokenizer named by ``config.model`` and build an engine (blocking, seconds)."""
+        from splitserve.model.registry import load_model, load_tokenizer, resolve_dtype, resolve_model
+
+        config.validate()
+        device = resolve_device(config.model.device)
+        source = resolve_model(config.model.model)
+        dtype = resolve_dtype(config.model.dtype, device)
+        torch.manual_seed(config.model.seed)
+        model = load_model(source, dtype, device)
+        tokenizer = load_tokenizer(source)
+        name = config.model.served_model_name or config.model.model
+        return cls(config, model, tokenizer, name, device)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
+        self._check_new_request(request_id, prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_ids)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; returns outputs of requests that produced a token."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        return self._update(sched, sampled)
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries=self.kv.stats.num_queries,
+            prefix_cache_hits=self.kv.stats.num_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {min(prompt)}..{max(prompt)}")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion."
+            )
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        for s in sched.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that has not reached the end of the prompt yet
+            request.append_output_token(token)
+            self.num_generation_tokens += 1
+            if request.num_output_tokens == 1:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            outputs.append(self._output_for(request, token))
+        return outputs
+
+    def _output_for(self, request: Request, token: int) -> RequestOutput:
+        reason, stop_reason = self._stop_by_token(request, token)
+        detok = request.detokenizer
+        if detok is not None and reason is None:
+            stop_str = detok.update(request.output_token_ids)
+            if stop_str is not None:
+                reason, stop_reason = FinishReason.STOP, stop_str
+        if reason is None and (
+            request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        finished = reason is not None
+        if finished:
+            self.scheduler.finish(request, reason, stop_reason)  # type: ignore[arg-type]
+            del self.requests[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            new_text=detok.take_new_text(finished) if detok is not None else "",
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            stop_reason=stop_reason,
+        )
+
+    @staticmethod
+    def _stop_by_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        params = request.params
+        if request.num_output_tokens < params.min_tokens:
+            return None, None
+        if token in request.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if token in params.stop_token_ids:
+            return FinishReason.STOP, token
+        return None, None
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; ``cuda`` without CUDA is a ``ValueError``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
+    """How many KV blocks fit in the memory ``config.cache`` grants."""
+    cache = config.cache
+    elem_size = next(model.parameters()).element_size()
+    bytes_per_block = cache.block_size * model.config.kv_bytes_per_token * elem_size
+    fraction, num_bytes = cache.kv_cache_fraction_or_bytes()
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        headroom = int(cache.gpu_memory_utilization * total) - (total - free) - (256 << 20)  # activations
+        if fraction is not None:
+            num_bytes = int(fraction * free)
+        num_bytes = max(0, headroom) if num_bytes is None else min(num_bytes, max(0, headroom))
+    elif fraction is not None:
+        num_bytes = int(fraction * available_memory_bytes())
+    elif num_bytes is None:
+        num_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    return max(1, num_bytes // bytes_per_block)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def _eos_ids(tokenizer: Tokenizer | None, model: LlamaForCausalLM) -> frozenset[int]:
+    if tokenizer is not None:
+        return frozenset(tokenizer.stop_token_ids)
+    eos = model.config.eos_token_id
+    return frozenset() if eos is None else frozenset([eos])

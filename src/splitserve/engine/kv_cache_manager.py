@@ -1,0 +1,87 @@
+"""Which KV blocks each request holds: prefix matching on admission, growth as tokens are scheduled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.block_pool import BlockPool, KVBlock
+from splitserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queries: int = 0  # prompt tokens looked up
+    num_hits: int = 0  # of those, tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[KVBlock]] = {}
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self._blocks.get(request_id, [])
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, [])]
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of leading full blocks already cached, leaving at least one token to compute.
+
+        At least one token must be computed to produce logits, so a fully cached prompt matches one block
+        less. Counts the lookup in ``stats``.
+        """
+        if not self.pool.enable_caching:
+            return []
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found: list[KVBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        self.stats.num_queries += request.num_tokens
+        self.stats.num_hits += len(found) * self.block_size
+        return found
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed (and ``cached``) ones.
+
+        ``cached`` are blocks from ``find_cached_prefix`` for a request holding none yet. Returns False, with
+        nothing changed, when the pool has too few free blocks.
+        """
+        cached = cached or []
+        held = self._blocks.setdefault(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(held) - len(cached)
+        num_cached_free = sum(1 for b in cached if b.ref_count == 0)
+        if num_needed > self.pool.num_free_blocks - num_cached_free:
+            return False
+        self.pool.touch(cached)
+        held.extend(cached)
+        if num_needed > 0:
+            held.extend(self.pool.allocate(num_needed))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full, computed blocks in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        held = self._blocks.get(request.request_id, [])
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = request.update_block_hashes(self.block_size)
+        for i in range(min(num_full, len(hashes), len(held))):
+            if held[i].block_hash is None:
+                self.pool.cache(held[i], hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail first)."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self.pool.free(reversed(blocks))
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage

@@ -1,0 +1,76 @@
+"""A request is ``num_computed_tokens`` catching up with its tokens (prompt + output so far).
+
+There is no separate prefill or decode state: a step schedules ``num_tokens - num_computed_tokens`` new
+tokens (capped by the budget), and a token is sampled once the request has caught up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from splitserve.engine.outputs import FinishReason
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.keys import ROOT_HASH, hash_blocks
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()  # end the output unless params.ignore_eos
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission; -1 until then
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
+    num_preemptions: int = 0
+    generator: Any = None  # torch.Generator for seeded sampling, created by the sampler on first use
+    detokenizer: Any = None  # incremental detokenizer state, owned by the engine
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Extend ``block_hashes`` to every full block of ``all_token_ids``; returns the whole list."""
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        self.block_hashes.extend(
+            hash_blocks(self.all_token_ids, block_size, parent, start_block=len(self.block_hashes))
+        )
+        return self.block_hashes

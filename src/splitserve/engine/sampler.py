@@ -1,0 +1,60 @@
+"""Turn logits into tokens: greedy, or temperature / top-k / top-p sampling with optional per-request seeds.
+
+Greedy rows share one argmax. Sampled rows are drawn one by one, each from its request's own
+``torch.Generator`` when it has a seed, so a seeded request gives the same tokens whatever else is in the
+batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """logits: [N, vocab] float32 on any device, row i for ``requests[i]``; returns N token ids."""
+        logits = logits.float().cpu()
+        _suppress_early_stops(logits, requests)
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, request in enumerate(requests):
+            if not request.params.is_greedy:
+                tokens[i] = self._sample_row(logits[i], request)
+        return tokens
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> int:  # row: [vocab]
+        params = request.params
+        row = row / params.temperature
+        if params.top_k > 0 and params.top_k < row.shape[0]:
+            kth = torch.topk(row, params.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_logits, order = torch.sort(row, descending=True)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative - sorted_logits.softmax(dim=-1) >= params.top_p  # keep the token crossing top_p
+            row = row.scatter(0, order[drop], float("-inf"))
+        probs = row.softmax(dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(request)).item())
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        if request.params.seed is None:
+            return self._generator
+        if request.generator is None:
+            request.generator = torch.Generator().manual_seed(request.params.seed)
+        generator: torch.Generator = request.generator
+        return generator
+
+
+def _suppress_early_stops(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Below ``min_tokens``, EOS and stop token ids cannot be sampled."""
+    for i, request in enumerate(requests):
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            continue
+        stop_ids = [*params.stop_token_ids, *request.eos_token_ids]
+        if stop_ids:
+            logits[i, stop_ids] = float("-inf")

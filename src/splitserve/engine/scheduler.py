@@ -1,0 +1,137 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption by recompute.
+
+Each step the scheduler first serves running requests in admission order (decodes need one token each; a
+request mid-prefill needs the rest of its prompt, capped by the budget), preempting the most recently
+admitted running request when KV blocks run out. Then, if nothing was preempted, it admits waiting
+requests in arrival order while the budget, ``max_num_seqs`` and free blocks allow. A preempted request
+drops its blocks and goes back to the front of the waiting queue; it is recomputed when readmitted (its
+prefix-cached blocks usually make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.config import SchedulerConfig
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.outputs import FinishReason
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    block_ids: list[int]  # the request's whole block table after allocation
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when the request will have caught up after this step, so a token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The one object that crosses from the scheduler to the model runner each step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate, preempting from the back of ``running`` until it fits; False if ``request`` itself went."""
+        while not self.kv.allocate(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            out.scheduled = [s for s in out.scheduled if s.request is not victim]
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            budget -= num_new
+
+    def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a request wherever it is and free its blocks."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason

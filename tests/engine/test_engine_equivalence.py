@@ -1,0 +1,63 @@
+"""Greedy output does not depend on batching, prefix-cache hits, chunked prefill or preemption."""
+
+from __future__ import annotations
+
+from splitserve.engine.sampling_params import SamplingParams
+from tests.engine.conftest import EngineFactory, random_prompts, run_to_completion, tokens_of
+
+
+def alone(make_engine: EngineFactory, prompts: dict[str, list[int]], **kw: object) -> dict[str, list[int]]:
+    result = {}
+    for rid, prompt in prompts.items():
+        engine = make_engine(**kw)
+        result[rid] = tokens_of(run_to_completion(engine, {rid: prompt})[rid])
+    return result
+
+
+def test_batch_of_eight_mixed_lengths_matches_alone(make_engine: EngineFactory) -> None:
+    prompts = random_prompts(8, 3, 150)
+    expected = alone(make_engine, prompts)
+    together = run_to_completion(make_engine(), prompts)
+    assert {rid: tokens_of(o) for rid, o in together.items()} == expected
+    assert all(len(t) == 24 for t in expected.values())
+
+
+def test_prefix_cache_hit_gives_same_output(make_engine: EngineFactory) -> None:
+    prompt = random_prompts(1, 100, 100)["r0"]
+    engine = make_engine()
+    cold = tokens_of(run_to_completion(engine, {"a": prompt})["a"])
+    warm_outputs = run_to_completion(engine, {"b": prompt})["b"]
+    assert tokens_of(warm_outputs) == cold
+    assert warm_outputs[0].num_cached_tokens == 96  # six full blocks; the last token is always computed
+    stats = engine.get_stats()
+    assert stats.prefix_cache_hits == 96 and stats.prefix_cache_queries == 200
+    # a longer prompt sharing the prefix reuses it too
+    longer = run_to_completion(engine, {"c": [*prompt, 7, 8, 9]})["c"]
+    assert longer[0].num_cached_tokens == 96
+
+
+def test_chunked_prefill_on_and_off_agree(make_engine: EngineFactory) -> None:
+    prompts = random_prompts(4, 60, 200, seed=2)
+    chunked = run_to_completion(make_engine(max_num_batched_tokens=32), prompts)
+    whole = run_to_completion(make_engine(max_num_batched_tokens=32, chunked=False), prompts)
+    assert {r: tokens_of(o) for r, o in chunked.items()} == {r: tokens_of(o) for r, o in whole.items()}
+
+
+def test_preemption_by_recompute_gives_same_output(make_engine: EngineFactory) -> None:
+    prompts = random_prompts(6, 40, 90, seed=3)
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    roomy = run_to_completion(make_engine(), prompts, params)
+    engine = make_engine(num_blocks=28, prefix_caching=False, max_model_len=256)
+    tight = run_to_completion(engine, prompts, params)
+    assert engine.get_stats().num_preemptions > 0
+    assert {r: tokens_of(o) for r, o in tight.items()} == {r: tokens_of(o) for r, o in roomy.items()}
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_seeded_sampling_is_independent_of_batch(make_engine: EngineFactory) -> None:
+    prompts = random_prompts(5, 10, 80, seed=4)
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    together = run_to_completion(make_engine(), prompts, params)
+    engine = make_engine()
+    single = run_to_completion(engine, {"r2": prompts["r2"]}, params)
+    assert tokens_of(single["r2"]) == tokens_of(together["r2"])
