@@ -6,9 +6,12 @@ Heavy imports (torch, the engine) happen inside the subcommands that need them, 
 
 from __future__ import annotations
 
+from typing import Annotated, NoReturn
+
 import typer
 
 from splitserve.bench.cli import bench_app
+from splitserve.config import Role
 
 app = typer.Typer(
     name="splitserve",
@@ -18,6 +21,89 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(bench_app, name="bench")
+
+_ENGINE = "Engine options"
+_CACHE = "KV cache options"
+_SERVER = "Server options"
+
+
+@app.command("worker")
+def worker_command(
+    model: Annotated[
+        str, typer.Option(help="Model: a registry name (smollm2), a GGUF file or a Hugging Face folder.")
+    ] = "smollm2",
+    host: Annotated[str, typer.Option(help="Address to bind.", rich_help_panel=_SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.", rich_help_panel=_SERVER)] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name the API answers to (default: --model).", rich_help_panel=_SERVER)
+    ] = None,
+    role: Annotated[
+        Role, typer.Option(help="colocated, prefill (KV sender) or decode (KV receiver).", rich_help_panel=_SERVER)
+    ] = Role.COLOCATED,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=_ENGINE)] = "auto",
+    device: Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda.", rich_help_panel=_ENGINE)] = "auto",
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Context length (default: the model's).", rich_help_panel=_ENGINE)
+    ] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Requests running at once.", rich_help_panel=_ENGINE)] = 64,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="Tokens computed per engine step.", rich_help_panel=_ENGINE)
+    ] = 1024,
+    enable_chunked_prefill: Annotated[
+        bool, typer.Option(help="Split long prompts across steps.", rich_help_panel=_ENGINE)
+    ] = True,
+    seed: Annotated[int, typer.Option(help="Seed for unseeded sampling.", rich_help_panel=_ENGINE)] = 0,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Only 1 is supported.", rich_help_panel=_ENGINE)] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="Only 1 is supported.", rich_help_panel=_ENGINE)] = 1,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.", rich_help_panel=_CACHE)] = 16,
+    kv_cache_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="KV cache size in bytes (2GiB) or as a fraction of free memory (0.3); default 2GiB on CPU.",
+            rich_help_panel=_CACHE,
+        ),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="CUDA: fraction of device memory the worker may use.", rich_help_panel=_CACHE)
+    ] = 0.9,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=_CACHE)
+    ] = True,
+    uvicorn_log_level: Annotated[
+        str, typer.Option(help="debug, info, warning or error.", rich_help_panel=_SERVER)
+    ] = "info",
+) -> None:
+    """Run one engine behind an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)."""
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+
+    for name, size in (
+        ("--tensor-parallel-size", tensor_parallel_size),
+        ("--pipeline-parallel-size", pipeline_parallel_size),
+    ):
+        if size != 1:
+            _fail(f"{name} {size} is not supported: splitserve runs one engine per worker (use 1)")
+    engine_config = EngineConfig(
+        model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name),
+        cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+    )
+    if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+        _fail(f"--uvicorn-log-level must be one of debug, info, warning, error; got {uvicorn_log_level!r}")
+    server_config = ServerConfig(host=host, port=port, role=role)
+    try:
+        engine_config.validate()
+        server_config.validate()
+    except ValueError as exc:
+        _fail(str(exc))
+    from splitserve.server.run import run_worker
+
+    raise typer.Exit(run_worker(engine_config, server_config, uvicorn_log_level.lower()))
+
+
+def _fail(message: str) -> NoReturn:
+    """A start-up error: one line on stderr, exit status 2, no traceback."""
+    typer.echo(f"Error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 def main() -> None:

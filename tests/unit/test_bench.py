@@ -1,0 +1,441 @@
+"""splitserve bench: datasets, metrics, the streaming client and whole runs against fake OpenAI servers."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from typer.testing import CliRunner
+
+from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult, endpoint_url
+from splitserve.bench.datasets import WORDS, BenchRequest, DatasetConfig, get_dataset
+from splitserve.bench.metrics import percentile, summarize
+from splitserve.bench.report import PlotKind, load_json, plot_results
+from splitserve.bench.runner import ServeConfig, arrival_times, run_requests, serve
+from splitserve.cli import app
+
+# ---------------------------------------------------------------------------------------------------------
+# A fake OpenAI streaming server, usable as an httpx.MockTransport handler or behind FastAPI.
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class FakeOpenAI:
+    """Streams ``max_tokens`` one-token chunks; every ``fail_every``-th request gets a 500 instead."""
+
+    def __init__(
+        self,
+        *,
+        fail_every: int = 0,
+        chunk_delay_s: float = 0.0,
+        with_usage: bool = True,
+        clock: FakeClock | None = None,
+        first_delay_s: float = 0.0,
+    ) -> None:
+        self.fail_every = fail_every
+        self.chunk_delay_s = chunk_delay_s
+        self.first_delay_s = first_delay_s
+        self.with_usage = with_usage
+        self.clock = clock
+        self.payloads: list[dict[str, Any]] = []
+        self.authorizations: set[str | None] = set()
+        self.num_in_flight = 0
+        self.max_in_flight = 0
+
+    def should_fail(self, payload: dict[str, Any]) -> bool:
+        self.payloads.append(payload)
+        return bool(self.fail_every) and len(self.payloads) % self.fail_every == 0
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        self.authorizations.add(request.headers.get("authorization"))
+        if self.should_fail(payload):
+            return httpx.Response(500, json={"error": {"message": "boom", "type": "server_error"}})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self.stream(payload))
+
+    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        for i in range(payload["max_tokens"]):
+            await self._wait(self.first_delay_s if i == 0 else self.chunk_delay_s)
+            yield _sse(_content_chunk("messages" in payload, f" w{i}"))
+        if self.with_usage and payload.get("stream_options", {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": payload["max_tokens"], "total_tokens": 0}
+            yield _sse({"choices": [], "usage": usage})
+        self.num_in_flight -= 1  # before [DONE]: a client may stop reading there and never resume us
+        yield b"data: [DONE]\n\n"
+
+    async def _wait(self, delay_s: float) -> None:
+        if self.clock is not None:
+            self.clock.now_s += delay_s
+        elif delay_s:
+            await asyncio.sleep(delay_s)
+        else:
+            await asyncio.sleep(0)
+
+
+def _content_chunk(chat: bool, text: str) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+    return {"object": "chunk", "choices": [choice]}
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _client(fake: FakeOpenAI, **kwargs: Any) -> tuple[OpenAIStreamClient, httpx.AsyncClient]:
+    http = httpx.AsyncClient(transport=httpx.MockTransport(fake.handle))
+    return OpenAIStreamClient(http, base_url="http://fake", model="m", **kwargs), http
+
+
+async def _send(fake: FakeOpenAI, request: BenchRequest, **kwargs: Any) -> RequestResult:
+    client, http = _client(fake, **kwargs)
+    async with http:
+        return await client.send(request)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Datasets
+
+
+def test_random_dataset_is_deterministic_and_has_requested_lengths() -> None:
+    cfg = DatasetConfig(random_input_len=100, random_output_len=20, random_range_ratio=0.5)
+    first = get_dataset("random", cfg).sample(50, seed=3)
+    assert first == get_dataset("random", cfg).sample(50, seed=3)
+    assert first != get_dataset("random", cfg).sample(50, seed=4)
+    for request in first:
+        assert request.prompt is not None
+        words = request.prompt.split()
+        assert len(words) == request.approx_prompt_tokens
+        assert 50 <= len(words) <= 150 and 10 <= request.max_tokens <= 30
+        assert set(words) <= set(WORDS) and request.prompt.startswith(" ")
+    assert len({r.approx_prompt_tokens for r in first}) > 10  # lengths actually vary
+
+
+def test_random_dataset_with_zero_range_gives_exact_lengths() -> None:
+    requests = get_dataset("random", DatasetConfig(random_input_len=64, random_output_len=8)).sample(5, 0)
+    assert [(r.approx_prompt_tokens, r.max_tokens) for r in requests] == [(64, 8)] * 5
+    assert len({r.prompt for r in requests}) == 5
+
+
+def test_shared_prefix_dataset_interleaves_groups_with_unique_suffixes() -> None:
+    cfg = DatasetConfig(shared_prefix_groups=3, shared_prefix_len=40, shared_suffix_len=5, random_output_len=9)
+    requests = get_dataset("shared-prefix", cfg).sample(9, seed=1)
+    prompts = [r.prompt or "" for r in requests]
+    prefixes = [" ".join(p.split()[:40]) for p in prompts]
+    assert prefixes[0] == prefixes[3] == prefixes[6] != prefixes[1]
+    assert len(set(prefixes)) == 3
+    assert len(set(prompts)) == 9
+    assert all(len(p.split()) == 45 and r.max_tokens == 9 for p, r in zip(prompts, requests, strict=True))
+    assert requests == get_dataset("shared-prefix", cfg).sample(9, seed=1)
+
+
+def test_jsonl_dataset_reads_prompts_and_messages_and_cycles(tmp_path: Path) -> None:
+    path = tmp_path / "reqs.jsonl"
+    rows = [{"prompt": "hello there", "max_tokens": 5}, {"messages": [{"role": "user", "content": "hi"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    requests = get_dataset("jsonl", DatasetConfig(dataset_path=path, random_output_len=11)).sample(3, 0)
+    assert requests[0] == BenchRequest(5, prompt="hello there", approx_prompt_tokens=2)
+    assert requests[1].messages == [{"role": "user", "content": "hi"}] and requests[1].max_tokens == 11
+    assert requests[2] == requests[0]
+    assert requests[1].as_prompt() == "hi" and requests[0].as_messages()[0]["content"] == "hello there"
+
+
+def test_jsonl_dataset_rejects_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        get_dataset("jsonl", DatasetConfig(dataset_path=path)).sample(1, 0)
+    with pytest.raises(ValueError, match="--dataset-path"):
+        get_dataset("jsonl", DatasetConfig())
+
+
+def test_unknown_dataset_error_lists_the_names() -> None:
+    with pytest.raises(ValueError, match="jsonl, random, shared-prefix"):
+        get_dataset("sharegpt", DatasetConfig())
+
+
+def test_dataset_config_validation_shows_values() -> None:
+    with pytest.raises(ValueError, match=r"1\.5"):
+        get_dataset("random", DatasetConfig(random_range_ratio=1.5))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [random.Random(0).uniform(0, 100) for _ in range(37)]
+    ordered = sorted(values)
+    assert percentile(values, 0) == ordered[0] and percentile(values, 100) == ordered[-1]
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([10.0, 20.0], 90) == pytest.approx(19.0)
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_counts_failures_and_computes_tpot_and_pooled_itl() -> None:
+    ok_a = RequestResult(True, 3, e2e_s=0.5, ttft_s=0.1, itl_s=[0.2, 0.2], prompt_tokens=10, output_tokens=3)
+    ok_b = RequestResult(True, 2, e2e_s=0.3, ttft_s=0.2, itl_s=[0.1], prompt_tokens=5, output_tokens=2)
+    one_token = RequestResult(True, 1, e2e_s=0.1, ttft_s=0.1, prompt_tokens=5, output_tokens=1)
+    failed = RequestResult(False, 3, e2e_s=0.05, error="HTTP 500: boom", output_tokens=99)
+    s = summarize([ok_a, ok_b, one_token, failed], duration_s=2.0)
+    assert (s.num_completed, s.num_failed) == (3, 1)
+    assert (s.total_prompt_tokens, s.total_output_tokens) == (20, 6)
+    assert s.request_throughput == 1.5 and s.output_throughput == 3.0 and s.total_token_throughput == 13.0
+    assert s.tpot.count == 2 and s.tpot.mean_ms == pytest.approx(150.0)  # (0.4/2 + 0.1/1) / 2
+    assert s.itl.count == 3 and s.itl.p50_ms == pytest.approx(200.0)
+    assert s.ttft.mean_ms == pytest.approx(400.0 / 3)
+    assert s.e2e.p99_ms == pytest.approx(496.0)  # 300 + 0.98 * (500 - 300)
+
+
+def test_summary_of_nothing_is_nan_not_an_error() -> None:
+    s = summarize([RequestResult(False, 4, error="x")], duration_s=1.0)
+    assert s.num_completed == 0 and math.isnan(s.ttft.mean_ms) and s.output_throughput == 0.0
+
+
+def test_arrival_times_are_poisson_or_all_at_once() -> None:
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    times = arrival_times(2000, 10.0, seed=1)
+    assert times == arrival_times(2000, 10.0, seed=1)
+    assert times[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(times))
+    assert times[-1] / 1999 == pytest.approx(0.1, rel=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The streaming client
+
+
+def test_client_measures_ttft_itl_tpot_from_chunk_arrivals() -> None:
+    clock = FakeClock()
+    fake = FakeOpenAI(clock=clock, first_delay_s=0.5, chunk_delay_s=0.1)
+    result = asyncio.run(_send(fake, BenchRequest(5, prompt=" a b"), clock=clock))
+    assert result.success and result.error == "" and result.status_code == 200
+    assert result.ttft_s == pytest.approx(0.5)
+    assert result.itl_s == pytest.approx([0.1] * 4)
+    assert result.e2e_s == pytest.approx(0.9)
+    assert result.tpot_s == pytest.approx(0.1)
+    assert (result.output_tokens, result.prompt_tokens, result.usage_reported) == (5, 7, True)
+
+
+def test_client_payload_is_greedy_streaming_with_usage_and_ignore_eos() -> None:
+    fake = FakeOpenAI()
+    asyncio.run(_send(fake, BenchRequest(4, prompt=" x"), kind=EndpointKind.CHAT, ignore_eos=False))
+    assert fake.payloads == [
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": False,
+            "messages": [{"role": "user", "content": " x"}],
+        }
+    ]
+
+
+def test_client_counts_chunks_when_the_server_reports_no_usage() -> None:
+    result = asyncio.run(_send(FakeOpenAI(with_usage=False), BenchRequest(6, prompt=" a b c", approx_prompt_tokens=3)))
+    assert result.success and result.output_tokens == 6 and result.num_chunks == 6
+    assert not result.usage_reported and result.prompt_tokens == 3  # the prompt's word count
+
+
+def test_client_returns_http_errors_and_exceptions_as_failed_results() -> None:
+    failed = asyncio.run(_send(FakeOpenAI(fail_every=1), BenchRequest(3, prompt=" a")))
+    assert not failed.success and failed.status_code == 500 and failed.error == "HTTP 500: boom"
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    async def send_refused() -> RequestResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http:
+            return await OpenAIStreamClient(http, base_url="http://x", model="m").send(BenchRequest(3))
+
+    refused = asyncio.run(send_refused())
+    assert not refused.success and refused.error == "ConnectError: connection refused"
+
+
+def test_client_reports_error_events_and_garbage_in_the_stream() -> None:
+    async def send_body(body: bytes) -> RequestResult:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as http:
+            return await OpenAIStreamClient(http, base_url="http://x", model="m").send(BenchRequest(3))
+
+    error_event = asyncio.run(send_body(b'data: {"error": {"message": "out of blocks"}}\n\n'))
+    assert not error_event.success and error_event.error == "stream error: out of blocks"
+    garbage = asyncio.run(send_body(b"data: {not json\n\n"))
+    assert not garbage.success and garbage.error.startswith("JSONDecodeError")
+    empty = asyncio.run(send_body(b"data: [DONE]\n\n"))
+    assert not empty.success and empty.error == "stream ended without any content"
+
+
+def test_endpoint_url_accepts_a_v1_suffix() -> None:
+    assert endpoint_url("http://h:1/", EndpointKind.CHAT) == "http://h:1/v1/chat/completions"
+    assert endpoint_url("http://h:1/v1", EndpointKind.COMPLETIONS) == "http://h:1/v1/completions"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Whole runs
+
+
+def test_run_requests_respects_max_concurrency() -> None:
+    fake = FakeOpenAI(chunk_delay_s=0.001)
+
+    async def run() -> list[RequestResult]:
+        client, http = _client(fake)
+        async with http:
+            requests = [BenchRequest(5, prompt=" a")] * 12
+            results, duration_s = await run_requests(client, requests, [0.0] * 12, max_concurrency=3)
+        assert duration_s > 0
+        return results
+
+    results = asyncio.run(run())
+    assert all(r.success for r in results) and fake.max_in_flight == 3
+
+
+def test_serve_counts_server_errors_and_writes_json(tmp_path: Path) -> None:
+    fake = FakeOpenAI(fail_every=4)
+    out_path = tmp_path / "out" / "result.json"
+    config = ServeConfig(
+        url="http://fake:8000",
+        model="smollm2",
+        dataset_config=DatasetConfig(random_input_len=16, random_output_len=6),
+        num_prompts=12,
+        request_rate=500.0,
+        warmup=1,
+        show_progress=False,
+        label="fake",
+        json_path=out_path,
+        api_key="sk-secret",
+    )
+    printed = io.StringIO()
+    report = asyncio.run(serve(config, transport=httpx.MockTransport(fake.handle), out=printed))
+    assert fake.authorizations == {"Bearer sk-secret"}
+    assert len(fake.payloads) == 13  # one warmup + 12 measured; the warmup was the 1st, so 3 measured fail
+    assert (report.summary.num_completed, report.summary.num_failed) == (9, 3)
+    document = load_json(out_path)
+    assert document["label"] == "fake" and document["args"]["num_prompts"] == 12
+    assert document["args"]["request_rate"] == 500.0 and document["args"]["endpoint"] == "completions"
+    assert document["summary"]["num_failed"] == 3 and document["summary"]["total_output_tokens"] == 54
+    assert len(document["requests"]) == 12 and document["args"]["api_key"] == "<redacted>"
+    assert sum(r["error"] == "HTTP 500: boom" for r in document["requests"]) == 3
+    assert "Failed requests:" in printed.getvalue() and "HTTP 500: boom" in printed.getvalue()
+    assert "warmup: 1/1 requests succeeded" in printed.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line, against a real HTTP server in a thread
+
+
+def _stub_app(fake: FakeOpenAI) -> FastAPI:
+    api = FastAPI()
+
+    async def handle(request: Request) -> Response:
+        payload = await request.json()
+        if fake.should_fail(payload):
+            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+        return StreamingResponse(fake.stream(payload), media_type="text/event-stream")
+
+    api.add_api_route("/v1/completions", handle, methods=["POST"])
+    api.add_api_route("/v1/chat/completions", handle, methods=["POST"])
+    return api
+
+
+@pytest.fixture
+def stub_server() -> Iterator[tuple[str, FakeOpenAI]]:
+    fake = FakeOpenAI(fail_every=5, chunk_delay_s=0.001)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(_stub_app(fake), log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", fake
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+def test_cli_serve_against_a_streaming_http_server(stub_server: tuple[str, FakeOpenAI], tmp_path: Path) -> None:
+    url, fake = stub_server
+    out_path = tmp_path / "chat.json"
+    args = ["bench", "serve", "--url", url, "--model", "smollm2", "--endpoint", "chat", "--num-prompts", "10"]
+    args += ["--dataset", "shared-prefix", "--shared-prefix-groups", "2", "--shared-prefix-len", "20"]
+    args += ["--shared-suffix-len", "4", "--random-output-len", "5", "--max-concurrency", "4"]
+    args += ["--json", str(out_path), "--label", "stub", "--no-progress", "--no-ignore-eos"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "Serving Benchmark Result" in result.output and "TTFT" in result.output
+    document = load_json(out_path)
+    assert (document["summary"]["num_completed"], document["summary"]["num_failed"]) == (8, 2)
+    assert document["summary"]["total_output_tokens"] == 40 and document["label"] == "stub"
+    assert all("messages" in p and p["ignore_eos"] is False for p in fake.payloads)
+
+
+def test_cli_exits_1_when_no_request_succeeds() -> None:
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", url, "--model", "m", "--num-prompts", "2"])
+    assert result.exit_code == 1
+    assert "Failed requests:" in result.output and "ConnectError" in result.output
+
+
+def test_cli_rejects_an_unknown_dataset_listing_the_names() -> None:
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", "http://x", "--model", "m", "--dataset", "nope"])
+    assert result.exit_code == 2
+    assert "jsonl, random, shared-prefix" in " ".join(result.output.replace("│", " ").split())
+
+
+def test_plot_writes_a_png_from_several_results(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = []
+    for label, rate in (("a", 100.0), ("b", math.inf)):
+        path = tmp_path / f"{label}.json"
+        config = ServeConfig(
+            url="http://fake",
+            model="m",
+            dataset_config=DatasetConfig(random_input_len=8, random_output_len=4),
+            num_prompts=6,
+            request_rate=rate,
+            show_progress=False,
+            label=label,
+            json_path=path,
+        )
+        asyncio.run(serve(config, transport=httpx.MockTransport(FakeOpenAI().handle), out=io.StringIO()))
+        paths.append(path)
+    plot_results(paths, tmp_path / "cdf.png", metric="itl", kind=PlotKind.CDF)
+    result = CliRunner().invoke(app, ["bench", "plot", *map(str, paths), "--out", str(tmp_path / "bar.png")])
+    assert result.exit_code == 0, result.output
+    for name in ("cdf.png", "bar.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    assert load_json(paths[1])["args"]["request_rate"] == "inf"
+
+
+def test_bench_cli_never_imports_torch() -> None:
+    code = "import sys, splitserve.cli, splitserve.bench.cli; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
