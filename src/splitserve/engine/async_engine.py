@@ -187,6 +187,14 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error!r}") from self._error
 
+    def wait_settled(self, timeout_s: float | None = None) -> bool:
+        """Block until the engine loaded or the thread died (check ``error``); False on timeout."""
+        return self._settled.wait(timeout_s)
+
+    @property
+    def is_started(self) -> bool:
+        return self._thread is not None
+
     @property
     def is_ready(self) -> bool:
         """True once the engine is loaded, until it dies or shuts down."""
@@ -280,6 +288,8 @@ class AsyncEngine:
                 continue  # aborted meanwhile
             self._observe(state, output, step_end_s)
             state.outputs.put_nowait(output)
+            if output.finished:  # the stream keeps its state; the engine has already let go of the request
+                del self._states[output.request_id]
 
     def _observe(self, state: _RequestState, output: RequestOutput, now_s: float) -> None:
         m = self.metrics

@@ -1,0 +1,210 @@
+"""Every Prometheus metric the worker exposes, and its name, in one place.
+
+Names follow vLLM's (``vllm:*``) so existing dashboards work unchanged. Each :class:`WorkerMetrics` owns its
+own ``CollectorRegistry``, so several apps can live in one process (tests). Request-level metrics (latencies,
+token counters, finish reasons) are observed by the async engine as outputs arrive; the gauges and counters
+that mirror the engine's own state are read on scrape from the latest stats snapshot the engine thread
+published (the engine itself is never touched from the scraping thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Names exactly as exposed. prometheus_client appends ``_total`` to a Counter's name itself, so Counter
+# objects are created with the name minus that suffix (see ``_counter_base``).
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
+PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
+NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
+TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"
+PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
+REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
+
+MODEL_NAME_LABEL = "model_name"
+FINISHED_REASON_LABEL = "finished_reason"
+
+# Bucket edges in seconds, as vLLM's (cut where a CPU worker never lands).
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS_S = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+
+
+class EngineStatsLike(Protocol):
+    """The fields of ``splitserve.engine.engine.EngineStats`` that the metrics mirror."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # cumulative tokens
+    prefix_cache_hits: int  # cumulative tokens
+    num_preemptions: int  # cumulative
+
+
+def _counter_base(name: str) -> str:
+    """The name to give ``prometheus_client.Counter`` so that it exposes ``name`` (which ends in _total)."""
+    assert name.endswith("_total"), name
+    return name.removesuffix("_total")
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the latest engine stats snapshot on each scrape; nothing is exposed before the first one."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStatsLike | None]) -> None:
+        self._model_name = model_name
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._get_stats()
+        if stats is None:
+            return
+        gauges = (
+            (NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", stats.num_running),
+            (NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
+            (KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        )
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+        counters = (
+            (PREFIX_CACHE_QUERIES_TOTAL, "Prefix cache queries, in tokens.", stats.prefix_cache_queries),
+            (PREFIX_CACHE_HITS_TOTAL, "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
+            (
+                NUM_PREEMPTIONS_TOTAL,
+                "Cumulative number of preemptions from the engine.",
+                stats.num_preemptions,
+            ),
+        )
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(_counter_base(name), doc, labels=[MODEL_NAME_LABEL])
+            counter.add_metric([self._model_name], float(value))
+            yield counter
+
+
+class WorkerMetrics:
+    """The worker's metrics, bound to one model name and one registry.
+
+    ``observe_*`` methods are called from the event loop thread; ``render()`` may be called from any thread.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._stats: EngineStatsLike | None = None
+        self.ttft_s = self._histogram(
+            TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS_S
+        )
+        self.itl_s = self._histogram(
+            INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS_S
+        )
+        self.e2e_s = self._histogram(
+            E2E_REQUEST_LATENCY_SECONDS,
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.queue_time_s = self._histogram(
+            REQUEST_QUEUE_TIME_SECONDS,
+            "Histogram of time from arrival until the engine took the request, in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.prompt_tokens = self._counter(PROMPT_TOKENS_TOTAL, "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter(GENERATION_TOKENS_TOTAL, "Number of generation tokens processed.")
+        self._request_success = Counter(
+            _counter_base(REQUEST_SUCCESS_TOTAL),
+            "Count of successfully processed requests.",
+            [MODEL_NAME_LABEL, FINISHED_REASON_LABEL],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineStatsCollector(model_name, lambda: self._stats))
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        family = Histogram(name, doc, [MODEL_NAME_LABEL], buckets=buckets, registry=self.registry)
+        return family.labels(self.model_name)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        family = Counter(_counter_base(name), doc, [MODEL_NAME_LABEL], registry=self.registry)
+        return family.labels(self.model_name)
+
+    def set_engine_stats(self, stats: EngineStatsLike) -> None:
+        """Publish the engine's latest stats (an immutable snapshot; called from the engine thread)."""
+        self._stats = stats
+
+    def observe_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric in this registry."""
+        return generate_latest(self.registry)

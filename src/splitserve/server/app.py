@@ -1,0 +1,213 @@
+"""The worker's FastAPI app: OpenAI endpoints, ``/health`` and ``/metrics`` over one :class:`AsyncEngine`.
+
+Handlers are thin: validate (pydantic), translate (:class:`OpenAIServing`), answer. Every client mistake is
+a 400/404/413 with OpenAI's error body, never FastAPI's default 422 or a 500, and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from splitserve.config import ServerConfig
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.server.serving import ApiError, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+    """The worker app. Its lifespan starts ``engine`` (unless already started) and shuts it down."""
+    config = config or ServerConfig()
+    serving = OpenAIServing(engine, config.max_tokens_limit)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_started:
+            engine.start()
+        try:
+            yield
+        finally:
+            serving.close()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="splitserve worker", lifespan=lifespan)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        reason = "the engine failed" if engine.error is not None else "the model is loading"
+        return _error(ApiError(503, f"unhealthy: {reason}"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(serving.models().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        engine_input = await serving.completion_input(body)
+        stream = await serving.submit(engine_input)
+        if body.stream:
+            return _sse(serving.stream_completion(engine_input, stream, body.include_usage()))
+        result = await _cancel_on_disconnect(raw, serving.complete(engine_input, stream))
+        return _json(result.model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        engine_input = await serving.chat_input(body)
+        stream = await serving.submit(engine_input)
+        if body.stream:
+            return _sse(serving.stream_chat(engine_input, stream, body.include_usage()))
+        result = await _cancel_on_disconnect(raw, serving.chat(engine_input, stream))
+        return _json(result.model_dump())
+
+    return app
+
+
+def _json(content: dict[str, Any], status: int = 200) -> JSONResponse:
+    return JSONResponse(content, status_code=status)
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _error(error: ApiError) -> JSONResponse:
+    return _json(error.body().model_dump(), error.status)
+
+
+async def _cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work``, cancelling it if the client disconnects first (the request is then aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _error(exc)
+
+    async def on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _error(validation_error(exc.errors()))
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = "not_found" if exc.status_code == 404 else None
+        return _error(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error while serving a request")
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def validation_error(errors: Any) -> ApiError:
+    """A 400 for pydantic's first complaint, naming the field (``messages.0.content``) and the problem."""
+    first: dict[str, Any] = next(iter(errors), {"loc": ("body",), "msg": "invalid request", "type": "value_error"})
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+    if not loc:
+        return ApiError(400, f"the request body must be a JSON object: {first.get('msg', '')}")
+    param = ".".join(loc[:1] if kind != "extra_forbidden" else loc)
+    field = ".".join(loc)
+    if kind == "extra_forbidden":
+        return ApiError(400, f"unknown field '{field}' (extra fields are not permitted)", param)
+    if kind == "missing":
+        return ApiError(400, f"'{field}' is a required field", param)
+    return ApiError(400, f"invalid '{field}': {first.get('msg', 'invalid value')}", param)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``max_body_bytes`` (declared or actually sent); buffers the body once."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._reject(scope, receive, send)
+            return
+        body = await self._read_body(receive)
+        if body is None:
+            await self._reject(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it grows past the limit (or the client left)."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = ApiError(413, f"the request body exceeds the limit of {self.max_body_bytes} bytes")
+        await _error(error)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Callable[[], Awaitable[Message]]:
+    """A ``receive`` that yields the buffered body once, then defers to the real one (for disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay

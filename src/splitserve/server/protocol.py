@@ -1,0 +1,292 @@
+"""OpenAI-compatible request and response models (pydantic v2) for the worker's HTTP API.
+
+Requests accept every field the official ``openai`` client sends for completions and chat completions, plus
+vLLM's extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``) and ``kv_transfer_params`` (accepted, not yet used). Unknown fields are a
+validation error naming the field. Fields that are accepted but unsupported with a non-default value
+(``n`` > 1, logprobs, echo, penalties, JSON response formats, tools, ...) are refused by
+``unsupported_reason()`` with a message the server returns as a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(BaseModel):
+    """A nested object whose extra keys we tolerate (forward compatibility with new client versions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(_Open):
+    type: str = "text"
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both request kinds, with the defaults OpenAI documents."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(strict=True)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
+    # Prefill/decode disaggregation; accepted and ignored until the PD issue lands.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def unsupported_reason(self) -> tuple[str, str] | None:
+        """``(param, message)`` for the first field set to a value we do not support, else None."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.n not in (None, 1), "n", "only n=1 is supported"),
+            (bool(self.presence_penalty), "presence_penalty", "presence_penalty is not supported (use 0)"),
+            (bool(self.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported (use 0)"),
+            (self.repetition_penalty not in (None, 1.0), "repetition_penalty", "repetition_penalty is not supported"),
+            (bool(self.logit_bias), "logit_bias", "logit_bias is not supported"),
+            (self.min_p not in (None, 0.0), "min_p", "min_p is not supported"),
+            (
+                self.response_format is not None and self.response_format.type != "text",
+                "response_format",
+                "only response_format type 'text' is supported",
+            ),
+        ]
+        for failed, param, message in checks:
+            if failed:
+                return param, message
+        return None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_reason(self) -> tuple[str, str] | None:
+        if (reason := super().unsupported_reason()) is not None:
+            return reason
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
+            return "prompt", "batched prompts are not supported: send one prompt per request"
+        return None
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined with newlines, as vLLM does."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(strict=True)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported_reason(self) -> tuple[str, str] | None:
+        if (reason := super().unsupported_reason()) is not None:
+            return reason
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.tools:
+            return "tools", "tools are not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice is not supported"
+        if self.modalities not in (None, ["text"]):
+            return "modalities", "only the text modality is supported"
+        return None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (the current OpenAI name) wins over the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_output_tokens: int) -> UsageInfo:
+        total = num_prompt_tokens + num_output_tokens
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens, total_tokens=total)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class DeltaMessage(BaseModel):
+    """A chat stream delta; unset keys are left out, so the last chunk carries ``"delta": {}``."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "splitserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

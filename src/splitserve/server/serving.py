@@ -1,0 +1,321 @@
+"""OpenAI request -> engine input, and engine outputs -> OpenAI responses (whole or as SSE chunks).
+
+Every client mistake becomes an :class:`ApiError` carrying its HTTP status and OpenAI error body; the app turns
+it into a response. Tokenization (and the chat template) runs on one dedicated thread, so long prompts never
+block the event loop and the tokenizer is never used by two threads of ours at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from splitserve.engine.async_engine import (
+    AsyncEngine,
+    EngineCore,
+    EngineDeadError,
+    EngineNotReadyError,
+    RequestStream,
+    TokenizerLike,
+)
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    now_s,
+    random_id,
+)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
+
+
+class ApiError(Exception):
+    """A request that cannot be served; ``status`` and ``body()`` form the HTTP answer."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type_: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or _default_type(status)
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def _default_type(status: int) -> str:
+    if status == 503:
+        return "service_unavailable"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInput:
+    """What one OpenAI request becomes: the engine's id, prompt and sampling parameters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class OpenAIServing:
+    """Turns validated OpenAI requests into engine calls and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, max_tokens_limit: int | None = None) -> None:
+        self.engine = engine
+        self.max_tokens_limit = max_tokens_limit
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    # ---- model and readiness ---------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._ready_engine().model_name
+
+    def _ready_engine(self) -> EngineCore:
+        try:
+            return self.engine.engine
+        except EngineNotReadyError as exc:
+            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading") from exc
+        except EngineDeadError as exc:
+            raise ApiError(503, f"the engine is not running: {exc}", code="engine_dead") from exc
+
+    def models(self) -> ModelList:
+        engine = self._ready_engine()
+        card = ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    def check_model(self, requested: str | None) -> None:
+        """404 ``model_not_found`` unless ``requested`` is None or the served name."""
+        served = self.model_name
+        if requested is not None and requested != served:
+            raise ApiError(404, f"The model `{requested}` does not exist.", "model", code="model_not_found")
+
+    # ---- request -> engine input -----------------------------------------------------------------------
+
+    async def completion_input(self, request: CompletionRequest) -> EngineInput:
+        self._check_common(request)
+        prompt_ids = await self._completion_prompt_ids(request.prompt)
+        max_tokens = self._resolve_max_tokens(
+            request.max_tokens, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
+        )
+        return EngineInput(random_id("cmpl"), prompt_ids, _sampling_params(request, max_tokens))
+
+    async def chat_input(self, request: ChatCompletionRequest) -> EngineInput:
+        self._check_common(request)
+        tokenizer = self._tokenizer()
+        messages = request.message_dicts()
+        add_prompt = request.add_generation_prompt
+        try:
+            prompt_ids = await self._off_loop(tokenizer.apply_chat_template, messages, add_prompt)
+        except ValueError as exc:
+            raise ApiError(400, f"invalid messages: {exc}", "messages") from exc
+        if not prompt_ids:
+            raise ApiError(400, "the messages produced an empty prompt", "messages")
+        max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
+        return EngineInput(random_id("chatcmpl"), prompt_ids, _sampling_params(request, max_tokens))
+
+    def _check_common(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        self.check_model(request.model)
+        reason = request.unsupported_reason()
+        if reason is not None:
+            param, message = reason
+            raise ApiError(400, message, param)
+
+    async def _completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "the prompt is empty", "prompt")
+            return await self._off_loop(self._tokenizer().encode, prompt)
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] after the unwrapping above
+
+    def _tokenizer(self) -> TokenizerLike:
+        tokenizer = self._ready_engine().tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+        return tokenizer
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def _resolve_max_tokens(self, requested: int | None, num_prompt: int, default: int | None, what: str) -> int:
+        """The output budget: ``requested``, or ``default`` capped to the context left, or all of it."""
+        max_model_len = self._ready_engine().max_model_len
+        if num_prompt >= max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                f"{num_prompt} input tokens. Please reduce the length of the input {what}.",
+                what,
+            )
+        remaining = max_model_len - num_prompt
+        if requested is None:
+            return remaining if default is None else min(default, remaining)
+        if requested < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {requested}", "max_tokens")
+        if self.max_tokens_limit is not None and requested > self.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be at most {self.max_tokens_limit}, got {requested}", "max_tokens")
+        if requested > remaining:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the completion). "
+                f"Please reduce the length of the {what} or completion.",
+                "max_tokens",
+            )
+        return requested
+
+    async def submit(self, engine_input: EngineInput) -> RequestStream:
+        """Hand the request to the engine; its ``ValueError`` is the client's mistake (400)."""
+        try:
+            return await self.engine.submit(engine_input.prompt_token_ids, engine_input.params, engine_input.request_id)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        except (EngineNotReadyError, EngineDeadError):
+            self._ready_engine()  # raises the matching 503
+            raise
+
+    # ---- engine outputs -> responses ------------------------------------------------------------------
+
+    async def complete(self, engine_input: EngineInput, stream: RequestStream) -> CompletionResponse:
+        text, last = await _collect(stream)
+        choice = CompletionChoice(text=text, finish_reason=_reason(last), stop_reason=last.stop_reason)
+        usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+        return CompletionResponse(id=engine_input.request_id, model=self.model_name, choices=[choice], usage=usage)
+
+    async def chat(self, engine_input: EngineInput, stream: RequestStream) -> ChatCompletionResponse:
+        text, last = await _collect(stream)
+        message = AssistantMessage(content=text)
+        choice = ChatChoice(message=message, finish_reason=_reason(last), stop_reason=last.stop_reason)
+        usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+        return ChatCompletionResponse(id=engine_input.request_id, model=self.model_name, choices=[choice], usage=usage)
+
+    async def stream_completion(
+        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE events: one chunk per piece of text, the finishing chunk, optional usage, ``[DONE]``."""
+        rid, model, created = engine_input.request_id, self.model_name, now_s()
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return sse(CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+        async for event in _stream_events(stream, include_usage):
+            if isinstance(event, UsageInfo):
+                yield chunk([], event)
+            elif isinstance(event, str):
+                yield event
+            elif event.new_text or event.finished:
+                yield chunk([CompletionChoice(text=event.new_text, finish_reason=_reason(event))])
+
+    async def stream_chat(
+        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE events: a role chunk, content chunks, a finishing chunk, optional usage, ``[DONE]``."""
+        rid, model, created = engine_input.request_id, self.model_name, now_s()
+
+        def chunk(delta: DeltaMessage | None, finish: str | None = None, usage: UsageInfo | None = None) -> str:
+            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+            return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        async for event in _stream_events(stream, include_usage):
+            if isinstance(event, UsageInfo):
+                yield chunk(None, usage=event)
+            elif isinstance(event, str):
+                yield event
+            else:
+                if event.new_text:
+                    yield chunk(DeltaMessage(content=event.new_text))
+                if event.finished:
+                    yield chunk(DeltaMessage(), _reason(event))
+
+
+async def _stream_events(stream: RequestStream, include_usage: bool) -> AsyncIterator[RequestOutput | UsageInfo | str]:
+    """The stream's outputs, then its usage (if asked), then ``[DONE]``; an engine failure becomes an SSE
+    error event. The request is aborted if the consumer stops early (client disconnect)."""
+    try:
+        last: RequestOutput | None = None
+        async for output in stream:
+            last = output
+            yield output
+        if include_usage and last is not None:
+            yield UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+    except EngineDeadError as exc:
+        yield sse(ApiError(503, f"the engine stopped: {exc}", code="engine_dead").body())
+    finally:
+        stream.close()
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
+    """Concatenate a request's text; its last output carries the finish reason and token counts."""
+    parts: list[str] = []
+    last: RequestOutput | None = None
+    try:
+        async for output in stream:
+            parts.append(output.new_text)
+            last = output
+    except EngineDeadError as exc:
+        raise ApiError(503, f"the engine stopped: {exc}", code="engine_dead") from exc
+    finally:
+        stream.close()
+    if last is None:
+        raise ApiError(503, "the request ended without output", code="engine_dead")
+    return "".join(parts), last
+
+
+def _reason(output: RequestOutput) -> str | None:
+    return None if output.finish_reason is None else output.finish_reason.value
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """Build the engine's parameters; their ``ValueError`` (range checks) becomes a 400 naming the field."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            seed=request.seed,
+            stop=request.stop_strings(),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        raise ApiError(400, message, message.split(" ", 1)[0]) from exc

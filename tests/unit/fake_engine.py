@@ -1,0 +1,178 @@
+"""A deterministic stand-in for ``LLMEngine`` (and its tokenizer) for server and async-engine tests.
+
+The tokenizer maps characters to their code points (1..255); the engine answers every request with the
+characters of ``REPLY`` in order, one token per step, until ``max_tokens`` (``length``), a stop token id
+(``stop``) or the end of ``REPLY`` (``stop``, like EOS, unless ``ignore_eos``). It records which thread
+called it, so tests can check that only the engine thread does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.engine.outputs import FinishReason, RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+REPLY = "Paris is the capital of France."
+VOCAB_SIZE = 256
+
+
+class FakeTokenizer:
+    eos_token_id = 0
+    stop_token_ids: frozenset[int] = frozenset({0})
+    vocab_size = VOCAB_SIZE
+
+    def encode(self, text: str) -> list[int]:
+        return [min(max(ord(c), 1), VOCAB_SIZE - 1) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i > 0 or not skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        for message in messages:
+            if message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+                raise ValueError(f"bad role {message.get('role')!r}")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+@dataclass(slots=True)
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _FakeRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    num_output: int = 0
+
+
+@dataclass
+class FakeEngine:
+    """Implements the ``EngineCore`` protocol. Knobs: ``step_delay_s``, ``fail_on_step``, ``max_model_len``."""
+
+    max_model_len: int = 128
+    model_name: str = "fake-model"
+    step_delay_s: float = 0.0
+    fail_on_step: bool = False
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    requests: dict[str, _FakeRequest] = field(default_factory=dict)
+    added_ids: list[str] = field(default_factory=list)
+    aborted_ids: list[str] = field(default_factory=list)
+    num_steps: int = 0
+    caller_threads: set[int] = field(default_factory=set)
+    num_prompt_tokens: int = 0
+
+    def _called(self) -> None:
+        self.caller_threads.add(threading.get_ident())
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._called()
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if any(not 0 <= t < VOCAB_SIZE for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
+        self.requests[request_id] = _FakeRequest(list(prompt_token_ids), params)
+        self.added_ids.append(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self._called()
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted_ids.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        self._called()
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self._called()
+        self.num_steps += 1
+        if self.fail_on_step:
+            raise RuntimeError("injected engine failure")
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return [self._advance(rid, req) for rid, req in list(self.requests.items())]
+
+    def _advance(self, request_id: str, req: _FakeRequest) -> RequestOutput:
+        token = ord(REPLY[req.num_output]) if req.num_output < len(REPLY) else 0
+        req.num_output += 1
+        reason: FinishReason | None = None
+        stop_reason: int | None = None
+        if token in req.params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif token == 0 and not req.params.ignore_eos:
+            reason = FinishReason.STOP
+        elif req.num_output >= req.params.max_tokens:
+            reason = FinishReason.LENGTH
+        if req.num_output == 1:
+            self.num_prompt_tokens += len(req.prompt_token_ids)
+        if reason is not None:
+            del self.requests[request_id]
+        text = "" if token == 0 or stop_reason is not None else chr(token)
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[token],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=req.num_output,
+            num_cached_tokens=0,
+            stop_reason=stop_reason,
+        )
+
+    def get_stats(self) -> FakeStats:
+        self._called()
+        return FakeStats(
+            num_running=len(self.requests),
+            prefix_cache_queries=self.num_prompt_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+        )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerThread:
+    """A real uvicorn server for ``app`` on a free local port, in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)

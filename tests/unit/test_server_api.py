@@ -1,0 +1,381 @@
+"""The worker's HTTP API over a fake engine, through a real uvicorn server: shapes, errors, streaming,
+disconnects, health and metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from splitserve.config import ServerConfig
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.metrics import WorkerMetrics
+from splitserve.server.app import build_app
+from tests.unit.fake_engine import REPLY, FakeEngine, ServerThread
+
+MODEL = "fake-model"
+BODY_LIMIT_BYTES = 64 * 1024
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def start_server(factory: Callable[[], FakeEngine]) -> ServerThread:
+    engine = AsyncEngine(factory, WorkerMetrics(MODEL))
+    return ServerThread(build_app(engine, ServerConfig(max_request_body_bytes=BODY_LIMIT_BYTES)))
+
+
+@pytest.fixture(scope="module")
+def fake() -> FakeEngine:
+    return FakeEngine(step_delay_s=0.002)
+
+
+@pytest.fixture(scope="module")
+def server(fake: FakeEngine) -> Iterator[ServerThread]:
+    with start_server(lambda: fake) as srv:
+        wait_until(lambda: httpx.get(f"{srv.url}/health").status_code == 200)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """Parsed ``data:`` payloads; ``[DONE]`` stays a string."""
+    events: list[Any] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def chat_body(**overrides: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]} | overrides
+
+
+class TestResponses:
+    def test_completion_shape(self, http: httpx.Client) -> None:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+        assert body["model"] == MODEL and isinstance(body["created"], int)
+        assert body["choices"] == [
+            {"index": 0, "text": REPLY[:5], "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        ]
+        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+
+    def test_completion_default_max_tokens_is_16(self, http: httpx.Client) -> None:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        assert r.json()["usage"]["completion_tokens"] == 16
+
+    def test_completion_accepts_token_ids_and_a_batch_of_one(self, http: httpx.Client) -> None:
+        for prompt in ([72, 105], ["Hi"], [[72, 105]]):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == 2
+
+    def test_chat_shape_and_default_max_tokens_is_the_rest_of_the_context(self, http: httpx.Client) -> None:
+        r = http.post("/v1/chat/completions", json=chat_body())
+        body = r.json()
+        assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+        choice = body["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": REPLY}
+        assert choice["finish_reason"] == "stop"  # the fake's reply ends with EOS before the budget
+        assert body["usage"]["completion_tokens"] == len(REPLY) + 1
+
+    def test_chat_accepts_text_parts_and_max_completion_tokens(self, http: httpx.Client) -> None:
+        content = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital?"}]
+        r = http.post(
+            "/v1/chat/completions",
+            json=chat_body(messages=[{"role": "user", "content": content}], max_completion_tokens=3),
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == REPLY[:3]
+
+    def test_stop_token_id_ends_with_stop_reason(self, http: httpx.Client) -> None:
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 10, "stop_token_ids": [ord("s")]})
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "Pari" and choice["finish_reason"] == "stop"
+        assert choice["stop_reason"] == ord("s")
+
+    def test_models_lists_the_served_model(self, http: httpx.Client) -> None:
+        body = http.get("/v1/models").json()
+        assert body["object"] == "list"
+        assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [(MODEL, "model", 128)]
+
+    def test_vllm_extras_and_kv_transfer_params_are_accepted(self, http: httpx.Client) -> None:
+        extras = {"top_k": 5, "min_tokens": 1, "ignore_eos": True, "include_stop_str_in_output": False, "seed": 3}
+        body = {"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": {"request_id": "x"}, "user": "u"} | extras
+        assert http.post("/v1/completions", json=body).status_code == 200
+
+
+class TestStreaming:
+    def test_completion_stream_chunks_usage_and_done(self, http: httpx.Client) -> None:
+        body = {"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        chunks, usage = events[:-2], events[-2]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY[:3]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+        assert {c["object"] for c in chunks} == {"text_completion"}
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+    def test_chat_stream_starts_with_role_and_ends_with_finish_reason(self, http: httpx.Client) -> None:
+        with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=4, stream=True)) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        assert deltas[-1] == {}
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert "".join(d.get("content", "") for d in deltas) == REPLY[:4]
+        assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
+        assert "usage" not in events[-2] or events[-2]["usage"] is None
+
+
+class TestOpenAIClient:
+    def test_chat(self, client: openai.OpenAI) -> None:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
+        )
+        assert "Paris" in (reply.choices[0].message.content or "")
+        assert reply.usage is not None and reply.usage.total_tokens > 0
+
+    def test_chat_stream_with_usage(self, client: openai.OpenAI) -> None:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == REPLY[:5]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+    def test_completions_and_stream(self, client: openai.OpenAI) -> None:
+        whole = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, stop=["xyz"])
+        parts = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, stream=True)
+        assert whole.choices[0].text == REPLY[:6] == "".join(p.choices[0].text for p in parts)
+
+    def test_models(self, client: openai.OpenAI) -> None:
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+    def test_errors_map_to_client_exceptions(self, client: openai.OpenAI) -> None:
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="Hi")
+        with pytest.raises(openai.BadRequestError, match="only n=1"):
+            client.completions.create(model=MODEL, prompt="Hi", n=2)
+
+
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    # (id, path, body (dict, or raw bytes), status, param named in the error)
+    ("invalid-json", "/v1/completions", b'{"prompt": "Hi",', 400, None),
+    ("not-an-object", "/v1/completions", b"[1, 2]", 400, None),
+    ("missing-prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("unknown-field", "/v1/completions", {"prompt": "Hi", "temprature": 0}, 400, "temprature"),
+    ("wrong-type-max-tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("float-max-tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("zero-max-tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("negative-max-tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("absurd-max-tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("prompt-too-long", "/v1/completions", {"prompt": "x" * 500}, 400, "prompt"),
+    ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty-token-prompt", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("batched-prompt", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("token-out-of-range", "/v1/completions", {"prompt": [1, 99999], "max_tokens": 2}, 400, None),
+    ("unknown-model", "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
+    ("n-2", "/v1/completions", {"prompt": "Hi", "n": 2}, 400, "n"),
+    ("logprobs", "/v1/completions", {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    ("echo", "/v1/completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
+    ("presence-penalty", "/v1/completions", {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("bad-temperature", "/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("bad-top-p", "/v1/completions", {"prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    (
+        "json-format",
+        "/v1/completions",
+        {"prompt": "Hi", "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    ("empty-messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("missing-messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    (
+        "image-part",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages",
+    ),
+    ("chat-logprobs", "/v1/chat/completions", chat_body(logprobs=True), 400, "logprobs"),
+    ("chat-tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), 400, "tools"),
+    (
+        "chat-too-long",
+        "/v1/chat/completions",
+        chat_body(messages=[{"role": "user", "content": "x" * 500}]),
+        400,
+        "messages",
+    ),
+    ("chat-absurd-max", "/v1/chat/completions", chat_body(max_completion_tokens=100000), 400, "max_tokens"),
+    ("body-too-large", "/v1/completions", {"prompt": "x" * (BODY_LIMIT_BYTES + 10)}, 413, None),
+]
+
+
+class TestBadRequests:
+    @pytest.mark.parametrize(("path", "body", "status", "param"), [c[1:] for c in BAD_REQUESTS],
+                             ids=[c[0] for c in BAD_REQUESTS])  # fmt: skip
+    def test_client_mistakes_get_openai_errors(
+        self, http: httpx.Client, path: str, body: Any, status: int, param: str | None
+    ) -> None:
+        if isinstance(body, bytes):
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"] and error["type"]
+        if param is not None:
+            assert error["param"] == param, error
+
+    def test_context_length_message_is_vllm_like(self, http: httpx.Client) -> None:
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1000})
+        assert r.json()["error"]["message"].startswith(
+            "This model's maximum context length is 128 tokens. However, you requested 1002 tokens"
+        )
+
+    def test_unknown_field_is_named_in_the_message(self, http: httpx.Client) -> None:
+        r = http.post("/v1/completions", json={"prompt": "Hi", "temprature": 0})
+        assert "temprature" in r.json()["error"]["message"]
+
+    def test_unknown_route_is_an_openai_404(self, http: httpx.Client) -> None:
+        r = http.get("/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+
+    def test_worker_keeps_serving_and_frees_everything(self, http: httpx.Client, fake: FakeEngine) -> None:
+        for _, path, body, _, _ in BAD_REQUESTS:
+            http.post(path, json=body) if not isinstance(body, bytes) else http.post(path, content=body)
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
+        wait_until(lambda: not fake.requests)
+
+
+class TestDisconnect:
+    def test_stream_closed_after_one_chunk_aborts_the_request(self, server: ServerThread, fake: FakeEngine) -> None:
+        num_aborted = len(fake.aborted_ids)
+        body = {"prompt": "Hi", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=server.url) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            first = next(r.iter_lines())
+            assert first.startswith("data: ")
+        wait_until(lambda: len(fake.aborted_ids) == num_aborted + 1)
+        wait_until(lambda: running_gauge(server) == 0.0)
+
+    def test_non_streaming_client_timeout_aborts_the_request(self, server: ServerThread, fake: FakeEngine) -> None:
+        num_aborted = len(fake.aborted_ids)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{server.url}/v1/completions",
+                json={"prompt": "Hi", "max_tokens": 120, "ignore_eos": True},
+                timeout=0.1,
+            )
+        wait_until(lambda: len(fake.aborted_ids) == num_aborted + 1)
+        assert not fake.requests
+
+
+def running_gauge(server: ServerThread) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(r'^vllm:num_requests_running\{model_name="fake-model"\} (\S+)$', text, re.M)
+    assert match is not None, text
+    return float(match.group(1))
+
+
+class TestMetricsEndpoint:
+    EXPECTED = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_preemptions_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+    )
+
+    def test_vllm_names_with_model_label(self, http: httpx.Client) -> None:
+        http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        text = http.get("/metrics").text
+        exposed = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
+        assert set(self.EXPECTED) <= exposed, sorted(exposed)
+        assert re.search(
+            r'^vllm:request_success_total\{finished_reason="length",model_name="fake-model"\} ', text, re.M
+        )
+        assert "vllm:prefix_cache_queries_total_total" not in text
+        assert running_gauge_from(text) == 0.0
+
+
+def running_gauge_from(text: str) -> float:
+    match = re.search(r'^vllm:num_requests_running\{model_name="fake-model"\} (\S+)$', text, re.M)
+    assert match is not None
+    return float(match.group(1))
+
+
+class TestHealth:
+    def test_503_while_loading_then_200(self) -> None:
+        release = threading.Event()
+
+        def slow() -> FakeEngine:
+            release.wait(10)
+            return FakeEngine()
+
+        with start_server(slow) as srv:
+            r = httpx.get(f"{srv.url}/health")
+            assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+            assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi"}).status_code == 503
+            release.set()
+            wait_until(lambda: httpx.get(f"{srv.url}/health").status_code == 200)
+
+    def test_engine_failure_ends_streams_with_an_error_and_turns_health_503(self) -> None:
+        fake = FakeEngine(step_delay_s=0.01)
+        with start_server(lambda: fake) as srv, httpx.Client(base_url=srv.url, timeout=10) as http:
+            wait_until(lambda: http.get("/health").status_code == 200)
+            with http.stream(
+                "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 100, "stream": True, "ignore_eos": True}
+            ) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                fake.fail_on_step = True
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert "error" in json.loads(rest[-2].removeprefix("data: ")) and rest[-1] == "data: [DONE]"
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"prompt": "Hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
