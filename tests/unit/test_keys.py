@@ -11,10 +11,7 @@ from splitserve.keys import ROOT_HASH, cache_key, chunk_hashes, hash_block, hash
 
 TOKENS = list(range(1000, 1100))
 
-SCRIPT = (
-    "import json; from splitserve.keys import hash_blocks; "
-    f"print(json.dumps(hash_blocks({TOKENS!r}, 16)))"
-)
+SCRIPT = f"import json; from splitserve.keys import hash_blocks; print(json.dumps(hash_blocks({TOKENS!r}, 16)))"
 
 
 def test_hashes_identical_across_processes_with_different_hashseeds() -> None:

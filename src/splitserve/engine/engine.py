@@ -221,7 +221,7 @@ def resolve_device(name: str) -> torch.device:
 def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
     """How many KV blocks fit in the memory ``config.cache`` grants."""
     cache = config.cache
-    elem_size = next(model.parameters()).element_size()
+    elem_size = model.embed_tokens.weight.element_size()
     bytes_per_block = cache.block_size * model.config.kv_bytes_per_token * elem_size
     fraction, num_bytes = cache.kv_cache_fraction_or_bytes()
     if device.type == "cuda":

@@ -29,11 +29,12 @@ class ModelRunner:
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int = 0
     ) -> None:
         cfg = model.config
+        model.prepare_for_inference()
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.dtype
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers,

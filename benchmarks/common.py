@@ -1,0 +1,95 @@
+"""Helpers shared by the benchmark scripts: start servers, wait for health, run ``splitserve bench serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SPLITSERVE = [str(Path(sys.executable).parent / "splitserve")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_server(
+    cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 600.0
+) -> subprocess.Popen[bytes]:
+    """Start a server process and wait until ``/health`` answers 200; raises if it dies or times out."""
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"server on port {port} not healthy after {timeout_s}s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench_serve(url: str, model: str, label: str, args: Sequence[str]) -> dict[str, Any]:
+    """Run ``splitserve bench serve`` and return its JSON summary (with the label)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            *SPLITSERVE,
+            "bench",
+            "serve",
+            "--url",
+            url,
+            "--model",
+            model,
+            "--label",
+            label,
+            "--no-progress",
+            "--json",
+            str(out),
+            *args,
+        ]
+        subprocess.run(cmd, check=True)
+        document: dict[str, Any] = json.loads(out.read_text())
+    return document
+
+
+def machine_description() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {cpu}"

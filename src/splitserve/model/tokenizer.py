@@ -1,0 +1,323 @@
+"""The model's tokenizer and chat template, without torch.
+
+``Tokenizer`` wraps a Hugging Face fast tokenizer built from the same source as the weights. The router
+uses this module too, and the router never imports torch: transformers' GGUF tokenizer conversion does, so
+a GGUF tokenizer is converted once, in a child process when torch is not already loaded, saved as a plain
+``tokenizer.json`` folder under a cache directory keyed by the file's identity, and loaded from there with
+``PreTrainedTokenizerFast`` (which does not import torch). The cache folder is published by an atomic
+rename, so concurrent processes either see a complete folder or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from splitserve.model.registry import ModelSource
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+CONVERT_TIMEOUT_S = 300.0
+_META_FILE = "splitserve_tokenizer.json"
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# GGUF metadata keys naming tokens that end a turn, besides eos.
+_GGUF_STOP_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+
+
+class Tokenizer:
+    """Text <-> token ids and chat rendering for one model.
+
+    ``stop_token_ids`` is eos plus every end-of-turn id the model declares (GGUF ``eot``/``eom`` ids,
+    ``generation_config.json`` ``eos_token_id`` lists).
+    """
+
+    def __init__(self, hf: PreTrainedTokenizerBase, stop_token_ids: Iterable[int] = ()) -> None:
+        self._hf = hf
+        stops = set(stop_token_ids)
+        if hf.eos_token_id is not None:
+            stops.add(int(hf.eos_token_id))
+        self._stop_token_ids = frozenset(stops)
+
+    # ---------------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_source(cls, source: ModelSource, cache_dir: Path | None = None) -> Tokenizer:
+        """The tokenizer of a resolved model source (``kind`` ``"gguf"`` or ``"hf"``)."""
+        if source.kind == "gguf":
+            return cls.from_gguf(source.path, cache_dir)
+        return cls.from_folder(source.path)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        """Load from a Hugging Face folder (``tokenizer.json`` and friends, optional generation config)."""
+        from transformers import PreTrainedTokenizerFast
+
+        folder = Path(path)
+        try:
+            hf = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load a tokenizer from {folder}: {exc}") from exc
+        return cls(hf, _generation_config_stop_ids(folder))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, cache_dir: Path | None = None) -> Tokenizer:
+        """Load the tokenizer embedded in a GGUF file, converting it once into ``cache_dir``.
+
+        ``cache_dir`` defaults to ``default_cache_dir()``. When the cache cannot be written the conversion
+        goes to a temporary folder that is removed after loading.
+        """
+        gguf_path = Path(path).resolve()
+        if not gguf_path.is_file():
+            raise ValueError(f"GGUF file not found: {gguf_path}")
+        root = cache_dir if cache_dir is not None else default_cache_dir()
+        target = root / _cache_key(gguf_path)
+        if (target / _META_FILE).is_file():
+            try:
+                return cls._from_converted(target)
+            except (OSError, ValueError) as exc:
+                logger.warning("tokenizer cache %s is unreadable (%s); converting again", target, exc)
+        try:
+            _convert_into_cache(gguf_path, target)
+        except OSError as exc:
+            logger.warning("cannot write tokenizer cache %s (%s); converting to a temporary folder", target, exc)
+            with tempfile.TemporaryDirectory(prefix="splitserve-tok-") as tmp:
+                _convert(gguf_path, Path(tmp))
+                return cls._from_converted(Path(tmp))
+        return cls._from_converted(target)
+
+    @classmethod
+    def _from_converted(cls, folder: Path) -> Tokenizer:
+        """Load a folder written by ``convert_gguf_tokenizer``."""
+        meta = json.loads((folder / _META_FILE).read_text(encoding="utf-8"))
+        if meta.get("format") != CACHE_FORMAT_VERSION:
+            raise ValueError(f"tokenizer cache format {meta.get('format')!r}, expected {CACHE_FORMAT_VERSION}")
+        tokenizer = cls.from_folder(folder)
+        return cls(tokenizer.hf, meta["stop_token_ids"])
+
+    # --------------------------------------------------------------------------------------- text <-> ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with only the special tokens the model's tokenizer adds by default."""
+        return list(self._hf.encode(text))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are dropped unless ``skip_special_tokens`` is False."""
+        return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings (byte-level pieces) of ``ids``, for incremental detokenization."""
+        return list(self._hf.convert_ids_to_tokens(list(ids)))
+
+    # ----------------------------------------------------------------------------------------------- chat
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of ``messages``.
+
+        Each message needs a ``role`` (one of system, developer, user, assistant, tool) and a ``content``
+        that is a string or a list of ``{"type": "text", "text": ...}`` parts. Raises ``ValueError`` for a
+        malformed message, a model without a chat template, or a template that rejects the conversation.
+        """
+        import jinja2
+
+        if not self._hf.chat_template:
+            raise ValueError("this model has no chat template; use a plain completion prompt")
+        conversation = normalize_messages(messages)
+        try:
+            text = self._hf.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+        return str(text)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``render_chat(messages)``; the template writes its own special tokens."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    # ----------------------------------------------------------------------------------------- properties
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The wrapped Hugging Face tokenizer."""
+        return self._hf
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self._hf.eos_token_id
+        return None if eos is None else int(eos)
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self._stop_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return len(self._hf)
+
+
+def load_tokenizer(name_or_path: str, cache_dir: Path | None = None) -> Tokenizer:
+    """Resolve ``name_or_path`` through the model registry and load its tokenizer."""
+    from splitserve.model.registry import resolve_model
+
+    return Tokenizer.from_source(resolve_model(name_or_path), cache_dir)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Validate OpenAI-style chat messages into ``{"role", "content"[, "name"]}`` dicts of strings.
+
+    List content made of text parts is joined into one string. Raises ``ValueError`` naming the index and
+    the problem of the first malformed message.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    return [_normalize_message(i, message) for i, message in enumerate(messages)]
+
+
+def _normalize_message(index: int, message: Any) -> dict[str, str]:
+    if not isinstance(message, Mapping):
+        raise ValueError(f"messages[{index}] must be an object with role and content, got {message!r}")
+    role = message.get("role")
+    if role not in _CHAT_ROLES:
+        raise ValueError(f"messages[{index}].role must be one of {', '.join(_CHAT_ROLES)}; got {role!r}")
+    if "content" not in message or message["content"] is None:
+        raise ValueError(f"messages[{index}] ({role}) has no content")
+    out = {"role": str(role), "content": _content_text(index, message["content"])}
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def _content_text(index: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(
+                    f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}; got {part!r}"
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of text parts, got {content!r}")
+
+
+# ------------------------------------------------------------------------------------ GGUF conversion
+
+
+def default_cache_dir() -> Path:
+    """``$SPLITSERVE_CACHE_DIR/tokenizers``, else ``$XDG_CACHE_HOME/splitserve/tokenizers``, else ``~/.cache``."""
+    if os.environ.get("SPLITSERVE_CACHE_DIR"):
+        return Path(os.environ["SPLITSERVE_CACHE_DIR"]) / "tokenizers"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "splitserve" / "tokenizers"
+
+
+def _cache_key(gguf_path: Path) -> str:
+    """A folder name that changes when the file, its place, or the converting libraries change."""
+    import tokenizers
+    import transformers
+
+    stat = gguf_path.stat()
+    identity = [CACHE_FORMAT_VERSION, str(gguf_path), stat.st_size, stat.st_mtime_ns]
+    identity += [transformers.__version__, tokenizers.__version__]
+    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
+    return f"{gguf_path.stem[:48]}-{digest}"
+
+
+def _convert_into_cache(gguf_path: Path, target: Path) -> None:
+    """Convert into a private folder beside ``target`` and publish it by renaming; a lost race is fine."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the published folder is as readable as the cache
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / _META_FILE).is_file():
+                raise  # not another process's finished folder: a real error
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    """Run ``convert_gguf_tokenizer`` here when torch is already loaded, else in a child process."""
+    if "torch" in sys.modules:
+        convert_gguf_tokenizer(gguf_path, out_dir)
+        return
+    cmd = [sys.executable, "-m", "splitserve.model.tokenizer", str(gguf_path), str(out_dir)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ValueError(f"converting the tokenizer of {gguf_path} took over {CONVERT_TIMEOUT_S} s") from exc
+    if result.returncode != 0:
+        raise ValueError(f"cannot convert the tokenizer of {gguf_path}: {result.stderr.strip()[-2000:]}")
+
+
+def convert_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """Write the GGUF file's tokenizer to ``out_dir`` as a Hugging Face folder plus splitserve metadata.
+
+    Uses ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, which imports torch. The metadata file is
+    written last.
+    """
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    hf.save_pretrained(str(out_dir))
+    meta = {"format": CACHE_FORMAT_VERSION, "source": str(gguf_path), "stop_token_ids": _gguf_stop_ids(gguf_path)}
+    (out_dir / _META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+
+
+def _gguf_stop_ids(gguf_path: Path) -> list[int]:
+    """eos, eot and eom token ids declared in the GGUF metadata."""
+    from splitserve.model.loader import open_gguf  # imports torch: only the conversion process runs this
+
+    reader = open_gguf(gguf_path)
+    ids = set()
+    for key in _GGUF_STOP_KEYS:
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            ids.add(int(field.contents()))
+    return sorted(ids)
+
+
+def _generation_config_stop_ids(folder: Path) -> list[int]:
+    """``eos_token_id`` (an int or a list) from ``generation_config.json``, when the folder has one."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m splitserve.model.tokenizer GGUF OUT_DIR``: the child process of ``_convert``."""
+    if len(argv) != 2:
+        print("usage: python -m splitserve.model.tokenizer GGUF_FILE OUT_DIR", file=sys.stderr)
+        return 2
+    convert_gguf_tokenizer(Path(argv[0]), Path(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

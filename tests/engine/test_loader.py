@@ -1,0 +1,244 @@
+"""GGUF and safetensors loading on tiny random models written the way llama.cpp and transformers write them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf.quants import dequantize, quantize
+
+from splitserve.model import registry
+from splitserve.model.config import LlamaConfig
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.loader import gguf_to_hf_name, load_gguf, load_safetensors_folder
+from splitserve.model.registry import resolve_dtype
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+ROPE_THETA = 50000.0
+
+
+def tiny_hf(tie: bool) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)  # norms start at ones: make them matter
+    return model
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``: rotate-half rows -> interleaved rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, index, rest = hf_name.split(".", 3)
+    leaf = rest.removesuffix(".weight")
+    return f"blk.{index}.{HF_TO_GGUF[leaf]}.weight"
+
+
+def write_gguf(path: Path, model: transformers.LlamaForCausalLM, qtype: gguf.GGMLQuantizationType) -> None:
+    """Write ``model`` like llama.cpp: permuted q/k, 2-D weights in ``qtype``, norms in F32."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.numpy()
+        if name.endswith("q_proj.weight"):
+            w = llama_cpp_permute(w, HEADS)
+        elif name.endswith("k_proj.weight"):
+            w = llama_cpp_permute(w, KV_HEADS)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            data = quantize(w, qtype)
+            writer.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def roundtrip(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
+    if w.ndim != 2 or qtype == gguf.GGMLQuantizationType.F32:
+        return torch.from_numpy(w)
+    return torch.from_numpy(dequantize(quantize(w, qtype), qtype).reshape(w.shape))
+
+
+def our_logits(config: LlamaConfig, state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    from splitserve.model.attention import AttentionMetadata, PrefillChunk
+
+    model = LlamaForCausalLM(config).float().eval()
+    model.load_hf_state_dict(state)
+    n = len(ids)
+    kv = [(torch.zeros(n, KV_HEADS, HEAD_DIM), torch.zeros(n, KV_HEADS, HEAD_DIM)) for _ in model.layers]
+    slots = torch.arange(n)
+    meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(n, slots, n)])
+    return model.compute_logits(model(ids, torch.arange(n), kv, meta))
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [
+        gguf.GGMLQuantizationType.F32,
+        gguf.GGMLQuantizationType.F16,
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q4_0,
+        gguf.GGMLQuantizationType.Q4_1,
+    ],
+    ids=lambda q: q.name,
+)
+def test_gguf_tensors_come_back_unpermuted_and_dequantized(tmp_path: Path, qtype: gguf.GGMLQuantizationType) -> None:
+    hf = tiny_hf(tie=True)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, qtype)
+    config, state = load_gguf(path)
+    expected = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(state[name], roundtrip(tensor.numpy(), qtype), rtol=0, atol=0, msg=name)
+    assert config == LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def test_f32_gguf_gives_transformers_logits(tmp_path: Path) -> None:
+    hf = tiny_hf(tie=False)
+    path = tmp_path / "untied.gguf"
+    write_gguf(path, hf, gguf.GGMLQuantizationType.F32)
+    config, state = load_gguf(path)
+    assert not config.tie_word_embeddings and "lm_head.weight" in state
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    torch.testing.assert_close(our_logits(config, state, ids), expected, rtol=0, atol=1e-5)
+
+
+def test_gguf_dtype_is_applied_while_loading(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf(tie=True), gguf.GGMLQuantizationType.Q8_0)
+    _, state = load_gguf(path, dtype=torch.bfloat16)
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'"):
+        load_gguf(path)
+
+
+def test_unknown_gguf_tensor_name_is_an_error() -> None:
+    assert gguf_to_hf_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    with pytest.raises(ValueError, match=r"blk\.0\.ssm_conv1d\.weight"):
+        gguf_to_hf_name("blk.0.ssm_conv1d.weight")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_safetensors_folder_round_trip(tmp_path: Path, tie: bool) -> None:
+    hf = tiny_hf(tie=tie)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="40KB")  # several shards
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    config, state = load_safetensors_folder(tmp_path)
+    assert config.tie_word_embeddings == tie
+    assert (config.rope_theta, config.rms_norm_eps, config.eos_token_id) == (50000.0, 1e-5, 2)
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    torch.testing.assert_close(our_logits(config, state, ids), expected, rtol=0, atol=1e-5)
+
+
+def test_non_llama_folder_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
+        load_safetensors_folder(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("float32", torch.float32), ("FP32", torch.float32), ("bfloat16", torch.bfloat16), ("half", torch.float16)],
+)
+def test_explicit_dtypes(name: str, expected: torch.dtype) -> None:
+    assert resolve_dtype(name, torch.device("cpu")) == expected
+
+
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(registry, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(registry, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+
+
+def test_unknown_dtype_lists_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown dtype 'int8'; choose one of auto, float32"):
+        resolve_dtype("int8", torch.device("cpu"))

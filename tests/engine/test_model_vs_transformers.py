@@ -1,0 +1,163 @@
+"""Acceptance: our forward pass over paged KV matches transformers' Llama on the real SmolLM2 weights.
+
+The weights come from the packaged GGUF through ``load_gguf``; the same state dict goes into
+``transformers.LlamaForCausalLM`` (float32, eager attention) and into ours (float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+
+from splitserve.model.attention import AttentionMetadata, PrefillChunk
+from splitserve.model.config import LlamaConfig
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.loader import load_gguf
+from splitserve.model.registry import load_model, resolve_model
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
+
+NUM_DECODE_STEPS = 64
+PROMPT = [{"role": "user", "content": "Write a short poem about the sea and the wind."}]
+
+
+@dataclass
+class Models:
+    ours: LlamaForCausalLM
+    hf: transformers.LlamaForCausalLM
+    tokenizer: Tokenizer
+
+
+def hf_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        attn_implementation="eager",
+    )
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[Models]:
+    # One thread: on a small shared machine, two OpenMP threads that lose a core to another process make
+    # each decode step about 25x slower (1.3 s instead of 50 ms).
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield load_models()
+    finally:
+        torch.set_num_threads(num_threads)
+
+
+def load_models() -> Models:
+    source = resolve_model("smollm2")
+    cfg, state = load_gguf(source.path)
+    ours = LlamaForCausalLM(cfg).float().eval()
+    ours.load_hf_state_dict(state)
+    hf = transformers.LlamaForCausalLM(hf_config(cfg)).float().eval()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    assert torch.equal(hf.lm_head.weight, state["model.embed_tokens.weight"])
+    rope = getattr(hf.config, "rope_parameters", None) or {"rope_theta": hf.config.rope_theta}  # transformers 5 | 4
+    assert rope["rope_theta"] == cfg.rope_theta == 100000.0
+    return Models(ours, hf, load_tokenizer("smollm2"))
+
+
+class PagedRunner:
+    """Drives our model like /tmp/t_llama.py: one prefill chunk, then one decode token per step, slots 0..n."""
+
+    def __init__(self, model: LlamaForCausalLM, num_slots: int) -> None:
+        cfg = model.config
+        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        self.model = model
+        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        self.slots = torch.arange(num_slots)
+        self.num_tokens = 0
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:  # [n, vocab]
+        n = len(ids)
+        meta = AttentionMetadata(self.slots[:n], 0, None, None, [PrefillChunk(n, self.slots[:n], n)])
+        self.num_tokens = n
+        return self.model.compute_logits(self.model(torch.tensor(ids), torch.arange(n), self.kv, meta))
+
+    def decode(self, token: int) -> torch.Tensor:  # [vocab]
+        p = self.num_tokens
+        mask = torch.ones(1, 1, 1, p + 1, dtype=torch.bool)
+        meta = AttentionMetadata(self.slots[p : p + 1], 1, self.slots[None, : p + 1], mask, [])
+        self.num_tokens += 1
+        return self.model.compute_logits(self.model(torch.tensor([token]), torch.tensor([p]), self.kv, meta))[0]
+
+
+def ours_greedy(models: Models, ids: list[int], steps: int, stop: bool = False) -> list[int]:
+    runner = PagedRunner(models.ours, len(ids) + steps)
+    out = [int(runner.prefill(ids)[-1].argmax())]
+    while len(out) < steps and not (stop and out[-1] in models.tokenizer.stop_token_ids):
+        out.append(int(runner.decode(out[-1]).argmax()))
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(hf: transformers.LlamaForCausalLM, ids: list[int], steps: int) -> list[int]:
+    result = hf(torch.tensor([ids]), use_cache=True)
+    out = [int(result.logits[0, -1].argmax())]
+    while len(out) < steps:
+        result = hf(torch.tensor([[out[-1]]]), past_key_values=result.past_key_values, use_cache=True)
+        out.append(int(result.logits[0, -1].argmax()))
+    return out
+
+
+def test_prefill_logits_match_transformers(models: Models) -> None:
+    ids = models.tokenizer.apply_chat_template(PROMPT)
+    with torch.no_grad():
+        expected = models.hf(torch.tensor([ids])).logits[0]
+    ours = PagedRunner(models.ours, len(ids)).prefill(ids)
+    scale = expected.abs().max().item()
+    max_diff = (ours - expected).abs().max().item()
+    print(f"prefill logits over {len(ids)} tokens: max |diff| {max_diff:.2e}, logit scale {scale:.1f}")
+    assert max_diff < 1e-3 * scale
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_decode_matches_transformers(models: Models) -> None:
+    ids = models.tokenizer.apply_chat_template(PROMPT)
+    ours = ours_greedy(models, ids, NUM_DECODE_STEPS)
+    expected = hf_greedy(models.hf, ids, NUM_DECODE_STEPS)
+    assert ours == expected, models.tokenizer.decode(ours) + "\n---\n" + models.tokenizer.decode(expected)
+
+
+def test_answers_the_capital_of_france(models: Models) -> None:
+    """Wrong q/k de-permutation scrambles RoPE and the answer; a right one says Paris."""
+    ids = models.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    answer = models.tokenizer.decode(ours_greedy(models, ids, 32, stop=True))
+    assert "Paris" in answer, answer
+
+
+def test_load_model_in_bfloat16_answers_too(models: Models) -> None:
+    """``load_model`` as the engine calls it, in the dtype ``auto`` picks on a bf16-capable CPU."""
+    model = load_model(resolve_model("smollm2"), torch.bfloat16, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary.cos.dtype == torch.float32
+    assert not model.training
+    runner = PagedRunner(model, 64)
+    runner.kv = [(k.bfloat16(), v.bfloat16()) for k, v in runner.kv]
+    ids = models.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out = [int(runner.prefill(ids)[-1].argmax())]
+    while len(out) < 16 and out[-1] not in models.tokenizer.stop_token_ids:
+        out.append(int(runner.decode(out[-1]).argmax()))
+    assert "Paris" in models.tokenizer.decode(out)
