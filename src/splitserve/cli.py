@@ -53,6 +53,12 @@ def worker_command(
         bool, typer.Option(help="Split long prompts across steps.", rich_help_panel=_ENGINE)
     ] = True,
     seed: Annotated[int, typer.Option(help="Seed for unseeded sampling.", rich_help_panel=_ENGINE)] = 0,
+    num_threads: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU threads for the engine (default: the CPUs this process may use).", rich_help_panel=_ENGINE
+        ),
+    ] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="Only 1 is supported.", rich_help_panel=_ENGINE)] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option(help="Only 1 is supported.", rich_help_panel=_ENGINE)] = 1,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.", rich_help_panel=_CACHE)] = 16,
@@ -83,7 +89,7 @@ def worker_command(
         if size != 1:
             _fail(f"{name} {size} is not supported: splitserve runs one engine per worker (use 1)")
     engine_config = EngineConfig(
-        model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name),
+        model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name, num_threads),
         cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
     )

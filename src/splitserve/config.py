@@ -54,12 +54,15 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0  # seeds the random-weight test model and unseeded sampling
     served_model_name: str | None = None  # the name the API answers to; None: the model argument
+    num_threads: int | None = None  # CPU threads for torch ops; None: the CPUs this process may run on
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda; got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"--max-model-len must be at least 16, got {self.max_model_len}")
 

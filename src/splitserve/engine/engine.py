@@ -6,6 +6,7 @@ Not thread-safe: every method must be called from one thread (``AsyncEngine`` ow
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,6 +94,7 @@ class LLMEngine:
         from splitserve.model.registry import load_model, load_tokenizer, resolve_dtype, resolve_model
 
         config.validate()
+        set_cpu_threads(config.model.num_threads)
         device = resolve_device(config.model.device)
         source = resolve_model(config.model.model)
         dtype = resolve_dtype(config.model.dtype, device)
@@ -235,6 +237,19 @@ def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.d
     elif num_bytes is None:
         num_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     return max(1, num_bytes // bytes_per_block)
+
+
+def set_cpu_threads(num_threads: int | None) -> None:
+    """Size torch's intra-op thread pool for the calling thread (the engine thread).
+
+    Default: one thread per CPU this process may run on. More threads than free cores is ruinous on CPU:
+    every op waits for its slowest thread, so a worker sharing its cores with another busy process runs
+    many times slower with 2 threads than with 1. The supervisor passes each role's CPU share.
+    """
+    if num_threads is None:
+        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(num_threads)
+    torch.set_flush_denormal(True)  # subnormal activations take a slow path on x86
 
 
 def available_memory_bytes() -> int:

@@ -9,7 +9,7 @@ import torch
 
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.model.attention import AttentionMetadata, PrefillChunk
+from splitserve.model.attention import AttentionMetadata, PrefillChunk, causal_mask
 from splitserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.num_blocks = num_blocks
         self.dtype = model.dtype
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
@@ -79,7 +80,9 @@ class ModelRunner:
         offset = len(decodes)
         for s in prefills:
             num_ctx = s.request.num_computed_tokens + s.num_new_tokens
-            meta.prefills.append(PrefillChunk(s.num_new_tokens, self._context_slots(s.block_ids, num_ctx), num_ctx))
+            mask = causal_mask(s.num_new_tokens, num_ctx, self.group, self.device)
+            context_slots = self._context_slots(s.block_ids, num_ctx)
+            meta.prefills.append(PrefillChunk(s.num_new_tokens, context_slots, num_ctx, mask))
             offset += s.num_new_tokens
             if s.completes_prompt:
                 sample_indices.append(offset - 1)

@@ -24,6 +24,17 @@ class PrefillChunk:
     num_query_tokens: int
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
+    mask: torch.Tensor | None = None  # [group * Q, C] bool, built once per step by ``causal_mask``
+
+
+def causal_mask(num_query: int, num_context: int, group: int, device: torch.device) -> torch.Tensor:
+    """[group * Q, C] bool: query i (absolute position C - Q + i) sees keys up to its own position.
+
+    Rows are repeated ``group`` times because the query heads sharing a KV head are stacked along the
+    query axis (see ``_prefill_attention``).
+    """
+    mask = torch.ones(num_query, num_context, dtype=torch.bool, device=device).tril_(num_context - num_query)
+    return mask.repeat(group, 1)
 
 
 @dataclass(slots=True)
@@ -51,10 +62,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Attention of every query token over its sequence's cached context."""
-    _num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    parts = []
     nd = meta.num_decode_tokens
     if nd:
         assert meta.decode_slots is not None and meta.decode_mask is not None
@@ -63,13 +74,13 @@ def paged_attention(
         kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
+        parts.append(od.view(nd, num_heads, head_dim))
     start = nd
     for chunk in meta.prefills:
         end = start + chunk.num_query_tokens
-        out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, chunk, group, scale)
+        parts.append(_prefill_attention(q[start:end], k_cache, v_cache, chunk, group, scale))
         start = end
-    return out
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _prefill_attention(
@@ -87,11 +98,6 @@ def _prefill_attention(
     v = v_cache[chunk.context_slots].transpose(0, 1)
     # [Hkv, G*Q, D]: the group's query heads stacked along the query axis
     qg = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
-    if num_q == num_ctx:
-        mask = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_()
-    else:
-        # Query i sits at absolute position num_ctx - num_q + i and sees keys up to it.
-        mask = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_(num_ctx - num_q)
-    mask = mask.repeat(group, 1)
+    mask = chunk.mask if chunk.mask is not None else causal_mask(num_q, num_ctx, group, q.device)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [Hkv, G*Q, D]
     return o.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
