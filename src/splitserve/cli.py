@@ -53,6 +53,14 @@ def worker_command(
         bool, typer.Option(help="Split long prompts across steps.", rich_help_panel=_ENGINE)
     ] = True,
     seed: Annotated[int, typer.Option(help="Seed for unseeded sampling.", rich_help_panel=_ENGINE)] = 0,
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="auto: decode with a Q4 GGUF's 4-bit weights when running bfloat16 on CPU; int4: require it; "
+            "none: always the dequantized --dtype weights.",
+            rich_help_panel=_ENGINE,
+        ),
+    ] = "auto",
     num_threads: Annotated[
         int | None,
         typer.Option(
@@ -89,7 +97,7 @@ def worker_command(
         if size != 1:
             _fail(f"{name} {size} is not supported: splitserve runs one engine per worker (use 1)")
     engine_config = EngineConfig(
-        model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name, num_threads),
+        model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name, num_threads, quantization),
         cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
     )

@@ -91,7 +91,13 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model and tokenizer named by ``config.model`` and build an engine (blocking, seconds)."""
-        from splitserve.model.registry import load_model, load_tokenizer, resolve_dtype, resolve_model
+        from splitserve.model.registry import (
+            apply_quantization,
+            load_model,
+            load_tokenizer,
+            resolve_dtype,
+            resolve_model,
+        )
 
         config.validate()
         set_cpu_threads(config.model.num_threads)
@@ -100,6 +106,9 @@ class LLMEngine:
         dtype = resolve_dtype(config.model.dtype, device)
         torch.manual_seed(config.model.seed)
         model = load_model(source, dtype, device)
+        num_int4 = apply_quantization(model, source, config.model.quantization)
+        if num_int4:
+            logger.info("decode-sized matmuls use the GGUF's 4-bit weights in %d layers", num_int4)
         tokenizer = load_tokenizer(source)
         name = config.model.served_model_name or config.model.model
         return cls(config, model, tokenizer, name, device)

@@ -178,6 +178,34 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     return model.eval()
 
 
+def apply_quantization(model: LlamaForCausalLM, source: ModelSource, quantization: str) -> int:
+    """Give ``model`` the 4-bit weights of ``source`` for decode-sized matmuls, per ``quantization``.
+
+    ``auto`` does so when it can (a GGUF with Q4_0/Q4_1 tensors, bfloat16 weights on CPU, the int4 kernel);
+    ``int4`` raises ``ValueError`` when it cannot; ``none`` does nothing. Returns the number of layers set.
+    """
+    import torch
+
+    from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
+
+    if quantization == "none":
+        return 0
+    param = model.embed_tokens.weight
+    usable = (
+        source.kind == "gguf"
+        and param.device.type == "cpu"
+        and param.dtype == torch.bfloat16
+        and int4_matmul_available()
+    )
+    num_set = model.load_int4_weights(load_gguf_int4(source.path, model.config)) if usable else 0
+    if quantization == "int4" and num_set == 0:
+        raise ValueError(
+            "--quantization int4 needs a GGUF with Q4_0/Q4_1 weights, --dtype bfloat16 and a CPU device; "
+            f"got a {source.kind} model in {param.dtype} on {param.device.type}"
+        )
+    return num_set
+
+
 def load_tokenizer(source: ModelSource) -> Tokenizer:
     """The tokenizer of ``source`` (see ``Tokenizer.from_source``)."""
     from splitserve.model.tokenizer import Tokenizer
