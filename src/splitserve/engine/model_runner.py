@@ -121,7 +121,7 @@ class ModelRunner:
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         table = table.to(self.device)
         max_len = max(lengths)
-        slots = (table[:, :, None] * self.block_size + self._offsets).view(len(decodes), -1)[:, :max_len]
+        slots = (table[:, :, None] * self.block_size + self._offsets).view(len(decodes), -1)[:, :max_len].contiguous()
         lens = torch.tensor(lengths, device=self.device)
         mask = torch.arange(max_len, device=self.device)[None, :] < lens[:, None]
         return slots, mask[:, None, None, :]

@@ -71,8 +71,10 @@ def paged_attention(
         assert meta.decode_slots is not None and meta.decode_mask is not None
         # Grouped-query trick: the `group` query heads sharing a KV head act as `group` query rows.
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        # index_select over the flattened table is ~2x faster than advanced indexing on CPU
+        slots = meta.decode_slots.view(-1)
+        kd = k_cache.index_select(0, slots).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache.index_select(0, slots).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         parts.append(od.view(nd, num_heads, head_dim))
     start = nd
@@ -94,8 +96,8 @@ def _prefill_attention(
     num_q, num_heads, head_dim = q.shape
     num_ctx = chunk.num_context_tokens
     num_kv_heads = num_heads // group
-    k = k_cache[chunk.context_slots].transpose(0, 1)  # [Hkv, C, D]
-    v = v_cache[chunk.context_slots].transpose(0, 1)
+    k = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)  # [Hkv, C, D]
+    v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
     # [Hkv, G*Q, D]: the group's query heads stacked along the query axis
     qg = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
     mask = chunk.mask if chunk.mask is not None else causal_mask(num_q, num_ctx, group, q.device)
