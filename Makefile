@@ -8,6 +8,7 @@ PORT ?= 8000
 .PHONY: setup run test lint bench clean
 
 setup: $(STAMP)
+	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -40,7 +40,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.llama import LlamaForCausalLM
-from splitserve.model.registry import load_model, load_tokenizer, resolve_model
+from splitserve.model.registry import apply_quantization, load_model, load_tokenizer, resolve_model
 from splitserve.model.tokenizer import Tokenizer
 
 SUPPORT_SYSTEM = (
@@ -76,6 +76,8 @@ PAIRS = [
     ("ours-bf16", "ours-fp32"),
     ("hf-bf16", "hf-fp32"),
     ("ours-bf16", "hf-bf16"),
+    ("ours-bf16-int4", "ours-fp32"),
+    ("ours-bf16-int4", "ours-bf16"),
 ]
 
 
@@ -127,13 +129,13 @@ class RecordingSampler(Sampler):
 
 
 def run_ours(
-    model: LlamaForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], steps: int
+    model: LlamaForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], steps: int, max_num_seqs: int = 0
 ) -> tuple[list[list[int]], list[TopK]]:
-    """All prompts as one batch through a fresh ``LLMEngine``; each prompt's tokens and top-k logits."""
+    """The prompts through a fresh ``LLMEngine`` (one batch unless ``max_num_seqs`` limits it); tokens, top-k."""
     config = EngineConfig(
         model=ModelConfig(model="smollm2", device="cpu", max_model_len=1024),
         cache=CacheConfig(num_gpu_blocks_override=len(prompts) * 1024 // 16),
-        scheduler=SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=2048),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs or len(prompts), max_num_batched_tokens=2048),
     )
     engine = LLMEngine(config, model, tokenizer, "smollm2", torch.device("cpu"))
     recorder = RecordingSampler()
@@ -245,6 +247,12 @@ def main() -> None:
     tops: dict[str, list[TopK]] = {}
     runs["ours-fp32"], tops["ours-fp32"] = timed("ours-fp32", run_ours, fp32, tokenizer, prompts, args.steps)
     runs["ours-bf16"], tops["ours-bf16"] = timed("ours-bf16", run_ours, bf16, tokenizer, prompts, args.steps)
+    # the default serving configuration: decode steps of a single sequence read the GGUF's 4-bit weights
+    int4 = load_model(source, torch.bfloat16, torch.device("cpu"))
+    apply_quantization(int4, source, "int4")
+    runs["ours-bf16-int4"], tops["ours-bf16-int4"] = timed(
+        "ours-bf16-int4", run_ours, int4, tokenizer, prompts, args.steps, 1
+    )
     runs["hf-fp32"] = timed("hf-fp32", run_hf, "float32", prompts, args.steps)
     runs["hf-bf16"] = timed("hf-bf16", run_hf, "bfloat16", prompts, args.steps)
     pairs = [compare(f"{a} vs {b}", runs[a], runs[b]) for a, b in PAIRS]

@@ -20,6 +20,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_published: dict[str, int] = {}  # leading blocks already offered to the prefix cache
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self._blocks.get(request_id, [])
@@ -72,14 +73,20 @@ class KVCacheManager:
             return
         held = self._blocks.get(request.request_id, [])
         num_full = request.num_computed_tokens // self.block_size
+        start = self._num_published.get(request.request_id, 0)
+        if num_full <= start:
+            return
         hashes = request.update_block_hashes(self.block_size)
-        for i in range(min(num_full, len(hashes), len(held))):
+        end = min(num_full, len(hashes), len(held))
+        for i in range(start, end):
             if held[i].block_hash is None:
                 self.pool.cache(held[i], hashes[i])
+        self._num_published[request.request_id] = end
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first)."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._num_published.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     @property

@@ -1,0 +1,254 @@
+"""L2 ``tieredstorage``: one file per KV record in a directory, bounded in bytes, least recently used evicted.
+
+Each record is written to a temporary file and renamed into place, so a reader (in this process or another
+worker sharing the directory) sees a whole record or none. The index (key -> size, in recency order) lives in
+memory and is rebuilt from the directory on start, oldest modification time first. File names are the
+percent-encoded key plus ``.kv``, so the key can be read back from the name.
+
+Several workers may share one directory (L2 across workers on one machine or a shared mount): a key missing
+from this process's index is looked up on the file system and adopted, and a file that vanished (evicted by
+another worker) is a plain miss. Each process enforces the byte budget over the records it knows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from splitserve.kvcache.tiers import ErrorBurstLog, EvictionListener, TierStats
+
+logger = logging.getLogger(__name__)
+
+RECORD_SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+MAX_FILE_NAME_BYTES = 255
+STALE_TMP_S = 600.0  # temporaries older than this are leftovers of a crash
+
+
+class DiskTier:
+    """A directory of KV records with a byte budget.
+
+    Invariant: ``_stored_bytes == sum(_index.values()) <= max_bytes``; ``_index`` is ordered least recently
+    used first. I/O failures (a full disk, a vanished or truncated file) are counted as errors and logged once
+    per burst; a read failure is a miss and a write failure drops the value. Nothing is raised to the caller.
+
+    Args:
+        path: the directory (created if missing). Temporary files left by a crash are removed.
+        max_bytes: the budget for record bytes (file system overhead not counted).
+        fsync: flush each record to stable storage before renaming it (slower; survives power loss).
+        on_evict: called with each key evicted to make room.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int,
+        *,
+        fsync: bool = False,
+        on_evict: EvictionListener | None = None,
+        name: str = "disk",
+    ) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.name = name
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._stored_bytes = 0
+        self._stats = TierStats()
+        self._errors = ErrorBurstLog(logger, f"disk KV tier {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+
+    # -- the tier contract ------------------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self._get(key) for key in keys]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._index or self._adopt(key) is not None for key in keys]
+
+    def put(self, key: str, value: bytes) -> None:
+        if len(value) > self.max_bytes:
+            with self._lock:
+                self._stats.num_skipped += 1
+            return
+        try:
+            final = self._file_path(key)
+            tmp = self._write_tmp(value)
+        except (OSError, ValueError) as exc:
+            self._count_error("write", exc)
+            return
+        try:
+            with self._lock:
+                os.replace(tmp, final)
+                self._forget(key)
+                evicted = self._evict_for(len(value))
+                self._index[key] = len(value)
+                self._stored_bytes += len(value)
+                self._stats.num_puts += 1
+                self._stats.written_bytes += len(value)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            self._count_error("rename", exc)
+            return
+        self._errors.success()
+        self._notify(evicted)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            if self._forget(key):
+                self._unlink(key)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            stats = self._stats.snapshot()
+            stats.stored_bytes, stats.num_entries = self._stored_bytes, len(self._index)
+        return stats
+
+    def close(self) -> None:
+        """Nothing to release: every record is already a complete file."""
+
+    # -- reading ----------------------------------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes | None:
+        with self._lock:
+            size = self._index.get(key)
+            if size is None and (size := self._adopt(key)) is None:
+                self._stats.num_misses += 1
+                return None
+            self._index.move_to_end(key)
+        try:
+            value = self._file_path(key).read_bytes()
+        except FileNotFoundError:  # evicted by another worker sharing the directory
+            self._drop_bad(key, None)
+            return None
+        except OSError as exc:
+            self._drop_bad(key, ("read", exc))
+            return None
+        if len(value) != size:
+            self._drop_bad(key, ("read", OSError(f"{key}: file has {len(value)} bytes, expected {size}")))
+            return None
+        with self._lock:
+            self._stats.num_hits += 1
+        self._errors.success()
+        return value
+
+    def _drop_bad(self, key: str, error: tuple[str, BaseException] | None) -> None:
+        """A file that cannot be served: count a miss (and the error, if any), forget it, remove what is left."""
+        with self._lock:
+            self._stats.num_misses += 1
+            if self._forget(key):
+                self._unlink(key)
+        if error is not None:
+            self._count_error(*error)
+
+    def _adopt(self, key: str) -> int | None:
+        """Index a record another process wrote (lock held); returns its size, or None if there is none.
+
+        The budget is enforced at the next ``put``, so a read never deletes files.
+        """
+        try:
+            size = self._file_path(key).stat().st_size
+        except (OSError, ValueError):
+            return None
+        if size > self.max_bytes:
+            return None
+        self._index[key] = size
+        self._stored_bytes += size
+        return size
+
+    # -- writing and eviction (callers hold the lock where noted) ---------------------------------------
+
+    def _write_tmp(self, value: bytes) -> Path:
+        tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(value)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    def _forget(self, key: str) -> bool:
+        """Drop a key from the index (lock held); True if it was there."""
+        size = self._index.pop(key, None)
+        if size is None:
+            return False
+        self._stored_bytes -= size
+        return True
+
+    def _evict_for(self, num_bytes: int) -> list[str]:
+        """Remove least recently used records until ``num_bytes`` more fit (lock held); returns their keys."""
+        evicted: list[str] = []
+        while self._index and self._stored_bytes + num_bytes > self.max_bytes:
+            key, size = self._index.popitem(last=False)
+            self._stored_bytes -= size
+            self._stats.num_evictions += 1
+            self._unlink(key)
+            evicted.append(key)
+        return evicted
+
+    def _unlink(self, key: str) -> None:
+        """Remove a record's file (lock held); a file already gone is fine, other failures are counted."""
+        try:
+            self._file_path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            self._stats.num_errors += 1
+            self._errors.error("unlink", exc)
+
+    def _count_error(self, action: str, exc: BaseException) -> None:
+        with self._lock:
+            self._stats.num_errors += 1
+        self._errors.error(action, exc)
+
+    def _notify(self, evicted: list[str]) -> None:
+        if self._on_evict is not None:
+            for key in evicted:
+                self._on_evict(key)
+
+    # -- names and start-up -----------------------------------------------------------------------------
+
+    def _file_path(self, key: str) -> Path:
+        name = quote(key, safe="") + RECORD_SUFFIX
+        if len(name.encode()) > MAX_FILE_NAME_BYTES:
+            raise ValueError(f"key too long for a file name ({len(name)} bytes encoded): {key[:80]}...")
+        return self.path / name
+
+    def _rebuild_index(self) -> None:
+        """Index the records already in the directory, oldest modification first; drop temporaries."""
+        found: list[tuple[int, str, int]] = []  # (mtime_ns, key, size)
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if entry.name.startswith(TMP_PREFIX):
+                    if entry.stat().st_mtime < time.time() - STALE_TMP_S:  # not another worker's live write
+                        _unlink_quietly(Path(entry.path))
+                elif entry.name.endswith(RECORD_SUFFIX) and entry.is_file():
+                    st = entry.stat()
+                    found.append((st.st_mtime_ns, unquote(entry.name[: -len(RECORD_SUFFIX)]), st.st_size))
+        with self._lock:
+            for _, key, size in sorted(found):
+                self._index[key] = size
+                self._stored_bytes += size
+            self._evict_for(0)
+        logger.info("disk KV tier %s: %d records, %d bytes", self.path, len(self._index), self._stored_bytes)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

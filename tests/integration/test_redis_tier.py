@@ -1,0 +1,204 @@
+"""RedisTier and TieredStore against a real redis-server started by the test: round trips, one pipelined MGET,
+TTL, a stalled server, and a server killed mid-run (errors counted, breaker open, no exception) then
+restarted (the tier reconnects after its back-off)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from splitserve.keys import cache_key, kv_layout
+from splitserve.kvcache import serde
+from splitserve.kvcache.breaker import BreakerState, CircuitBreaker
+from splitserve.kvcache.cpu import CPUTier
+from splitserve.kvcache.redis import RedisTier, connect
+from splitserve.kvcache.store import TieredStore
+
+torch.set_num_threads(1)
+
+REDIS_SERVER = shutil.which("redis-server")
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH (`make setup` installs it)"),
+]
+
+LAYOUT = kv_layout("bfloat16", 2, 2, 8, 16)
+
+
+def key(i: int) -> str:
+    return cache_key("tiny", LAYOUT, i)
+
+
+def record(seed: int, num_tokens: int = 16) -> bytes:
+    kv = torch.randn(2, 2, num_tokens, 2, 8, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return serde.encode(kv, num_tokens, LAYOUT)
+
+
+class RedisServer:
+    """A throw-away redis-server on a free port, no persistence."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    srv = RedisServer()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def fast_breaker() -> CircuitBreaker:
+    return CircuitBreaker(failure_threshold=2, base_backoff_s=0.2, max_backoff_s=0.4)
+
+
+def test_round_trip_in_one_pipelined_mget(server: RedisServer) -> None:
+    tier = RedisTier(server.url)
+    records = [record(i) for i in range(4)]
+    for i, value in enumerate(records):
+        tier.put(key(i), value)
+    admin: Any = redis.Redis(port=server.port)  # redis-py types every reply as maybe-awaitable
+    admin.config_resetstat()
+    assert tier.get_many([key(i) for i in range(5)]) == [*records, None]
+    assert admin.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    assert tier.contains_many([key(0), key(9)]) == [True, False]
+    decoded = serde.decode(tier.get_many([key(2)])[0] or b"", LAYOUT)
+    assert torch.equal(decoded.view(torch.uint8), serde.decode(records[2], LAYOUT).view(torch.uint8))
+    tier.delete(key(0))
+    assert tier.contains_many([key(0)]) == [False]
+    stats = tier.stats()
+    assert (stats.num_hits, stats.num_misses, stats.num_errors, stats.num_puts) == (5, 1, 0, 4)
+    admin.close()
+    tier.close()
+
+
+def test_ttl_expires_records(server: RedisServer) -> None:
+    tier = RedisTier(server.url, ttl_s=0.3)
+    tier.put(key(1), record(1))
+    admin: Any = redis.Redis(port=server.port)  # redis-py types every reply as maybe-awaitable
+    assert 0 < admin.pttl(key(1)) <= 300
+    time.sleep(0.4)
+    assert tier.get_many([key(1)]) == [None]
+    admin.close()
+    tier.close()
+
+
+def test_a_stalled_redis_times_out_instead_of_hanging(server: RedisServer) -> None:
+    tier = RedisTier(connect(server.url, socket_timeout_s=0.3), breaker=fast_breaker())
+    tier.put(key(1), record(1))
+    server.pause()
+    try:
+        started = time.monotonic()
+        assert tier.get_many([key(1)]) == [None]
+        assert time.monotonic() - started < 2.0
+        assert tier.stats().num_errors == 1
+    finally:
+        server.resume()
+
+
+def test_killed_mid_run_then_restarted(server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="splitserve.kvcache.redis")
+    tier = RedisTier(server.url, breaker=fast_breaker())
+    tier.put(key(1), record(1))
+    assert tier.get_many([key(1)]) == [record(1)]
+
+    server.stop()
+    assert tier.get_many([key(1)]) == [None]  # no exception: a miss
+    tier.put(key(2), record(2))  # dropped, counted
+    assert tier.breaker_state is BreakerState.OPEN
+    started = time.monotonic()
+    assert tier.contains_many([key(1)]) == [False]  # refused by the breaker without a connection attempt
+    assert time.monotonic() - started < 0.05
+    stats = tier.stats()
+    assert (stats.num_errors, stats.num_skipped) == (2, 1)
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1  # logged once per burst
+    assert any("circuit open" in r.getMessage() for r in caplog.records)
+
+    server.start()  # same port, empty (no persistence)
+    time.sleep(0.25)  # past the first back-off
+    tier.put(key(3), record(3))  # the trial call: reconnects and closes the breaker
+    assert tier.breaker_state is BreakerState.CLOSED
+    assert tier.get_many([key(1), key(3)]) == [None, record(3)]
+    tier.close()
+
+
+def test_a_dead_redis_at_start_is_degraded_mode(server: RedisServer) -> None:
+    url = server.url
+    server.stop()
+    tier = RedisTier(url, breaker=fast_breaker())  # no exception at construction
+    assert not tier.ping()
+    assert tier.get_many([key(1)]) == [None]
+    server.start()
+    time.sleep(0.25)
+    assert tier.ping()
+    tier.close()
+
+
+def test_a_chunk_stored_by_one_worker_is_served_to_another(server: RedisServer) -> None:
+    """Two stores (two workers) share one Redis: B finds A's chunks in L2, validates and promotes them."""
+
+    def validate(value: bytes) -> None:
+        serde.verify(value, LAYOUT)
+
+    worker_a = TieredStore(CPUTier(10**7), RedisTier(server.url), validate=validate)
+    worker_b = TieredStore(CPUTier(10**7), RedisTier(server.url), validate=validate)
+    keys = [key(i) for i in range(3)]
+    for i, k in enumerate(keys):
+        worker_a.put(k, record(i))
+    assert worker_a.flush(timeout_s=10)
+
+    corrupt = bytearray(record(2))
+    corrupt[-1] ^= 0x01
+    redis.Redis(port=server.port).set(keys[2], bytes(corrupt))  # a bit flip in the last chunk, in L2
+    assert worker_b.lookup(keys) == (0, 3)
+    assert worker_b.get_prefix(keys) == [record(0), record(1)]  # the corrupt record is a miss
+    assert worker_b.lookup(keys) == (2, 2)  # promoted; the corrupt one deleted from L2
+    assert worker_b.stats().num_invalid_records == 1
+    worker_a.close()
+    worker_b.close()
