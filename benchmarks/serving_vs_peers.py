@@ -82,33 +82,16 @@ def run_splitserve(dtype: str, quantization: str, logs: Path) -> dict[str, Any]:
 def load_hf_model(dtype_name: str) -> tuple[Any, Any]:
     """transformers' own LlamaForCausalLM holding the same (dequantized) weights, and our tokenizer."""
     import torch
-    import transformers
 
     from splitserve.model.loader import load_gguf
+    from splitserve.model.reference import transformers_model
     from splitserve.model.registry import resolve_model
     from splitserve.model.tokenizer import Tokenizer
 
     source = resolve_model("smollm2")
     cfg, state = load_gguf(source.path)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-    )
-    model = transformers.LlamaForCausalLM(hf_cfg)
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    return model.to(getattr(torch, dtype_name)).eval(), Tokenizer.from_source(source)
+    model = transformers_model(cfg, state, getattr(torch, dtype_name), attn_implementation="sdpa")
+    return model, Tokenizer.from_source(source)
 
 
 def run_transformers(dtype_name: str) -> dict[str, Any]:

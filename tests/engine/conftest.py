@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +14,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.config import LlamaConfig
 from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.tokenizer import Tokenizer
 
 TINY = LlamaConfig(
     vocab_size=512,
@@ -41,27 +43,31 @@ def tiny_model() -> LlamaForCausalLM:
 EngineFactory = Callable[..., LLMEngine]
 
 
+def build_engine(
+    model: LlamaForCausalLM,
+    tokenizer: Tokenizer | None = None,
+    num_blocks: int = 256,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 1024,
+    chunked: bool = True,
+    prefix_caching: bool = True,
+    max_model_len: int = 1024,
+) -> LLMEngine:
+    """An engine around an already loaded model, with an exact number of KV blocks."""
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=max_model_len),
+        cache=CacheConfig(
+            block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching
+        ),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
+    )
+    return LLMEngine(config, model, tokenizer, "test", torch.device("cpu"))
+
+
 @pytest.fixture
 def make_engine(tiny_model: LlamaForCausalLM) -> EngineFactory:
-    def make(
-        num_blocks: int = 256,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        chunked: bool = True,
-        prefix_caching: bool = True,
-        max_model_len: int = 1024,
-    ) -> LLMEngine:
-        config = EngineConfig(
-            model=ModelConfig(model="tiny", max_model_len=max_model_len),
-            cache=CacheConfig(
-                block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching
-            ),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
-        )
-        return LLMEngine(config, tiny_model, None, "tiny", torch.device("cpu"))
-
-    return make
+    return functools.partial(build_engine, tiny_model)
 
 
 def run_to_completion(

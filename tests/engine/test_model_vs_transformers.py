@@ -14,9 +14,9 @@ import torch
 import transformers
 
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
-from splitserve.model.config import LlamaConfig
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import load_gguf
+from splitserve.model.reference import transformers_model
 from splitserve.model.registry import load_model, resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -31,25 +31,6 @@ class Models:
     ours: LlamaForCausalLM
     hf: transformers.LlamaForCausalLM
     tokenizer: Tokenizer
-
-
-def hf_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        attn_implementation="eager",
-    )
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +50,7 @@ def load_models() -> Models:
     cfg, state = load_gguf(source.path)
     ours = LlamaForCausalLM(cfg).float().eval()
     ours.load_hf_state_dict(state)
-    hf = transformers.LlamaForCausalLM(hf_config(cfg)).float().eval()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
+    hf = transformers_model(cfg, state)
     assert torch.equal(hf.lm_head.weight, state["model.embed_tokens.weight"])
     rope = getattr(hf.config, "rope_parameters", None) or {"rope_theta": hf.config.rope_theta}  # transformers 5 | 4
     assert rope["rope_theta"] == cfg.rope_theta == 100000.0

@@ -11,18 +11,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.registry import load_model, load_tokenizer, resolve_model
 from splitserve.model.tokenizer import Tokenizer
-from tests.engine.conftest import run_to_completion, tokens_of
+from tests.engine.conftest import build_engine, run_to_completion, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -108,22 +108,8 @@ def real() -> Iterator[Real]:
         torch.set_num_threads(num_threads)
 
 
-def make_engine(
-    real: Real,
-    num_blocks: int = 256,
-    max_num_batched_tokens: int = 1024,
-    chunked: bool = True,
-    prefix_caching: bool = True,
-    max_model_len: int = 1024,
-) -> LLMEngine:
-    config = EngineConfig(
-        model=ModelConfig(model="smollm2", dtype="float32", device="cpu", max_model_len=max_model_len),
-        cache=CacheConfig(
-            block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching
-        ),
-        scheduler=SchedulerConfig(8, max_num_batched_tokens, chunked),
-    )
-    return LLMEngine(config, real.model, real.tokenizer, "smollm2", torch.device("cpu"))
+def make_engine(real: Real, **kwargs: Any) -> LLMEngine:
+    return build_engine(real.model, real.tokenizer, block_size=BLOCK_SIZE, max_num_seqs=8, **kwargs)
 
 
 def run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[RequestOutput]]:
