@@ -11,7 +11,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from splitserve.bench.cli import bench_app
-from splitserve.config import Role
+from splitserve.config import L2Backend, Role
 
 app = typer.Typer(
     name="splitserve",
@@ -25,6 +25,7 @@ app.add_typer(bench_app, name="bench")
 _ENGINE = "Engine options"
 _CACHE = "KV cache options"
 _SERVER = "Server options"
+_TIERS = "KV cache tier options (L1 memory, L2 Redis or disk)"
 
 
 @app.command("worker")
@@ -83,12 +84,73 @@ def worker_command(
     enable_prefix_caching: Annotated[
         bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=_CACHE)
     ] = True,
+    l1_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Keep computed KV chunks in this process's memory (L1).",
+            envvar="SPLITSERVE_L1_CACHE",
+            rich_help_panel=_TIERS,
+        ),
+    ] = False,
+    l1_cache_bytes: Annotated[
+        str,
+        typer.Option(
+            help="L1 size (1GiB, 512MB or bytes).", envvar="SPLITSERVE_L1_CACHE_BYTES", rich_help_panel=_TIERS
+        ),
+    ] = "1GiB",
+    l2_backend: Annotated[
+        L2Backend,
+        typer.Option(
+            help="Shared L2 tier: redis (--l2-url) or tieredstorage (a directory, --l2-path).",
+            envvar="SPLITSERVE_L2_BACKEND",
+            rich_help_panel=_TIERS,
+        ),
+    ] = L2Backend.NONE,
+    l2_url: Annotated[
+        str | None,
+        typer.Option(help="Redis URL, redis://host:port/db.", envvar="SPLITSERVE_L2_URL", rich_help_panel=_TIERS),
+    ] = None,
+    l2_path: Annotated[
+        str | None,
+        typer.Option(help="Directory of the tieredstorage tier.", envvar="SPLITSERVE_L2_PATH", rich_help_panel=_TIERS),
+    ] = None,
+    l2_max_bytes: Annotated[
+        str,
+        typer.Option(
+            help="tieredstorage size (10GiB or bytes).", envvar="SPLITSERVE_L2_MAX_BYTES", rich_help_panel=_TIERS
+        ),
+    ] = "10GiB",
+    kv_chunk_size: Annotated[
+        int,
+        typer.Option(
+            help="Tokens per stored KV chunk (a multiple of --block-size).",
+            envvar="SPLITSERVE_KV_CHUNK_SIZE",
+            rich_help_panel=_TIERS,
+        ),
+    ] = 256,
+    save_decode_cache: Annotated[
+        bool,
+        typer.Option(
+            "--save-decode-cache/--no-save-decode-cache",
+            help="Also store generated tokens' KV (and, on the decode role, store anything at all).",
+            envvar=["SPLITSERVE_SAVE_DECODE_CACHE", "LMCACHE_SAVE_DECODE_CACHE"],
+            rich_help_panel=_TIERS,
+        ),
+    ] = False,
     uvicorn_log_level: Annotated[
         str, typer.Option(help="debug, info, warning or error.", rich_help_panel=_SERVER)
     ] = "info",
 ) -> None:
     """Run one engine behind an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)."""
-    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from splitserve.config import (
+        CacheConfig,
+        EngineConfig,
+        KVTierConfig,
+        ModelConfig,
+        SchedulerConfig,
+        ServerConfig,
+        parse_bytes,
+    )
 
     for name, size in (
         ("--tensor-parallel-size", tensor_parallel_size),
@@ -96,10 +158,18 @@ def worker_command(
     ):
         if size != 1:
             _fail(f"{name} {size} is not supported: splitserve runs one engine per worker (use 1)")
+    try:
+        kv_tiers = KVTierConfig(
+            l1_cache, parse_bytes(l1_cache_bytes), l2_backend, l2_url, l2_path, parse_bytes(l2_max_bytes),
+            kv_chunk_size, save_decode_cache,
+        )  # fmt: skip
+    except ValueError as exc:
+        _fail(str(exc))
     engine_config = EngineConfig(
         model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name, num_threads, quantization),
         cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+        kv_tiers=kv_tiers,
     )
     if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         _fail(f"--uvicorn-log-level must be one of debug, info, warning, error; got {uvicorn_log_level!r}")

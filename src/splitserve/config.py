@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from urllib.parse import urlsplit, urlunsplit
 
 _SIZE_UNITS = {
     "": 1,
@@ -36,6 +37,17 @@ def parse_bytes(text: str | int) -> int:
     if m is None or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a byte size: {text!r} (examples: 2GiB, 512MB, 1073741824)")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with its password replaced by ``***``, for logs."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class Role(StrEnum):
@@ -124,16 +136,76 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+class L2Backend(StrEnum):
+    NONE = "none"
+    REDIS = "redis"  # a Redis server shared by every worker (--l2-url)
+    TIEREDSTORAGE = "tieredstorage"  # a directory on a local or mounted disk (--l2-path)
+
+
+_REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """The tiered KV cache outside the engine: L1 in this process's memory, L2 shared by every worker.
+
+    The engine loads whole chunks of a prompt from these tiers on admission and saves completed ones after
+    each step. Off (the default) when neither tier is enabled.
+    """
+
+    l1_cache: bool = False  # keep saved chunks in this process's memory (LRU)
+    l1_cache_bytes: int = 1 << 30  # L1 budget in bytes
+    l2_backend: L2Backend = L2Backend.NONE
+    l2_url: str | None = None  # redis://host:port/db, for the redis backend
+    l2_path: str | None = None  # a directory, for the tieredstorage backend
+    l2_max_bytes: int = 10 << 30  # tieredstorage: byte budget of the directory (this worker's view)
+    kv_chunk_size: int = 256  # tokens per stored chunk; a multiple of the block size
+    save_decode_cache: bool = False  # also save generated tokens (and, on the decode role, anything at all)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.l1_cache or self.l2_backend != L2Backend.NONE
+
+    def validate(self, block_size: int) -> None:
+        if self.l1_cache_bytes <= 0:
+            raise ValueError(f"--l1-cache-bytes must be positive, got {self.l1_cache_bytes}")
+        if self.l2_max_bytes <= 0:
+            raise ValueError(f"L2 max bytes must be positive, got {self.l2_max_bytes}")
+        if self.kv_chunk_size <= 0 or self.kv_chunk_size % block_size:
+            raise ValueError(
+                f"--kv-chunk-size must be a positive multiple of --block-size ({block_size}), got {self.kv_chunk_size}"
+            )
+        self._validate_l2()
+
+    def _validate_l2(self) -> None:
+        backend = self.l2_backend
+        if backend == L2Backend.REDIS:
+            if not self.l2_url:
+                raise ValueError("--l2-backend redis needs --l2-url redis://host:port/db (or SPLITSERVE_L2_URL)")
+            if not self.l2_url.startswith(_REDIS_URL_SCHEMES):
+                raise ValueError(
+                    f"--l2-url must start with one of {', '.join(_REDIS_URL_SCHEMES)}; got {self.l2_url!r}"
+                )
+        elif self.l2_url:
+            raise ValueError(f"--l2-url {self.l2_url!r} is only used with --l2-backend redis (got {backend.value})")
+        if backend == L2Backend.TIEREDSTORAGE and not self.l2_path:
+            raise ValueError("--l2-backend tieredstorage needs --l2-path DIR (or SPLITSERVE_L2_PATH)")
+        if backend != L2Backend.TIEREDSTORAGE and self.l2_path:
+            raise ValueError(f"--l2-path is only used with --l2-backend tieredstorage (got {backend.value})")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.kv_tiers.validate(self.cache.block_size)
 
 
 @dataclass(frozen=True, slots=True)

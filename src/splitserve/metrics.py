@@ -9,7 +9,7 @@ published (the engine itself is never touched from the scraping thread).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -32,8 +32,21 @@ PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
 
+# The KV cache layer (L1/L2 tiers), with LMCache's names for the dashboards that use them.
+LMCACHE_NUM_LOOKUP_TOKENS_TOTAL = "lmcache:num_lookup_tokens_total"
+LMCACHE_NUM_LOOKUP_HITS_TOTAL = "lmcache:num_lookup_hits_total"
+LMCACHE_NUM_VLLM_HIT_TOKENS_TOTAL = "lmcache:num_vllm_hit_tokens_total"
+LMCACHE_REQUEST_CACHE_HIT_RATE = "lmcache:request_cache_hit_rate"
+KV_TIER_HITS_TOTAL = "splitserve:kv_tier_hits_total"
+KV_TIER_MISSES_TOTAL = "splitserve:kv_tier_misses_total"
+KV_TIER_ERRORS_TOTAL = "splitserve:kv_tier_errors_total"
+KV_TIER_BYTES_STORED = "splitserve:kv_tier_bytes_stored"
+KV_STORE_QUEUE_DROPS_TOTAL = "splitserve:kv_store_queue_drops_total"
+KV_INVALID_RECORDS_TOTAL = "splitserve:kv_invalid_records_total"
+
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"
+TIER_LABEL = "tier"
 
 # Bucket edges in seconds, as vLLM's (cut where a CPU worker never lands).
 TTFT_BUCKETS_S = (
@@ -100,6 +113,37 @@ REQUEST_LATENCY_BUCKETS_S = (
     480.0,
     960.0,
 )
+HIT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class TierStatsLike(Protocol):
+    """The fields of ``splitserve.kvcache.tiers.TierStats`` that the metrics read."""
+
+    @property
+    def num_hits(self) -> int: ...
+    @property
+    def num_misses(self) -> int: ...
+    @property
+    def num_errors(self) -> int: ...
+    @property
+    def stored_bytes(self) -> int | None: ...  # None: the tier does not know (Redis)
+
+
+class KVCacheStatsLike(Protocol):
+    """The fields of ``splitserve.kvcache.connector.KVCacheStats`` that the metrics read (all cumulative)."""
+
+    @property
+    def num_lookup_tokens(self) -> int: ...  # tokens looked up in L1/L2 (the engine's prefix cache lacked them)
+    @property
+    def num_lookup_hits(self) -> int: ...  # of those, tokens found
+    @property
+    def num_hit_tokens(self) -> int: ...  # tokens loaded from L1/L2 into the engine
+    @property
+    def num_invalid_records(self) -> int: ...
+    @property
+    def num_queue_drops(self) -> int: ...
+    @property
+    def tiers(self) -> Mapping[str, TierStatsLike]: ...  # by tier name (cpu, redis, disk)
 
 
 class EngineStatsLike(Protocol):
@@ -111,6 +155,9 @@ class EngineStatsLike(Protocol):
     prefix_cache_queries: int  # cumulative tokens
     prefix_cache_hits: int  # cumulative tokens
     num_preemptions: int  # cumulative
+
+    @property
+    def kv_cache(self) -> KVCacheStatsLike | None: ...  # None: no KV cache layer
 
 
 def _counter_base(name: str) -> str:
@@ -139,7 +186,7 @@ class _EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
             gauge.add_metric([self._model_name], float(value))
             yield gauge
-        counters = (
+        counters: list[tuple[str, str, float]] = [
             (PREFIX_CACHE_QUERIES_TOTAL, "Prefix cache queries, in tokens.", stats.prefix_cache_queries),
             (PREFIX_CACHE_HITS_TOTAL, "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
             (
@@ -147,11 +194,42 @@ class _EngineStatsCollector(Collector):
                 "Cumulative number of preemptions from the engine.",
                 stats.num_preemptions,
             ),
-        )
+        ]
+        kv = stats.kv_cache
+        lookups, lookup_hits, hits = (kv.num_lookup_tokens, kv.num_lookup_hits, kv.num_hit_tokens) if kv else (0, 0, 0)
+        counters += [
+            (LMCACHE_NUM_LOOKUP_TOKENS_TOTAL, "Tokens looked up in the KV cache tiers.", lookups),
+            (LMCACHE_NUM_LOOKUP_HITS_TOTAL, "Looked-up tokens found in the KV cache tiers.", lookup_hits),
+            (LMCACHE_NUM_VLLM_HIT_TOKENS_TOTAL, "Tokens loaded from the KV cache tiers into the engine.", hits),
+        ]
+        if kv is not None:
+            counters += [
+                (KV_STORE_QUEUE_DROPS_TOTAL, "L2 writes dropped because the write queue was full.", kv.num_queue_drops),
+                (KV_INVALID_RECORDS_TOTAL, "KV records rejected (corrupt or foreign layout).", kv.num_invalid_records),
+            ]  # fmt: skip
         for name, doc, value in counters:
             counter = CounterMetricFamily(_counter_base(name), doc, labels=[MODEL_NAME_LABEL])
             counter.add_metric([self._model_name], float(value))
             yield counter
+        if kv is not None:
+            yield from self._tier_metrics(kv.tiers)
+
+    def _tier_metrics(self, tiers: Mapping[str, TierStatsLike]) -> Iterator[Metric]:
+        labels = [MODEL_NAME_LABEL, TIER_LABEL]
+        for name, doc, field in (
+            (KV_TIER_HITS_TOTAL, "KV chunk reads served by the tier.", "num_hits"),
+            (KV_TIER_MISSES_TOTAL, "KV chunk reads the tier did not hold.", "num_misses"),
+            (KV_TIER_ERRORS_TOTAL, "KV tier I/O errors.", "num_errors"),
+        ):
+            counter = CounterMetricFamily(_counter_base(name), doc, labels=labels)
+            for tier, tier_stats in tiers.items():
+                counter.add_metric([self._model_name, tier], float(getattr(tier_stats, field)))
+            yield counter
+        gauge = GaugeMetricFamily(KV_TIER_BYTES_STORED, "Bytes of KV records held by the tier.", labels=labels)
+        for tier, tier_stats in tiers.items():
+            if tier_stats.stored_bytes is not None:
+                gauge.add_metric([self._model_name, tier], float(tier_stats.stored_bytes))
+        yield gauge
 
 
 class WorkerMetrics:
@@ -179,6 +257,11 @@ class WorkerMetrics:
             REQUEST_QUEUE_TIME_SECONDS,
             "Histogram of time from arrival until the engine took the request, in seconds.",
             REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_cache_hit_rate = self._histogram(
+            LMCACHE_REQUEST_CACHE_HIT_RATE,
+            "Fraction of each request's prompt served from a KV cache (the engine's or the tiers').",
+            HIT_RATE_BUCKETS,
         )
         self.prompt_tokens = self._counter(PROMPT_TOKENS_TOTAL, "Number of prefill tokens processed.")
         self.generation_tokens = self._counter(GENERATION_TOKENS_TOTAL, "Number of generation tokens processed.")

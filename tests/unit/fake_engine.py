@@ -49,6 +49,7 @@ class FakeStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    kv_cache: None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class FakeEngine:
     num_steps: int = 0
     caller_threads: set[int] = field(default_factory=set)
     num_prompt_tokens: int = 0
+    is_closed: bool = False
 
     def _called(self) -> None:
         self.caller_threads.add(threading.get_ident())
@@ -143,6 +145,10 @@ class FakeEngine:
             prefix_cache_queries=self.num_prompt_tokens,
             num_prompt_tokens=self.num_prompt_tokens,
         )
+
+    def close(self) -> None:
+        self._called()
+        self.is_closed = True
 
 
 def free_port() -> int:

@@ -61,6 +61,8 @@ class EngineCore(Protocol):
 
     def get_stats(self) -> EngineStatsLike: ...
 
+    def close(self) -> None: ...  # release what the engine holds outside the process (KV tier connections)
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (it failed, or the worker is shutting down)."""
@@ -299,6 +301,7 @@ class AsyncEngine:
                 state.first_token_s = now_s
                 m.ttft_s.observe(now_s - state.arrival_s)
                 m.prompt_tokens.inc(output.num_prompt_tokens)
+                m.request_cache_hit_rate.observe(output.num_cached_tokens / max(1, output.num_prompt_tokens))
             elif state.last_token_s is not None:
                 m.itl_s.observe((now_s - state.last_token_s) / num_new)
             state.last_token_s = now_s
@@ -322,7 +325,10 @@ class AsyncEngine:
             self._engine = engine
             self._settled.set()
             logger.info("engine ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len)
-            self._serve(engine)
+            try:
+                self._serve(engine)
+            finally:
+                engine.close()
         except BaseException as exc:  # the thread must never die silently
             logger.exception("engine thread failed")
             self._die(exc)

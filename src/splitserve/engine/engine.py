@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.config import EngineConfig
+from splitserve.config import EngineConfig, Role
 from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model_runner import ModelRunner
@@ -22,6 +23,8 @@ from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.keys import kv_layout
+from splitserve.metrics import KVCacheStatsLike
 from splitserve.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -42,6 +45,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # cumulative
     num_generation_tokens: int  # cumulative
+    kv_cache: KVCacheStatsLike | None = None  # the KV connector's counters (L1/L2 tiers), if it has one
 
 
 class LLMEngine:
@@ -52,7 +56,9 @@ class LLMEngine:
         tokenizer: Tokenizer | None,
         model_name: str,
         device: torch.device,
+        connector: KVConnectorBase | None = None,
     ) -> None:
+        """Build the engine around a loaded model; ``connector`` loads and saves KV outside the engine."""
         config.validate()
         self.config = config
         self.model_name = model_name
@@ -75,8 +81,11 @@ class LLMEngine:
             sched_cfg = type(sched_cfg)(sched_cfg.max_num_seqs, self.max_model_len, False)
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, connector)
         self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_cache(self.runner.kv_cache, block_size)
         self.eos_token_ids = _eos_ids(tokenizer, model)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
@@ -89,8 +98,12 @@ class LLMEngine:
         )  # fmt: skip
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model and tokenizer named by ``config.model`` and build an engine (blocking, seconds)."""
+    def from_config(cls, config: EngineConfig, role: Role = Role.COLOCATED) -> LLMEngine:
+        """Load the model and tokenizer named by ``config.model`` and build an engine (blocking, seconds).
+
+        With ``config.kv_tiers`` enabled the engine gets a KV connector over L1/L2 (``role`` decides what it
+        saves: the decode role saves nothing unless ``save_decode_cache``).
+        """
         from splitserve.model.registry import (
             apply_quantization,
             load_model,
@@ -111,7 +124,13 @@ class LLMEngine:
             logger.info("decode-sized matmuls use the GGUF's 4-bit weights in %d layers", num_int4)
         tokenizer = load_tokenizer(source)
         name = config.model.served_model_name or config.model.model
-        return cls(config, model, tokenizer, name, device)
+        connector = None
+        if config.kv_tiers.is_enabled:
+            from splitserve.kvcache.connector import build_connector
+
+            layout = kv_cache_layout(model, config.cache.block_size)
+            connector = build_connector(config.kv_tiers, source.model_id, layout, role)
+        return cls(config, model, tokenizer, name, device, connector)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
@@ -139,6 +158,11 @@ class LLMEngine:
         sampled = self.runner.execute(sched)
         return self._update(sched, sampled)
 
+    def close(self) -> None:
+        """Finish the connector's pending KV writes (bounded) and release its connections."""
+        if self.connector is not None:
+            self.connector.close()
+
     def get_stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -149,6 +173,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            kv_cache=self.connector.stats() if self.connector is not None else None,
         )
 
     def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -171,6 +196,8 @@ class LLMEngine:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            if self.connector is not None:
+                self.connector.save_completed_chunks(request, s.block_ids)
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that has not reached the end of the prompt yet
@@ -246,6 +273,13 @@ def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.d
     elif num_bytes is None:
         num_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     return max(1, num_bytes // bytes_per_block)
+
+
+def kv_cache_layout(model: LlamaForCausalLM, block_size: int) -> str:
+    """The ``keys.kv_layout`` string of the paged KV cache an engine builds for ``model``."""
+    cfg = model.config
+    dtype = str(model.dtype).removeprefix("torch.")
+    return kv_layout(dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size)
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

@@ -31,7 +31,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # end the output unless params.ignore_eos
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission; -1 until then
+    num_cached_tokens: int = -1  # tokens not computed at first admission (prefix cache + loaded); -1 until then
+    # num_cached_tokens split by source, in order: ("engine", n) for the prefix cache, then the connector's
+    # (e.g. ("l1", n), ("l2", n)); empty until first admission
+    cached_tokens_by_source: tuple[tuple[str, int], ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

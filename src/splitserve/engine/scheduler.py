@@ -6,6 +6,10 @@ admitted running request when KV blocks run out. Then, if nothing was preempted,
 requests in arrival order while the budget, ``max_num_seqs`` and free blocks allow. A preempted request
 drops its blocks and goes back to the front of the waiting queue; it is recomputed when readmitted (its
 prefix-cached blocks usually make that cheap).
+
+With a KV connector (``splitserve.engine.connector``), admission goes further than the engine's own prefix
+cache: the connector names more leading tokens it can load (e.g. from L1/L2), blocks are allocated for them,
+their KV is copied in, and the request starts past them; whatever fails to load is computed instead.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig
+from splitserve.engine.connector import KVConnectorBase, LoadedTokens
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.request import Request, RequestStatus
@@ -48,10 +53,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        connector: KVConnectorBase | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -107,21 +119,39 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
+            num_external = self._num_external_tokens(request, num_cached)
+            num_new = request.num_tokens - num_cached - num_external
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.allocate(request, num_new, cached):
+            if not self.kv.allocate(request, num_external + num_new, cached):
                 break
             self.waiting.popleft()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
+            num_computed = num_cached + self._load_external(request, num_cached, num_external)
+            # tokens that failed to load are computed now; their blocks are already allocated
+            num_new = min(request.num_tokens - num_computed, budget)
+            request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
             budget -= num_new
+
+    def _num_external_tokens(self, request: Request, num_cached: int) -> int:
+        if self.connector is None:
+            return 0
+        return self.connector.num_external_tokens(request, num_cached)
+
+    def _load_external(self, request: Request, num_cached: int, num_external: int) -> int:
+        """Load the connector's tokens into the request's new blocks; records first-admission cache hits."""
+        loaded = LoadedTokens()
+        if self.connector is not None:
+            block_ids = self.kv.block_ids(request.request_id)
+            loaded = self.connector.load(request, block_ids, num_cached, num_cached + num_external)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached + loaded.num_tokens
+            request.cached_tokens_by_source = (("engine", num_cached), *loaded.by_source)
+        return loaded.num_tokens
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is and free its blocks."""
@@ -132,6 +162,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

@@ -10,7 +10,7 @@ from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier
 from splitserve.kvcache.store import PrefixHit, StoreStats, TieredStore
-from splitserve.kvcache.tiers import KVTier, TierStats
+from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
 
 __all__ = [
     "BreakerState",
@@ -18,6 +18,7 @@ __all__ = [
     "CircuitBreaker",
     "DiskTier",
     "KVTier",
+    "NullTier",
     "PrefixHit",
     "RedisTier",
     "StoreStats",

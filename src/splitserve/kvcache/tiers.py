@@ -97,3 +97,28 @@ class ErrorBurstLog:
             num_errors, self._num_in_burst = self._num_in_burst, 0
         if num_errors:
             self._logger.warning("%s: recovered after %d errors", self._what, num_errors)
+
+
+class NullTier:
+    """A tier that holds nothing: L1 when ``--no-l1-cache`` leaves L2 alone (every read a miss, writes dropped)."""
+
+    def __init__(self, name: str = "none") -> None:
+        self.name = name
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [False] * len(keys)
+
+    def put(self, key: str, value: bytes) -> None:
+        pass
+
+    def delete(self, key: str) -> None:
+        pass
+
+    def stats(self) -> TierStats:
+        return TierStats()
+
+    def close(self) -> None:
+        pass

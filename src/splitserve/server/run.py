@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import uvicorn
 
-from splitserve.config import EngineConfig, Role, ServerConfig
+from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.metrics import WorkerMetrics
 from splitserve.server.app import build_app
@@ -39,6 +39,8 @@ def startup_config(engine_config: EngineConfig, server_config: ServerConfig) -> 
         **{f"model.{k}": v for k, v in asdict(engine_config.model).items() if k != "model"},
         **{f"cache.{k}": v for k, v in asdict(engine_config.cache).items()},
         **{f"scheduler.{k}": v for k, v in asdict(engine_config.scheduler).items()},
+        **{f"kv_tiers.{k}": v for k, v in asdict(engine_config.kv_tiers).items() if k != "l2_url"},
+        "kv_tiers.l2_url": redact_url(engine_config.kv_tiers.l2_url),
     }
 
 
@@ -46,7 +48,9 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
-    engine = AsyncEngine(lambda: _load_engine(engine_config), WorkerMetrics(served_model_name(engine_config)))
+    engine = AsyncEngine(
+        lambda: _load_engine(engine_config, server_config.role), WorkerMetrics(served_model_name(engine_config))
+    )
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(
         app,
@@ -63,10 +67,10 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     return 1 if failed.is_set() else 0
 
 
-def _load_engine(config: EngineConfig) -> EngineCore:
+def _load_engine(config: EngineConfig, role: Role) -> EngineCore:
     from splitserve.engine.engine import LLMEngine  # torch: imported on the engine thread, after binding
 
-    return LLMEngine.from_config(config)
+    return LLMEngine.from_config(config, role)
 
 
 def _exit_if_load_fails(engine: AsyncEngine, server: uvicorn.Server, failed: threading.Event) -> None:

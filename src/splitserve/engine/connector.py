@@ -1,0 +1,79 @@
+"""The engine's hooks for KV computed elsewhere: a KV tier (L1/L2) today, a PD receiver later.
+
+Shaped after vLLM v1's ``KVConnectorBase_V1`` (``get_num_new_matched_tokens`` / ``update_state_after_alloc``
+/ ``save_kv_layer``), smaller and synchronous. The order within one engine step is:
+
+1. admission of a waiting request: the scheduler matches its own prefix cache (``num_cached`` tokens), asks
+   :meth:`KVConnectorBase.num_external_tokens` for more, allocates blocks for all of them, then calls
+   :meth:`KVConnectorBase.load` once, which copies what it can into those blocks. Tokens it could not load
+   are computed as usual (a miss is never an error).
+2. after the forward pass: :meth:`KVConnectorBase.save_completed_chunks` for every scheduled request.
+3. when a request ends (finished or aborted): :meth:`KVConnectorBase.request_finished`.
+
+Every hook runs on the engine thread and must not raise for I/O trouble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from splitserve.engine.request import Request
+    from splitserve.metrics import KVCacheStatsLike
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedTokens:
+    """What :meth:`KVConnectorBase.load` copied into a request's blocks: a run of tokens from its start token.
+
+    ``by_source`` splits ``num_tokens`` by where they came from, in order (e.g. ``(("l1", 256), ("l2", 512))``).
+    """
+
+    num_tokens: int = 0
+    by_source: tuple[tuple[str, int], ...] = ()
+
+
+class KVConnectorBase(Protocol):
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        """Called once by the engine with its paged KV cache ``[layers, 2, slots, kv_heads, head_dim]``.
+
+        The token at position ``p`` of a request lives at slot ``block_ids[p // block_size] * block_size +
+        p % block_size``. Raises ValueError when the cache's layout cannot be served by this connector.
+        """
+        ...
+
+    def num_external_tokens(self, request: Request, num_cached: int) -> int:
+        """How many tokens after the first ``num_cached`` (held by the engine's prefix cache) could be loaded.
+
+        Never the request's last token (it must be computed to get logits). May be called several times for
+        one waiting request (e.g. while it waits for free blocks); changes nothing in the engine.
+        """
+        ...
+
+    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+        """Copy the KV of tokens ``[start_token, end_token)`` into the request's blocks (already allocated).
+
+        Called once per admission, right after allocation, also when ``start_token == end_token``. Returns the
+        run actually loaded from ``start_token``, possibly shorter (a record turned out missing or invalid);
+        the engine computes the rest.
+        """
+        ...
+
+    def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
+        """Store what became storable of the request's computed KV after this step (never blocks on I/O)."""
+        ...
+
+    def request_finished(self, request: Request) -> None:
+        """Forget per-request state (the request finished or was aborted)."""
+        ...
+
+    def stats(self) -> KVCacheStatsLike | None:
+        """A snapshot of the connector's counters for the metrics, or None when it keeps none."""
+        ...
+
+    def close(self) -> None:
+        """Finish pending writes (bounded) and release connections; no hook is called afterwards."""
+        ...

