@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.outputs import FinishReason
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import EngineFactory, random_prompts, run_to_completion, tokens_of
 
@@ -74,3 +75,50 @@ def test_invalid_requests_raise_and_queue_nothing(make_engine: EngineFactory) ->
 def test_sampling_params_validation(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_one_token_prefill_chunk_samples_nothing(make_engine: EngineFactory) -> None:
+    """With one budget token left, a prompt gets a one-token chunk: attention-wise a decode, but no sample."""
+    prompts = {"a": list(range(1, 8)), "b": list(range(100, 120))}
+    engine = make_engine(max_num_batched_tokens=8)
+    engine.add_request("a", prompts["a"], SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request("b", prompts["b"], SamplingParams(max_tokens=4, temperature=0))
+    first = engine.step()  # a: 7 prompt tokens, b: 1 of 20
+    assert [o.request_id for o in first] == ["a"]
+    assert engine.requests["b"].num_output_tokens == 0 and engine.requests["b"].num_computed_tokens == 1
+    together = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in _drain(engine, first).items()}
+    for rid, prompt in prompts.items():
+        alone = run_to_completion(make_engine(), {rid: prompt}, SamplingParams(max_tokens=4, temperature=0))
+        assert together[rid] == tokens_of(alone[rid])
+
+
+def _drain(engine: LLMEngine, first: list[RequestOutput]) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+    for out in first:
+        outputs[out.request_id].append(out)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return outputs
+
+
+def test_prefix_lookups_counted_once_per_request(make_engine: EngineFactory) -> None:
+    """A request waiting for free blocks is looked up every step but counted once."""
+    engine = make_engine(num_blocks=8, max_model_len=128)  # 128 tokens of KV
+    params = SamplingParams(max_tokens=40, temperature=0)
+    engine.add_request("a", list(range(1, 81)), params)  # 5 blocks now, 8 at the end
+    engine.add_request("b", list(range(200, 260)), params)  # 4 blocks: waits until a is done
+    num_steps_b_waited = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps_b_waited += engine.get_stats().num_waiting
+    stats = engine.get_stats()
+    assert num_steps_b_waited > 10 and stats.num_preemptions == 0
+    assert stats.prefix_cache_queries == 80 + 60
+
+
+def test_stop_token_ids_outside_vocabulary_are_refused(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    with pytest.raises(ValueError, match="stop_token_ids must be below the vocabulary size 512"):
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=(512,)))
+    assert not engine.has_unfinished_requests()

@@ -11,7 +11,14 @@ from splitserve.keys import ROOT_HASH, cache_key, chunk_hashes, hash_block, hash
 
 TOKENS = list(range(1000, 1100))
 
-SCRIPT = f"import json; from splitserve.keys import hash_blocks; print(json.dumps(hash_blocks({TOKENS!r}, 16)))"
+# Python's hash() of small ints does not depend on PYTHONHASHSEED but its hash of bytes and str does, so the
+# child also hashes with extra key bytes and builds string keys: a hash()-based scheme would differ here.
+SCRIPT = (
+    "import json; from splitserve.keys import hash_blocks, hash_block, cache_key, kv_layout; "
+    f"hs = hash_blocks({TOKENS!r}, 16); "
+    f"print(json.dumps([hs, hash_block(7, {TOKENS[:16]!r}, b'lora-adapter'), "
+    "cache_key('smollm2', kv_layout('bfloat16', 30, 3, 64, 16), hs[-1])]))"
+)
 
 
 def test_hashes_identical_across_processes_with_different_hashseeds() -> None:
@@ -21,7 +28,12 @@ def test_hashes_identical_across_processes_with_different_hashseeds() -> None:
         out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True)
         results.append(json.loads(out.stdout))
     assert all(r == results[0] for r in results)
-    assert results[0] == hash_blocks(TOKENS, 16)
+    hashes = hash_blocks(TOKENS, 16)
+    assert results[0] == [
+        hashes,
+        hash_block(7, TOKENS[:16], b"lora-adapter"),
+        cache_key("smollm2", kv_layout("bfloat16", 30, 3, 64, 16), hashes[-1]),
+    ]
 
 
 def test_only_full_blocks_are_hashed_and_chained() -> None:

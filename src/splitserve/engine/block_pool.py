@@ -36,10 +36,6 @@ class BlockPool:
         return len(self._free)
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks

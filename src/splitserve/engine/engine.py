@@ -183,6 +183,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {min(prompt)}..{max(prompt)}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

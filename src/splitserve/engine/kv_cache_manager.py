@@ -22,9 +22,6 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already offered to the prefix cache
 
-    def blocks_of(self, request_id: str) -> list[KVBlock]:
-        return self._blocks.get(request_id, [])
-
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
 
@@ -32,7 +29,7 @@ class KVCacheManager:
         """The longest run of leading full blocks already cached, leaving at least one token to compute.
 
         At least one token must be computed to produce logits, so a fully cached prompt matches one block
-        less. Counts the lookup in ``stats``.
+        less. Does not count in ``stats`` (a request may be looked up again while it waits for blocks).
         """
         if not self.pool.enable_caching:
             return []
@@ -44,9 +41,12 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
-        self.stats.num_queries += request.num_tokens
-        self.stats.num_hits += len(found) * self.block_size
         return found
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's prefix-cache lookup; the scheduler calls it once, at first admission."""
+        self.stats.num_queries += num_tokens
+        self.stats.num_hits += num_hit_tokens
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the request's computed (and ``cached``) ones.

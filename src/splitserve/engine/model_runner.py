@@ -75,8 +75,10 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping, len(decodes), None, None, [])
         if decodes:
             meta.decode_slots, meta.decode_mask = self._decode_tables(decodes)
-        sample_indices = list(range(len(decodes)))
-        sampled = list(decodes)
+        # a one-token step is a decode for attention, but it samples only if it ends the prompt: it may be
+        # a one-token prefill chunk (the budget had one token left)
+        sample_indices = [i for i, s in enumerate(decodes) if s.completes_prompt]
+        sampled = [s for s in decodes if s.completes_prompt]
         offset = len(decodes)
         for s in prefills:
             num_ctx = s.request.num_computed_tokens + s.num_new_tokens

@@ -89,22 +89,30 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            fits, num_returned = self._allocate_or_preempt(request, num_new, out)
+            budget += num_returned
+            if not fits:
                 continue
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
             budget -= num_new
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate, preempting from the back of ``running`` until it fits; False if ``request`` itself went."""
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> tuple[bool, int]:
+        """Allocate, preempting from the back of ``running`` until it fits.
+
+        Returns (False if ``request`` itself was preempted, the budget tokens of victims already scheduled
+        this step, which the caller gets back).
+        """
+        num_returned = 0
         while not self.kv.allocate(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
+            num_returned += sum(s.num_new_tokens for s in out.scheduled if s.request is victim)
             out.scheduled = [s for s in out.scheduled if s.request is not victim]
             if victim is request:
-                return False
-        return True
+                return False, num_returned
+        return True, num_returned
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -149,6 +157,7 @@ class Scheduler:
             block_ids = self.kv.block_ids(request.request_id)
             loaded = self.connector.load(request, block_ids, num_cached, num_cached + num_external)
         if request.num_cached_tokens < 0:
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_cached_tokens = num_cached + loaded.num_tokens
             request.cached_tokens_by_source = (("engine", num_cached), *loaded.by_source)
         return loaded.num_tokens
