@@ -62,12 +62,20 @@ def test_completion_prompt_forms(prompt: object) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("n", 3), ("echo", True), ("logprobs", 1), ("frequency_penalty", 1.0), ("best_of", 2), ("suffix", "s"),
-     ("logit_bias", {"1": 2.0}), ("response_format", {"type": "json_schema"})],
+     ("logit_bias", {"1": 2.0}), ("response_format", {"type": "json_schema"}), ("skip_special_tokens", False),
+     ("stream_options", {"include_usage": True, "continuous_usage_stats": True})],
 )  # fmt: skip
 def test_unsupported_values_are_named(field: str, value: object) -> None:
     request = CompletionRequest.model_validate({"prompt": "p", field: value})
     reason = request.unsupported_reason()
     assert reason is not None and reason[0] == field
+
+
+def test_chat_template_kwargs_are_refused_not_ignored() -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": True}}
+    )
+    assert request.unsupported_reason() == ("chat_template_kwargs", "chat_template_kwargs are not supported")
 
 
 def test_unknown_field_error_names_the_field() -> None:

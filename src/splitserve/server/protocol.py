@@ -93,6 +93,12 @@ class _SamplingFields(_Strict):
             (self.repetition_penalty not in (None, 1.0), "repetition_penalty", "repetition_penalty is not supported"),
             (bool(self.logit_bias), "logit_bias", "logit_bias is not supported"),
             (self.min_p not in (None, 0.0), "min_p", "min_p is not supported"),
+            (not self.skip_special_tokens, "skip_special_tokens", "skip_special_tokens=false is not supported"),
+            (
+                bool(self.stream_options and self.stream_options.continuous_usage_stats),
+                "stream_options",
+                "continuous_usage_stats is not supported (include_usage is)",
+            ),
             (
                 self.response_format is not None and self.response_format.type != "text",
                 "response_format",
@@ -176,6 +182,8 @@ class ChatCompletionRequest(_SamplingFields):
             return "tool_choice", "tool_choice is not supported"
         if self.modalities not in (None, ["text"]):
             return "modalities", "only the text modality is supported"
+        if self.chat_template_kwargs:
+            return "chat_template_kwargs", "chat_template_kwargs are not supported"
         return None
 
     def requested_max_tokens(self) -> int | None:
