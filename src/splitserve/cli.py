@@ -160,15 +160,39 @@ def worker_command(
             _fail(f"{name} {size} is not supported: splitserve runs one engine per worker (use 1)")
     try:
         kv_tiers = KVTierConfig(
-            l1_cache, parse_bytes(l1_cache_bytes), l2_backend, l2_url, l2_path, parse_bytes(l2_max_bytes),
-            kv_chunk_size, save_decode_cache,
-        )  # fmt: skip
+            l1_cache=l1_cache,
+            l1_cache_bytes=parse_bytes(l1_cache_bytes),
+            l2_backend=l2_backend,
+            l2_url=l2_url,
+            l2_path=l2_path,
+            l2_max_bytes=parse_bytes(l2_max_bytes),
+            kv_chunk_size=kv_chunk_size,
+            save_decode_cache=save_decode_cache,
+        )
     except ValueError as exc:
         _fail(str(exc))
     engine_config = EngineConfig(
-        model=ModelConfig(model, dtype, device, max_model_len, seed, served_model_name, num_threads, quantization),
-        cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+        model=ModelConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            seed=seed,
+            served_model_name=served_model_name,
+            num_threads=num_threads,
+            quantization=quantization,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
         kv_tiers=kv_tiers,
     )
     if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
