@@ -149,8 +149,8 @@ _REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 class KVTierConfig:
     """The tiered KV cache outside the engine: L1 in this process's memory, L2 shared by every worker.
 
-    The engine loads whole chunks of a prompt from these tiers on admission and saves completed ones after
-    each step. Off (the default) when neither tier is enabled.
+    The engine loads chunks of a prompt (and a prompt's shorter tail of full blocks) from these tiers on
+    admission and saves completed ones after each step. Off (the default) when neither tier is enabled.
     """
 
     l1_cache: bool = False  # keep saved chunks in this process's memory (LRU)

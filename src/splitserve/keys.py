@@ -3,7 +3,9 @@
 Tokens are grouped in blocks of ``block_size`` tokens. A block's hash is xxh3-64, seeded with
 ``KEY_SEED``, over (parent block hash as 8 little-endian bytes, the block's token ids as little-endian
 uint32, extra key bytes). The first block's parent is ``ROOT_HASH``. Only full blocks are hashed. A chunk
-(``chunk_size`` tokens, a multiple of ``block_size``) is named by the hash of its last block.
+(``chunk_size`` tokens, a multiple of ``block_size``) is named by the hash of its last block, and so is a
+shorter stored run of blocks that starts at a chunk boundary (a prompt's tail): a name always covers the
+tokens from the chunk boundary at or before its block to the end of that block.
 
 Never Python's ``hash()``: that is salted per process, and these keys cross processes and machines.
 """

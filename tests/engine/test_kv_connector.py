@@ -70,13 +70,25 @@ def chunk_keys(layout: str, prompt: list[int]) -> list[str]:
     return [cache_key(MODEL_ID, layout, h) for h in hashes]
 
 
-def first_worker_stores(model: LlamaForCausalLM, layout: str, l2_dir: Path, cold: list[int]) -> None:
-    """Worker A: computes PROMPT, saves its chunks to L1 and the disk L2, and flushes."""
+def record_keys(layout: str, prompt: list[int]) -> list[str]:
+    """Keys of the records a worker saves for ``prompt``: its whole chunks, then its tail of full blocks if any."""
+    hashes = hash_blocks(prompt, BLOCK)
+    keys = chunk_keys(layout, prompt)
+    if len(hashes) % (CHUNK // BLOCK):
+        keys.append(cache_key(MODEL_ID, layout, hashes[-1]))
+    return keys
+
+
+def first_worker_stores(
+    model: LlamaForCausalLM, layout: str, l2_dir: Path, cold: list[int], prompt: list[int] = PROMPT
+) -> int:
+    """Worker A: computes ``prompt``, saves its records to L1 and the disk L2, and flushes; returns the records."""
     connector = KVConnector(make_store(layout, DiskTier(l2_dir, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
     engine_a = make_engine(model, connector)
-    assert tokens_of(run_to_completion(engine_a, {"a": PROMPT}, GREEDY)["a"]) == cold
+    assert tokens_of(run_to_completion(engine_a, {"a": prompt}, GREEDY)["a"]) == cold
     assert connector.store.flush(timeout_s=10)
     engine_a.close()
+    return connector.stats().num_saved_chunks
 
 
 def loaded_slots(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.Tensor:
@@ -137,6 +149,57 @@ def test_engine_prefix_then_tiers_resume_mid_chunk(
     kv = connector.stats()
     assert (kv.num_lookup_tokens, kv.num_hit_tokens_l2) == (len(PROMPT) - 48, 6 * CHUNK - 48)
     engine_b.close()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_records"),
+    [
+        (245, 8),  # 7 chunks + a 1-block tail [224, 240); 5 tokens past the last full block
+        (240, 8),  # the tail's last block holds the final token: loaded up to it, which is computed
+        (256, 8),  # 8 whole chunks, no tail; the last chunk is loaded up to the final token
+        (207, 6),  # 6 whole chunks and no full block after them
+    ],
+)
+def test_another_worker_computes_less_than_a_block_of_any_prompt(
+    tiny_model: LlamaForCausalLM, layout: str, tmp_path: Path, num_tokens: int, num_records: int
+) -> None:
+    prompt = random_prompts(1, num_tokens, num_tokens, seed=num_tokens)["r0"]
+    cold = tokens_of(run_to_completion(build_engine(tiny_model), {"r": prompt}, GREEDY)["r"])
+    assert first_worker_stores(tiny_model, layout, tmp_path, cold, prompt) == num_records
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    engine_b = make_engine(tiny_model, connector)
+    engine_b.add_request("b", prompt, GREEDY)
+    out = engine_b.step()  # admission loads every full block but never the final token, then computes the rest
+    num_loaded = min(num_tokens // BLOCK * BLOCK, num_tokens - 1)
+    expected_kv = stored_kv(tmp_path, layout, record_keys(layout, prompt))[:, :, :num_loaded]
+    assert torch.equal(loaded_slots(engine_b, "b", num_loaded), expected_kv)
+    while engine_b.has_unfinished_requests():
+        out.extend(engine_b.step())
+    assert tokens_of(out) == cold
+    assert out[-1].num_cached_tokens == num_loaded and num_tokens - num_loaded < BLOCK
+    assert connector.stats().num_hit_tokens_l2 == num_loaded
+    assert connector.stats().num_saved_chunks == 0  # every record it could save came from L2
+
+    engine_b.pool.reset_prefix_cache()  # now B's L1 (promoted records) serves the whole run, tail included
+    again = run_to_completion(engine_b, {"b2": prompt}, GREEDY)["b2"]
+    assert tokens_of(again) == cold and connector.stats().num_hit_tokens_l1 == num_loaded
+    engine_b.close()
+
+
+def test_a_longer_prompt_loads_the_tail_of_a_shorter_one(
+    tiny_model: LlamaForCausalLM, layout: str, tmp_path: Path
+) -> None:
+    """A follow-up turn: its chunk 7 was never stored whole, but the first turn's tail [224, 240) was."""
+    first_turn = random_prompts(1, 245, 245, seed=245)["r0"]
+    follow_up = first_turn + random_prompts(1, 40, 40, seed=1)["r0"]
+    cold_first, cold = (
+        tokens_of(run_to_completion(build_engine(tiny_model), {"r": p}, GREEDY)["r"]) for p in (first_turn, follow_up)
+    )
+    first_worker_stores(tiny_model, layout, tmp_path, cold_first, first_turn)
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    out = run_to_completion(make_engine(tiny_model, connector), {"b": follow_up}, GREEDY)["b"]
+    assert tokens_of(out) == cold and out[-1].num_cached_tokens == 240
+    assert connector.stats().num_saved_chunks == 2  # chunk 7 whole (its tail was loaded) and chunk 8's tail
 
 
 @pytest.mark.parametrize("fault", ["bit_flip_in_l2", "foreign_layout_in_l2", "bit_flip_in_l1"])

@@ -45,6 +45,18 @@ class RaisingTier(CPUTier):
         raise RuntimeError("a bug in a tier")
 
 
+class AskedTier(CPUTier):
+    """An L2 that records which keys ``contains_many`` was asked about."""
+
+    def __init__(self) -> None:
+        super().__init__(max_bytes=10**6, name="l2")
+        self.asked: list[str] = []
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        self.asked.extend(keys)
+        return super().contains_many(keys)
+
+
 @pytest.fixture
 def tiers() -> Iterator[tuple[TieredStore, CPUTier, CPUTier]]:
     l1, l2 = CPUTier(10**6, name="l1"), CPUTier(10**6, name="l2")
@@ -86,6 +98,33 @@ class TestLookup:
         fill(l2, [0])
         store.lookup(KEYS)
         assert l2.stats().num_hits == 0 and l1.stats().num_misses == 0
+
+
+class TestFirstHeld:
+    """The first of several candidate keys held anywhere (a prompt's tail: its longest shorter record)."""
+
+    def test_an_earlier_key_in_l2_wins_over_a_later_one_in_l1(
+        self, tiers: tuple[TieredStore, CPUTier, CPUTier]
+    ) -> None:
+        store, l1, l2 = tiers
+        fill(l1, [3])
+        fill(l2, [1, 4])
+        assert store.first_held(KEYS) == (1, False)
+        assert store.first_held(KEYS[2:]) == (1, True)  # key 3, in L1
+
+    def test_l2_is_asked_only_about_the_keys_before_the_first_l1_hit(self) -> None:
+        l1, l2 = CPUTier(10**6, name="l1"), AskedTier()
+        store = TieredStore(l1, l2)
+        fill(l1, [2])
+        assert store.first_held(KEYS) == (2, True) and l2.asked == KEYS[:2]
+        l2.asked.clear()
+        fill(l1, [0])
+        assert store.first_held(KEYS) == (0, True) and l2.asked == []
+        store.close()
+
+    def test_none_when_no_key_is_held(self, tiers: tuple[TieredStore, CPUTier, CPUTier]) -> None:
+        store, _, _ = tiers
+        assert store.first_held(KEYS) is None and store.first_held([]) is None
 
 
 class TestGetPrefix:

@@ -9,7 +9,7 @@ import torch
 
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.model.attention import AttentionMetadata, PrefillChunk, causal_mask
+from splitserve.model.attention import AttentionMetadata, PrefillChunk, causal_blocked
 from splitserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ class ModelRunner:
         offset = len(decodes)
         for s in prefills:
             num_ctx = s.request.num_computed_tokens + s.num_new_tokens
-            mask = causal_mask(s.num_new_tokens, num_ctx, self.group, self.device)
+            blocked = causal_blocked(s.num_new_tokens, num_ctx, self.group, self.device)
             context_slots = self._context_slots(s.block_ids, num_ctx)
-            meta.prefills.append(PrefillChunk(s.num_new_tokens, context_slots, num_ctx, mask))
+            meta.prefills.append(PrefillChunk(s.num_new_tokens, context_slots, num_ctx, blocked))
             offset += s.num_new_tokens
             if s.completes_prompt:
                 sample_indices.append(offset - 1)

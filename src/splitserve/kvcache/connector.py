@@ -1,15 +1,24 @@
 """The engine <-> TieredStore connector: load stored chunks on admission, save completed chunks after each step.
 
-A chunk is ``chunk_size`` tokens (a multiple of the block size) at a chunk-aligned position of a request, named
-by ``keys.cache_key(model_id, layout, hash of its last block)``; its record holds the KV of all its tokens
-across all layers, ``[layers, 2, chunk_size, kv_heads, head_dim]`` (``serde``). Loads are contiguous from the
-end of the engine's own prefix-cache match and never include the request's last token; a record that fails to
-decode or has another layout is a miss (discarded, counted), and the engine recomputes from there. Saves go
-through ``TieredStore.put``: L1 at once, L2 from the store's writer thread (a full queue drops, never blocks).
+A record holds the KV of a run of whole blocks that starts at a chunk boundary (``chunk_size`` tokens, a
+multiple of the block size) and ends at most at the next one: ``[layers, 2, num_tokens, kv_heads, head_dim]``
+(``serde``). It is named by ``keys.cache_key(model_id, layout, hash of its last block)``, so a key alone says
+which tokens its record covers: those from the chunk boundary at or before its last block to the end of that
+block. Whole chunks are the common record; the *tail* of a prompt (its full blocks past the last whole chunk)
+is saved as one shorter record, as LMCache's ``save_unfull_chunk`` does, so another worker recomputes fewer
+than ``block_size`` tokens of a prompt it never saw.
 
-What is saved: the prompt's full chunks, unless ``save_prompt`` is off (the decode role: its prompt KV came
-from a prefill worker, which saved it), plus the chunks of generated tokens when ``save_decode`` is on.
-Chunks the request got from a cache at admission are not saved again.
+Loads are contiguous from the end of the engine's own prefix-cache match: whole chunks first, then, in the
+chunk where they stop, the longest shorter record (tried from the request's last full block downwards: its
+own tail, or that of an earlier prompt it extends). They never include the request's last token, so a record
+holding it is loaded only up to it. A record that fails to decode or has another layout is a miss (discarded,
+counted), and the engine recomputes from there. Saves go through ``TieredStore.put``: L1 at once, L2 from the
+store's writer thread (a full queue drops, never blocks).
+
+What is saved: the prompt's whole chunks and, once the prompt is computed, its tail, unless ``save_prompt``
+is off (the decode role: its prompt KV came from a prefill worker, which saved it), plus the whole chunks of
+generated tokens when ``save_decode`` is on. Records the request got from a cache at admission are not saved
+again.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from splitserve.kvcache import serde
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier
-from splitserve.kvcache.store import PrefixHit, TieredStore
+from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
 
 logger = logging.getLogger(__name__)
@@ -46,9 +55,18 @@ class KVCacheStats:
     num_hit_tokens_l1: int = 0
     num_hit_tokens_l2: int = 0
     num_invalid_records: int = 0  # records that failed to decode (or L2 validation): recomputed, discarded
-    num_saved_chunks: int = 0  # chunks handed to the store
+    num_saved_chunks: int = 0  # records (whole chunks and prompt tails) handed to the store
     num_queue_drops: int = 0  # L2 writes dropped because the store's queue was full
     tiers: dict[str, TierStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """One stored record of a request: its key and the token positions ``[start, end)`` it covers."""
+
+    key: str
+    start: int  # a chunk boundary
+    end: int  # a block boundary, at most the next chunk boundary
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +74,8 @@ class _Lookup:
     """The answer to one admission-time lookup, kept until the request is admitted (load) or ends."""
 
     num_cached: int  # the engine's match the lookup started from
-    first_chunk: int  # index of the first chunk looked up
-    hit: PrefixHit  # leading chunks held from ``first_chunk`` on
+    records: tuple[_Record, ...]  # held in L1 or L2, contiguous from the chunk holding token ``num_cached``
+    num_in_l1: int  # of those, the leading ones held in L1
     num_external: int  # tokens after ``num_cached`` that can be loaded
 
 
@@ -92,9 +110,8 @@ class KVConnector:
         self.save_decode = save_decode
         self._kv_cache: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, head_dim]
         self._block_size = 0
-        self._chunk_shape: tuple[int, ...] = ()
         self._lookups: dict[str, _Lookup] = {}
-        self._num_saved_chunks: dict[str, int] = {}  # leading chunks of a request that are stored or cached
+        self._num_saved_tokens: dict[str, int] = {}  # leading tokens of a request that are stored or cached
         self._stats = KVCacheStats()
 
     def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
@@ -109,7 +126,6 @@ class KVConnector:
             raise ValueError(f"chunk size {self.chunk_size} is not a multiple of the block size {block_size}")
         self._kv_cache = kv_cache
         self._block_size = block_size
-        self._chunk_shape = (num_layers, 2, self.chunk_size, num_heads, head_dim)
 
     # -- admission ----------------------------------------------------------------------------------------
 
@@ -121,50 +137,91 @@ class KVConnector:
         return lookup.num_external
 
     def _lookup(self, request: Request, num_cached: int) -> _Lookup:
+        """Whole chunks held from the one holding ``num_cached`` on, then the longest shorter record after them.
+
+        The shorter record is the prompt's own tail, or that of an earlier prompt this one extends (a
+        follow-up turn), whose chunk was never stored whole.
+        """
+        if self._kv_cache is None or num_cached >= request.num_tokens - 1:
+            return _Lookup(num_cached, (), 0, 0)
+        per_chunk = self.chunk_size // self._block_size
+        num_full_blocks = request.num_tokens // self._block_size
         first = num_cached // self.chunk_size
-        max_chunks = (request.num_tokens - 1) // self.chunk_size  # never the last token
-        if first >= max_chunks or self._kv_cache is None:
-            return _Lookup(num_cached, first, PrefixHit(0, 0), 0)
-        hit = self.store.lookup(self._chunk_keys(request, first, max_chunks))
-        num_external = (first + hit.num_in_l1_or_l2) * self.chunk_size - num_cached
-        return _Lookup(num_cached, first, hit, max(0, num_external))
+        chunks = [self._record(request, (i + 1) * per_chunk - 1) for i in range(first, num_full_blocks // per_chunk)]
+        hit = self.store.lookup([r.key for r in chunks])
+        records, num_in_l1 = chunks[: hit.num_in_l1_or_l2], hit.num_in_l1
+        tail = self._find_tail(request, first + len(records), num_cached)  # where the whole chunks stop
+        if tail is not None:
+            record, is_in_l1 = tail
+            if is_in_l1 and num_in_l1 == len(records):
+                num_in_l1 += 1
+            records.append(record)
+        if not records:
+            return _Lookup(num_cached, (), 0, 0)
+        num_external = min(records[-1].end, request.num_tokens - 1) - num_cached
+        return _Lookup(num_cached, tuple(records), num_in_l1, max(0, num_external))
+
+    def _find_tail(self, request: Request, chunk: int, num_cached: int) -> tuple[_Record, bool] | None:
+        """The longest shorter record in chunk ``chunk`` that reaches past ``num_cached``, and whether in L1.
+
+        Candidates end at the request's full blocks inside the chunk (not its last block: that is a whole
+        chunk), longest first, so a record covering the request's final token is loaded only up to it.
+        """
+        per_chunk = self.chunk_size // self._block_size
+        last = min(request.num_tokens // self._block_size, (chunk + 1) * per_chunk - 1) - 1
+        lowest = max(chunk * per_chunk, num_cached // self._block_size)
+        candidates = [self._record(request, j) for j in range(last, lowest - 1, -1)]
+        found = self.store.first_held([r.key for r in candidates]) if candidates else None
+        if found is None:
+            return None
+        index, is_in_l1 = found
+        return candidates[index], is_in_l1
 
     def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
         lookup = self._lookups.pop(request.request_id, None)
         stats = self._stats
         stats.num_lookup_tokens += request.num_tokens - start_token
         stats.num_lookup_hits += lookup.num_external if lookup is not None else 0
-        num_loaded = 0
+        num_loaded, saved_end = 0, start_token
         if end_token > start_token and lookup is not None and lookup.num_cached == start_token:
-            num_loaded = self._load_chunks(request, block_ids, start_token, end_token)
-        self._num_saved_chunks[request.request_id] = (start_token + num_loaded) // self.chunk_size
+            num_loaded, saved_end = self._load_records(lookup.records, block_ids, start_token, end_token)
+        rid = request.request_id
+        self._num_saved_tokens[rid] = max(saved_end, self._num_saved_tokens.get(rid, 0))  # kept over preemption
         if num_loaded == 0 or lookup is None:
             return LoadedTokens()
         return self._count_loaded(lookup, start_token, num_loaded)
 
-    def _load_chunks(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> int:
-        """Copy the chunks covering ``[start_token, end_token)`` into the blocks; returns the tokens loaded."""
-        first, end = start_token // self.chunk_size, end_token // self.chunk_size
-        keys = self._chunk_keys(request, first, end)
-        num_loaded = 0
-        for i, value in enumerate(self.store.get_prefix(keys)):
-            chunk_start = (first + i) * self.chunk_size
+    def _load_records(
+        self, records: tuple[_Record, ...], block_ids: list[int], start_token: int, end_token: int
+    ) -> tuple[int, int]:
+        """Copy the records' KV of ``[start_token, end_token)`` into the blocks.
+
+        Returns the tokens loaded from ``start_token`` and the end of the last record loaded (the request's
+        tokens known to be stored).
+        """
+        keys = [r.key for r in records]
+        num_loaded, saved_end = 0, start_token
+        for record, value in zip(records, self.store.get_prefix(keys), strict=False):
             try:
-                kv = serde.decode(value, self.layout, self._chunk_shape)  # [layers, 2, chunk, heads, dim]
+                kv = serde.decode(value, self.layout, self._record_shape(record.end - record.start))
             except serde.RecordError as exc:
-                logger.warning("KV connector: %s is a miss, recomputing from token %d: %s", keys[i], chunk_start, exc)
+                logger.warning(
+                    "KV connector: %s is a miss, recomputing from token %d: %s", record.key, record.start, exc
+                )
                 self._stats.num_invalid_records += 1
-                self.store.discard(keys[i])
+                self.store.discard(record.key)
                 break
-            lo = max(start_token, chunk_start)  # the engine may already hold the chunk's head
-            self._write_slots(block_ids, lo, chunk_start + self.chunk_size, kv[:, :, lo - chunk_start :])
-            num_loaded = chunk_start + self.chunk_size - start_token
-        return num_loaded
+            lo, hi = max(start_token, record.start), min(end_token, record.end)  # the engine may hold the head
+            self._write_slots(block_ids, lo, hi, kv[:, :, lo - record.start : hi - record.start])
+            num_loaded, saved_end = hi - start_token, record.end
+            if hi == end_token:
+                break
+        return num_loaded, saved_end
 
     def _count_loaded(self, lookup: _Lookup, start_token: int, num_loaded: int) -> LoadedTokens:
-        """Split the loaded run by tier: chunks the lookup found in L1 first, the rest from L2."""
-        l1_end = min((lookup.first_chunk + lookup.hit.num_in_l1) * self.chunk_size, start_token + num_loaded)
-        from_l1 = max(0, l1_end - start_token)
+        """Split the loaded run by tier: records the lookup found in L1 first, the rest from L2."""
+        l1_end = lookup.records[lookup.num_in_l1 - 1].end if lookup.num_in_l1 else start_token
+        from_l1 = max(0, min(l1_end, start_token + num_loaded) - start_token)
         from_l2 = num_loaded - from_l1
         stats = self._stats
         stats.num_hit_tokens += num_loaded
@@ -178,23 +235,36 @@ class KVConnector:
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
         if not self.save_prompt or self._kv_cache is None:
             return
+        records = self._records_to_save(request, self._num_saved_tokens.get(request.request_id, 0))
+        for record in records:
+            kv = self._read_slots(block_ids, record.start, record.end)
+            self.store.put(record.key, serde.encode(kv, record.end - record.start, self.layout))
+        if records:
+            self._stats.num_saved_chunks += len(records)
+            self._num_saved_tokens[request.request_id] = records[-1].end
+
+    def _records_to_save(self, request: Request, num_saved: int) -> list[_Record]:
+        """The whole chunks computed past ``num_saved`` tokens, then the prompt's tail once it is computed."""
         limit = request.num_computed_tokens
         if not self.save_decode:
             limit = min(limit, request.num_prompt_tokens)
+        per_chunk = self.chunk_size // self._block_size
         num_chunks = limit // self.chunk_size
-        start = self._num_saved_chunks.get(request.request_id, 0)
-        if num_chunks <= start:
-            return
-        keys = self._chunk_keys(request, start, num_chunks)
-        for i, key in enumerate(keys, start):
-            kv = self._read_slots(block_ids, i * self.chunk_size, (i + 1) * self.chunk_size)
-            self.store.put(key, serde.encode(kv, self.chunk_size, self.layout))
-        self._stats.num_saved_chunks += len(keys)
-        self._num_saved_chunks[request.request_id] = num_chunks
+        records = [
+            self._record(request, (i + 1) * per_chunk - 1) for i in range(num_saved // self.chunk_size, num_chunks)
+        ]
+        tail_end = request.num_prompt_tokens // self._block_size * self._block_size
+        if (
+            request.num_computed_tokens >= request.num_prompt_tokens
+            and tail_end % self.chunk_size
+            and tail_end > max(num_saved, num_chunks * self.chunk_size)
+        ):
+            records.append(self._record(request, tail_end // self._block_size - 1))
+        return records
 
     def request_finished(self, request: Request) -> None:
         self._lookups.pop(request.request_id, None)
-        self._num_saved_chunks.pop(request.request_id, None)
+        self._num_saved_tokens.pop(request.request_id, None)
 
     # -- stats and life cycle -----------------------------------------------------------------------------
 
@@ -214,11 +284,18 @@ class KVConnector:
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _chunk_keys(self, request: Request, first: int, end: int) -> list[str]:
-        """Keys of chunks ``first .. end-1`` of the request (all of whose blocks are full)."""
+    def _record(self, request: Request, last_block: int) -> _Record:
+        """The record ending with the request's full block ``last_block``, from the chunk boundary before it."""
         hashes = request.update_block_hashes(self._block_size)
-        per_chunk = self.chunk_size // self._block_size
-        return [cache_key(self.model_id, self.layout, hashes[(i + 1) * per_chunk - 1]) for i in range(first, end)]
+        end = (last_block + 1) * self._block_size
+        start = last_block * self._block_size // self.chunk_size * self.chunk_size
+        return _Record(cache_key(self.model_id, self.layout, hashes[last_block]), start, end)
+
+    def _record_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """``[layers, 2, num_tokens, kv_heads, head_dim]`` of a record in the engine's layout."""
+        assert self._kv_cache is not None
+        num_layers, _, _, num_heads, head_dim = self._kv_cache.shape
+        return (num_layers, 2, num_tokens, num_heads, head_dim)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """KV slots of token positions ``[start, end)``, on the cache's device."""

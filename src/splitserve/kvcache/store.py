@@ -96,6 +96,19 @@ class TieredStore:
         num_after = _num_leading(a or b for a, b in zip(in_l1[num_in_l1:], in_l2, strict=True))
         return PrefixHit(num_in_l1, num_in_l1 + num_after)
 
+    def first_held(self, keys: Sequence[str]) -> tuple[int, bool] | None:
+        """The index of the first of ``keys`` held in L1 or L2 and whether it is in L1; None when none is.
+
+        Reads no values; L2 is asked only about the keys before the first one held in L1.
+        """
+        in_l1 = self.l1.contains_many(keys)
+        num_before_l1 = in_l1.index(True) if True in in_l1 else len(keys)
+        if self.l2 is not None and num_before_l1:
+            for i, is_held in enumerate(self.l2.contains_many(keys[:num_before_l1])):
+                if is_held:
+                    return i, False
+        return (num_before_l1, True) if num_before_l1 < len(keys) else None
+
     def get_prefix(self, chunk_keys: Sequence[str]) -> list[bytes]:
         """Values of the longest available leading run of ``chunk_keys`` (L1 first, then L2).
 

