@@ -8,9 +8,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from tests.e2e.test_worker_e2e import STARTUP_TIMEOUT_S, free_port
+from tests.e2e.workers import WorkerProcess
 from tests.integration.test_redis_tier import RedisServer
 
 pytestmark = [
@@ -40,34 +37,14 @@ def long_prompt(num_facts: int, topic: str) -> str:
     return " ".join(facts) + f" Question: how many marbles does the {topic} number 3 hold? Answer:"
 
 
-class TierWorker:
+class TierWorker(WorkerProcess):
     """A worker process with L1 and a Redis L2; its output goes to a log file."""
 
     def __init__(self, log_path: Path, redis_url: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [sys.executable, "-c", "from splitserve.cli import main; main()", "worker", "--model", "smollm2",
-                   "--port", str(self.port), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096",
-                   "--max-num-seqs", "4", "--kv-cache-memory", "320MiB", "--l1-cache", "--l1-cache-bytes", "256MiB",
-                   "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"worker exited early:\n{self.logs()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT_S} s:\n{self.logs()}")
+        args = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096", "--max-num-seqs", "4",
+                "--kv-cache-memory", "320MiB", "--l1-cache", "--l1-cache-bytes", "256MiB",
+                "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
+        super().__init__(log_path, args)
 
     def complete(self, prompt: str, max_tokens: int = 12) -> httpx.Response:
         body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -80,16 +57,6 @@ class TierWorker:
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")

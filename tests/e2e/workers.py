@@ -1,0 +1,63 @@
+"""A real ``splitserve worker`` subprocess for end-to-end tests: start, wait for health, stop, read its log."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class WorkerProcess:
+    """``splitserve worker --model smollm2 --port <free> <args>``; stdout and stderr go to ``log_path``."""
+
+    def __init__(self, log_path: Path, args: Sequence[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-c", "from splitserve.cli import main; main()", "worker", "--model", "smollm2",
+                   "--port", str(self.port), *args]  # fmt: skip
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> None:
+        """Return once ``/health`` is 200; fail with the log if the process exits or takes too long."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"worker exited early:\n{self.logs()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT_S} s:\n{self.logs()}")
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 20 s; returns the exit status (-9 when it had to be killed)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return -9
+        finally:
+            self._log.close()
