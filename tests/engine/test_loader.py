@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,29 +17,33 @@ from splitserve.model import registry
 from splitserve.model.config import LlamaConfig
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import gguf_to_hf_name, load_gguf, load_safetensors_folder
+from splitserve.model.reference import transformers_config
 from splitserve.model.registry import resolve_dtype
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 ROPE_THETA = 50000.0
 
 
+TINY = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    rope_theta=ROPE_THETA,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def tiny_hf(tie: bool) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = transformers_config(dataclasses.replace(TINY, tie_word_embeddings=tie))
     model = transformers.LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -149,21 +154,7 @@ def test_gguf_tensors_come_back_unpermuted_and_dequantized(tmp_path: Path, qtype
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(state[name], roundtrip(tensor.numpy(), qtype), rtol=0, atol=0, msg=name)
-    assert config == LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    assert config == TINY
 
 
 def test_f32_gguf_gives_transformers_logits(tmp_path: Path) -> None:
