@@ -9,7 +9,7 @@ import torch
 
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.model.attention import AttentionMetadata, PrefillChunk, causal_blocked
+from splitserve.model.attention import AttentionMetadata, PrefillChunk, causal_blocked, token_slots
 from splitserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -99,12 +99,10 @@ class ModelRunner:
 
     def _slots_for(self, scheduled: list[ScheduledRequest], positions: list[int]) -> torch.Tensor:
         """The KV slot of every input token: its block (from the request's table) and offset in it."""
-        bs = self.block_size
         slots: list[int] = []
         start = 0
         for s in scheduled:
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in positions[start : start + s.num_new_tokens])
+            slots.extend(token_slots(s.block_ids, positions[start : start + s.num_new_tokens], self.block_size))
             start += s.num_new_tokens
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 

@@ -38,6 +38,7 @@ from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
+from splitserve.model.attention import token_slots
 
 logger = logging.getLogger(__name__)
 
@@ -300,9 +301,8 @@ class KVConnector:
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """KV slots of token positions ``[start, end)``, on the cache's device."""
         assert self._kv_cache is not None
-        bs = self._block_size
-        positions = range(start, end)
-        return torch.tensor([block_ids[p // bs] * bs + p % bs for p in positions], device=self._kv_cache.device)
+        slots = token_slots(block_ids, range(start, end), self._block_size)
+        return torch.tensor(slots, device=self._kv_cache.device)
 
     def _read_slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         assert self._kv_cache is not None

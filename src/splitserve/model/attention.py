@@ -11,6 +11,7 @@ in the order of ``prefills``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,11 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [B, max_context] int64 context slots per decode sequence, padded
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_context] bool: True where a context slot is real
     prefills: list[PrefillChunk]
+
+
+def token_slots(block_ids: Sequence[int], positions: Iterable[int], block_size: int) -> list[int]:
+    """The KV slot of each token position of a request whose block table is ``block_ids``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def write_kv(
