@@ -7,6 +7,7 @@ everything below them receives these objects.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass, field
 from enum import StrEnum
 from urllib.parse import urlsplit, urlunsplit
@@ -217,7 +218,26 @@ class ServerConfig:
     role: Role = Role.COLOCATED
     max_request_body_bytes: int = 16 << 20
     max_tokens_limit: int | None = None  # None: max_model_len
+    kv_events_url: str | None = None  # where KV events go (the router's /kv/events); None: not sent
+    worker_id: str | None = None  # None: host:port
+    advertise_url: str | None = None  # how others reach this worker; None: http://host:port
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for flag, url in (("--kv-events-url", self.kv_events_url), ("--advertise-url", self.advertise_url)):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{flag} must start with http:// or https://, got {url!r}")
+
+    @property
+    def url(self) -> str:
+        """The base URL other processes reach this worker at."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        return f"http://{host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """The worker's id in KV events and router logs."""
+        return self.worker_id or self.url.split("://", 1)[1]

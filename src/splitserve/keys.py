@@ -65,3 +65,8 @@ def kv_layout(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, blo
 def cache_key(model_id: str, layout: str, block_hash: int) -> str:
     """The full namespaced key of a chunk or block: ``splitserve:v1:{model_id}:{layout}:{hash:016x}``."""
     return f"splitserve:{KEY_FORMAT_VERSION}:{model_id}:{layout}:{block_hash:016x}"
+
+
+def hash_of_key(key: str) -> int:
+    """The block hash a ``cache_key`` names (its last field)."""
+    return int(key.rsplit(":", 1)[1], 16)

@@ -8,6 +8,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -17,7 +18,8 @@ import torch
 from splitserve.config import CacheConfig, EngineConfig, KVTierConfig, L2Backend, ModelConfig, Role, SchedulerConfig
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.keys import cache_key, chunk_hashes, hash_blocks, kv_layout
+from splitserve.keys import cache_key, chunk_hashes, hash_blocks, hash_of_key, kv_layout
+from splitserve.kv_events import Tier
 from splitserve.kvcache import serde
 from splitserve.kvcache.connector import KVConnector, build_connector
 from splitserve.kvcache.cpu import CPUTier
@@ -363,3 +365,46 @@ def test_l1_only_logs_its_size(layout: str, caplog: pytest.LogCaptureFixture) ->
     assert any(
         "LMCacheManager initialized successfully: L1 cpu 1.00 GiB, L2 off" in r.getMessage() for r in caplog.records
     )
+
+
+class RecordingSink:
+    """A ``KVEventSink`` that keeps what each tier holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[Tier, set[int]] = {tier: set() for tier in Tier}
+
+    def stored(self, tier: Tier, hashes: Iterable[int]) -> None:
+        self.held[tier].update(hashes)
+
+    def removed(self, tier: Tier, hashes: Iterable[int]) -> None:
+        self.held[tier].difference_update(hashes)
+
+
+def test_lookup_and_events_name_what_each_tier_holds(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)  # L2 holds PROMPT's records
+    sink = RecordingSink()
+    store = TieredStore(CPUTier(64 << 20), DiskTier(tmp_path, 1 << 30), events=sink)
+    connector = KVConnector(store, MODEL_ID, layout, chunk_size=CHUNK)
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=1024),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=256),
+    )
+    engine = LLMEngine(config, tiny_model, None, "test", torch.device("cpu"), connector, sink)
+    loadable = (len(PROMPT) - 1) // BLOCK * BLOCK  # L2 holds the tail too, so every full block but the last token
+    assert engine.lookup_prefix(PROMPT) == {"engine": 0, "l1": 0, "l2": loadable}
+
+    other = random_prompts(1, 40, 40, seed=99)["r0"]
+    run_to_completion(engine, {"o": other}, GREEDY)
+    assert set(hash_blocks(other, BLOCK)) <= sink.held[Tier.ENGINE]  # its prompt's blocks (and generated ones)
+    assert engine.lookup_prefix(other + [1, 2, 3])["engine"] == 32  # two full blocks of the 40-token prompt
+
+    assert tokens_of(run_to_completion(engine, {"p": PROMPT}, GREEDY)["p"]) == cold_tokens  # loads from L2
+    assert engine.lookup_prefix(PROMPT)["engine"] == (len(PROMPT) - 1) // BLOCK * BLOCK
+    promoted = {hash_of_key(k) for k in record_keys(layout, PROMPT)}
+    assert promoted <= sink.held[Tier.L1]  # L2 hits were promoted into L1
+    engine.pool.reset_prefix_cache()
+    assert not sink.held[Tier.ENGINE]
+    assert engine.lookup_prefix(PROMPT) == {"engine": 0, "l1": loadable, "l2": 0}
+    engine.close()

@@ -65,6 +65,7 @@ class FakeEngine:
 
     max_model_len: int = 128
     model_name: str = "fake-model"
+    vocab_size: int = VOCAB_SIZE
     step_delay_s: float = 0.0
     fail_on_step: bool = False
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
@@ -75,6 +76,7 @@ class FakeEngine:
     caller_threads: set[int] = field(default_factory=set)
     num_prompt_tokens: int = 0
     is_closed: bool = False
+    seen_prompts: list[list[int]] = field(default_factory=list)
 
     def _called(self) -> None:
         self.caller_threads.add(threading.get_ident())
@@ -87,6 +89,7 @@ class FakeEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if any(not 0 <= t < VOCAB_SIZE for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+        self.seen_prompts.append(list(prompt_token_ids))
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
         self.requests[request_id] = _FakeRequest(list(prompt_token_ids), params)
@@ -145,6 +148,11 @@ class FakeEngine:
             prefix_cache_queries=self.num_prompt_tokens,
             num_prompt_tokens=self.num_prompt_tokens,
         )
+
+    def lookup_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        """Pretends the 4-token blocks of any earlier prompt this one extends are cached (not the last token)."""
+        seen = max((len(ids) for ids in self.seen_prompts if prompt_token_ids[: len(ids)] == ids), default=0)
+        return {"engine": min(seen, len(prompt_token_ids) - 1) // 4 * 4, "l1": 0, "l2": 0}
 
     def close(self) -> None:
         self._called()

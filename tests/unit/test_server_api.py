@@ -130,6 +130,30 @@ class TestResponses:
         assert http.post("/v1/completions", json=body).status_code == 200
 
 
+class TestKVLookup:
+    def test_a_seen_prefix_is_reported_per_tier(self, http: httpx.Client) -> None:
+        prompt = "The KV lookup endpoint reports held tokens"
+        assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+        body = http.post("/kv/lookup", json={"prompt": prompt + " and more"}).json()
+        assert body["num_tokens"] == len(prompt) + 9
+        assert body["matched_tokens"] == {"engine": len(prompt) // 4 * 4, "l1": 0, "l2": 0}
+        assert body["num_matched_tokens"] == len(prompt) // 4 * 4
+
+    def test_token_ids_and_messages_are_accepted(self, http: httpx.Client) -> None:
+        assert http.post("/kv/lookup", json={"token_ids": [5, 6, 7]}).json()["num_tokens"] == 3
+        messages = [{"role": "user", "content": "hi"}]
+        assert http.post("/kv/lookup", json={"messages": messages}).json()["num_tokens"] == len("<user>hi\n<assistant>")
+
+    @pytest.mark.parametrize(
+        "body",
+        [{}, {"prompt": "a", "token_ids": [1]}, {"token_ids": []}, {"token_ids": [-1]}, {"prompt": "a", "x": 1}],
+    )
+    def test_bad_lookups_are_400(self, http: httpx.Client, body: dict[str, Any]) -> None:
+        r = http.post("/kv/lookup", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"]
+
+
 class TestStreaming:
     def test_completion_stream_chunks_usage_and_done(self, http: httpx.Client) -> None:
         body = {"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}

@@ -29,6 +29,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}
+        self.on_cache: Callable[[int], None] | None = None  # called with a hash when a block starts holding it
         self.on_evict: Callable[[int], None] | None = None  # called with a hash when its block is reused
 
     @property
@@ -84,6 +85,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.on_cache is not None:
+            self.on_cache(block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash held by a free block."""

@@ -53,6 +53,13 @@ class KVConnectorBase(Protocol):
         """
         ...
 
+    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
+        """What :meth:`num_external_tokens` would find, split by source (``(("l1", n), ("l2", m))``).
+
+        For reports (the worker's ``/kv/lookup``): keeps no state, and may run on any thread.
+        """
+        ...
+
     def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
         """Copy the KV of tokens ``[start_token, end_token)`` into the request's blocks (already allocated).
 

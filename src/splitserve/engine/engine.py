@@ -24,6 +24,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.keys import kv_layout
+from splitserve.kv_events import KVEventSink, Tier
 from splitserve.metrics import KVCacheStatsLike
 from splitserve.model.llama import LlamaForCausalLM
 
@@ -57,8 +58,12 @@ class LLMEngine:
         model_name: str,
         device: torch.device,
         connector: KVConnectorBase | None = None,
+        events: KVEventSink | None = None,
     ) -> None:
-        """Build the engine around a loaded model; ``connector`` loads and saves KV outside the engine."""
+        """Build the engine around a loaded model; ``connector`` loads and saves KV outside the engine.
+
+        ``events`` is told each block hash the prefix cache starts or stops holding (the ``engine`` tier).
+        """
         config.validate()
         self.config = config
         self.model_name = model_name
@@ -80,6 +85,9 @@ class LLMEngine:
             # without chunking a whole prompt must fit in one step
             sched_cfg = type(sched_cfg)(sched_cfg.max_num_seqs, self.max_model_len, False)
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        if events is not None:
+            self.pool.on_cache = lambda block_hash: events.stored(Tier.ENGINE, (block_hash,))
+            self.pool.on_evict = lambda block_hash: events.removed(Tier.ENGINE, (block_hash,))
         self.kv = KVCacheManager(self.pool, block_size)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, connector)
         self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
@@ -98,11 +106,14 @@ class LLMEngine:
         )  # fmt: skip
 
     @classmethod
-    def from_config(cls, config: EngineConfig, role: Role = Role.COLOCATED) -> LLMEngine:
+    def from_config(
+        cls, config: EngineConfig, role: Role = Role.COLOCATED, events: KVEventSink | None = None
+    ) -> LLMEngine:
         """Load the model and tokenizer named by ``config.model`` and build an engine (blocking, seconds).
 
         With ``config.kv_tiers`` enabled the engine gets a KV connector over L1/L2 (``role`` decides what it
-        saves: the decode role saves nothing unless ``save_decode_cache``).
+        saves: the decode role saves nothing unless ``save_decode_cache``). ``events`` hears what the engine's
+        prefix cache and the tiers hold.
         """
         from splitserve.model.registry import (
             apply_quantization,
@@ -129,8 +140,8 @@ class LLMEngine:
             from splitserve.kvcache.connector import build_connector
 
             layout = kv_cache_layout(model, config.cache.block_size)
-            connector = build_connector(config.kv_tiers, source.model_id, layout, role)
-        return cls(config, model, tokenizer, name, device, connector)
+            connector = build_connector(config.kv_tiers, source.model_id, layout, role, events)
+        return cls(config, model, tokenizer, name, device, connector, events)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
@@ -157,6 +168,18 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(sched)
         return self._update(sched, sampled)
+
+    def lookup_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        """Tokens of this prompt that admission would take from each source instead of computing them.
+
+        ``{"engine": n, "l1": n, "l2": n}``, as the scheduler would see it now (never the last token). Reads
+        without locking the engine, so it may run on another thread; the answer is a snapshot.
+        """
+        request = Request("kv-lookup", list(prompt_token_ids), SamplingParams(max_tokens=1), 0.0)
+        held = {"engine": len(self.kv.find_cached_prefix(request)) * self.kv.block_size, "l1": 0, "l2": 0}
+        if self.connector is not None:
+            held.update(self.connector.lookup_tokens(request, held["engine"]))
+        return held
 
     def close(self) -> None:
         """Finish the connector's pending KV writes (bounded) and release its connections."""

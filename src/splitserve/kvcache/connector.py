@@ -31,7 +31,8 @@ import torch
 from splitserve.config import KVTierConfig, L2Backend, Role, redact_url
 from splitserve.engine.connector import LoadedTokens
 from splitserve.engine.request import Request
-from splitserve.keys import cache_key, kv_layout
+from splitserve.keys import cache_key, hash_of_key, kv_layout
+from splitserve.kv_events import KVEventSink, Tier
 from splitserve.kvcache import serde
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
@@ -178,6 +179,11 @@ class KVConnector:
         index, is_in_l1 = found
         return candidates[index], is_in_l1
 
+    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
+        lookup = self._lookup(request, num_cached)
+        from_l1, from_l2 = self._split_by_tier(lookup, num_cached, lookup.num_external)
+        return ((L1_SOURCE, from_l1), (L2_SOURCE, from_l2))
+
     def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
         lookup = self._lookups.pop(request.request_id, None)
         stats = self._stats
@@ -219,11 +225,16 @@ class KVConnector:
                 break
         return num_loaded, saved_end
 
-    def _count_loaded(self, lookup: _Lookup, start_token: int, num_loaded: int) -> LoadedTokens:
-        """Split the loaded run by tier: records the lookup found in L1 first, the rest from L2."""
+    @staticmethod
+    def _split_by_tier(lookup: _Lookup, start_token: int, num_tokens: int) -> tuple[int, int]:
+        """Split a run of ``num_tokens`` from ``start_token`` by tier: the lookup's L1 records first, then L2."""
         l1_end = lookup.records[lookup.num_in_l1 - 1].end if lookup.num_in_l1 else start_token
-        from_l1 = max(0, min(l1_end, start_token + num_loaded) - start_token)
-        from_l2 = num_loaded - from_l1
+        from_l1 = max(0, min(l1_end, start_token + num_tokens) - start_token)
+        return from_l1, num_tokens - from_l1
+
+    def _count_loaded(self, lookup: _Lookup, start_token: int, num_loaded: int) -> LoadedTokens:
+        """Count the loaded run by tier."""
+        from_l1, from_l2 = self._split_by_tier(lookup, start_token, num_loaded)
         stats = self._stats
         stats.num_hit_tokens += num_loaded
         stats.num_hit_tokens_l1 += from_l1
@@ -314,11 +325,21 @@ class KVConnector:
             self._kv_cache.index_copy_(2, self._slots(block_ids, start, end), kv.to(self._kv_cache.device))
 
 
-def build_connector(config: KVTierConfig, model_id: str, layout: str, role: Role = Role.COLOCATED) -> KVConnector:
-    """The connector and tiers ``config`` asks for; logs the outcome (degraded mode when Redis is down)."""
-    l1: KVTier = CPUTier(config.l1_cache_bytes) if config.l1_cache else NullTier()
+def build_connector(
+    config: KVTierConfig,
+    model_id: str,
+    layout: str,
+    role: Role = Role.COLOCATED,
+    events: KVEventSink | None = None,
+) -> KVConnector:
+    """The connector and tiers ``config`` asks for; logs the outcome (degraded mode when Redis is down).
+
+    ``events`` hears what L1 stores and evicts and what reached L2.
+    """
+    on_evict = None if events is None else lambda key: events.removed(Tier.L1, (hash_of_key(key),))
+    l1: KVTier = CPUTier(config.l1_cache_bytes, on_evict) if config.l1_cache else NullTier()
     l2 = _build_l2(config)
-    store = TieredStore(l1, l2, validate=lambda value: serde.verify(value, layout))
+    store = TieredStore(l1, l2, validate=lambda value: serde.verify(value, layout), events=events)
     connector = KVConnector(
         store,
         model_id,

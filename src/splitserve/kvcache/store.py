@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from splitserve.keys import hash_of_key
+from splitserve.kv_events import KVEventSink, Tier
 from splitserve.kvcache.tiers import KVTier, TierStats
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class TieredStore:
         validate: run on every value read from L2 before it is served or promoted; a ValueError makes it a
             miss, deletes it from L2 and counts it. Typically ``lambda v: serde.verify(v, layout)``.
         max_pending_write_bytes: bound on the bytes waiting to be written to L2.
+        events: told what L1 stores and drops, and what L2 confirmed it holds after a write (for the
+            router's KV index). L1 evictions reach it only through the L1 tier's own ``on_evict``.
 
     The store owns both tiers: :meth:`close` stops the writer thread and closes them.
     """
@@ -65,6 +69,7 @@ class TieredStore:
         *,
         validate: RecordValidator | None = None,
         max_pending_write_bytes: int = DEFAULT_MAX_PENDING_WRITE_BYTES,
+        events: KVEventSink | None = None,
     ) -> None:
         if max_pending_write_bytes <= 0:
             raise ValueError(f"max_pending_write_bytes must be positive, got {max_pending_write_bytes}")
@@ -72,6 +77,7 @@ class TieredStore:
         self.l2 = l2
         self.max_pending_write_bytes = max_pending_write_bytes
         self._validate = validate
+        self._events = events
         self._stats = StoreStats()
         self._cond = threading.Condition()
         self._pending: deque[tuple[str, bytes]] = deque()
@@ -136,7 +142,7 @@ class TieredStore:
 
     def put(self, key: str, value: bytes) -> None:
         """Store in L1 now and queue for L2; never blocks (a full queue drops the L2 write, counted)."""
-        self.l1.put(key, value)
+        self._put_l1(key, value)
         if self.l2 is None:
             return
         with self._cond:
@@ -153,6 +159,9 @@ class TieredStore:
         self.l1.delete(key)
         if self.l2 is not None:
             self.l2.delete(key)
+        if self._events is not None:
+            self._events.removed(Tier.L1, (hash_of_key(key),))
+            self._events.removed(Tier.L2, (hash_of_key(key),))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued L2 write was handed to L2; False if ``timeout_s`` passed first."""
@@ -195,8 +204,13 @@ class TieredStore:
             return None
         return value
 
-    def _promote(self, key: str, value: bytes) -> None:
+    def _put_l1(self, key: str, value: bytes) -> None:
         self.l1.put(key, value)
+        if self._events is not None and self.l1.contains_many((key,))[0]:
+            self._events.stored(Tier.L1, (hash_of_key(key),))
+
+    def _promote(self, key: str, value: bytes) -> None:
+        self._put_l1(key, value)
         with self._cond:
             self._stats.num_promotions += 1
 
@@ -206,6 +220,8 @@ class TieredStore:
             key, value = item
             try:
                 l2.put(key, value)
+                if self._events is not None and l2.contains_many((key,))[0]:  # tiers drop failed writes silently
+                    self._events.stored(Tier.L2, (hash_of_key(key),))
             except Exception:  # tiers never raise; a bug must not kill the writer and stall every later write
                 logger.exception("KV store: L2 put of %s raised", key)
             with self._cond:

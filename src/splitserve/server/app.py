@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest, KVLookupRequest
 from splitserve.server.serving import ApiError, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(serving.models().model_dump())
+
+    @app.post("/kv/lookup")
+    async def kv_lookup(body: KVLookupRequest) -> Response:
+        return _json((await serving.kv_lookup(body)).model_dump())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

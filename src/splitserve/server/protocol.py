@@ -194,6 +194,19 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+class KVLookupRequest(_Strict):
+    """``POST /kv/lookup``: exactly one of ``prompt`` (text or token ids), ``token_ids`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    token_ids: list[int] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+
+
 # ---- responses -----------------------------------------------------------------------------------------
 
 
@@ -272,6 +285,14 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class KVLookupResponse(BaseModel):
+    """Tokens of the prompt a request would not compute, by where they would come from."""
+
+    num_tokens: int
+    num_matched_tokens: int
+    matched_tokens: dict[str, int]  # engine (prefix cache), l1, l2
 
 
 class ModelCard(BaseModel):

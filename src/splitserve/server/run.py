@@ -14,6 +14,7 @@ import uvicorn
 
 from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
+from splitserve.kv_events import KVEventPublisher
 from splitserve.metrics import WorkerMetrics
 from splitserve.server.app import build_app
 
@@ -48,8 +49,9 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
+    events = _event_publisher(engine_config, server_config)
     engine = AsyncEngine(
-        lambda: _load_engine(engine_config, server_config.role), WorkerMetrics(served_model_name(engine_config))
+        lambda: _load_engine(engine_config, server_config.role, events), WorkerMetrics(served_model_name(engine_config))
     )
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(
@@ -63,14 +65,36 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     server = uvicorn.Server(uv_config)
     failed = threading.Event()
     threading.Thread(target=_exit_if_load_fails, args=(engine, server, failed), daemon=True).start()
-    server.run()
+    if events is not None:
+        events.start()
+    try:
+        server.run()
+    finally:
+        if events is not None:
+            events.close()
     return 1 if failed.is_set() else 0
 
 
-def _load_engine(config: EngineConfig, role: Role) -> EngineCore:
+def _event_publisher(engine_config: EngineConfig, server_config: ServerConfig) -> KVEventPublisher | None:
+    """The KV event publisher ``--kv-events-url`` asks for; it registers the worker as soon as it starts."""
+    if server_config.kv_events_url is None:
+        return None
+    meta = {
+        "model": served_model_name(engine_config),
+        "role": server_config.role.value,
+        "block_size": engine_config.cache.block_size,
+        "chunk_size": engine_config.kv_tiers.kv_chunk_size,
+        "prefix_caching": engine_config.cache.enable_prefix_caching,
+        "l1_cache": engine_config.kv_tiers.l1_cache,
+        "l2_backend": engine_config.kv_tiers.l2_backend.value,
+    }
+    return KVEventPublisher(server_config.kv_events_url, server_config.name, server_config.url, meta)
+
+
+def _load_engine(config: EngineConfig, role: Role, events: KVEventPublisher | None) -> EngineCore:
     from splitserve.engine.engine import LLMEngine  # torch: imported on the engine thread, after binding
 
-    return LLMEngine.from_config(config, role)
+    return LLMEngine.from_config(config, role, events)
 
 
 def _exit_if_load_fails(engine: AsyncEngine, server: uvicorn.Server, failed: threading.Event) -> None:

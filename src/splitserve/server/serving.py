@@ -38,6 +38,8 @@ from splitserve.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    KVLookupRequest,
+    KVLookupResponse,
     ModelCard,
     ModelList,
     UsageInfo,
@@ -139,6 +141,28 @@ class OpenAIServing:
             raise ApiError(400, "the messages produced an empty prompt", "messages")
         max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
         return EngineInput(random_id("chatcmpl"), prompt_ids, _sampling_params(request, max_tokens))
+
+    async def kv_lookup(self, request: KVLookupRequest) -> KVLookupResponse:
+        """Tokens of the request's prompt held per source (engine prefix cache, L1, L2); reads only."""
+        self.check_model(request.model)
+        given = [name for name in ("prompt", "token_ids", "messages") if getattr(request, name) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "give exactly one of 'prompt', 'token_ids' or 'messages'", given[1] if given else None)
+        if request.messages is not None:
+            messages, add_prompt = request.message_dicts(), request.add_generation_prompt
+            try:
+                ids = await self._off_loop(self._tokenizer().apply_chat_template, messages, add_prompt)
+            except ValueError as exc:
+                raise ApiError(400, f"invalid messages: {exc}", "messages") from exc
+        elif request.prompt is not None:
+            ids = await self._completion_prompt_ids(request.prompt)
+        else:
+            ids = list(request.token_ids or [])
+        engine = self._ready_engine()
+        if not ids or not all(0 <= t < engine.vocab_size for t in ids):
+            raise ApiError(400, "the prompt must be a non-empty list of valid token ids", given[0])
+        matched = await asyncio.to_thread(engine.lookup_prefix, ids)
+        return KVLookupResponse(num_tokens=len(ids), num_matched_tokens=sum(matched.values()), matched_tokens=matched)
 
     def _check_common(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         self.check_model(request.model)
