@@ -25,10 +25,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typer.testing import CliRunner
 
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult, endpoint_url
-from splitserve.bench.datasets import WORDS, BenchRequest, DatasetConfig, get_dataset
+from splitserve.bench.datasets import WORDS, BenchRequest, DatasetConfig, default_num_prompts, get_dataset
 from splitserve.bench.metrics import percentile, summarize
 from splitserve.bench.report import PlotKind, load_json, plot_results
-from splitserve.bench.runner import ServeConfig, arrival_times, run_requests, serve
+from splitserve.bench.runner import ServeConfig, arrival_times, run_requests, serve, session_chains
 from splitserve.cli import app
 
 # ---------------------------------------------------------------------------------------------------------
@@ -62,6 +62,9 @@ class FakeOpenAI:
         self.clock = clock
         self.payloads: list[dict[str, Any]] = []
         self.authorizations: set[str | None] = set()
+        self.session_headers: list[str | None] = []
+        self.events: list[tuple[str, str | None, int]] = []
+        """("start" | "end", the payload's ``user``, its number of user messages), in the order they happened."""
         self.num_in_flight = 0
         self.max_in_flight = 0
 
@@ -72,11 +75,14 @@ class FakeOpenAI:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         payload = json.loads(request.content)
         self.authorizations.add(request.headers.get("authorization"))
+        self.session_headers.append(request.headers.get("x-session-id"))
         if self.should_fail(payload):
             return httpx.Response(500, json={"error": {"message": "boom", "type": "server_error"}})
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self.stream(payload))
 
     async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        num_questions = sum(m["role"] == "user" for m in payload.get("messages", []))
+        self.events.append(("start", payload.get("user"), num_questions))
         self.num_in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
         for i in range(payload["max_tokens"]):
@@ -86,6 +92,7 @@ class FakeOpenAI:
             usage = {"prompt_tokens": 7, "completion_tokens": payload["max_tokens"], "total_tokens": 0}
             yield _sse({"choices": [], "usage": usage})
         self.num_in_flight -= 1  # before [DONE]: a client may stop reading there and never resume us
+        self.events.append(("end", payload.get("user"), num_questions))
         yield b"data: [DONE]\n\n"
 
     async def _wait(self, delay_s: float) -> None:
@@ -174,13 +181,60 @@ def test_jsonl_dataset_rejects_bad_lines(tmp_path: Path) -> None:
 
 
 def test_unknown_dataset_error_lists_the_names() -> None:
-    with pytest.raises(ValueError, match="jsonl, random, shared-prefix"):
+    with pytest.raises(ValueError, match="jsonl, multiround, random, shared-prefix"):
         get_dataset("sharegpt", DatasetConfig())
 
 
 def test_dataset_config_validation_shows_values() -> None:
     with pytest.raises(ValueError, match=r"1\.5"):
         get_dataset("random", DatasetConfig(random_range_ratio=1.5))
+    with pytest.raises(ValueError, match="users=0 rounds=3"):
+        get_dataset("multiround", DatasetConfig(num_users=0, num_rounds=3))
+
+
+def _multiround(num_users: int = 3, num_rounds: int = 4, **kwargs: Any) -> list[BenchRequest]:
+    cfg = DatasetConfig(num_users=num_users, num_rounds=num_rounds, **kwargs)
+    return get_dataset("multiround", cfg).sample(num_users * num_rounds, seed=5)
+
+
+def test_multiround_rounds_extend_the_previous_round_of_the_same_user() -> None:
+    requests = _multiround(shared_prefix_len=30, random_input_len=6, random_output_len=7)
+    assert requests == _multiround(shared_prefix_len=30, random_input_len=6, random_output_len=7)
+    # Round by round: every user's round 0, then every user's round 1, ...
+    assert [(r.session_id, r.round_index) for r in requests[:4]] == [
+        ("user-0", 0),
+        ("user-1", 0),
+        ("user-2", 0),
+        ("user-0", 1),
+    ]
+    system_prompts = {r.as_messages()[0]["content"] for r in requests}
+    assert len(system_prompts) == 1 and len(next(iter(system_prompts)).split()) == 30
+    for user in ("user-0", "user-1", "user-2"):
+        rounds = [r for r in requests if r.session_id == user]
+        assert [r.round_index for r in rounds] == [0, 1, 2, 3]
+        for before, after in itertools.pairwise(rounds):
+            messages = after.as_messages()
+            assert messages[: len(before.as_messages())] == before.as_messages()
+            assert [m["role"] for m in messages[len(before.as_messages()) :]] == ["assistant", "user"]
+            assert len(messages[-2]["content"].split()) == 7 and len(messages[-1]["content"].split()) == 6
+            assert after.as_prompt().startswith(before.as_prompt())  # also on the completions endpoint
+        last = rounds[-1].as_messages()
+        assert [m["role"] for m in last] == ["system"] + ["user", "assistant"] * 3 + ["user"]
+        assert rounds[-1].approx_prompt_tokens == 30 + 4 * 6 + 3 * 7
+    assert len({r.as_messages()[1]["content"] for r in requests}) == 3  # users ask different questions
+    assert all(r.max_tokens == 7 and r.prompt is None for r in requests)
+
+
+def test_multiround_without_a_system_prompt_starts_with_the_question() -> None:
+    requests = _multiround(num_users=2, num_rounds=1, shared_prefix_len=0)
+    assert [[m["role"] for m in r.as_messages()] for r in requests] == [["user"], ["user"]]
+
+
+def test_multiround_needs_num_prompts_equal_to_users_times_rounds() -> None:
+    cfg = DatasetConfig(num_users=8, num_rounds=4)
+    assert default_num_prompts("multiround", cfg) == 32 and default_num_prompts("random", cfg) == 100
+    with pytest.raises(ValueError, match=r"8 \* 4 = 32 requests, but num_prompts is 100"):
+        get_dataset("multiround", cfg).sample(100, seed=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -256,6 +310,16 @@ def test_client_payload_is_greedy_streaming_with_usage_and_ignore_eos() -> None:
     ]
 
 
+def test_client_sends_the_session_id_as_header_and_user_field() -> None:
+    fake = FakeOpenAI()
+    request = BenchRequest(2, messages=[{"role": "user", "content": " q"}], session_id="user-3", round_index=1)
+    result = asyncio.run(_send(fake, request, kind=EndpointKind.CHAT))
+    assert result.success and (result.session_id, result.round_index) == ("user-3", 1)
+    assert fake.session_headers == ["user-3"] and fake.payloads[0]["user"] == "user-3"
+    asyncio.run(_send(fake, BenchRequest(2, prompt=" p")))
+    assert fake.session_headers[1] is None and "user" not in fake.payloads[1]
+
+
 def test_client_counts_chunks_when_the_server_reports_no_usage() -> None:
     result = asyncio.run(_send(FakeOpenAI(with_usage=False), BenchRequest(6, prompt=" a b c", approx_prompt_tokens=3)))
     assert result.success and result.output_tokens == 6 and result.num_chunks == 6
@@ -313,6 +377,88 @@ def test_run_requests_respects_max_concurrency() -> None:
 
     results = asyncio.run(run())
     assert all(r.success for r in results) and fake.max_in_flight == 3
+
+
+def test_session_chains_keep_a_sessions_requests_together_in_list_order() -> None:
+    requests = [
+        BenchRequest(1, session_id="a"),
+        BenchRequest(1),
+        BenchRequest(1, session_id="b"),
+        BenchRequest(1, session_id="a", round_index=1),
+        BenchRequest(1),
+    ]
+    assert session_chains(requests) == [[0, 3], [1], [2], [4]]
+
+
+def _run_sessions(fake: FakeOpenAI, requests: list[BenchRequest], **kwargs: Any) -> list[RequestResult]:
+    async def run() -> list[RequestResult]:
+        client, http = _client(fake, kind=EndpointKind.CHAT)
+        async with http:
+            results, _ = await run_requests(client, requests, [0.0] * len(requests), **kwargs)
+        return results
+
+    return asyncio.run(run())
+
+
+def test_run_requests_sends_a_round_only_after_the_previous_round_finished() -> None:
+    fake = FakeOpenAI(first_delay_s=0.01, chunk_delay_s=0.002)
+    requests = _multiround(num_users=3, num_rounds=3, random_output_len=4, shared_prefix_len=8)
+    results = _run_sessions(fake, requests)  # every request is due at once
+    assert all(r.success for r in results)
+    assert fake.max_in_flight == 3  # the users run concurrently, one request each at a time
+    for user in ("user-0", "user-1", "user-2"):
+        # On the server: each round starts after the previous round's stream ended.
+        events = [(kind, num_questions) for kind, session, num_questions in fake.events if session == user]
+        assert events == [("start", 1), ("end", 1), ("start", 2), ("end", 2), ("start", 3), ("end", 3)]
+        # On the client clock: each round is sent after the previous answer was read to its end.
+        rounds = [r for r in results if r.session_id == user]
+        assert [r.round_index for r in rounds] == [0, 1, 2]
+        for before, after in itertools.pairwise(rounds):
+            assert after.start_s >= before.start_s + before.e2e_s
+
+
+def test_run_requests_sessions_share_max_concurrency_with_plain_requests() -> None:
+    fake = FakeOpenAI(chunk_delay_s=0.001)
+    requests = _multiround(num_users=4, num_rounds=2, random_output_len=3) + [BenchRequest(3, prompt=" a")] * 4
+    results = _run_sessions(fake, requests, max_concurrency=2)
+    assert all(r.success for r in results) and len(fake.payloads) == 12
+    assert fake.max_in_flight == 2
+    assert [r.session_id for r in results[8:]] == [None] * 4
+
+
+def test_serve_multiround_records_sessions_rounds_and_ttft_by_round(tmp_path: Path) -> None:
+    fake = FakeOpenAI()
+    out_path = tmp_path / "multiround.json"
+    config = ServeConfig(
+        url="http://fake",
+        model="m",
+        endpoint=EndpointKind.CHAT,
+        dataset="multiround",
+        dataset_config=DatasetConfig(num_users=3, num_rounds=2, shared_prefix_len=10, random_output_len=4),
+        num_prompts=6,
+        request_rate=1000.0,
+        max_concurrency=2,
+        warmup=2,
+        show_progress=False,
+        json_path=out_path,
+    )
+    printed = io.StringIO()
+    report = asyncio.run(serve(config, transport=httpx.MockTransport(fake.handle), out=printed))
+    assert report.summary.num_completed == 6
+    assert fake.session_headers[:2] == [None, None]  # the warmup leaves no session behind in a router
+    assert sorted(fake.session_headers[2:]) == ["user-0", "user-0", "user-1", "user-1", "user-2", "user-2"]
+    assert [r.round_index for r in report.results] == [0, 0, 0, 1, 1, 1]
+    assert list(report.summary.ttft_by_round) == [0, 1] and report.summary.ttft_by_round[1].count == 3
+    document = load_json(out_path)
+    assert [(r["session_id"], r["round_index"]) for r in document["requests"][:4]] == [
+        ("user-0", 0),
+        ("user-1", 0),
+        ("user-2", 0),
+        ("user-0", 1),
+    ]
+    assert document["summary"]["ttft_by_round"]["1"]["count"] == 3
+    assert document["args"]["dataset_config"]["num_users"] == 3
+    assert "TTFT by round" in printed.getvalue() and "round 1" in printed.getvalue()
 
 
 def test_serve_counts_server_errors_and_writes_json(tmp_path: Path) -> None:
@@ -396,6 +542,29 @@ def test_cli_serve_against_a_streaming_http_server(stub_server: tuple[str, FakeO
     assert all("messages" in p and p["ignore_eos"] is False for p in fake.payloads)
 
 
+def test_cli_multiround_sends_users_times_rounds_requests(stub_server: tuple[str, FakeOpenAI], tmp_path: Path) -> None:
+    url, fake = stub_server
+    out_path = tmp_path / "multiround.json"
+    args = ["bench", "serve", "--url", url, "--model", "smollm2", "--endpoint", "chat", "--dataset", "multiround"]
+    args += ["--num-users", "3", "--num-rounds", "2", "--shared-prefix-len", "12", "--random-input-len", "5"]
+    args += ["--random-output-len", "3", "--json", str(out_path), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = load_json(out_path)
+    assert document["args"]["num_prompts"] == 6 and len(fake.payloads) == 6
+    assert {p["user"] for p in fake.payloads} == {"user-0", "user-1", "user-2"}
+
+
+def test_cli_multiround_rejects_inconsistent_counts() -> None:
+    base = ["bench", "serve", "--url", "http://x", "--model", "m", "--dataset", "multiround"]
+    mismatch = CliRunner().invoke(app, [*base, "--num-users", "2", "--num-rounds", "3", "--num-prompts", "5"])
+    assert mismatch.exit_code == 2
+    assert "2 * 3 = 6 requests, but num_prompts is 5" in " ".join(mismatch.output.replace("│", " ").split())
+    no_users = CliRunner().invoke(app, [*base, "--num-users", "0"])
+    assert no_users.exit_code == 2
+    assert "num_users >= 1" in " ".join(no_users.output.replace("│", " ").split())
+
+
 def test_cli_exits_1_when_no_request_succeeds() -> None:
     with socket.socket() as sock:  # a port that nothing listens on
         sock.bind(("127.0.0.1", 0))
@@ -408,7 +577,7 @@ def test_cli_exits_1_when_no_request_succeeds() -> None:
 def test_cli_rejects_an_unknown_dataset_listing_the_names() -> None:
     result = CliRunner().invoke(app, ["bench", "serve", "--url", "http://x", "--model", "m", "--dataset", "nope"])
     assert result.exit_code == 2
-    assert "jsonl, random, shared-prefix" in " ".join(result.output.replace("│", " ").split())
+    assert "jsonl, multiround, random, shared-prefix" in " ".join(result.output.replace("│", " ").split())
 
 
 def test_plot_writes_a_png_from_several_results(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from splitserve.bench.client import EndpointKind
-from splitserve.bench.datasets import DatasetConfig, dataset_names
+from splitserve.bench.datasets import DatasetConfig, dataset_names, default_num_prompts
 from splitserve.bench.report import LATENCY_METRICS, PlotKind, plot_results
 from splitserve.bench.runner import ServeConfig, serve
 
@@ -31,7 +31,7 @@ def serve_command(
     url: Annotated[str, typer.Option(help="Base URL of the server, e.g. http://127.0.0.1:8000.")],
     model: Annotated[str, typer.Option(help="Model name sent in every request.")],
     endpoint: Annotated[
-        EndpointKind, typer.Option(help="completions (prompt) or chat (one user message).")
+        EndpointKind, typer.Option(help="completions (prompt) or chat (messages; multiround wants chat).")
     ] = EndpointKind.COMPLETIONS,
     dataset: Annotated[
         str, typer.Option(help=f"One of: {', '.join(dataset_names())}.", rich_help_panel=_DATASET)
@@ -40,7 +40,10 @@ def serve_command(
         Path | None,
         typer.Option(help="jsonl: file with {prompt|messages, max_tokens?} per line.", rich_help_panel=_DATASET),
     ] = None,
-    num_prompts: Annotated[int, typer.Option(help="Number of measured requests.")] = 100,
+    num_prompts: Annotated[
+        int | None,
+        typer.Option(help="Number of measured requests (default 100; multiround: num-users * num-rounds)."),
+    ] = None,
     random_input_len: Annotated[
         int, typer.Option(help="random: mean prompt length in tokens (words).", rich_help_panel=_DATASET)
     ] = 256,
@@ -58,13 +61,31 @@ def serve_command(
         int, typer.Option(help="shared-prefix: number of distinct prefixes.", rich_help_panel=_DATASET)
     ] = 4,
     shared_prefix_len: Annotated[
-        int, typer.Option(help="shared-prefix: tokens (words) per common prefix.", rich_help_panel=_DATASET)
+        int,
+        typer.Option(
+            help="shared-prefix: tokens (words) per common prefix; multiround: words in the shared system prompt.",
+            rich_help_panel=_DATASET,
+        ),
     ] = 1024,
     shared_suffix_len: Annotated[
         int, typer.Option(help="shared-prefix: tokens (words) per unique suffix.", rich_help_panel=_DATASET)
     ] = 64,
+    num_users: Annotated[
+        int, typer.Option(help="multiround: users (sessions), each one conversation.", rich_help_panel=_DATASET)
+    ] = 8,
+    num_rounds: Annotated[
+        int,
+        typer.Option(
+            help="multiround: questions per user; round r+1 is sent after round r's answer.",
+            rich_help_panel=_DATASET,
+        ),
+    ] = 4,
     request_rate: Annotated[
-        float, typer.Option(help="Poisson arrivals per second; inf sends all at once.", rich_help_panel=_LOAD)
+        float,
+        typer.Option(
+            help="Poisson request arrivals per second; inf: all due at once (sessions still go round by round).",
+            rich_help_panel=_LOAD,
+        ),
     ] = math.inf,
     max_concurrency: Annotated[
         int | None, typer.Option(help="At most this many requests in flight.", rich_help_panel=_LOAD)
@@ -96,6 +117,8 @@ def serve_command(
         shared_prefix_len=shared_prefix_len,
         shared_suffix_len=shared_suffix_len,
         dataset_path=dataset_path,
+        num_users=num_users,
+        num_rounds=num_rounds,
     )
     config = ServeConfig(
         url=url,
@@ -103,7 +126,7 @@ def serve_command(
         endpoint=endpoint,
         dataset=dataset,
         dataset_config=dataset_config,
-        num_prompts=num_prompts,
+        num_prompts=default_num_prompts(dataset, dataset_config) if num_prompts is None else num_prompts,
         request_rate=request_rate,
         max_concurrency=max_concurrency,
         seed=seed,

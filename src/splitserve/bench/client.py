@@ -1,8 +1,9 @@
 """Streaming client for OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``.
 
-One ``send()`` is one request; it always returns a ``RequestResult`` and never raises for a failed request
-(HTTP error status, error event in the stream, broken connection, timeout), so one bad request cannot end
-a benchmark run.
+One ``send()`` is one request; a request with a session id carries it as the ``x-session-id`` header (for
+session-affine routers) and as OpenAI's ``user`` field. ``send()`` always returns a ``RequestResult`` and
+never raises for a failed request (HTTP error status, error event in the stream, broken connection,
+timeout), so one bad request cannot end a benchmark run.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ class EndpointKind(StrEnum):
 
 
 _PATHS = {EndpointKind.COMPLETIONS: "/v1/completions", EndpointKind.CHAT: "/v1/chat/completions"}
+SESSION_HEADER = "x-session-id"
+"""HTTP header that carries a request's session id to the router."""
 
 
 @dataclass(slots=True)
 class RequestResult:
     """What one request did. Times are seconds; ``start_s`` is relative to the start of the run.
+
+    ``session_id`` and ``round_index`` are copied from the request, so per-request results can be grouped by
+    session and round.
 
     ``ttft_s`` is the time to the first non-empty content chunk; ``itl_s`` holds the gaps between
     consecutive content chunks (a chunk may carry several tokens); ``output_tokens`` comes from the
@@ -48,6 +54,8 @@ class RequestResult:
     usage_reported: bool = False
     status_code: int | None = None
     error: str = ""
+    session_id: str | None = None
+    round_index: int = 0
 
     @property
     def tpot_s(self) -> float | None:
@@ -89,7 +97,8 @@ class OpenAIStreamClient:
         self.clock = clock
 
     def build_payload(self, request: BenchRequest) -> dict[str, Any]:
-        """The JSON body for ``request``: greedy, streaming, with usage in the last chunk."""
+        """The JSON body for ``request``: greedy, streaming, with usage in the last chunk; ``user`` is its
+        session id when it has one."""
         payload: dict[str, Any] = {
             "model": self.model,
             "max_tokens": request.max_tokens,
@@ -102,15 +111,24 @@ class OpenAIStreamClient:
             payload["messages"] = request.as_messages()
         else:
             payload["prompt"] = request.as_prompt()
+        if request.session_id is not None:
+            payload["user"] = request.session_id
         return payload
 
     async def send(self, request: BenchRequest, *, run_start_s: float = 0.0) -> RequestResult:
         """Send ``request`` and return its timings; failures are returned, not raised."""
-        result = RequestResult(success=False, max_tokens=request.max_tokens)
+        result = RequestResult(
+            success=False,
+            max_tokens=request.max_tokens,
+            session_id=request.session_id,
+            round_index=request.round_index,
+        )
+        headers = {SESSION_HEADER: request.session_id} if request.session_id is not None else None
         start = self.clock()
         result.start_s = start - run_start_s
         try:
-            async with self.http.stream("POST", self.url, json=self.build_payload(request)) as response:
+            payload = self.build_payload(request)
+            async with self.http.stream("POST", self.url, json=payload, headers=headers) as response:
                 result.status_code = response.status_code
                 if response.status_code != 200:
                     body = await response.aread()

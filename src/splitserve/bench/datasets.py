@@ -42,13 +42,18 @@ class BenchRequest:
     """One request to send: a completion ``prompt`` or chat ``messages`` (exactly one is set).
 
     ``approx_prompt_tokens`` is the word count of the prompt (about its token count); it stands in for the
-    prompt length when the server reports no usage.
+    prompt length when the server reports no usage. Requests that share a ``session_id`` are one user's
+    conversation: the runner sends them in list order, each only after the previous one's answer finished.
     """
 
     max_tokens: int
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     approx_prompt_tokens: int = 0
+    session_id: str | None = None
+    """The conversation this request belongs to (e.g. ``user-3``); ``None`` for an independent request."""
+    round_index: int = 0
+    """Position in its session, 0 for the first round."""
 
     def as_messages(self) -> list[dict[str, str]]:
         """The request as chat messages: its own ``messages``, or the prompt as one user message."""
@@ -81,6 +86,10 @@ class DatasetConfig:
     """shared-prefix: words in each request's unique suffix."""
     dataset_path: Path | None = None
     """jsonl: file with one JSON object per line."""
+    num_users: int = 8
+    """multiround: number of users (sessions); the run has exactly num_users * num_rounds requests."""
+    num_rounds: int = 4
+    """multiround: questions each user asks, one after the other."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending values."""
@@ -94,6 +103,11 @@ class DatasetConfig:
             raise ValueError(
                 f"shared-prefix needs groups >= 1 and lengths >= 0, got groups={self.shared_prefix_groups} "
                 f"prefix={self.shared_prefix_len} suffix={self.shared_suffix_len}"
+            )
+        if self.num_users < 1 or self.num_rounds < 1:
+            raise ValueError(
+                f"multiround needs num_users >= 1 and num_rounds >= 1, got users={self.num_users} "
+                f"rounds={self.num_rounds}"
             )
 
 
@@ -130,6 +144,13 @@ def get_dataset(name: str, config: DatasetConfig) -> Dataset:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}")
     config.validate()
     return factory(config)
+
+
+def default_num_prompts(name: str, config: DatasetConfig) -> int:
+    """The request count when none is given: multiround's users x rounds, else 100."""
+    if name == "multiround":
+        return config.num_users * config.num_rounds
+    return 100
 
 
 def random_text(rng: random.Random, num_words: int) -> str:
@@ -223,3 +244,58 @@ class JsonlDataset:
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]]
         num_words = sum(len(m["content"].split()) for m in messages)
         return BenchRequest(max_tokens, messages=messages, approx_prompt_tokens=num_words)
+
+
+@register_dataset("multiround")
+class MultiRoundDataset:
+    """U users (``num_users``), each asking R questions (``num_rounds``) in one growing chat.
+
+    Every conversation starts with the same system prompt of ``shared_prefix_len`` words (none when 0).
+    Round r (0-based) sends: system, then (question_0, answer_0, ..., question_r). Questions are about
+    ``random_input_len`` words (varied by ``random_range_ratio``); the answers in the history are fixed
+    ``random_output_len``-word texts drawn from the seed, not what the model said, so the whole workload is
+    known up front and each round's prompt extends the previous round's prompt exactly. Every request asks
+    for ``random_output_len`` tokens.
+
+    ``sample`` needs ``num_prompts == num_users * num_rounds``. The requests come round by round (every
+    user's round 0, then every user's round 1, ...), so arrival times drawn in list order space a user's
+    rounds about ``num_users`` arrivals apart. Session ids are ``user-<u>``.
+    """
+
+    def __init__(self, config: DatasetConfig) -> None:
+        self.config = config
+
+    def sample(self, num_prompts: int, seed: int) -> list[BenchRequest]:
+        cfg = self.config
+        if num_prompts != cfg.num_users * cfg.num_rounds:
+            raise ValueError(
+                f"multiround sends num_users * num_rounds = {cfg.num_users} * {cfg.num_rounds} = "
+                f"{cfg.num_users * cfg.num_rounds} requests, but num_prompts is {num_prompts}; "
+                "leave --num-prompts out or make it match"
+            )
+        rng = random.Random(seed)
+        system_prompt = random_text(rng, cfg.shared_prefix_len)
+        history = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        sessions = [self._session(rng, f"user-{u}", history) for u in range(cfg.num_users)]
+        return [session[r] for r in range(cfg.num_rounds) for session in sessions]
+
+    def _session(self, rng: random.Random, session_id: str, history: list[dict[str, str]]) -> list[BenchRequest]:
+        """One user's rounds; request r's messages are request r-1's plus its answer and a new question."""
+        cfg = self.config
+        messages = list(history)
+        requests = []
+        for r in range(cfg.num_rounds):
+            question = random_text(rng, _uniform_len(rng, cfg.random_input_len, cfg.random_range_ratio))
+            messages = [*messages, {"role": "user", "content": question}]
+            num_words = sum(len(m["content"].split()) for m in messages)
+            requests.append(
+                BenchRequest(
+                    cfg.random_output_len,
+                    messages=messages,
+                    approx_prompt_tokens=num_words,
+                    session_id=session_id,
+                    round_index=r,
+                )
+            )
+            messages = [*messages, {"role": "assistant", "content": random_text(rng, cfg.random_output_len)}]
+        return requests

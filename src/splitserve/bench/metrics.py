@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.bench.client import RequestResult
 
@@ -45,7 +45,11 @@ class LatencyStats:
 
 @dataclass(frozen=True, slots=True)
 class BenchSummary:
-    """Totals over successful requests; throughputs are per second of the run's wall-clock duration."""
+    """Totals over successful requests; throughputs are per second of the run's wall-clock duration.
+
+    ``ttft_by_round`` maps a round index to the TTFT of that round's session requests (empty when no request
+    has a session): later rounds of a conversation should be faster when the prefix cache hits.
+    """
 
     num_completed: int
     num_failed: int
@@ -59,6 +63,7 @@ class BenchSummary:
     tpot: LatencyStats
     itl: LatencyStats
     e2e: LatencyStats
+    ttft_by_round: dict[int, LatencyStats] = field(default_factory=dict)
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchSummary:
@@ -84,4 +89,13 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchSumma
         tpot=LatencyStats.from_seconds([t for r in ok if (t := r.tpot_s) is not None]),
         itl=LatencyStats.from_seconds([gap for r in ok for gap in r.itl_s]),
         e2e=LatencyStats.from_seconds([r.e2e_s for r in ok]),
+        ttft_by_round=_ttft_by_round(ok),
     )
+
+
+def _ttft_by_round(ok: Sequence[RequestResult]) -> dict[int, LatencyStats]:
+    ttfts_s: dict[int, list[float]] = {}
+    for r in ok:
+        if r.session_id is not None and r.ttft_s is not None:
+            ttfts_s.setdefault(r.round_index, []).append(r.ttft_s)
+    return {index: LatencyStats.from_seconds(ttfts_s[index]) for index in sorted(ttfts_s)}

@@ -66,9 +66,20 @@ def format_table(report: BenchReport) -> str:
         stats: LatencyStats = getattr(s, name)
         values = (stats.mean_ms, stats.p50_ms, stats.p90_ms, stats.p99_ms)
         lines.append(f"{name.upper():<12}" + "".join(f"{v:>12.2f}" for v in values))
+    lines += _round_lines(s.ttft_by_round)
     lines += _error_lines(report.results)
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def _round_lines(ttft_by_round: dict[int, LatencyStats]) -> list[str]:
+    """TTFT mean and p50 per session round (rounds are 0-based); nothing for runs without sessions."""
+    if not ttft_by_round:
+        return []
+    lines = [f"{'TTFT by round (ms)':<24}{'count':>12}{'mean':>12}{'p50':>12}"]
+    for index, stats in ttft_by_round.items():
+        lines.append(f"{'  round ' + str(index):<24}{stats.count:>12}{stats.mean_ms:>12.2f}{stats.p50_ms:>12.2f}")
+    return lines
 
 
 def _error_lines(results: Sequence[RequestResult]) -> list[str]:

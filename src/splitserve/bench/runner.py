@@ -1,8 +1,16 @@
-"""``splitserve bench serve``: send a dataset's requests to an endpoint at a rate and summarize them."""
+"""``splitserve bench serve``: send a dataset's requests to an endpoint at a rate and summarize them.
+
+Load model: request i arrives at ``send_times_s[i]`` (Poisson at ``request_rate``, in dataset order) and
+is sent then, or later: when ``max_concurrency`` requests are in flight it waits for a slot, and when it
+belongs to a session it waits until the session's previous request (earlier in the list) has finished, as a
+user reads an answer before asking again. A session that waits holds no concurrency slot. So the rate is a
+request arrival rate, and for session datasets an upper bound: a slow server lowers the achieved rate.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import sys
@@ -16,7 +24,7 @@ import httpx
 from tqdm import tqdm
 
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult
-from splitserve.bench.datasets import BenchRequest, DatasetConfig, get_dataset
+from splitserve.bench.datasets import BenchRequest, Dataset, DatasetConfig, get_dataset
 from splitserve.bench.metrics import summarize
 from splitserve.bench.report import BenchReport, format_table, write_json
 
@@ -33,16 +41,18 @@ class ServeConfig:
     model: str
     """Value of the ``model`` field in every request."""
     endpoint: EndpointKind = EndpointKind.COMPLETIONS
-    """``completions`` (prompt) or ``chat`` (one user message)."""
+    """``completions`` (prompt) or ``chat`` (the request's messages; one user message for plain prompts)."""
     dataset: str = "random"
     """Registered dataset name (see ``datasets.dataset_names()``)."""
     dataset_config: DatasetConfig = field(default_factory=DatasetConfig)
     num_prompts: int = 100
-    """Number of measured requests."""
+    """Number of measured requests (multiround: must equal num_users * num_rounds)."""
     request_rate: float = math.inf
-    """Mean requests per second of a Poisson arrival process; ``inf`` sends everything at once."""
+    """Mean request arrivals per second of a Poisson process; ``inf`` makes every request due at once (a
+    session's later rounds still wait for its earlier ones)."""
     max_concurrency: int | None = None
-    """At most this many requests in flight; ``None`` for no limit."""
+    """At most this many requests in flight; ``None`` for no limit. Sessions waiting between rounds do not
+    count."""
     seed: int = 0
     """Seeds the prompts and the arrival times."""
     ignore_eos: bool = True
@@ -50,7 +60,8 @@ class ServeConfig:
     timeout_s: float = 600.0
     """Per-request timeout (connect, read, write and pool each)."""
     warmup: int = 0
-    """Requests sent one by one before the measured run; not counted."""
+    """Requests sent one by one before the measured run; not counted. They are the first ``warmup`` of the
+    dataset drawn with another seed (cycled past num_prompts), without session ids."""
     show_progress: bool = True
     label: str | None = None
     """Free-form tag stored in the JSON result (e.g. ``vllm`` or ``splitserve-kvaware``)."""
@@ -60,7 +71,9 @@ class ServeConfig:
     """Sent as ``Authorization: Bearer <key>`` when set."""
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the offending values."""
+        """Raise ``ValueError`` naming the offending values; dataset options first (num_prompts may derive
+        from them)."""
+        self.dataset_config.validate()
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         if self.num_prompts < 1 or self.warmup < 0:
@@ -71,7 +84,6 @@ class ServeConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        self.dataset_config.validate()
 
 
 def arrival_times(num_requests: int, request_rate: float, seed: int) -> list[float]:
@@ -94,25 +106,48 @@ async def run_requests(
     max_concurrency: int | None = None,
     progress: tqdm | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send ``requests[i]`` at ``send_times_s[i]`` (or later, when ``max_concurrency`` are in flight).
+    """Send ``requests[i]`` at ``send_times_s[i]`` or later: later while ``max_concurrency`` requests are in
+    flight, and, for a request with a ``session_id``, not before the previous request of that session in
+    ``requests`` has finished (successfully or not). Sessions run concurrently with each other; a session
+    waiting for its previous round holds no concurrency slot.
 
     Returns the results in request order and the run's duration in seconds (first send to last answer).
     """
     gate = asyncio.Semaphore(max_concurrency or len(requests))
     start = client.clock()
+    results: dict[int, RequestResult] = {}
 
-    async def send_one(request: BenchRequest, send_at_s: float) -> RequestResult:
-        delay_s = send_at_s - (client.clock() - start)
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
-        async with gate:
-            result = await client.send(request, run_start_s=start)
-        if progress is not None:
-            progress.update(1)
-        return result
+    async def send_chain(indices: list[int]) -> None:
+        for i in indices:
+            delay_s = send_times_s[i] - (client.clock() - start)
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            async with gate:
+                results[i] = await client.send(requests[i], run_start_s=start)
+            if progress is not None:
+                progress.update(1)
 
-    results = await asyncio.gather(*map(send_one, requests, send_times_s))
-    return list(results), client.clock() - start
+    await asyncio.gather(*map(send_chain, session_chains(requests)))
+    return [results[i] for i in range(len(requests))], client.clock() - start
+
+
+def session_chains(requests: Sequence[BenchRequest]) -> list[list[int]]:
+    """Indices of ``requests`` grouped into chains, each sent one request after the other.
+
+    One chain per session (its requests in list order) and one single-request chain per request without a
+    session; chains are ordered by their first index.
+    """
+    chains: list[list[int]] = []
+    by_session: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        if request.session_id is None:
+            chains.append([i])
+        elif request.session_id in by_session:
+            by_session[request.session_id].append(i)
+        else:
+            by_session[request.session_id] = [i]
+            chains.append(by_session[request.session_id])
+    return chains
 
 
 async def serve(
@@ -132,7 +167,7 @@ async def serve(
             http, base_url=config.url, model=config.model, kind=config.endpoint, ignore_eos=config.ignore_eos
         )
         if config.warmup:
-            await _warm_up(client, dataset.sample(config.warmup, config.seed + WARMUP_SEED_OFFSET), out)
+            await _warm_up(client, _warmup_requests(dataset, config), out)
         started_at = datetime.now(UTC).isoformat(timespec="seconds")
         send_times_s = arrival_times(len(requests), config.request_rate, config.seed)
         with tqdm(total=len(requests), disable=not config.show_progress, file=sys.stderr) as progress:
@@ -158,6 +193,16 @@ def _http_client(config: ServeConfig, transport: httpx.AsyncBaseTransport | None
         headers=headers,
         trust_env=False,
     )
+
+
+def _warmup_requests(dataset: Dataset, config: ServeConfig) -> list[BenchRequest]:
+    """The first ``config.warmup`` requests of the dataset drawn with another seed, cycled if need be.
+
+    It draws ``num_prompts`` requests, a count every dataset accepts (multiround's is fixed); session ids are
+    dropped so that the warmup leaves no session state in a router.
+    """
+    pool = dataset.sample(config.num_prompts, config.seed + WARMUP_SEED_OFFSET)
+    return [dataclasses.replace(pool[i % len(pool)], session_id=None) for i in range(config.warmup)]
 
 
 async def _warm_up(client: OpenAIStreamClient, requests: Sequence[BenchRequest], out: TextIO) -> None:
