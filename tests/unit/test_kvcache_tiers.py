@@ -1,5 +1,6 @@
-"""The KV tiers: byte bounds and LRU eviction, a disk tier that survives restarts and bad files, and a Redis
-tier (against a fake client) that turns every failure into a counted miss behind a circuit breaker."""
+"""The KV tiers: byte bounds and LRU eviction, a disk tier that survives restarts, bad files, a full disk and a
+directory it cannot use, and a Redis tier (against a fake client) that turns every failure into a counted miss
+behind a circuit breaker."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from typing import Any
 import pytest
 import redis
 
+from splitserve.config import KVTierConfig, L2Backend
 from splitserve.kvcache import disk as disk_module
 from splitserve.kvcache.breaker import BreakerState, CircuitBreaker
+from splitserve.kvcache.connector import build_connector
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier
@@ -158,6 +161,16 @@ class TestDiskTier:
         tier.put(key(9), value(9))
         assert tier.get_many([key(9)]) == [value(9)]
 
+    @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+    def test_a_full_disk_found_only_when_the_file_is_closed_is_counted_not_raised(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        tier = DiskTier(tmp_path, max_bytes=10_000)
+        monkeypatch.setattr(disk_module, "open", lambda path, mode: open("/dev/full", mode), raising=False)  # noqa: SIM115
+        tier.put(key(1), value(1))  # 100 bytes stay buffered: the kernel's ENOSPC comes from close()
+        assert (tier.stats().num_errors, tier.stats().num_puts) == (1, 0)
+        assert tier.is_available and tier.get_many([key(1)]) == [None]
+
     def test_stale_temporary_files_are_removed_on_start(self, tmp_path: Path) -> None:
         stale = tmp_path / f"{disk_module.TMP_PREFIX}123-abc"
         fresh = tmp_path / f"{disk_module.TMP_PREFIX}456-def"
@@ -172,6 +185,63 @@ class TestDiskTier:
         odd = "splitserve:v1:HuggingFaceTB/SmolLM2-135M:bf16:00ff"
         DiskTier(tmp_path, max_bytes=1000).put(odd, value(1))
         assert DiskTier(tmp_path, max_bytes=1000).get_many([odd]) == [value(1)]
+
+
+class TestAnUnusableDiskDirectory:
+    """A directory that cannot be created or written starts the tier unavailable: misses, counted drops."""
+
+    def test_a_path_under_a_regular_file_reads_as_misses_and_drops_writes(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        (tmp_path / "file").write_bytes(b"x")
+        with caplog.at_level(logging.WARNING, logger=disk_module.__name__):
+            tier = DiskTier(tmp_path / "file" / "kv", max_bytes=10_000)  # does not raise
+            for i in range(3):
+                tier.put(key(i), value(i))
+        assert not tier.is_available
+        assert tier.get_many([key(0), key(1)]) == [None, None]
+        assert tier.contains_many([key(0)]) == [False]
+        stats = tier.stats()
+        assert (stats.num_errors, stats.num_misses, stats.num_puts, stats.stored_bytes) == (4, 2, 0, 0)  # open + 3
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "open failed (NotADirectoryError" in warnings[0]  # once per burst
+
+    def test_a_read_only_file_system_is_found_at_start(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        def read_only(path: Path, mode: str) -> Any:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        monkeypatch.setattr(disk_module, "open", read_only, raising=False)  # root ignores chmod, not a ro mount
+        tier = DiskTier(tmp_path, max_bytes=10_000)
+        assert not tier.is_available and tier.stats().num_errors == 1
+
+    def test_it_is_picked_up_once_it_can_be_created_with_the_records_already_there(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        now = [0.0]
+        mount = tmp_path / "mnt"
+        mount.write_bytes(b"not yet a directory")
+        tier = DiskTier(mount / "kv", max_bytes=10_000, clock=lambda: now[0])
+        mount.unlink()
+        DiskTier(mount / "kv", max_bytes=10_000).put(key(1), value(1))  # e.g. another worker, or a restore
+        tier.put(key(2), value(2))  # retried at most every REOPEN_INTERVAL_S: still dropped
+        assert not tier.is_available and tier.stats().num_errors == 2
+        now[0] += disk_module.REOPEN_INTERVAL_S
+        with caplog.at_level(logging.WARNING, logger=disk_module.__name__):
+            tier.put(key(3), value(3))
+        assert tier.is_available
+        assert tier.get_many([key(1), key(2), key(3)]) == [value(1), None, value(3)]
+        assert (tier.stats().num_entries, tier.stats().num_errors) == (2, 2)
+        assert any("recovered after 2 errors" in r.getMessage() for r in caplog.records)
+
+    def test_the_worker_logs_degraded_mode_at_start(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        (tmp_path / "file").write_bytes(b"x")
+        path = str(tmp_path / "file" / "kv")
+        config = KVTierConfig(l2_backend=L2Backend.TIEREDSTORAGE, l2_path=path)
+        with caplog.at_level(logging.INFO, logger="splitserve.kvcache"):
+            build_connector(config, "smollm2", "float32-L2-H2-D8-B16").close()
+        messages = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any(f"L2 tieredstorage at {path} is unavailable" in m and "degraded mode" in m for m in messages)
+        assert not any("initialized successfully" in r.getMessage() for r in caplog.records)
 
 
 class TestCircuitBreaker:

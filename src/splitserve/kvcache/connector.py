@@ -375,6 +375,13 @@ def _log_startup(config: KVTierConfig, l2: KVTier | None, layout: str) -> None:
             return
     elif isinstance(l2, DiskTier):
         l2_text = f"L2 tieredstorage {l2.path} {config.l2_max_bytes / 2**30:.2f} GiB"
+        if not l2.is_available:
+            logger.error(
+                "LMCacheManager: L2 tieredstorage at %s is unavailable; the KV cache will operate in degraded mode "
+                "(recompute) and retry the directory on writes. %s, chunk %d tokens, layout %s",
+                l2.path, l1_text, config.kv_chunk_size, layout,
+            )  # fmt: skip
+            return
     else:
         l2_text = "L2 off"
     logger.info(

@@ -8,6 +8,11 @@ percent-encoded key plus ``.kv``, so the key can be read back from the name.
 Several workers may share one directory (L2 across workers on one machine or a shared mount): a key missing
 from this process's index is looked up on the file system and adopted, and a file that vanished (evicted by
 another worker) is a plain miss. Each process enforces the byte budget over the records it knows.
+
+A directory that cannot be created, listed or written (a path under a regular file, a read-only mount) does
+not stop the worker: the tier starts *unavailable* (every read a miss, every write dropped and counted as an
+error) and tries again on a write at most every ``REOPEN_INTERVAL_S``, so a directory that becomes usable later
+(created, mounted, made writable) is picked up, its records indexed, without a restart.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -31,6 +37,7 @@ RECORD_SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 MAX_FILE_NAME_BYTES = 255
 STALE_TMP_S = 600.0  # temporaries older than this are leftovers of a crash
+REOPEN_INTERVAL_S = 5.0  # an unavailable directory is tried again on a write at most this often
 
 
 class DiskTier:
@@ -38,13 +45,16 @@ class DiskTier:
 
     Invariant: ``_stored_bytes == sum(_index.values()) <= max_bytes``; ``_index`` is ordered least recently
     used first. I/O failures (a full disk, a vanished or truncated file) are counted as errors and logged once
-    per burst; a read failure is a miss and a write failure drops the value. Nothing is raised to the caller.
+    per burst; a read failure is a miss and a write failure drops the value. Nothing is raised to the caller,
+    not even from the constructor: a directory that cannot be used leaves the tier unavailable (see the
+    module docstring and ``is_available``).
 
     Args:
         path: the directory (created if missing). Temporary files left by a crash are removed.
         max_bytes: the budget for record bytes (file system overhead not counted).
         fsync: flush each record to stable storage before renaming it (slower; survives power loss).
         on_evict: called with each key evicted to make room.
+        clock: seconds, monotonic; paces the retries of an unavailable directory.
     """
 
     def __init__(
@@ -55,6 +65,7 @@ class DiskTier:
         fsync: bool = False,
         on_evict: EvictionListener | None = None,
         name: str = "disk",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -68,15 +79,31 @@ class DiskTier:
         self._stored_bytes = 0
         self._stats = TierStats()
         self._errors = ErrorBurstLog(logger, f"disk KV tier {self.path}")
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._rebuild_index()
+        self._clock = clock
+        self._open_lock = threading.Lock()
+        self._is_open = False
+        self._next_open_s = 0.0
+        self._open_error: OSError | None = None
+        if (error := self._open()) is not None:
+            self._count_error("open", error)
+
+    @property
+    def is_available(self) -> bool:
+        """Whether the directory is in use; False until it could be created, written and listed."""
+        return self._is_open
 
     # -- the tier contract ------------------------------------------------------------------------------
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not self._is_open:
+            with self._lock:
+                self._stats.num_misses += len(keys)
+            return [None] * len(keys)
         return [self._get(key) for key in keys]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        if not self._is_open:
+            return [False] * len(keys)
         with self._lock:
             return [key in self._index or self._adopt(key) is not None for key in keys]
 
@@ -84,6 +111,9 @@ class DiskTier:
         if len(value) > self.max_bytes:
             with self._lock:
                 self._stats.num_skipped += 1
+            return
+        if (error := self._open()) is not None:
+            self._count_error("write", error)
             return
         try:
             final = self._file_path(key)
@@ -224,6 +254,29 @@ class DiskTier:
 
     # -- names and start-up -----------------------------------------------------------------------------
 
+    def _open(self) -> OSError | None:
+        """Make the directory usable: create it, check that it takes a file, index it.
+
+        Returns None once the tier is open, else the error of the last attempt. An attempt is made at most
+        every ``REOPEN_INTERVAL_S``; in between, the last error is returned without touching the file system.
+        """
+        if self._is_open:
+            return None
+        with self._open_lock:
+            if self._is_open or self._clock() < self._next_open_s:
+                return self._open_error
+            self._next_open_s = self._clock() + REOPEN_INTERVAL_S
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                _unlink_quietly(self._write_tmp(b""))  # a read-only mount fails here, even for root
+                self._rebuild_index()
+            except OSError as exc:
+                self._open_error = exc
+                return exc
+            self._is_open, self._open_error = True, None
+        self._errors.success()
+        return None
+
     def _file_path(self, key: str) -> Path:
         name = quote(key, safe="") + RECORD_SUFFIX
         if len(name.encode()) > MAX_FILE_NAME_BYTES:
@@ -235,13 +288,18 @@ class DiskTier:
         found: list[tuple[int, str, int]] = []  # (mtime_ns, key, size)
         with os.scandir(self.path) as entries:
             for entry in entries:
-                if entry.name.startswith(TMP_PREFIX):
-                    if entry.stat().st_mtime < time.time() - STALE_TMP_S:  # not another worker's live write
-                        _unlink_quietly(Path(entry.path))
-                elif entry.name.endswith(RECORD_SUFFIX) and entry.is_file():
+                try:
                     st = entry.stat()
+                except FileNotFoundError:  # renamed or evicted by another worker since the listing
+                    continue
+                if entry.name.startswith(TMP_PREFIX):
+                    if st.st_mtime < time.time() - STALE_TMP_S:  # not another worker's live write
+                        _unlink_quietly(Path(entry.path))
+                elif entry.name.endswith(RECORD_SUFFIX) and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime_ns, unquote(entry.name[: -len(RECORD_SUFFIX)]), st.st_size))
         with self._lock:
+            self._index.clear()
+            self._stored_bytes = 0
             for _, key, size in sorted(found):
                 self._index[key] = size
                 self._stored_bytes += size
