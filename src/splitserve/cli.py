@@ -137,6 +137,24 @@ def worker_command(
             rich_help_panel=_TIERS,
         ),
     ] = False,
+    kv_events_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Send KV events (registration, cached blocks and chunks per tier) to this URL, normally the "
+            "router's http://HOST:PORT/kv/events, for its kvaware routing.",
+            envvar="SPLITSERVE_KV_EVENTS_URL",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    worker_id: Annotated[
+        str | None, typer.Option(help="This worker's name in KV events (default: host:port).", rich_help_panel=_SERVER)
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The URL the router reaches this worker at (default: http://host:port).", rich_help_panel=_SERVER
+        ),
+    ] = None,
     uvicorn_log_level: Annotated[
         str, typer.Option(help="debug, info, warning or error.", rich_help_panel=_SERVER)
     ] = "info",
@@ -197,7 +215,14 @@ def worker_command(
     )
     if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         _fail(f"--uvicorn-log-level must be one of debug, info, warning, error; got {uvicorn_log_level!r}")
-    server_config = ServerConfig(host=host, port=port, role=role)
+    server_config = ServerConfig(
+        host=host,
+        port=port,
+        role=role,
+        kv_events_url=kv_events_url,
+        worker_id=worker_id,
+        advertise_url=advertise_url,
+    )
     try:
         engine_config.validate()
         server_config.validate()

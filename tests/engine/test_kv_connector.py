@@ -398,7 +398,7 @@ def test_lookup_and_events_name_what_each_tier_holds(
     other = random_prompts(1, 40, 40, seed=99)["r0"]
     run_to_completion(engine, {"o": other}, GREEDY)
     assert set(hash_blocks(other, BLOCK)) <= sink.held[Tier.ENGINE]  # its prompt's blocks (and generated ones)
-    assert engine.lookup_prefix(other + [1, 2, 3])["engine"] == 32  # two full blocks of the 40-token prompt
+    assert engine.lookup_prefix([*other, 1, 2, 3])["engine"] == 32  # two full blocks of the 40-token prompt
 
     assert tokens_of(run_to_completion(engine, {"p": PROMPT}, GREEDY)["p"]) == cold_tokens  # loads from L2
     assert engine.lookup_prefix(PROMPT)["engine"] == (len(PROMPT) - 1) // BLOCK * BLOCK
