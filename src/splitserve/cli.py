@@ -11,7 +11,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from splitserve.bench.cli import bench_app
-from splitserve.config import L2Backend, Role
+from splitserve.config import L2Backend, Role, RoutingStrategy
 
 app = typer.Typer(
     name="splitserve",
@@ -231,6 +231,118 @@ def worker_command(
     from splitserve.server.run import run_worker
 
     raise typer.Exit(run_worker(engine_config, server_config, uvicorn_log_level.lower()))
+
+
+_ROUTING = "Routing options"
+_FAULTS = "Health and retry options"
+
+
+@app.command("router")
+def router_command(
+    backend: Annotated[
+        list[str] | None, typer.Option(help="A worker's base URL (repeatable).", rich_help_panel=_ROUTING)
+    ] = None,
+    prefill: Annotated[
+        list[str] | None,
+        typer.Option(help="A prefill worker's URL (repeatable; disaggregated).", rich_help_panel=_ROUTING),
+    ] = None,
+    decode: Annotated[
+        list[str] | None,
+        typer.Option(help="A decode worker's URL (repeatable; disaggregated).", rich_help_panel=_ROUTING),
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model whose tokenizer and chat template routing uses.")] = "smollm2",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8080,
+    routing_strategy: Annotated[
+        RoutingStrategy,
+        typer.Option(help="roundrobin, session, prefixaware or kvaware.", rich_help_panel=_ROUTING),
+    ] = RoutingStrategy.ROUNDROBIN,
+    routing_threshold: Annotated[
+        int, typer.Option(help="Prompt tokens from which a request is disaggregated.", rich_help_panel=_ROUTING)
+    ] = 4096,
+    session_key: Annotated[
+        str,
+        typer.Option(help="Header naming the session (the body's user field also counts).", rich_help_panel=_ROUTING),
+    ] = "x-session-id",
+    block_size: Annotated[int, typer.Option(help="The workers' KV block size.", rich_help_panel=_ROUTING)] = 16,
+    kv_chunk_size: Annotated[int, typer.Option(help="The workers' KV chunk size.", rich_help_panel=_ROUTING)] = 256,
+    prefix_index_max_blocks: Annotated[
+        int, typer.Option(help="prefixaware: block hashes remembered (LRU).", rich_help_panel=_ROUTING)
+    ] = 200_000,
+    kv_index_max_blocks: Annotated[
+        int, typer.Option(help="kvaware: block hashes kept per tier and worker.", rich_help_panel=_ROUTING)
+    ] = 1_000_000,
+    kv_l2_weight: Annotated[
+        float, typer.Option(help="kvaware: weight of a token in the shared L2 (0..1).", rich_help_panel=_ROUTING)
+    ] = 0.5,
+    balance_abs_threshold: Annotated[
+        int, typer.Option(help="Load guard: in-flight gap to the least-loaded worker...", rich_help_panel=_ROUTING)
+    ] = 4,
+    balance_rel_threshold: Annotated[
+        float, typer.Option(help="...that is also this many times its load + 1.", rich_help_panel=_ROUTING)
+    ] = 1.5,
+    health_interval: Annotated[
+        float, typer.Option(help="Seconds between /health probes.", rich_help_panel=_FAULTS)
+    ] = 2.0,
+    health_failure_threshold: Annotated[
+        int, typer.Option(help="Failed probes that mark a worker unhealthy.", rich_help_panel=_FAULTS)
+    ] = 2,
+    connect_timeout: Annotated[
+        float, typer.Option(help="Seconds to connect to a worker.", rich_help_panel=_FAULTS)
+    ] = 2.0,
+    read_timeout: Annotated[
+        float, typer.Option(help="Seconds a worker may stay silent mid-answer.", rich_help_panel=_FAULTS)
+    ] = 600.0,
+    max_retries: Annotated[
+        int, typer.Option(help="Other workers to try when one fails before answering.", rich_help_panel=_FAULTS)
+    ] = 2,
+    breaker_failure_threshold: Annotated[
+        int, typer.Option(help="Failed requests in a row that open a worker's breaker.", rich_help_panel=_FAULTS)
+    ] = 3,
+    breaker_cooldown: Annotated[
+        float, typer.Option(help="Seconds before a tripped breaker lets a trial through.", rich_help_panel=_FAULTS)
+    ] = 5.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Route OpenAI requests over workers: roundrobin, session, prefixaware or kvaware (no torch)."""
+    from splitserve.config import RouterConfig
+
+    config = RouterConfig(
+        model=model,
+        host=host,
+        port=port,
+        backends=tuple(backend or ()),
+        prefill=tuple(prefill or ()),
+        decode=tuple(decode or ()),
+        routing_strategy=routing_strategy,
+        routing_threshold=routing_threshold,
+        session_key=session_key.lower(),
+        block_size=block_size,
+        kv_chunk_size=kv_chunk_size,
+        prefix_index_max_blocks=prefix_index_max_blocks,
+        kv_index_max_blocks=kv_index_max_blocks,
+        l2_weight=kv_l2_weight,
+        balance_abs_threshold=balance_abs_threshold,
+        balance_rel_threshold=balance_rel_threshold,
+        health_interval_s=health_interval,
+        health_failure_threshold=health_failure_threshold,
+        connect_timeout_s=connect_timeout,
+        read_timeout_s=read_timeout,
+        max_retries=max_retries,
+        breaker_failure_threshold=breaker_failure_threshold,
+        breaker_cooldown_s=breaker_cooldown,
+    )
+    if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
+        _fail(f"--log-level must be one of debug, info, warning, error; got {log_level!r}")
+    if config.prefill or config.decode:
+        _fail("--prefill/--decode (disaggregated prefill/decode) is not available yet; use --backend")
+    try:
+        config.validate()
+    except ValueError as exc:
+        _fail(str(exc))
+    from splitserve.router.run import run_router
+
+    raise typer.Exit(run_router(config, log_level.lower()))
 
 
 def _fail(message: str) -> NoReturn:

@@ -241,3 +241,70 @@ class ServerConfig:
     def name(self) -> str:
         """The worker's id in KV events and router logs."""
         return self.worker_id or self.url.split("://", 1)[1]
+
+
+class RoutingStrategy(StrEnum):
+    ROUNDROBIN = "roundrobin"
+    SESSION = "session"
+    PREFIXAWARE = "prefixaware"
+    KVAWARE = "kvaware"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router: where it listens, its workers, how it picks one, and how it treats failures."""
+
+    model: str = "smollm2"  # names the tokenizer and chat template only
+    host: str = "127.0.0.1"
+    port: int = 8080
+    backends: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()  # disaggregated endpoints: prefill pool (the DPD issue)
+    decode: tuple[str, ...] = ()  # disaggregated endpoints: decode pool
+    routing_strategy: RoutingStrategy = RoutingStrategy.ROUNDROBIN
+    routing_threshold: int = 4096  # prompt tokens at which a request is prefilled on the prefill pool
+    session_key: str = "x-session-id"  # header carrying the session; the body's ``user`` field also counts
+    block_size: int = 16  # must match the workers' (the KV key scheme)
+    kv_chunk_size: int = 256  # must match the workers'
+    prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
+    kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes held per tier over all workers
+    l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
+    balance_abs_threshold: int = 4  # load guard: in-flight gap to the least-loaded worker that counts as skew...
+    balance_rel_threshold: float = 1.5  # ...when also this many times its load (+1)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    health_failure_threshold: int = 2  # consecutive failed probes that mark a worker unhealthy
+    health_success_threshold: int = 1  # consecutive good probes that mark it healthy again
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0  # between bytes from a worker
+    max_retries: int = 2  # extra attempts, each on a worker not yet tried
+    retry_backoff_s: float = 0.05  # base of the jittered exponential back-off between attempts
+    breaker_failure_threshold: int = 3  # consecutive request failures that open a worker's breaker
+    breaker_cooldown_s: float = 5.0  # open -> half-open after this (doubles while trials fail, up to 60 s)
+    max_request_body_bytes: int = 16 << 20
+
+    def validate(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not self.backends and not (self.prefill and self.decode):
+            raise ValueError("give at least one --backend, or both --prefill and --decode")
+        for url in (*self.backends, *self.prefill, *self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URLs must start with http:// or https://, got {url!r}")
+        if self.block_size < 1 or self.kv_chunk_size < self.block_size or self.kv_chunk_size % self.block_size:
+            raise ValueError(
+                f"--kv-chunk-size ({self.kv_chunk_size}) must be a positive multiple of --block-size "
+                f"({self.block_size})"
+            )
+        if self.prefix_index_max_blocks < 1 or self.kv_index_max_blocks < 1:
+            raise ValueError("index caps must be positive")
+        if not 0 <= self.l2_weight <= 1:
+            raise ValueError(f"--kv-l2-weight must be in [0, 1], got {self.l2_weight}")
+        if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
+            raise ValueError("health thresholds must be at least 1")
+        if self.max_retries < 0 or self.breaker_failure_threshold < 1:
+            raise ValueError("--max-retries must be >= 0 and the breaker threshold >= 1")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.routing_threshold < 1:
+            raise ValueError(f"--routing-threshold must be positive, got {self.routing_threshold}")

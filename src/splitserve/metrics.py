@@ -291,3 +291,101 @@ class WorkerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""
         return generate_latest(self.registry)
+
+
+# ---- the router ------------------------------------------------------------------------------------------
+
+ROUTER_REQUESTS_TOTAL = "splitserve:router_requests_total"
+ROUTER_REQUESTS_IN_FLIGHT = "splitserve:router_requests_in_flight"
+ROUTER_ROUTING_DECISIONS_TOTAL = "splitserve:router_routing_decisions_total"
+ROUTER_RETRIES_TOTAL = "splitserve:router_retries_total"
+ROUTER_CIRCUIT_BREAKER_STATE = "splitserve:router_circuit_breaker_state"
+ROUTER_WORKER_HEALTHY = "splitserve:router_worker_healthy"
+ROUTER_INDEX_ENTRIES = "splitserve:router_index_entries"
+ROUTER_INDEX_HIT_TOKENS_TOTAL = "splitserve:router_index_hit_tokens_total"
+ROUTER_TTFT_SECONDS = "splitserve:e2e_time_to_first_token_seconds"
+ROUTER_ITL_SECONDS = "splitserve:router_inter_token_latency_seconds"
+ROUTER_E2E_SECONDS = "splitserve:router_e2e_request_latency_seconds"
+
+WORKER_LABEL = "worker"
+STRATEGY_LABEL = "strategy"
+OUTCOME_LABEL = "outcome"
+
+
+class RouterStateLike(Protocol):
+    """What the router's scrape-time collector reads (``splitserve.router.app.Router``)."""
+
+    def worker_states(self) -> list[tuple[str, int, int, bool]]: ...  # (url, in flight, breaker state, healthy)
+
+    def index_sizes(self) -> dict[str, int]: ...  # entries per index
+
+
+class _RouterStateCollector(Collector):
+    def __init__(self, get_state: Callable[[], RouterStateLike | None]) -> None:
+        self._get_state = get_state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._get_state()
+        if state is None:
+            return
+        workers = state.worker_states()
+        for name, doc, column in (
+            (ROUTER_REQUESTS_IN_FLIGHT, "Requests the router has in flight to each worker.", 1),
+            (ROUTER_CIRCUIT_BREAKER_STATE, "Circuit breaker per worker: 0 closed, 1 open, 2 half-open.", 2),
+            (ROUTER_WORKER_HEALTHY, "1 when the worker passes its health checks.", 3),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=[WORKER_LABEL])
+            for row in workers:
+                gauge.add_metric([row[0]], float(row[column]))
+            yield gauge
+        gauge = GaugeMetricFamily(ROUTER_INDEX_ENTRIES, "Entries in the router's KV/prefix index.", labels=["index"])
+        for index, size in state.index_sizes().items():
+            gauge.add_metric([index], float(size))
+        yield gauge
+
+
+class RouterMetrics:
+    """The router's metrics on their own registry; ``observe_*`` from the event loop, ``render()`` anywhere."""
+
+    def __init__(self, strategy: str, registry: CollectorRegistry | None = None) -> None:
+        self.strategy = strategy
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._state: RouterStateLike | None = None
+        self.requests = Counter(
+            _counter_base(ROUTER_REQUESTS_TOTAL), "Requests answered, by worker and status.",
+            [WORKER_LABEL, "status"], registry=self.registry,
+        )  # fmt: skip
+        self.decisions = Counter(
+            _counter_base(ROUTER_ROUTING_DECISIONS_TOTAL), "Routing decisions by strategy and outcome.",
+            [STRATEGY_LABEL, OUTCOME_LABEL], registry=self.registry,
+        )  # fmt: skip
+        self.retries = Counter(
+            _counter_base(ROUTER_RETRIES_TOTAL), "Requests sent again to another worker, by reason.",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.index_hit_tokens = Counter(
+            _counter_base(ROUTER_INDEX_HIT_TOKENS_TOTAL), "Prompt tokens the index found on the chosen worker.",
+            [STRATEGY_LABEL], registry=self.registry,
+        ).labels(strategy)  # fmt: skip
+        self.ttft_s = Histogram(
+            ROUTER_TTFT_SECONDS, "Time to first token seen by the router, in seconds.", buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )  # fmt: skip
+        self.itl_s = Histogram(
+            ROUTER_ITL_SECONDS, "Time between streamed chunks seen by the router, in seconds.", buckets=ITL_BUCKETS_S,
+            registry=self.registry,
+        )  # fmt: skip
+        self.e2e_s = Histogram(
+            ROUTER_E2E_SECONDS, "Request latency seen by the router, in seconds.", buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_RouterStateCollector(lambda: self._state))
+
+    def bind(self, state: RouterStateLike) -> None:
+        self._state = state
+
+    def decision(self, outcome: str) -> None:
+        self.decisions.labels(self.strategy, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""The workers the router knows, their per-worker state, and where that list comes from.
+
+Discovery is static (the ``--backend`` flags) today; :class:`WorkerPool.update` is the seam through which the
+supervisor or a Kubernetes watch will feed it later: workers that stay keep their state (health, breaker,
+load), new ones start unprobed, removed ones are forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from splitserve.router.health import CircuitBreaker
+
+
+class WorkerRole(StrEnum):
+    BACKEND = "backend"  # a colocated worker: any request
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker as the router sees it. Mutated only on the event loop."""
+
+    url: str  # base URL, no trailing slash
+    role: WorkerRole = WorkerRole.BACKEND
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    healthy: bool | None = None  # None: not probed yet (routable); False after failed probes
+    in_flight: int = 0
+    worker_id: str | None = None  # the name it registered with (KV events), if it did
+
+    @property
+    def is_routable(self) -> bool:
+        return self.healthy is not False and self.breaker.allows()
+
+    @property
+    def name(self) -> str:
+        return self.worker_id or self.url
+
+
+def normalize_url(url: str) -> str:
+    return url.rstrip("/")
+
+
+class WorkerPool:
+    """The current workers, in configured order."""
+
+    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+        self._workers: dict[str, Worker] = {}
+        self.update(workers)
+
+    @classmethod
+    def from_urls(
+        cls, backends: Iterable[str], prefill: Iterable[str] = (), decode: Iterable[str] = (), **breaker: float
+    ) -> WorkerPool:
+        by_role = ((WorkerRole.BACKEND, backends), (WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode))
+        workers = [
+            Worker(normalize_url(url), role, CircuitBreaker(**breaker))  # type: ignore[arg-type]
+            for role, urls in by_role
+            for url in urls
+        ]
+        return cls(workers)
+
+    def update(self, workers: Iterable[Worker]) -> None:
+        """Replace the list; a worker whose URL was already known keeps its state."""
+        fresh: dict[str, Worker] = {}
+        for worker in workers:
+            worker.url = normalize_url(worker.url)
+            fresh[worker.url] = self._workers.get(worker.url, worker)
+        self._workers = fresh
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(normalize_url(url))
+
+    def by_role(self, *roles: WorkerRole) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role in roles]
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)

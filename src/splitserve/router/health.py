@@ -1,0 +1,135 @@
+"""Worker health: a circuit breaker fed by request outcomes, and active ``/health`` probes.
+
+The breaker stops sending to a worker after ``failure_threshold`` consecutive failed requests (connect
+errors, 5xx), lets one trial request through after a cool-down (half-open), and closes on its success; a
+failed trial doubles the cool-down (up to ``MAX_COOLDOWN_S``). Probes mark a worker unhealthy after
+``failure_threshold`` consecutive failures (or its first, if it never answered) and healthy again after
+``success_threshold`` good answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+if TYPE_CHECKING:
+    from splitserve.router.discovery import Worker
+
+logger = logging.getLogger(__name__)
+
+MAX_COOLDOWN_S = 60.0
+
+
+class BreakerState(IntEnum):
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.base_cooldown_s = cooldown_s
+        self._clock = clock
+        self._failures = 0
+        self._cooldown_s = cooldown_s
+        self._opened_at: float | None = None
+        self._trial_in_flight = False
+
+    @property
+    def state(self) -> BreakerState:
+        if self._opened_at is None:
+            return BreakerState.CLOSED
+        if self._clock() - self._opened_at >= self._cooldown_s:
+            return BreakerState.HALF_OPEN
+        return BreakerState.OPEN
+
+    def allows(self) -> bool:
+        state = self.state
+        return state == BreakerState.CLOSED or (state == BreakerState.HALF_OPEN and not self._trial_in_flight)
+
+    def on_attempt(self) -> None:
+        if self.state == BreakerState.HALF_OPEN:
+            self._trial_in_flight = True
+
+    def record_success(self) -> None:
+        self._failures = 0
+        self._opened_at = None
+        self._cooldown_s = self.base_cooldown_s
+        self._trial_in_flight = False
+
+    def record_failure(self) -> bool:
+        """Count a failed request; True when this opened (or re-opened) the breaker."""
+        self._failures += 1
+        state = self.state
+        if state == BreakerState.HALF_OPEN:
+            self._cooldown_s = min(self._cooldown_s * 2, MAX_COOLDOWN_S)
+        elif state == BreakerState.OPEN or self._failures < self.failure_threshold:
+            return False
+        self._opened_at = self._clock()
+        self._trial_in_flight = False
+        return True
+
+
+class HealthChecker:
+    """Probes every worker's ``/health`` each ``interval_s`` and updates ``Worker.healthy``."""
+
+    def __init__(
+        self,
+        workers: Callable[[], Iterable[Worker]],
+        session: Callable[[], aiohttp.ClientSession],
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        failure_threshold: int = 2,
+        success_threshold: int = 1,
+    ) -> None:
+        self._workers = workers
+        self._session = session
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self._streaks: dict[str, int] = {}  # url -> consecutive results: > 0 successes, < 0 failures
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def probe_all(self) -> None:
+        workers = list(self._workers())
+        results = await asyncio.gather(*(self._probe(w) for w in workers))
+        for worker, (ok, reason) in zip(workers, results, strict=True):
+            self._record(worker, ok, reason)
+
+    async def _probe(self, worker: Worker) -> tuple[bool, str]:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self._session().get(f"{worker.url}/health", timeout=timeout) as response:
+                return response.status == 200, f"HTTP {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    def _record(self, worker: Worker, ok: bool, reason: str) -> None:
+        streak = self._streaks.get(worker.url, 0)
+        streak = max(streak, 0) + 1 if ok else min(streak, 0) - 1
+        self._streaks[worker.url] = streak
+        if ok and worker.healthy is not True and streak >= self.success_threshold:
+            logger.info("worker %s is healthy", worker.name)
+            worker.healthy = True
+            worker.breaker.record_success()
+        elif not ok and worker.healthy is not False and (worker.healthy is None or -streak >= self.failure_threshold):
+            logger.warning("worker %s is unhealthy: %s", worker.name, reason)
+            worker.healthy = False

@@ -1,0 +1,217 @@
+"""Routing strategies: each picks one worker among the routable candidates for a request.
+
+Every policy implements :class:`RoutingPolicy` and is built by :func:`build_policy` from the registry. The
+cache-aware ones share a load guard: when the worker they would pick has badly more requests in flight than
+the least-loaded one (SGLang's cache-aware router uses the same two thresholds), the request goes to the
+least-loaded worker instead, so one hot prefix cannot pin all traffic to one worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import xxhash
+
+from splitserve.config import RouterConfig, RoutingStrategy
+from splitserve.keys import hash_blocks
+from splitserve.router.discovery import Worker
+from splitserve.router.kv_index import KVIndex, PrefixIndex, TierMatch
+
+logger = logging.getLogger(__name__)
+
+RING_SEED = 0x5E55_1011  # consistent-hash ring; a fixed constant, never Python's hash()
+VNODES_PER_WORKER = 64
+
+
+@dataclass
+class RoutingRequest:
+    """What a policy may look at. ``token_ids`` is set only for policies that ask (``needs_tokens``)."""
+
+    path: str
+    session_id: str | None = None
+    token_ids: list[int] | None = None
+    block_size: int = 16
+    _block_hashes: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def block_hashes(self) -> list[int]:
+        if self._block_hashes is None:
+            self._block_hashes = hash_blocks(self.token_ids or [], self.block_size)
+        return self._block_hashes
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: Worker
+    outcome: str  # for metrics and logs: roundrobin, session, matched, fallback, load_guard, least_loaded
+    matched_tokens: int = 0
+
+
+class RoutingPolicy(Protocol):
+    name: str
+    needs_tokens: bool
+
+    def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        """Pick one of ``candidates`` (never empty)."""
+        ...
+
+    def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
+        """The request was accepted by ``worker`` (its response started)."""
+        ...
+
+
+class LoadGuard:
+    def __init__(self, abs_threshold: int, rel_threshold: float) -> None:
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self._tie = itertools.count()
+
+    def least_loaded(self, candidates: Sequence[Worker]) -> Worker:
+        """The worker with the fewest requests in flight; ties rotate."""
+        least = min(w.in_flight for w in candidates)
+        tied = [w for w in candidates if w.in_flight == least]
+        return tied[next(self._tie) % len(tied)]
+
+    def is_skewed(self, chosen: Worker, candidates: Sequence[Worker]) -> bool:
+        least = min(w.in_flight for w in candidates)
+        gap = chosen.in_flight - least
+        return gap > self.abs_threshold and chosen.in_flight > self.rel_threshold * (least + 1)
+
+
+class RoundRobinPolicy:
+    name = RoutingStrategy.ROUNDROBIN.value
+    needs_tokens = False
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        return Decision(candidates[next(self._counter) % len(candidates)], "roundrobin")
+
+    def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
+        pass
+
+
+class SessionPolicy:
+    """Consistent hashing of the session id over every configured worker (healthy or not), so a session
+    stays put while other workers come and go; an unroutable owner hands over to the next on the ring.
+    Requests without a session go to the least-loaded worker."""
+
+    name = RoutingStrategy.SESSION.value
+    needs_tokens = False
+
+    def __init__(self, all_workers: Callable[[], Sequence[Worker]], guard: LoadGuard) -> None:
+        self._all_workers = all_workers
+        self._guard = guard
+        self._ring_urls: tuple[str, ...] = ()
+        self._ring: list[tuple[int, str]] = []
+
+    def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        if not request.session_id:
+            return Decision(self._guard.least_loaded(candidates), "least_loaded")
+        ring = self._current_ring()
+        by_url = {w.url: w for w in candidates}
+        start = bisect.bisect_left(ring, (_ring_hash(request.session_id), ""))
+        for i in range(len(ring)):
+            worker = by_url.get(ring[(start + i) % len(ring)][1])
+            if worker is not None:
+                return Decision(worker, "session" if i == 0 else "handover")
+        return Decision(self._guard.least_loaded(candidates), "least_loaded")
+
+    def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
+        pass
+
+    def _current_ring(self) -> list[tuple[int, str]]:
+        urls = tuple(sorted(w.url for w in self._all_workers()))
+        if urls != self._ring_urls:
+            self._ring_urls = urls
+            self._ring = sorted((_ring_hash(f"{url}#{i}"), url) for url in urls for i in range(VNODES_PER_WORKER))
+        return self._ring
+
+
+def _ring_hash(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode(), seed=RING_SEED)
+
+
+class PrefixAwarePolicy:
+    """The worker the router last sent the longest matching prefix to (router-side index, no events)."""
+
+    name = RoutingStrategy.PREFIXAWARE.value
+    needs_tokens = True
+
+    def __init__(self, index: PrefixIndex, guard: LoadGuard) -> None:
+        self.index = index
+        self._guard = guard
+
+    def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        owner, num_blocks = self.index.match(request.block_hashes)
+        chosen = next((w for w in candidates if w.url == owner), None)
+        if chosen is None:
+            return Decision(self._guard.least_loaded(candidates), "fallback")
+        if self._guard.is_skewed(chosen, candidates):
+            return Decision(self._guard.least_loaded(candidates), "load_guard")
+        return Decision(chosen, "matched", num_blocks * request.block_size)
+
+    def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
+        self.index.insert(request.block_hashes, worker.url)
+
+
+class KVAwarePolicy:
+    """The worker holding the most of the prompt's KV by the workers' own events: engine cache and L1 count
+    in full, the shared L2 at ``l2_weight`` (it helps every worker alike, so it mostly breaks ties)."""
+
+    name = RoutingStrategy.KVAWARE.value
+    needs_tokens = True
+
+    def __init__(self, index: KVIndex, guard: LoadGuard, l2_weight: float) -> None:
+        self.index = index
+        self._guard = guard
+        self.l2_weight = l2_weight
+
+    def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        hashes = request.block_hashes
+        matches = [(self._score(m := self.index.match(hashes, w.url)), m, w) for w in candidates]
+        best_score = max(score for score, _, _ in matches)
+        if best_score <= 0:
+            return Decision(self._guard.least_loaded(candidates), "fallback")
+        best = [(m, w) for score, m, w in matches if score == best_score]
+        match, chosen = min(best, key=lambda mw: mw[1].in_flight)
+        if self._guard.is_skewed(chosen, candidates):
+            return Decision(self._guard.least_loaded(candidates), "load_guard")
+        return Decision(chosen, "matched", match.total)
+
+    def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
+        pass  # the worker's own events will say what it now holds
+
+    def _score(self, match: TierMatch) -> float:
+        return match.engine + match.l1 + self.l2_weight * match.l2
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy factory may use."""
+
+    config: RouterConfig
+    all_workers: Callable[[], Sequence[Worker]]
+    kv_index: KVIndex
+    guard: LoadGuard
+
+
+POLICIES: dict[RoutingStrategy, Callable[[PolicyContext], RoutingPolicy]] = {
+    RoutingStrategy.ROUNDROBIN: lambda ctx: RoundRobinPolicy(),
+    RoutingStrategy.SESSION: lambda ctx: SessionPolicy(ctx.all_workers, ctx.guard),
+    RoutingStrategy.PREFIXAWARE: lambda ctx: PrefixAwarePolicy(
+        PrefixIndex(ctx.config.prefix_index_max_blocks), ctx.guard
+    ),
+    RoutingStrategy.KVAWARE: lambda ctx: KVAwarePolicy(ctx.kv_index, ctx.guard, ctx.config.l2_weight),
+}
+
+
+def build_policy(config: RouterConfig, all_workers: Callable[[], Sequence[Worker]], kv_index: KVIndex) -> RoutingPolicy:
+    guard = LoadGuard(config.balance_abs_threshold, config.balance_rel_threshold)
+    return POLICIES[config.routing_strategy](PolicyContext(config, all_workers, kv_index, guard))

@@ -1,0 +1,44 @@
+"""Run the router: load the tokenizer (for the cache-aware policies), build the app, serve until stopped."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import uvicorn
+
+from splitserve.config import RouterConfig, RoutingStrategy
+from splitserve.router.app import Router, build_router_app
+from splitserve.router.tokens import prompt_token_ids
+
+logger = logging.getLogger("splitserve.router")
+
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+
+
+def run_router(config: RouterConfig, log_level: str = "info") -> int:
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    tokenize = None
+    if config.routing_strategy in (RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE):
+        from splitserve.model.registry import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(config.model))
+        tokenize = functools.partial(prompt_token_ids, tokenizer)
+    router = Router(config, tokenize)
+    logger.info(
+        "router on %s:%d, strategy %s, workers %s",
+        config.host, config.port, config.routing_strategy.value,
+        ", ".join(w.url for w in router.pool),
+    )  # fmt: skip
+    app = build_router_app(router)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        loop="uvloop",
+        http="httptools",
+    )
+    return 0

@@ -1,0 +1,216 @@
+"""The router over real HTTP in front of fake-engine workers: proxying, retries, breaker, errors, KV events."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from splitserve.config import RouterConfig, RoutingStrategy
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.keys import hash_blocks
+from splitserve.metrics import WorkerMetrics
+from splitserve.router.app import Router, build_router_app
+from splitserve.router.tokens import prompt_token_ids
+from splitserve.server.app import build_app
+from tests.unit.fake_engine import FakeEngine, FakeTokenizer, ServerThread, free_port
+
+MODEL = "fake-model"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+class FakeWorker:
+    def __init__(self, stack: ExitStack) -> None:
+        self.engine = FakeEngine(step_delay_s=0.001)
+        self.server = stack.enter_context(
+            ServerThread(build_app(AsyncEngine(lambda: self.engine, WorkerMetrics(MODEL))))
+        )
+        wait_until(lambda: httpx.get(f"{self.server.url}/health").status_code == 200)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.engine.added_ids)
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[FakeWorker]]:
+    with ExitStack() as stack:
+        yield [FakeWorker(stack), FakeWorker(stack)]
+
+
+def start_router(stack: ExitStack, backends: list[str], **options: Any) -> tuple[Router, httpx.Client]:
+    config = RouterConfig(model=MODEL, backends=tuple(backends), **({"health_interval_s": 0.2} | options))
+    tokenize = functools.partial(prompt_token_ids, FakeTokenizer())
+    router = Router(config, tokenize)
+    server = stack.enter_context(ServerThread(build_router_app(router)))
+    client = stack.enter_context(httpx.Client(base_url=server.url, timeout=10))
+    return router, client
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+def completion(client: httpx.Client, prompt: Any = "Hello", **extra: Any) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, **extra})
+
+
+def test_roundrobin_proxies_every_kind_of_request_over_both_workers(
+    workers: list[FakeWorker], stack: ExitStack
+) -> None:
+    before = [w.num_requests for w in workers]
+    _, client = start_router(stack, [w.url for w in workers])
+    for _ in range(2):
+        r = completion(client)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=chat).json()["object"] == "chat.completion"
+    with client.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 4
+    assert [w.num_requests - b for w, b in zip(workers, before, strict=True)] in ([3, 2], [2, 3])
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert client.get("/health").status_code == 200
+    text = client.get("/metrics").text
+    assert "splitserve:router_routing_decisions_total" in text and "splitserve:e2e_time_to_first_token_seconds" in text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "content", "status"),
+    [
+        ("POST", "/v1/completions", b"{not json", 400),
+        ("POST", "/v1/completions", b"[1, 2]", 400),
+        ("GET", "/v1/nothing", b"", 404),
+        ("GET", "/v1/completions", b"", 405),
+    ],
+)
+def test_client_mistakes_get_openai_errors(
+    workers: list[FakeWorker], stack: ExitStack, method: str, path: str, content: bytes, status: int
+) -> None:
+    _, client = start_router(stack, [workers[0].url])
+    r = client.request(method, path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    assert r.json()["error"]["message"]
+
+
+def test_a_worker_4xx_is_passed_back_not_retried(workers: list[FakeWorker], stack: ExitStack) -> None:
+    router, client = start_router(stack, [w.url for w in workers])
+    r = completion(client, max_tokens=-1)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert all(w.breaker.allows() for w in router.pool)
+    assert "splitserve:router_retries_total{" not in client.get("/metrics").text
+
+
+def test_a_dead_worker_is_skipped_by_retries_and_its_breaker_opens(workers: list[FakeWorker], stack: ExitStack) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    router, client = start_router(stack, [dead, workers[0].url], health_interval_s=60, breaker_failure_threshold=2)
+    router.pool.get(dead).healthy = True  # type: ignore[union-attr]  # as if it had just died
+    for _ in range(6):
+        assert completion(client).status_code == 200
+    assert not router.pool.get(dead).breaker.allows()  # type: ignore[union-attr]
+    assert 'splitserve:router_retries_total{reason="connect"} 2.0' in client.get("/metrics").text
+
+
+def test_no_worker_at_all_is_a_503_with_an_openai_error(stack: ExitStack) -> None:
+    _, client = start_router(stack, [f"http://127.0.0.1:{free_port()}"])
+    r = completion(client)
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "no_worker_available"
+    assert client.get("/health").status_code == 503
+
+
+def test_an_overloaded_worker_answer_is_retried_elsewhere(workers: list[FakeWorker], stack: ExitStack) -> None:
+    async def overloaded(_: Any) -> JSONResponse:
+        return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+
+    async def healthy(_: Any) -> JSONResponse:
+        return JSONResponse({})
+
+    busy_app = Starlette(routes=[Route("/v1/completions", overloaded, methods=["POST"]), Route("/health", healthy)])
+    busy = stack.enter_context(ServerThread(busy_app))
+    _, client = start_router(stack, [busy.url, workers[1].url])
+    for _ in range(4):
+        assert completion(client).status_code == 200
+    _, only_busy = start_router(stack, [busy.url])
+    r = completion(only_busy)
+    assert r.status_code == 503 and r.json()["error"]["message"] == "busy"  # the worker's own answer
+
+
+class DyingStreamServer:
+    """Answers any request with the headers and first chunk of an SSE stream, then drops the connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                event = b'data: {"choices": [{"text": "Pa"}]}\n\n'
+                head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                conn.sendall(head + f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(stack: ExitStack) -> None:
+    dying = DyingStreamServer()
+    stack.callback(dying.close)
+    _, client = start_router(stack, [dying.url], health_interval_s=60)
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == 'data: {"choices": [{"text": "Pa"}]}'
+    assert json.loads(lines[1].removeprefix("data: "))["error"]["code"] == 502
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_kv_events_register_workers_and_kvaware_follows_them(workers: list[FakeWorker], stack: ExitStack) -> None:
+    router, client = start_router(stack, [w.url for w in workers], routing_strategy=RoutingStrategy.KVAWARE)
+    batch = {"worker_id": "b", "worker_url": workers[1].url, "events": []}
+    assert client.post("/kv/events", json=batch).status_code == 409  # never registered
+    assert client.post("/kv/events", json={"worker_id": "b"}).status_code == 400
+    prompt = list(range(1, 70))  # 4 full blocks of 16
+    held = {"tier": "engine", "kind": "stored", "hashes": hash_blocks(prompt, 16)}
+    assert client.post("/kv/events", json=batch | {"reset": True, "events": [held]}).status_code == 200
+    assert client.post("/kv/events", json=batch).status_code == 200
+    assert router.pool.get(workers[1].url).worker_id == "b"  # type: ignore[union-attr]
+    before = [w.num_requests for w in workers]
+    for _ in range(3):
+        assert completion(client, prompt=[*prompt, 99]).status_code == 200
+    assert [w.num_requests - b for w, b in zip(workers, before, strict=True)] == [0, 3]
+    assert (
+        'splitserve:router_routing_decisions_total{outcome="matched",strategy="kvaware"} 3.0'
+        in client.get("/metrics").text
+    )
