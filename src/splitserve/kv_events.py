@@ -145,6 +145,7 @@ class KVEventPublisher:
             if self._num_pending > MAX_PENDING_HASHES:
                 self._needs_reset = True
                 self._pending, self._num_pending = [], 0
+            self._lock.notify()
 
     # -- sending ------------------------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ import importlib.util
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.e2e.test_kv_tiers_e2e import BLOCK, CHUNK, long_prompt
@@ -28,18 +27,6 @@ class DiskWorker(WorkerProcess):
         args = ["--dtype", "float32", "--num-threads", "2", "--max-model-len", "2048", "--max-num-seqs", "2",
                 "--kv-cache-memory", "128MiB", "--l2-backend", "tieredstorage", "--l2-path", str(l2_path)]  # fmt: skip
         super().__init__(log_path, args)
-
-    def complete(self, prompt: str, max_tokens: int = 8) -> httpx.Response:
-        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=180)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
 
 def started(log_path: Path, l2_path: Path) -> DiskWorker:

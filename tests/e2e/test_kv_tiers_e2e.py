@@ -46,18 +46,6 @@ class TierWorker(WorkerProcess):
                 "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
         super().__init__(log_path, args)
 
-    def complete(self, prompt: str, max_tokens: int = 12) -> httpx.Response:
-        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=180)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:

@@ -1,4 +1,5 @@
-"""A real ``splitserve worker`` subprocess for end-to-end tests: start, wait for health, stop, read its log."""
+"""Real ``splitserve worker`` and ``splitserve router`` subprocesses for end-to-end tests: start, wait for
+health, stop, read their logs and metrics."""
 
 from __future__ import annotations
 
@@ -22,16 +23,31 @@ def free_port() -> int:
 
 
 class WorkerProcess:
-    """``splitserve worker --model smollm2 --port <free> <args>``; stdout and stderr go to ``log_path``."""
+    """``splitserve worker --model smollm2 --port <port> <args>``; stdout and stderr go to ``log_path``."""
 
-    def __init__(self, log_path: Path, args: Sequence[str]) -> None:
-        self.port = free_port()
+    subcommand = "worker"
+
+    def __init__(self, log_path: Path, args: Sequence[str], port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-c", "from splitserve.cli import main; main()", "worker", "--model", "smollm2",
-                   "--port", str(self.port), *args]  # fmt: skip
+        command = [sys.executable, "-c", "from splitserve.cli import main; main()", self.subcommand,
+                   "--model", "smollm2", "--port", str(self.port), *args]  # fmt: skip
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def complete(self, prompt: str, max_tokens: int = 8, **extra: object) -> httpx.Response:
+        """A greedy completion (``temperature`` 0 unless ``extra`` says otherwise)."""
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=180)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -49,10 +65,10 @@ class WorkerProcess:
             time.sleep(0.3)
         raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT_S} s:\n{self.logs()}")
 
-    def stop(self) -> int:
-        """SIGTERM, then SIGKILL after 20 s; returns the exit status (-9 when it had to be killed)."""
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        """``sig`` (SIGTERM), then SIGKILL after 20 s; returns the exit status (-9 when it had to be killed)."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
         try:
             return self.process.wait(20)
         except subprocess.TimeoutExpired:
@@ -61,3 +77,9 @@ class WorkerProcess:
             return -9
         finally:
             self._log.close()
+
+
+class RouterProcess(WorkerProcess):
+    """``splitserve router --model smollm2 --port <port> <args>`` (healthy once some worker is)."""
+
+    subcommand = "router"

@@ -66,6 +66,7 @@ def test_first_batch_registers_with_a_snapshot_then_events_follow(
     first = router.bodies[0]
     assert first["reset"] and first["meta"] == {"block_size": 16} and first["worker_url"] == "http://w1:8000"
     assert held(first, "engine") == {1, 2, 3}
+    time.sleep(0.2)  # the sender is idle now: new events must wake it
     publisher.removed(Tier.ENGINE, [2])
     publisher.stored(Tier.L2, [9])
     router.wait_for(lambda b: any(not x["reset"] for x in b))

