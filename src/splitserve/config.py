@@ -266,7 +266,7 @@ class RouterConfig:
     block_size: int = 16  # must match the workers' (the KV key scheme)
     kv_chunk_size: int = 256  # must match the workers'
     prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
-    kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes held per tier over all workers
+    kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes kept per worker and tier (and for the shared L2)
     l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
     balance_abs_threshold: int = 4  # load guard: in-flight gap to the least-loaded worker that counts as skew...
     balance_rel_threshold: float = 1.5  # ...when also this many times its load (+1)

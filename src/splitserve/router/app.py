@@ -214,7 +214,8 @@ class Router:
                 content = await _read_quietly(upstream)
                 if upstream.status != 429:
                     self._failed(worker, attempt, f"status: {upstream.status}")
-                else:
+                else:  # alive but full: try another worker, but it is no fault of this one
+                    worker.breaker.record_success()
                     attempt.failure = "status: 429"
                 attempt.response = Response(content, upstream.status, media_type="application/json")
                 return attempt

@@ -68,7 +68,10 @@ class WorkerPool:
         fresh: dict[str, Worker] = {}
         for worker in workers:
             worker.url = normalize_url(worker.url)
-            fresh[worker.url] = self._workers.get(worker.url, worker)
+            kept = self._workers.get(worker.url)
+            if kept is not None:
+                kept.role = worker.role  # a worker may change role; its health and load stay
+            fresh[worker.url] = kept or worker
         self._workers = fresh
 
     def get(self, url: str) -> Worker | None:

@@ -45,7 +45,7 @@ class CircuitBreaker:
         self._failures = 0
         self._cooldown_s = cooldown_s
         self._opened_at: float | None = None
-        self._trial_in_flight = False
+        self._trial_started_at: float | None = None  # a half-open trial in flight since then
 
     @property
     def state(self) -> BreakerState:
@@ -56,18 +56,22 @@ class CircuitBreaker:
         return BreakerState.OPEN
 
     def allows(self) -> bool:
+        """Closed: yes. Half-open: one trial at a time (a trial with no outcome after a cool-down expires)."""
         state = self.state
-        return state == BreakerState.CLOSED or (state == BreakerState.HALF_OPEN and not self._trial_in_flight)
+        if state != BreakerState.HALF_OPEN:
+            return state == BreakerState.CLOSED
+        started = self._trial_started_at
+        return started is None or self._clock() - started >= self._cooldown_s
 
     def on_attempt(self) -> None:
         if self.state == BreakerState.HALF_OPEN:
-            self._trial_in_flight = True
+            self._trial_started_at = self._clock()
 
     def record_success(self) -> None:
         self._failures = 0
         self._opened_at = None
         self._cooldown_s = self.base_cooldown_s
-        self._trial_in_flight = False
+        self._trial_started_at = None
 
     def record_failure(self) -> bool:
         """Count a failed request; True when this opened (or re-opened) the breaker."""
@@ -78,7 +82,7 @@ class CircuitBreaker:
         elif state == BreakerState.OPEN or self._failures < self.failure_threshold:
             return False
         self._opened_at = self._clock()
-        self._trial_in_flight = False
+        self._trial_started_at = None
         return True
 
 

@@ -44,9 +44,13 @@ class PrefixIndex:
         return owner, num
 
     def insert(self, block_hashes: Sequence[int], worker_url: str) -> None:
-        """Record the blocks as held by ``worker_url`` (the newest holder wins) and refresh their recency."""
+        """Record the blocks as held by ``worker_url`` (the newest holder wins) and refresh their recency.
+
+        The deepest block is refreshed first, so eviction takes a prompt's tail before its head: a head that
+        outlives its tail still matches, a tail without its head never would.
+        """
         owner = self._owner
-        for block_hash in block_hashes:
+        for block_hash in reversed(block_hashes):
             owner[block_hash] = worker_url
             owner.move_to_end(block_hash)
         while len(owner) > self.max_blocks:

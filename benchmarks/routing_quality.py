@@ -1,0 +1,123 @@
+"""Routing quality (issue 4), one run: TTFT p50/p99 and KV hit rate of a multi-round chat workload through the
+router with each strategy (roundrobin, session, prefixaware, kvaware) in front of two workers.
+
+    .venv/bin/python benchmarks/routing_quality.py
+
+Per strategy, fresh processes: two ``splitserve worker`` s (SmolLM2-135M, default dtype, ``--num-threads 1``
+each, so the two share the machine's 2 cores; engine prefix cache on, no L1/L2, so a hit needs the right
+worker) reporting KV events to a ``splitserve router`` with that strategy. The workload is
+``splitserve bench serve --dataset multiround``: U users, each R rounds of a chat whose history grows (a shared
+system prompt, then question/answer turns); a user's next round is sent when its previous answer is complete.
+The KV hit rate is the workers' ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` over the
+run. Results go to ``benchmarks/results/routing_quality.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, SPLITSERVE, bench_serve, free_port, machine_description, start_server, stop_server
+
+STRATEGIES = ("roundrobin", "session", "prefixaware", "kvaware")
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def counter(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    router_port = free_port()
+    worker_ports = [free_port() for _ in range(args.num_workers)]
+    events = f"http://127.0.0.1:{router_port}/kv/events"
+    workers = []
+    try:
+        for i, port in enumerate(worker_ports):
+            cmd = [*SPLITSERVE, "worker", "--port", str(port), "--num-threads", "1", "--max-model-len", "4096",
+                   "--kv-cache-memory", args.kv_cache_memory, "--kv-events-url", events, "--worker-id", f"w{i}"]  # fmt: skip
+            workers.append(start_server(cmd, port, log_dir / f"{strategy}-worker{i}.log"))
+        backends = [arg for port in worker_ports for arg in ("--backend", f"http://127.0.0.1:{port}")]
+        router_cmd = [*SPLITSERVE, "router", "--port", str(router_port), "--routing-strategy", strategy, *backends]
+        router = start_server(router_cmd, router_port, log_dir / f"{strategy}-router.log")
+        try:
+            urls = [f"http://127.0.0.1:{port}" for port in worker_ports]
+            before = [(counter(u, "vllm:prefix_cache_hits_total"), counter(u, "vllm:prefix_cache_queries_total")) for u in urls]
+            bench_args = ["--endpoint", "chat", "--dataset", "multiround", "--num-users", str(args.num_users),
+                          "--num-rounds", str(args.num_rounds), "--shared-prefix-len", str(args.system_words),
+                          "--random-input-len", str(args.question_words), "--random-output-len", str(args.answer_words),
+                          "--max-concurrency", str(args.num_users), "--seed", str(args.seed)]  # fmt: skip
+            document = bench_serve(f"http://127.0.0.1:{router_port}", "smollm2", f"router-{strategy}", bench_args)
+            after = [(counter(u, "vllm:prefix_cache_hits_total"), counter(u, "vllm:prefix_cache_queries_total")) for u in urls]
+        finally:
+            stop_server(router)
+    finally:
+        for worker in workers:
+            stop_server(worker)
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    summary = document["summary"]
+    return {
+        "strategy": strategy,
+        "ttft_ms_p50": summary["ttft_ms"]["p50"],
+        "ttft_ms_p99": summary["ttft_ms"]["p99"],
+        "e2e_ms_p50": summary["e2e_latency_ms"]["p50"],
+        "kv_hit_rate": hits / queries if queries else 0.0,
+        "prompt_tokens": queries,
+        "num_ok": summary["num_completed"],
+        "num_failed": summary["num_failed"],
+        "ttft_by_round": summary.get("ttft_by_round"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--num-users", type=int, default=8)
+    parser.add_argument("--num-rounds", type=int, default=5)
+    parser.add_argument("--system-words", type=int, default=120, help="shared system prompt, words")
+    parser.add_argument("--question-words", type=int, default=100)
+    parser.add_argument("--answer-words", type=int, default=60, help="also max_tokens of each request")
+    parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "routing_quality.json")
+    args = parser.parse_args()
+    log_dir = RESULTS / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for strategy in args.strategies.split(","):
+        print(f"running {strategy} ...", flush=True)
+        rows.append(run_strategy(strategy, args, log_dir))
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["strategy"] == "roundrobin"), None)
+    print("\n| strategy | TTFT p50 ms | TTFT p99 ms | TTFT p50 vs roundrobin | KV hit rate | e2e p50 ms | failed |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{base['ttft_ms_p50'] / r['ttft_ms_p50']:.2f}x lower" if base and r["ttft_ms_p50"] else "-"
+        print(f"| {r['strategy']} | {r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {ratio} | "
+              f"{r['kv_hit_rate']:.1%} | {r['e2e_ms_p50']:.0f} | {r['num_failed']} |")  # fmt: skip
+    document = {
+        "benchmark": "routing_quality",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": rows,
+    }
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
