@@ -7,7 +7,8 @@ Per strategy, fresh processes: two ``splitserve worker`` s (SmolLM2-135M, defaul
 each, so the two share the machine's 2 cores; engine prefix cache on, no L1/L2, so a hit needs the right
 worker) reporting KV events to a ``splitserve router`` with that strategy. The workload is
 ``splitserve bench serve --dataset multiround``: U users, each R rounds of a chat whose history grows (a shared
-system prompt, then question/answer turns); a user's next round is sent when its previous answer is complete.
+system prompt, then question/answer turns); requests arrive at a Poisson rate, and a user's next round is
+sent no earlier than when its previous answer is complete.
 The KV hit rate is the workers' ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` over the
 run. Results go to ``benchmarks/results/routing_quality.json``.
 """
@@ -38,6 +39,10 @@ def counter(url: str, name: str) -> float:
     return total
 
 
+def prefix_cache_counters(url: str) -> tuple[float, float]:
+    return counter(url, "vllm:prefix_cache_hits_total"), counter(url, "vllm:prefix_cache_queries_total")
+
+
 def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     router_port = free_port()
     worker_ports = [free_port() for _ in range(args.num_workers)]
@@ -46,20 +51,21 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     try:
         for i, port in enumerate(worker_ports):
             cmd = [*SPLITSERVE, "worker", "--port", str(port), "--num-threads", "1", "--max-model-len", "4096",
-                   "--kv-cache-memory", args.kv_cache_memory, "--kv-events-url", events, "--worker-id", f"w{i}"]  # fmt: skip
+                   "--kv-cache-memory", args.kv_cache_memory, "--kv-events-url", events,
+                   "--worker-id", f"w{i}"]  # fmt: skip
             workers.append(start_server(cmd, port, log_dir / f"{strategy}-worker{i}.log"))
         backends = [arg for port in worker_ports for arg in ("--backend", f"http://127.0.0.1:{port}")]
         router_cmd = [*SPLITSERVE, "router", "--port", str(router_port), "--routing-strategy", strategy, *backends]
         router = start_server(router_cmd, router_port, log_dir / f"{strategy}-router.log")
         try:
             urls = [f"http://127.0.0.1:{port}" for port in worker_ports]
-            before = [(counter(u, "vllm:prefix_cache_hits_total"), counter(u, "vllm:prefix_cache_queries_total")) for u in urls]
+            before = [prefix_cache_counters(u) for u in urls]
             bench_args = ["--endpoint", "chat", "--dataset", "multiround", "--num-users", str(args.num_users),
                           "--num-rounds", str(args.num_rounds), "--shared-prefix-len", str(args.system_words),
                           "--random-input-len", str(args.question_words), "--random-output-len", str(args.answer_words),
-                          "--max-concurrency", str(args.num_users), "--seed", str(args.seed)]  # fmt: skip
+                          "--request-rate", str(args.request_rate), "--seed", str(args.seed)]  # fmt: skip
             document = bench_serve(f"http://127.0.0.1:{router_port}", "smollm2", f"router-{strategy}", bench_args)
-            after = [(counter(u, "vllm:prefix_cache_hits_total"), counter(u, "vllm:prefix_cache_queries_total")) for u in urls]
+            after = [prefix_cache_counters(u) for u in urls]
         finally:
             stop_server(router)
     finally:
@@ -70,9 +76,9 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     summary = document["summary"]
     return {
         "strategy": strategy,
-        "ttft_ms_p50": summary["ttft_ms"]["p50"],
-        "ttft_ms_p99": summary["ttft_ms"]["p99"],
-        "e2e_ms_p50": summary["e2e_latency_ms"]["p50"],
+        "ttft_ms_p50": summary["ttft"]["p50_ms"],
+        "ttft_ms_p99": summary["ttft"]["p99_ms"],
+        "e2e_ms_p50": summary["e2e"]["p50_ms"],
         "kv_hit_rate": hits / queries if queries else 0.0,
         "prompt_tokens": queries,
         "num_ok": summary["num_completed"],
@@ -86,10 +92,11 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--num-users", type=int, default=8)
-    parser.add_argument("--num-rounds", type=int, default=5)
-    parser.add_argument("--system-words", type=int, default=120, help="shared system prompt, words")
-    parser.add_argument("--question-words", type=int, default=100)
-    parser.add_argument("--answer-words", type=int, default=60, help="also max_tokens of each request")
+    parser.add_argument("--num-rounds", type=int, default=8)
+    parser.add_argument("--system-words", type=int, default=50, help="shared system prompt, words")
+    parser.add_argument("--question-words", type=int, default=60)
+    parser.add_argument("--answer-words", type=int, default=40, help="also max_tokens of each request")
+    parser.add_argument("--request-rate", type=float, default=3.0, help="Poisson arrivals per second")
     parser.add_argument("--kv-cache-memory", default="512MiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "routing_quality.json")

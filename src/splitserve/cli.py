@@ -275,6 +275,13 @@ def router_command(
     kv_l2_weight: Annotated[
         float, typer.Option(help="kvaware: weight of a token in the shared L2 (0..1).", rich_help_panel=_ROUTING)
     ] = 0.5,
+    cache_threshold: Annotated[
+        float,
+        typer.Option(
+            help="Cache-aware: a match under this share of the prompt goes to the least-loaded worker.",
+            rich_help_panel=_ROUTING,
+        ),
+    ] = 0.4,
     balance_abs_threshold: Annotated[
         int, typer.Option(help="Load guard: in-flight gap to the least-loaded worker...", rich_help_panel=_ROUTING)
     ] = 4,
@@ -322,6 +329,7 @@ def router_command(
         prefix_index_max_blocks=prefix_index_max_blocks,
         kv_index_max_blocks=kv_index_max_blocks,
         l2_weight=kv_l2_weight,
+        cache_threshold=cache_threshold,
         balance_abs_threshold=balance_abs_threshold,
         balance_rel_threshold=balance_rel_threshold,
         health_interval_s=health_interval,

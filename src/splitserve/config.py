@@ -268,6 +268,7 @@ class RouterConfig:
     prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
     kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes kept per worker and tier (and for the shared L2)
     l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
+    cache_threshold: float = 0.4  # cache-aware: a match under this share of the prompt goes to the least loaded
     balance_abs_threshold: int = 4  # load guard: in-flight gap to the least-loaded worker that counts as skew...
     balance_rel_threshold: float = 1.5  # ...when also this many times its load (+1)
     health_interval_s: float = 2.0
@@ -297,6 +298,8 @@ class RouterConfig:
             )
         if self.prefix_index_max_blocks < 1 or self.kv_index_max_blocks < 1:
             raise ValueError("index caps must be positive")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
         if not 0 <= self.l2_weight <= 1:
             raise ValueError(f"--kv-l2-weight must be in [0, 1], got {self.l2_weight}")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:

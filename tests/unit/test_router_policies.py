@@ -678,3 +678,20 @@ def test_a_half_open_trial_without_an_outcome_expires() -> None:
     assert not breaker.allows()
     now[0] = 10.0
     assert breaker.allows()
+
+
+@pytest.mark.parametrize("strategy", [RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE])
+def test_a_match_under_the_cache_threshold_goes_to_the_least_loaded_worker(strategy: RoutingStrategy) -> None:
+    """A shared system prompt (2 of 10 blocks) must not pull a new conversation onto its worker."""
+    kv_index = KVIndex(BLOCK_SIZE, CHUNK_SIZE, 1000)
+    config = RouterConfig(routing_strategy=strategy, block_size=BLOCK_SIZE, cache_threshold=0.4)
+    policy = build_policy(config, list, kv_index)
+    owner, other = make_workers(2)
+    system = prompt(2)
+    route(policy, routing(system), [owner])
+    kv_index.apply(owner.url, "owner", True, [(Tier.ENGINE, EventKind.STORED, hash_blocks(system, BLOCK_SIZE))])
+    owner.in_flight = 1
+    new_conversation = [*system, *prompt(8, start=1000)]
+    assert policy.select(routing(new_conversation), [owner, other]) == Decision(other, "below_threshold")
+    follow_up = [*system, *prompt(2, start=1000)]  # half of it held by the owner
+    assert policy.select(routing(follow_up), [owner, other]).worker is owner

@@ -3,7 +3,9 @@
 Every policy implements :class:`RoutingPolicy` and is built by :func:`build_policy` from the registry. The
 cache-aware ones share a load guard: when the worker they would pick has badly more requests in flight than
 the least-loaded one (SGLang's cache-aware router uses the same two thresholds), the request goes to the
-least-loaded worker instead, so one hot prefix cannot pin all traffic to one worker.
+least-loaded worker instead, so one hot prefix cannot pin all traffic to one worker. And a match covering less
+than ``cache_threshold`` of the prompt (a shared system prompt before a new conversation, say) is not worth
+queueing for: such a request also goes to the least-loaded worker, which spreads new conversations out.
 """
 
 from __future__ import annotations
@@ -66,10 +68,23 @@ class RoutingPolicy(Protocol):
 
 
 class LoadGuard:
-    def __init__(self, abs_threshold: int, rel_threshold: float) -> None:
+    def __init__(self, abs_threshold: int, rel_threshold: float, cache_threshold: float = 0.0) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
+        self.cache_threshold = cache_threshold
         self._tie = itertools.count()
+
+    def check(
+        self, chosen: Worker, request: RoutingRequest, candidates: Sequence[Worker], matched: int, worth: float
+    ) -> Decision:
+        """``chosen`` (outcome ``matched``, ``matched`` tokens) unless the match is worth less than
+        ``cache_threshold`` of the prompt's tokens, or ``chosen`` is too busy."""
+        num_tokens = len(request.token_ids or [])
+        if num_tokens and worth < self.cache_threshold * num_tokens:
+            return Decision(self.least_loaded(candidates), "below_threshold")
+        if self.is_skewed(chosen, candidates):
+            return Decision(self.least_loaded(candidates), "load_guard")
+        return Decision(chosen, "matched", matched)
 
     def least_loaded(self, candidates: Sequence[Worker]) -> Worker:
         """The worker with the fewest requests in flight; ties rotate."""
@@ -153,9 +168,8 @@ class PrefixAwarePolicy:
         chosen = next((w for w in candidates if w.url == owner), None)
         if chosen is None:
             return Decision(self._guard.least_loaded(candidates), "fallback")
-        if self._guard.is_skewed(chosen, candidates):
-            return Decision(self._guard.least_loaded(candidates), "load_guard")
-        return Decision(chosen, "matched", num_blocks * request.block_size)
+        matched = num_blocks * request.block_size
+        return self._guard.check(chosen, request, candidates, matched, matched)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
         self.index.insert(request.block_hashes, worker.url)
@@ -181,9 +195,7 @@ class KVAwarePolicy:
             return Decision(self._guard.least_loaded(candidates), "fallback")
         best = [(m, w) for score, m, w in matches if score == best_score]
         match, chosen = min(best, key=lambda mw: mw[1].in_flight)
-        if self._guard.is_skewed(chosen, candidates):
-            return Decision(self._guard.least_loaded(candidates), "load_guard")
-        return Decision(chosen, "matched", match.total)
+        return self._guard.check(chosen, request, candidates, match.total, best_score)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
         pass  # the worker's own events will say what it now holds
@@ -213,5 +225,5 @@ POLICIES: dict[RoutingStrategy, Callable[[PolicyContext], RoutingPolicy]] = {
 
 
 def build_policy(config: RouterConfig, all_workers: Callable[[], Sequence[Worker]], kv_index: KVIndex) -> RoutingPolicy:
-    guard = LoadGuard(config.balance_abs_threshold, config.balance_rel_threshold)
+    guard = LoadGuard(config.balance_abs_threshold, config.balance_rel_threshold, config.cache_threshold)
     return POLICIES[config.routing_strategy](PolicyContext(config, all_workers, kv_index, guard))
