@@ -8,7 +8,7 @@ import concurrent.futures
 import importlib.util
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.test_kv_tiers_e2e import long_prompt
 from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -25,13 +26,6 @@ pytestmark = [
 REQUESTS = "splitserve:router_requests_total"
 WORKER_ARGS = ["--num-threads", "1", "--max-model-len", "2048", "--max-num-seqs", "8", "--kv-cache-memory", "256MiB",
                "--l1-cache", "--l1-cache-bytes", "128MiB"]  # fmt: skip
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
 
 
 class Endpoint:
@@ -84,7 +78,7 @@ def served_by(router: RouterProcess, workers: list[WorkerProcess]) -> list[float
 
 def test_workers_register_and_kvaware_follows_the_prefix(endpoint: Endpoint) -> None:
     router = endpoint.kvaware
-    wait_until(lambda: router.logs().count("Worker registered: worker-") >= 2)
+    wait_until(lambda: router.logs().count("Worker registered: worker-") >= 2, timeout_s=30, interval_s=0.1)
     prompt = long_prompt(40, "cart")  # ~700 tokens: two whole chunks and a tail
     assert router.complete(prompt).status_code == 200
     first = served_by(router, endpoint.workers)
@@ -133,7 +127,7 @@ def test_sessions_stay_put_while_another_worker_restarts(endpoint: Endpoint) -> 
     assert set(owners.values()) == {0, 1}  # 8 sessions over 2 workers
     on_a = [s for s, owner in owners.items() if owner == 0]
     endpoint.restart_worker(1)
-    wait_until(lambda: httpx.get(f"{router.url}/health", timeout=2).status_code == 200)
+    wait_until(lambda: httpx.get(f"{router.url}/health", timeout=2).status_code == 200, timeout_s=30, interval_s=0.1)
     before = served_by(router, endpoint.workers)
     for session in on_a:
         assert router.complete("Hello again", user=session).status_code == 200
@@ -147,7 +141,7 @@ def test_killing_a_worker_mid_run_loses_no_request(endpoint: Endpoint) -> None:
     prompts = [long_prompt(8, f"tray{i}") for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(router.complete, p, 24) for p in prompts]
-        wait_until(lambda: router.metric("splitserve:router_requests_in_flight") >= 4, timeout_s=20)
+        wait_until(lambda: router.metric("splitserve:router_requests_in_flight") >= 4, timeout_s=20, interval_s=0.1)
         endpoint.workers[1].stop(signal.SIGKILL)
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * 8, statuses

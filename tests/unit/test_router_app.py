@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -25,15 +25,9 @@ from splitserve.router.app import Router, build_router_app
 from splitserve.router.tokens import prompt_token_ids
 from splitserve.server.app import build_app
 from tests.unit.fake_engine import FakeEngine, FakeTokenizer, ServerThread, free_port
+from tests.waiting import wait_until
 
 MODEL = "fake-model"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 class FakeWorker:

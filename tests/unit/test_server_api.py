@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,16 +18,10 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.metrics import WorkerMetrics
 from splitserve.server.app import build_app
 from tests.unit.fake_engine import REPLY, FakeEngine, ServerThread
+from tests.waiting import wait_until
 
 MODEL = "fake-model"
 BODY_LIMIT_BYTES = 64 * 1024
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def start_server(factory: Callable[[], FakeEngine]) -> ServerThread:
