@@ -137,6 +137,29 @@ def worker_command(
             rich_help_panel=_TIERS,
         ),
     ] = False,
+    kv_transfer_port: Annotated[
+        int,
+        typer.Option(
+            help="Decode role: port of the KV receiver prefill workers push to (0: any free port, shown at "
+            "GET /kv/transfer).",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 0,
+    pd_buffer_size: Annotated[
+        str,
+        typer.Option(
+            help="Decode role: bytes of pushed KV held until their requests arrive (1GiB, 512MB or bytes).",
+            envvar=["PD_BUFFER_SIZE", "SPLITSERVE_PD_BUFFER_SIZE"],
+            rich_help_panel=_SERVER,
+        ),
+    ] = "1GiB",
+    kv_transfer_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Prefill role: seconds to keep retrying a KV push (a full PD buffer); then decode recomputes.",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 10.0,
     kv_events_url: Annotated[
         str | None,
         typer.Option(
@@ -165,6 +188,7 @@ def worker_command(
         EngineConfig,
         KVTierConfig,
         ModelConfig,
+        PDConfig,
         SchedulerConfig,
         ServerConfig,
         parse_bytes,
@@ -212,6 +236,12 @@ def worker_command(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
         kv_tiers=kv_tiers,
+        pd=PDConfig(
+            kv_transfer_host=host if host not in ("0.0.0.0", "::") else "0.0.0.0",
+            kv_transfer_port=kv_transfer_port,
+            pd_buffer_size=_parse_size("--pd-buffer-size", pd_buffer_size),
+            transfer_deadline_s=kv_transfer_timeout,
+        ),
     )
     if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         _fail(f"--uvicorn-log-level must be one of debug, info, warning, error; got {uvicorn_log_level!r}")
@@ -342,8 +372,6 @@ def router_command(
     )
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
         _fail(f"--log-level must be one of debug, info, warning, error; got {log_level!r}")
-    if config.prefill or config.decode:
-        _fail("--prefill/--decode (disaggregated prefill/decode) is not available yet; use --backend")
     try:
         config.validate()
     except ValueError as exc:
@@ -351,6 +379,15 @@ def router_command(
     from splitserve.router.run import run_router
 
     raise typer.Exit(run_router(config, log_level.lower()))
+
+
+def _parse_size(flag: str, text: str) -> int:
+    from splitserve.config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        _fail(f"{flag}: {exc}")
 
 
 def _fail(message: str) -> NoReturn:

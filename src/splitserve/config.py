@@ -195,18 +195,41 @@ class KVTierConfig:
             raise ValueError(f"--l2-path is only used with --l2-backend tieredstorage (got {backend.value})")
 
 
+DEFAULT_PD_BUFFER_BYTES = 1 << 30  # ~18 prompts of 2,500 tokens of SmolLM2 KV in bfloat16 (58 MB each)
+
+
+@dataclass(frozen=True, slots=True)
+class PDConfig:
+    """KV transfer between prefill (sender) and decode (receiver) workers."""
+
+    kv_transfer_host: str = "127.0.0.1"  # where a decode worker's receiver listens
+    kv_transfer_port: int = 0  # 0: a free port, reported at GET /kv/transfer
+    pd_buffer_size: int = DEFAULT_PD_BUFFER_BYTES  # bytes of pushed KV a decode worker holds until claimed
+    transfer_deadline_s: float = 10.0  # a prefill worker gives up pushing after this (then decode recomputes)
+
+    def validate(self) -> None:
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"--kv-transfer-port must be in [0, 65535], got {self.kv_transfer_port}")
+        if self.pd_buffer_size <= 0:
+            raise ValueError(f"--pd-buffer-size must be positive, got {self.pd_buffer_size}")
+        if not self.transfer_deadline_s > 0:
+            raise ValueError(f"the transfer deadline must be positive, got {self.transfer_deadline_s}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.kv_tiers.validate(self.cache.block_size)
+        self.pd.validate()
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +311,8 @@ class RouterConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if not self.backends and not (self.prefill and self.decode):
             raise ValueError("give at least one --backend, or both --prefill and --decode")
+        if self.backends and (self.prefill or self.decode):
+            raise ValueError("give either --backend (colocated workers) or --prefill and --decode, not both")
         for url in (*self.backends, *self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URLs must start with http:// or https://, got {url!r}")

@@ -70,3 +70,8 @@ def cache_key(model_id: str, layout: str, block_hash: int) -> str:
 def hash_of_key(key: str) -> int:
     """The block hash a ``cache_key`` names (its last field)."""
     return int(key.rsplit(":", 1)[1], 16)
+
+
+def hash_tokens(token_ids: Sequence[int]) -> int:
+    """One xxh3-64 (seeded with ``KEY_SEED``) over a whole token sequence: names the tokens a transfer holds."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(token_ids)}I", *token_ids), seed=KEY_SEED)

@@ -43,6 +43,10 @@ KV_TIER_ERRORS_TOTAL = "splitserve:kv_tier_errors_total"
 KV_TIER_BYTES_STORED = "splitserve:kv_tier_bytes_stored"
 KV_STORE_QUEUE_DROPS_TOTAL = "splitserve:kv_store_queue_drops_total"
 KV_INVALID_RECORDS_TOTAL = "splitserve:kv_invalid_records_total"
+PD_BUFFER_BYTES_IN_USE = "splitserve:pd_buffer_bytes_in_use"
+PD_BUFFER_CAPACITY_BYTES = "splitserve:pd_buffer_capacity_bytes"
+PD_BUFFER_ALLOCATION_RETRIES_TOTAL = "splitserve:pd_buffer_allocation_retries_total"
+PD_BUFFER_EXPIRED_TOTAL = "splitserve:pd_buffer_expired_total"
 
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"
@@ -146,6 +150,15 @@ class KVCacheStatsLike(Protocol):
     def tiers(self) -> Mapping[str, TierStatsLike]: ...  # by tier name (cpu, redis, disk)
 
 
+class PDBufferStatsLike(Protocol):
+    """The fields of ``splitserve.pd.buffer.BufferStats`` that the metrics read."""
+
+    capacity_bytes: int
+    used_bytes: int
+    num_refused: int  # reservations refused for lack of room (the sender retries)
+    num_expired: int
+
+
 class EngineStatsLike(Protocol):
     """The fields of ``splitserve.engine.engine.EngineStats`` that the metrics mirror."""
 
@@ -158,6 +171,9 @@ class EngineStatsLike(Protocol):
 
     @property
     def kv_cache(self) -> KVCacheStatsLike | None: ...  # None: no KV cache layer
+
+    @property
+    def pd_buffer(self) -> PDBufferStatsLike | None: ...  # None: not a decode worker
 
 
 def _counter_base(name: str) -> str:
@@ -213,6 +229,24 @@ class _EngineStatsCollector(Collector):
             yield counter
         if kv is not None:
             yield from self._tier_metrics(kv.tiers)
+        if stats.pd_buffer is not None:
+            yield from self._pd_buffer_metrics(stats.pd_buffer)
+
+    def _pd_buffer_metrics(self, buffer: PDBufferStatsLike) -> Iterator[Metric]:
+        for name, doc, value in (
+            (PD_BUFFER_BYTES_IN_USE, "Bytes of the PD buffer reserved or holding pushed KV.", buffer.used_bytes),
+            (PD_BUFFER_CAPACITY_BYTES, "Size of the PD buffer in bytes.", buffer.capacity_bytes),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+        for name, doc, value in (
+            (PD_BUFFER_ALLOCATION_RETRIES_TOTAL, "KV pushes refused for lack of room (retried).", buffer.num_refused),
+            (PD_BUFFER_EXPIRED_TOTAL, "Reservations or pushed KV never claimed, freed.", buffer.num_expired),
+        ):
+            counter = CounterMetricFamily(_counter_base(name), doc, labels=[MODEL_NAME_LABEL])
+            counter.add_metric([self._model_name], float(value))
+            yield counter
 
     def _tier_metrics(self, tiers: Mapping[str, TierStatsLike]) -> Iterator[Metric]:
         labels = [MODEL_NAME_LABEL, TIER_LABEL]
@@ -306,6 +340,11 @@ ROUTER_INDEX_HIT_TOKENS_TOTAL = "splitserve:router_index_hit_tokens_total"
 ROUTER_TTFT_SECONDS = "splitserve:e2e_time_to_first_token_seconds"
 ROUTER_ITL_SECONDS = "splitserve:router_inter_token_latency_seconds"
 ROUTER_E2E_SECONDS = "splitserve:router_e2e_request_latency_seconds"
+ROUTER_PD_DECISIONS_TOTAL = "splitserve:router_pd_decisions_total"
+PREFILL_TIME_SECONDS = "splitserve:prefill_time_seconds"
+KV_TRANSFER_TIME_SECONDS = "splitserve:kv_transfer_time_seconds"
+KV_TRANSFER_BYTES_TOTAL = "splitserve:kv_transfer_bytes_total"
+KV_TRANSFER_FAILURES_TOTAL = "splitserve:kv_transfer_failures_total"
 
 WORKER_LABEL = "worker"
 STRATEGY_LABEL = "strategy"
@@ -379,7 +418,41 @@ class RouterMetrics:
             ROUTER_E2E_SECONDS, "Request latency seen by the router, in seconds.", buckets=REQUEST_LATENCY_BUCKETS_S,
             registry=self.registry,
         )  # fmt: skip
+        self.pd_decisions = Counter(
+            _counter_base(ROUTER_PD_DECISIONS_TOTAL), "Disaggregated endpoints: requests by path.",
+            ["path"], registry=self.registry,
+        )  # fmt: skip
+        self.prefill_s = Histogram(
+            PREFILL_TIME_SECONDS, "Prefill requests (prompt, first token and KV push), seen by the router.",
+            buckets=REQUEST_LATENCY_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.transfer_s = Histogram(
+            KV_TRANSFER_TIME_SECONDS, "KV pushes from prefill to decode workers, as the prefill worker timed them.",
+            buckets=TTFT_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.transfer_bytes = Counter(
+            _counter_base(KV_TRANSFER_BYTES_TOTAL), "Bytes of KV pushed from prefill to decode workers.",
+            registry=self.registry,
+        )  # fmt: skip
+        self.transfer_failures = Counter(
+            _counter_base(KV_TRANSFER_FAILURES_TOTAL), "KV pushes that failed (decode recomputed).",
+            registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_RouterStateCollector(lambda: self._state))
+
+    def pd_path(self, path: str) -> None:
+        self.pd_decisions.labels(path).inc()
+
+    def observe_transfer(self, report: Mapping[str, object]) -> None:
+        """Count one prefill worker's ``kv_transfer_params`` report."""
+        if not report.get("ok"):
+            self.transfer_failures.inc()
+            return
+        elapsed_ms, num_bytes = report.get("transfer_ms"), report.get("num_bytes")
+        if isinstance(elapsed_ms, int | float):
+            self.transfer_s.observe(elapsed_ms / 1000)
+        if isinstance(num_bytes, int):
+            self.transfer_bytes.inc(num_bytes)
 
     def bind(self, state: RouterStateLike) -> None:
         self._state = state

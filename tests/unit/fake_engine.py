@@ -50,6 +50,7 @@ class FakeStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     kv_cache: None = None
+    pd_buffer: None = None
 
 
 @dataclass(slots=True)
@@ -153,6 +154,9 @@ class FakeEngine:
         """Pretends the 4-token blocks of any earlier prompt this one extends are cached (not the last token)."""
         seen = max((len(ids) for ids in self.seen_prompts if prompt_token_ids[: len(ids)] == ids), default=0)
         return {"engine": min(seen, len(prompt_token_ids) - 1) // 4 * 4, "l1": 0, "l2": 0}
+
+    def kv_transfer_info(self) -> dict[str, Any] | None:
+        return None
 
     def close(self) -> None:
         self._called()

@@ -66,6 +66,8 @@ class EngineCore(Protocol):
 
     def lookup_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]: ...  # any thread; a snapshot
 
+    def kv_transfer_info(self) -> dict[str, Any] | None: ...  # decode role: the KV receiver; any thread
+
     def close(self) -> None: ...  # release what the engine holds outside the process (KV tier connections)
 
 

@@ -84,3 +84,57 @@ class KVConnectorBase(Protocol):
     def close(self) -> None:
         """Finish pending writes (bounded) and release connections; no hook is called afterwards."""
         ...
+
+
+class MultiConnector:
+    """Several connectors as one (a PD receiver before the KV tiers, say).
+
+    Admission asks each in order and loads from the first that offers tokens; the others see a load of no
+    tokens, so each still counts its admission. Every connector saves after each step and hears every end.
+    """
+
+    def __init__(self, connectors: list[KVConnectorBase]) -> None:
+        self.connectors = connectors
+        self._chosen: dict[str, KVConnectorBase] = {}
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        for connector in self.connectors:
+            connector.register_kv_cache(kv_cache, block_size)
+
+    def num_external_tokens(self, request: Request, num_cached: int) -> int:
+        for connector in self.connectors:
+            num = connector.num_external_tokens(request, num_cached)
+            if num > 0:
+                self._chosen[request.request_id] = connector
+                return num
+        self._chosen.pop(request.request_id, None)
+        return 0
+
+    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
+        return tuple(item for c in self.connectors for item in c.lookup_tokens(request, num_cached))
+
+    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+        chosen = self._chosen.pop(request.request_id, None)
+        loaded = LoadedTokens()
+        for connector in self.connectors:
+            if connector is chosen:
+                loaded = connector.load(request, block_ids, start_token, end_token)
+            else:
+                connector.load(request, block_ids, start_token, start_token)
+        return loaded
+
+    def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
+        for connector in self.connectors:
+            connector.save_completed_chunks(request, block_ids)
+
+    def request_finished(self, request: Request) -> None:
+        self._chosen.pop(request.request_id, None)
+        for connector in self.connectors:
+            connector.request_finished(request)
+
+    def stats(self) -> KVCacheStatsLike | None:
+        return next((s for c in self.connectors if (s := c.stats()) is not None), None)
+
+    def close(self) -> None:
+        for connector in self.connectors:
+            connector.close()

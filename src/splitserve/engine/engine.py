@@ -9,13 +9,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from splitserve.config import EngineConfig, Role
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.connector import KVConnectorBase
+from splitserve.engine.connector import KVConnectorBase, MultiConnector
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model_runner import ModelRunner
@@ -47,6 +47,7 @@ class EngineStats:
     num_prompt_tokens: int  # cumulative
     num_generation_tokens: int  # cumulative
     kv_cache: KVCacheStatsLike | None = None  # the KV connector's counters (L1/L2 tiers), if it has one
+    pd_buffer: Any = None  # decode role: pd.buffer.BufferStats of the PD buffer
 
 
 class LLMEngine:
@@ -96,6 +97,7 @@ class LLMEngine:
             connector.register_kv_cache(self.runner.kv_cache, block_size)
         self.eos_token_ids = _eos_ids(tokenizer, model)
         self.requests: dict[str, Request] = {}
+        self.kv_receiver: Any = None  # decode role: the pd.receiver.KVReceiver feeding the connector
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info(
@@ -135,13 +137,30 @@ class LLMEngine:
             logger.info("decode-sized matmuls use the GGUF's 4-bit weights in %d layers", num_int4)
         tokenizer = load_tokenizer(source)
         name = config.model.served_model_name or config.model.model
-        connector = None
+        layout = kv_cache_layout(model, config.cache.block_size)
+        connectors: list[KVConnectorBase] = []
+        receiver = None
+        if role == Role.DECODE:
+            from splitserve.pd.buffer import PDBuffer
+            from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
+
+            buffer = PDBuffer(config.pd.pd_buffer_size)
+            receiver = KVReceiver(buffer, layout, config.pd.kv_transfer_host, config.pd.kv_transfer_port)
+            connectors.append(PDReceiverConnector(buffer, layout))
+        elif role == Role.PREFILL:
+            from splitserve.pd.sender import PDSenderConnector
+
+            connectors.append(PDSenderConnector(layout, deadline_s=config.pd.transfer_deadline_s))
         if config.kv_tiers.is_enabled:
             from splitserve.kvcache.connector import build_connector
 
-            layout = kv_cache_layout(model, config.cache.block_size)
-            connector = build_connector(config.kv_tiers, source.model_id, layout, role, events)
-        return cls(config, model, tokenizer, name, device, connector, events)
+            connectors.append(build_connector(config.kv_tiers, source.model_id, layout, role, events))
+        connector = connectors[0] if len(connectors) == 1 else MultiConnector(connectors) if connectors else None
+        engine = cls(config, model, tokenizer, name, device, connector, events)
+        if receiver is not None:
+            receiver.start()
+            engine.kv_receiver = receiver
+        return engine
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
@@ -181,8 +200,17 @@ class LLMEngine:
             held.update(self.connector.lookup_tokens(request, held["engine"]))
         return held
 
+    def kv_transfer_info(self) -> dict[str, Any] | None:
+        """Decode role: where prefill workers push KV, and the PD buffer's state; None on other roles."""
+        if self.kv_receiver is None:
+            return None
+        stats = self.kv_receiver.buffer.stats()
+        return {"addr": self.kv_receiver.addr, "buffer": vars(stats)}
+
     def close(self) -> None:
         """Finish the connector's pending KV writes (bounded) and release its connections."""
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
         if self.connector is not None:
             self.connector.close()
 
@@ -197,6 +225,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             kv_cache=self.connector.stats() if self.connector is not None else None,
+            pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
         )
 
     def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -206,6 +235,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {min(prompt)}..{max(prompt)}")
+        first = params.kv_transfer.first_token_id if params.kv_transfer is not None else None
+        if first is not None and first >= self.vocab_size:
+            raise ValueError(f"kv_transfer_params.first_token_id must be below the vocabulary size {self.vocab_size}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         if len(prompt) + params.max_tokens > self.max_model_len:
@@ -226,6 +258,9 @@ class LLMEngine:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that has not reached the end of the prompt yet
+            transfer = request.params.kv_transfer
+            if request.num_output_tokens == 0 and transfer is not None and transfer.first_token_id is not None:
+                token = transfer.first_token_id  # the decode side agrees with the token prefill already sent
             request.append_output_token(token)
             self.num_generation_tokens += 1
             if request.num_output_tokens == 1:
@@ -258,6 +293,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             stop_reason=stop_reason,
+            kv_transfer_result=request.kv_transfer_result if finished else None,
         )
 
     @staticmethod

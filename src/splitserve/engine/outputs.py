@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class FinishReason(StrEnum):
@@ -30,3 +31,4 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (or a KV tier) instead of computed
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    kv_transfer_result: Any = None  # on the last output of a prefill-role request: Future[KVTransferResult]

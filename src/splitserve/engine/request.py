@@ -42,6 +42,7 @@ class Request:
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator for seeded sampling, created by the sampler on first use
     detokenizer: Any = None  # incremental detokenizer state, owned by the engine
+    kv_transfer_result: Any = None  # prefill role: Future[KVTransferResult] of the push to the decode worker
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.engine.kv_transfer import KVTransferParams
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 
@@ -29,6 +31,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    kv_transfer: KVTransferParams | None = None  # disaggregated prefill/decode (see ``kv_transfer``)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,7 @@ from starlette.routing import Route
 from splitserve.config import RouterConfig
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
+from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import Worker, WorkerPool, WorkerRole, normalize_url
 from splitserve.router.health import HealthChecker
 from splitserve.router.kv_index import KVIndex
@@ -65,6 +67,19 @@ class RouterError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+@dataclass
+class Call:
+    """One client request as the router forwards it."""
+
+    path: str
+    body: dict[str, Any]
+    raw: bytes  # the body as sent to workers (the client's bytes, or a re-encoding of ``body``)
+    headers: dict[str, str]
+    is_stream: bool
+    routing: RoutingRequest
+    start_s: float
+
+
 class _Attempt:
     """One try on one worker; ``failure`` is set when another worker should be tried."""
 
@@ -94,6 +109,7 @@ class Router:
             cooldown_s=config.breaker_cooldown_s,
         )
         self.kv_index = KVIndex(config.block_size, config.kv_chunk_size, config.kv_index_max_blocks)
+        self.disagg = Disaggregator(self) if config.decode else None
         self.policy: RoutingPolicy = build_policy(config, lambda: self._routing_pool(), self.kv_index)
         self.metrics = metrics or RouterMetrics(config.routing_strategy.value)
         self.metrics.bind(self)
@@ -134,7 +150,8 @@ class Router:
         return sizes
 
     def _routing_pool(self) -> list[Worker]:
-        return self.pool.by_role(WorkerRole.BACKEND)
+        """The workers the policy picks among: the backends, or the decode pool of a disaggregated endpoint."""
+        return self.pool.by_role(WorkerRole.DECODE if self.disagg is not None else WorkerRole.BACKEND)
 
     # -- the proxy ----------------------------------------------------------------------------------------
 
@@ -152,26 +169,33 @@ class Router:
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object").response()
         routing = await self._routing_request(request, path, body)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        is_stream = body.get("stream") is True
+        call = Call(path, body, raw, {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP},
+                    body.get("stream") is True, routing, start_s)  # fmt: skip
+        if self.disagg is not None:
+            return await self.disagg.proxy(call)
+        return await self.forward(call, self._routing_pool)
+
+    async def forward(self, call: Call, pool: Callable[[], list[Worker]], first: Decision | None = None) -> Response:
+        """Send ``call`` to a worker of ``pool`` chosen by the policy (``first``, when given, is the first
+        choice), retrying on others for failures before the client got anything."""
         tried: set[str] = set()
         last_failure = "no worker is available"
         for attempt in range(self.config.max_retries + 1):
-            candidates = [w for w in self._routing_pool() if w.is_routable and w.url not in tried]
+            candidates = [w for w in pool() if w.is_routable and w.url not in tried]
             if not candidates:
                 break
             if attempt:
                 await asyncio.sleep(self._backoff_s(attempt))
-            decision = self.policy.select(routing, candidates)
-            self._log_decision(decision, routing)
-            result = await self._try(decision.worker, path, raw, headers, is_stream, routing, start_s)
+            decision = first if first is not None and attempt == 0 else self.policy.select(call.routing, candidates)
+            self._log_decision(decision, call.routing)
+            result = await self._try(decision.worker, call)
             if result.failure is None:
                 assert result.response is not None
                 return result.response
             tried.add(decision.worker.url)
             last_failure = f"{decision.worker.name}: {result.failure}"
             self.metrics.retries.labels(result.failure.split(":", 1)[0]).inc()
-            if result.response is not None and not self._has_other(tried):
+            if result.response is not None and not any(w.is_routable and w.url not in tried for w in pool()):
                 return result.response  # the last worker's own error answer (e.g. its 503)
         self.metrics.decision("no_worker")
         return RouterError(503, f"no worker could take the request ({last_failure})", "no_worker_available").response()
@@ -179,27 +203,23 @@ class Router:
     async def _routing_request(self, request: Request, path: str, body: dict[str, Any]) -> RoutingRequest:
         session = request.headers.get(self.config.session_key) or body.get("user")
         routing = RoutingRequest(path, str(session) if session else None, block_size=self.config.block_size)
-        if self.policy.needs_tokens and self._tokenize is not None:
+        if (self.policy.needs_tokens or self.disagg is not None) and self._tokenize is not None:
             routing.token_ids = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, path, body)
         return routing
-
-    def _has_other(self, tried: set[str]) -> bool:
-        return any(w.is_routable and w.url not in tried for w in self._routing_pool())
 
     def _backoff_s(self, attempt: int) -> float:
         base = self.config.retry_backoff_s * 2 ** (attempt - 1)
         return base * (0.5 + self._rng.random())
 
-    async def _try(
-        self,
-        worker: Worker,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-        is_stream: bool,
-        routing: RoutingRequest,
-        start_s: float,
-    ) -> _Attempt:
+    async def _try(self, worker: Worker, call: Call) -> _Attempt:
+        path, raw, headers, is_stream, routing, start_s = (
+            call.path,
+            call.raw,
+            call.headers,
+            call.is_stream,
+            call.routing,
+            call.start_s,
+        )
         attempt = _Attempt()
         worker.in_flight += 1
         worker.breaker.on_attempt()
@@ -315,7 +335,7 @@ class Router:
 
     async def models(self, _: Request) -> Response:
         workers = [w for w in self.pool if w.is_routable]
-        answers = await asyncio.gather(*(self._get_json(f"{w.url}/v1/models") for w in workers))
+        answers = await asyncio.gather(*(self.get_json(f"{w.url}/v1/models") for w in workers))
         cards: dict[str, Any] = {}
         for answer in answers:
             for card in answer.get("data", []) if isinstance(answer, dict) else []:
@@ -324,7 +344,7 @@ class Router:
             return RouterError(503, "no worker answered /v1/models", "no_worker_available").response()
         return JSONResponse({"object": "list", "data": list(cards.values())})
 
-    async def _get_json(self, url: str) -> Any:
+    async def get_json(self, url: str) -> Any:
         """The JSON of a 200 answer, or None for anything else."""
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
@@ -333,7 +353,7 @@ class Router:
             return None
 
     async def health_endpoint(self, _: Request) -> Response:
-        if any(w.healthy is True and w.breaker.allows() for w in self._routing_pool()):
+        if any(w.healthy is True and w.breaker.allows() for w in self._routing_pool()):  # decode, when split
             return Response(status_code=200)
         return RouterError(503, "no healthy worker", "no_worker_available").response()
 

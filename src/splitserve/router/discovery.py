@@ -30,6 +30,7 @@ class Worker:
     healthy: bool | None = None  # None: not probed yet (routable); False after failed probes
     in_flight: int = 0
     worker_id: str | None = None  # the name it registered with (KV events), if it did
+    kv_transfer_addr: str | None = None  # a decode worker's KV receiver (host:port), once asked
 
     @property
     def is_routable(self) -> bool:

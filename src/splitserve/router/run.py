@@ -19,7 +19,7 @@ LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 def run_router(config: RouterConfig, log_level: str = "info") -> int:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     tokenize = None
-    if config.routing_strategy in (RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE):
+    if config.routing_strategy in (RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE) or config.decode:
         from splitserve.model.registry import load_tokenizer, resolve_model
 
         tokenizer = load_tokenizer(resolve_model(config.model))

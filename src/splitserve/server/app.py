@@ -63,6 +63,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def models() -> Response:
         return _json(serving.models().model_dump())
 
+    @app.get("/kv/transfer")
+    async def kv_transfer() -> Response:
+        return _json(serving.kv_transfer_info())
+
     @app.post("/kv/lookup")
     async def kv_lookup(body: KVLookupRequest) -> Response:
         return _json((await serving.kv_lookup(body)).model_dump())

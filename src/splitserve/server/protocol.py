@@ -2,7 +2,7 @@
 
 Requests accept every field the official ``openai`` client sends for completions and chat completions, plus
 vLLM's extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``) and ``kv_transfer_params`` (accepted, not yet used). Unknown fields are a
+``include_stop_str_in_output``) and ``kv_transfer_params`` (disaggregated prefill/decode). Unknown fields are a
 validation error naming the field. Fields that are accepted but unsupported with a non-default value
 (``n`` > 1, logprobs, echo, penalties, JSON response formats, tools, ...) are refused by
 ``unsupported_reason()`` with a message the server returns as a 400.
@@ -210,6 +210,10 @@ class KVLookupRequest(_Strict):
 # ---- responses -----------------------------------------------------------------------------------------
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -236,6 +240,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)  # prefill role: the push
 
 
 class AssistantMessage(BaseModel):
@@ -258,10 +263,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-
-
-def _is_none(value: object) -> bool:
-    return value is None
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)  # prefill role: the push
 
 
 class DeltaMessage(BaseModel):

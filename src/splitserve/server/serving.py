@@ -23,6 +23,7 @@ from splitserve.engine.async_engine import (
     RequestStream,
     TokenizerLike,
 )
+from splitserve.engine.kv_transfer import KVTransferParams
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.server.protocol import (
@@ -142,6 +143,13 @@ class OpenAIServing:
         max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
         return EngineInput(random_id("chatcmpl"), prompt_ids, _sampling_params(request, max_tokens))
 
+    def kv_transfer_info(self) -> dict[str, Any]:
+        """Decode role: the KV receiver's address and PD buffer; a 404 on other roles."""
+        info = self._ready_engine().kv_transfer_info()
+        if info is None:
+            raise ApiError(404, "this worker has no KV receiver (only --role decode has one)", code="not_found")
+        return info
+
     async def kv_lookup(self, request: KVLookupRequest) -> KVLookupResponse:
         """Tokens of the request's prompt held per source (engine prefix cache, L1, L2); reads only."""
         self.check_model(request.model)
@@ -231,17 +239,31 @@ class OpenAIServing:
     # ---- engine outputs -> responses ------------------------------------------------------------------
 
     async def complete(self, engine_input: EngineInput, stream: RequestStream) -> CompletionResponse:
-        text, last = await _collect(stream)
+        text, first_token, last = await _collect(stream)
         choice = CompletionChoice(text=text, finish_reason=_reason(last), stop_reason=last.stop_reason)
         usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
-        return CompletionResponse(id=engine_input.request_id, model=self.model_name, choices=[choice], usage=usage)
+        transfer = await _transfer_report(last, first_token)
+        return CompletionResponse(
+            id=engine_input.request_id,
+            model=self.model_name,
+            choices=[choice],
+            usage=usage,
+            kv_transfer_params=transfer,
+        )
 
     async def chat(self, engine_input: EngineInput, stream: RequestStream) -> ChatCompletionResponse:
-        text, last = await _collect(stream)
+        text, first_token, last = await _collect(stream)
         message = AssistantMessage(content=text)
         choice = ChatChoice(message=message, finish_reason=_reason(last), stop_reason=last.stop_reason)
         usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
-        return ChatCompletionResponse(id=engine_input.request_id, model=self.model_name, choices=[choice], usage=usage)
+        transfer = await _transfer_report(last, first_token)
+        return ChatCompletionResponse(
+            id=engine_input.request_id,
+            model=self.model_name,
+            choices=[choice],
+            usage=usage,
+            kv_transfer_params=transfer,
+        )
 
     async def stream_completion(
         self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
@@ -252,7 +274,7 @@ class OpenAIServing:
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return sse(CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage))
 
-        async for event in _stream_events(stream, include_usage):
+        async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
             if isinstance(event, UsageInfo):
                 yield chunk([], event)
             elif isinstance(event, str):
@@ -271,7 +293,7 @@ class OpenAIServing:
             return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
         yield chunk(DeltaMessage(role="assistant", content=""))
-        async for event in _stream_events(stream, include_usage):
+        async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
             if isinstance(event, UsageInfo):
                 yield chunk(None, usage=event)
             elif isinstance(event, str):
@@ -283,12 +305,17 @@ class OpenAIServing:
                     yield chunk(DeltaMessage(), _reason(event))
 
 
-async def _stream_events(stream: RequestStream, include_usage: bool) -> AsyncIterator[RequestOutput | UsageInfo | str]:
+async def _stream_events(
+    stream: RequestStream, include_usage: bool, skip_first_text: bool = False
+) -> AsyncIterator[RequestOutput | UsageInfo | str]:
     """The stream's outputs, then its usage (if asked), then ``[DONE]``; an engine failure becomes an SSE
-    error event. The request is aborted if the consumer stops early (client disconnect)."""
+    error event. The request is aborted if the consumer stops early (client disconnect). With
+    ``skip_first_text`` the first token's text is left out (a router already sent it)."""
     try:
         last: RequestOutput | None = None
         async for output in stream:
+            if last is None and skip_first_text:
+                output.new_text = ""
             last = output
             yield output
         if include_usage and last is not None:
@@ -300,13 +327,16 @@ async def _stream_events(stream: RequestStream, include_usage: bool) -> AsyncIte
     yield "data: [DONE]\n\n"
 
 
-async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
-    """Concatenate a request's text; its last output carries the finish reason and token counts."""
+async def _collect(stream: RequestStream) -> tuple[str, int | None, RequestOutput]:
+    """A request's text and first token id; its last output carries the finish reason and token counts."""
     parts: list[str] = []
     last: RequestOutput | None = None
+    first_token: int | None = None
     try:
         async for output in stream:
             parts.append(output.new_text)
+            if first_token is None and output.new_token_ids:
+                first_token = output.new_token_ids[0]
             last = output
     except EngineDeadError as exc:
         raise ApiError(503, f"the engine stopped: {exc}", code="engine_dead") from exc
@@ -314,7 +344,28 @@ async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
         stream.close()
     if last is None:
         raise ApiError(503, "the request ended without output", code="engine_dead")
-    return "".join(parts), last
+    return "".join(parts), first_token, last
+
+
+TRANSFER_WAIT_S = 60.0
+
+
+async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict[str, Any] | None:
+    """Prefill role: wait for the request's KV push and describe it (with the first token) for the router."""
+    future = last.kv_transfer_result
+    if future is None:
+        return None
+    try:
+        result = await asyncio.wait_for(asyncio.wrap_future(future), TRANSFER_WAIT_S)
+    except Exception as exc:  # the push never raises: this is a stuck (timeout) or broken sender thread
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "first_token_id": first_token}
+    report: dict[str, Any] = result.as_api(first_token)
+    return report
+
+
+def _skips_first_text(engine_input: EngineInput) -> bool:
+    transfer = engine_input.params.kv_transfer
+    return transfer is not None and transfer.skip_first_token
 
 
 def _reason(output: RequestOutput) -> str | None:
@@ -339,6 +390,7 @@ def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tok
             min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            kv_transfer=KVTransferParams.from_api(request.kv_transfer_params) if request.kv_transfer_params else None,
         )
     except ValueError as exc:
         message = str(exc)

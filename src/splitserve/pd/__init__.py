@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: KV transfer from prefill to decode workers over TCP, with a bounded buffer."""

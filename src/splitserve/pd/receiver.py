@@ -1,0 +1,210 @@
+"""The decode side: a TCP receiver that fills the PD buffer, and the engine connector that loads from it.
+
+:class:`KVReceiver` serves ``--kv-transfer-port``: one connection per transfer (see ``wire``). A reservation
+that does not fit is refused (logged as ``Failed to allocate memory object, retrying...``: the sender retries);
+a payload that fails its checksum or has another layout is dropped. :class:`PDReceiverConnector` implements
+``KVConnectorBase``: at admission a request whose ``kv_transfer_params`` name a transfer takes that KV from the
+buffer, after checking it belongs to the request's own prompt tokens and the engine's layout, and logs
+``Retrieved N out of N required tokens (from T total tokens). size: X gb, cost Y ms, throughput: Z GB/s``, or
+``Retrieved 0 out of N ...`` when nothing usable arrived, and the engine computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.connector import LoadedTokens
+from splitserve.engine.request import Request
+from splitserve.keys import hash_tokens
+from splitserve.kvcache import serde
+from splitserve.model.attention import token_slots
+from splitserve.pd.buffer import BufferEntry, BufferStats, PDBuffer
+from splitserve.pd.wire import WireError, recv_exact_into, recv_msg, send_msg
+
+logger = logging.getLogger(__name__)
+
+PD_SOURCE = "pd"
+
+
+class KVReceiver:
+    """A threaded TCP server storing pushed KV records in ``buffer``; ``layout`` is the engine's KV layout."""
+
+    def __init__(self, buffer: PDBuffer, layout: str, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.buffer = buffer
+        self.layout = layout
+        receiver = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                receiver._serve(self.request)
+
+        self._server = socketserver.ThreadingTCPServer((host, port), Handler, bind_and_activate=False)
+        self._server.daemon_threads = True
+        self._server.allow_reuse_address = True
+        self._server.server_bind()
+        self._server.server_activate()
+        address = self._server.server_address
+        self.host, self.port = str(address[0]), int(address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kv-receiver", daemon=True)
+
+    @property
+    def addr(self) -> str:
+        """Where senders connect: the bound address (the host name when bound to every interface)."""
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("KV receiver listening on %s, PD buffer %.2f GiB", self.addr, self.buffer.capacity_bytes / 2**30)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            header = recv_msg(sock)
+            transfer_id, num_bytes = str(header["transfer_id"]), int(header["nbytes"])
+            num_tokens, tokens_hash, layout = (
+                int(header["num_tokens"]),
+                int(header["tokens_hash"]),
+                str(header["layout"]),
+            )
+        except (WireError, OSError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("KV receiver: bad transfer request: %s", exc)
+            return
+        try:
+            if layout != self.layout:
+                send_msg(sock, {"ok": False, "reason": f"layout {layout} is not this engine's {self.layout}"})
+                return
+            if not self.buffer.reserve(transfer_id, num_bytes):
+                logger.info(
+                    "Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes
+                )
+                send_msg(sock, {"ok": False, "reason": "full"})
+                return
+            send_msg(sock, {"ok": True})
+            record = bytearray(num_bytes)
+            recv_exact_into(sock, memoryview(record))
+            serde.verify(record, layout)
+        except serde.RecordError as exc:
+            self.buffer.release(transfer_id)
+            logger.warning("KV receiver: transfer %s dropped: %s", transfer_id, exc)
+            send_msg(sock, {"ok": False, "reason": f"invalid record: {exc}"})
+            return
+        except (WireError, OSError) as exc:
+            self.buffer.release(transfer_id)
+            logger.warning("KV receiver: transfer %s broke off: %s", transfer_id, exc)
+            return
+        entry = BufferEntry(record, num_tokens, tokens_hash, layout)
+        ok = self.buffer.commit(transfer_id, entry)
+        send_msg(sock, {"ok": ok, "reason": "" if ok else "reservation expired"})
+
+
+@dataclass
+class _Pending:
+    entry: BufferEntry
+    num_tokens: int  # of the request's tokens the entry can fill
+
+
+class PDReceiverConnector:
+    """``KVConnectorBase`` for the decode role: loads a request's transferred prompt KV from the PD buffer."""
+
+    def __init__(self, buffer: PDBuffer, layout: str) -> None:
+        self.buffer = buffer
+        self.layout = layout
+        self._kv_cache: torch.Tensor | None = None
+        self._block_size = 0
+        self._num_retrieved_tokens = 0
+        self._num_missed = 0
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        self._kv_cache = kv_cache
+        self._block_size = block_size
+
+    def _usable(self, request: Request) -> BufferEntry | None:
+        params = request.params.kv_transfer
+        if params is None or params.is_sender:
+            return None
+        entry = self.buffer.peek(params.transfer_id)
+        if entry is None:
+            return None
+        prompt = request.prompt_token_ids
+        if (
+            entry.layout != self.layout
+            or entry.num_tokens > len(prompt)
+            or entry.tokens_hash != hash_tokens(prompt[: entry.num_tokens])
+        ):
+            logger.warning("PD: transfer %s does not match request %s's prompt or layout; recomputing",
+                           params.transfer_id, request.request_id)  # fmt: skip
+            self.buffer.release(params.transfer_id)
+            return None
+        return entry
+
+    def num_external_tokens(self, request: Request, num_cached: int) -> int:
+        entry = self._usable(request)
+        if entry is None:
+            return 0
+        return max(0, min(entry.num_tokens, request.num_tokens - 1) - num_cached)
+
+    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
+        return ((PD_SOURCE, self.num_external_tokens(request, num_cached)),)
+
+    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+        params = request.params.kv_transfer
+        if params is None or params.is_sender:
+            return LoadedTokens()
+        required = max(0, request.num_tokens - 1 - start_token)
+        began = time.perf_counter()
+        entry = self.buffer.take(params.transfer_id) if end_token > start_token else None
+        if entry is None:
+            self._num_missed += 1
+            logger.info("Retrieved 0 out of %d required tokens (from %d total tokens); recomputing",
+                        required, request.num_prompt_tokens)  # fmt: skip
+            return LoadedTokens()
+        assert self._kv_cache is not None
+        num_layers, _, _, num_heads, head_dim = self._kv_cache.shape
+        try:
+            kv = serde.decode(entry.record, self.layout, (num_layers, 2, entry.num_tokens, num_heads, head_dim))
+        except serde.RecordError as exc:
+            logger.warning("PD: transfer %s is unusable (%s); recomputing", params.transfer_id, exc)
+            return LoadedTokens()
+        device = self._kv_cache.device
+        slots = torch.tensor(token_slots(block_ids, range(start_token, end_token), self._block_size), device=device)
+        with torch.no_grad():
+            self._kv_cache.index_copy_(2, slots, kv[:, :, start_token:end_token].to(device))
+        num = end_token - start_token
+        elapsed_s = time.perf_counter() - began
+        size_gb = len(entry.record) * num / max(entry.num_tokens, 1) / 1e9
+        self._num_retrieved_tokens += num
+        logger.info(
+            "Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, cost %.2f ms, "
+            "throughput: %.2f GB/s",
+            num, required, request.num_prompt_tokens, size_gb, elapsed_s * 1000, size_gb / max(elapsed_s, 1e-9),
+        )  # fmt: skip
+        return LoadedTokens(num, ((PD_SOURCE, num),))
+
+    def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
+        pass
+
+    def request_finished(self, request: Request) -> None:
+        params = request.params.kv_transfer
+        if params is not None and not params.is_sender:
+            self.buffer.release(params.transfer_id)  # unclaimed (e.g. aborted before admission)
+
+    def stats(self) -> None:
+        return None
+
+    def buffer_stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+    def close(self) -> None:
+        pass

