@@ -154,3 +154,16 @@ def test_unclaimed_transfers_expire() -> None:
     assert buffer.reserve("a", 60) and not buffer.reserve("b", 60)
     now[0] = 6.0  # the reservation was never filled
     assert buffer.reserve("b", 60) and buffer.stats().num_expired == 1
+
+
+def test_a_corrupted_push_is_refused_and_frees_its_room(layout: str) -> None:
+    receiver = KVReceiver(PDBuffer(1 << 20), layout)
+    receiver.start()
+    try:
+        record = bytearray(serde.encode(torch.ones(2, 2, 8, 1, 8), 8, layout))
+        record[-1] ^= 0xFF  # the last payload byte
+        result = push(receiver.addr, "t-6", bytes(record), 8, 0, layout, deadline_s=0.5)
+        assert not result.ok and "invalid record" in result.reason
+        assert receiver.buffer.peek("t-6") is None and receiver.buffer.stats().used_bytes == 0
+    finally:
+        receiver.close()

@@ -169,6 +169,27 @@ def _decode_layout(data: bytes | bytearray | memoryview, start: int, nbytes: int
         raise RecordError(RecordFault.LAYOUT, "layout string is not utf-8") from exc
 
 
+FIXED_HEADER_BYTES = _FIXED.size
+
+
+def payload_offset(fixed_header: bytes | bytearray | memoryview) -> int:
+    """Where the payload starts, from a record's first ``FIXED_HEADER_BYTES`` (to checksum while receiving)."""
+    magic, _, _, ndim, _, layout_nbytes, *_ = _FIXED.unpack_from(fixed_header)
+    if magic != MAGIC:
+        raise RecordError(RecordFault.MAGIC, f"magic {magic!r} != {MAGIC!r}")
+    return _payload_offset(ndim, layout_nbytes)
+
+
+def verify_with_checksum(data: bytes | bytearray | memoryview, expected_layout: str, checksum: int) -> RecordHeader:
+    """:func:`verify`, given the payload's xxh3 already computed (e.g. while it arrived)."""
+    header = read_header(data)
+    if header.layout != expected_layout:
+        raise RecordError(RecordFault.LAYOUT, f"layout {header.layout!r} != expected {expected_layout!r}")
+    if checksum != header.checksum:
+        raise RecordError(RecordFault.CHECKSUM, f"payload xxh3 {checksum:016x} != header {header.checksum:016x}")
+    return header
+
+
 def verify(data: bytes | bytearray | memoryview, expected_layout: str) -> RecordHeader:
     """Check a record completely (header, layout and payload checksum) without building a tensor.
 

@@ -1,9 +1,12 @@
 """The decode worker's PD buffer: KV pushed by prefill workers, held until the request claims it.
 
-Bounded in bytes. A push first reserves its size (refused when it does not fit: the sender retries with
-back-off); the reservation becomes an entry when the bytes arrived and were verified. Reservations that are
-never filled and entries that are never claimed expire, so an abandoned transfer frees its bytes.
-Thread-safe: the receiver's connection threads and the engine thread share it.
+One arena of ``capacity_bytes``, allocated (and touched) once at start, so a transfer writes into memory that
+is already mapped instead of paying page faults for every new record. A push first reserves its size, first
+fit (refused when no free range is large enough: the sender retries with back-off); the receiver writes the
+bytes into the reserved range and commits an entry once they are verified. The decode side claims the entry,
+copies it into its KV cache and releases it. Reservations never filled and entries never claimed expire, so
+an abandoned transfer frees its bytes. Thread-safe: the receiver's connection threads and the engine thread
+share it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class BufferEntry:
-    record: bytearray  # a kvcache.serde record
+    record: memoryview  # a kvcache.serde record, inside the arena
     num_tokens: int
     tokens_hash: int  # keys.hash_tokens of the prompt tokens the KV belongs to
     layout: str
@@ -35,10 +38,12 @@ class BufferStats:
 
 
 @dataclass
-class _Reservation:
+class _Slot:
+    offset: int
     num_bytes: int
     since: float
     entry: BufferEntry | None = field(default=None)
+    is_claimed: bool = False
 
 
 class PDBuffer:
@@ -56,54 +61,57 @@ class PDBuffer:
         self.reservation_ttl_s = reservation_ttl_s
         self.entry_ttl_s = entry_ttl_s
         self._clock = clock
+        self._arena = memoryview(bytearray(capacity_bytes))
+        self._free: list[tuple[int, int]] = [(0, capacity_bytes)]  # (offset, size), sorted, coalesced
         self._lock = threading.Lock()
-        self._slots: dict[str, _Reservation] = {}
+        self._slots: dict[str, _Slot] = {}
         self._used = 0
         self._stats = BufferStats(capacity_bytes)
 
-    def reserve(self, transfer_id: str, num_bytes: int) -> bool:
-        """Hold ``num_bytes`` for ``transfer_id``; False when they do not fit (or the id is taken)."""
+    def reserve(self, transfer_id: str, num_bytes: int) -> memoryview | None:
+        """Room for ``num_bytes`` for ``transfer_id``, to be filled and committed; None when it does not fit
+        (or the id is taken)."""
         with self._lock:
             self._expire()
-            if transfer_id in self._slots or self._used + num_bytes > self.capacity_bytes:
+            offset = self._allocate(num_bytes) if transfer_id not in self._slots and num_bytes > 0 else None
+            if offset is None:
                 self._stats.num_refused += 1
-                return False
-            self._slots[transfer_id] = _Reservation(num_bytes, self._clock())
+                return None
+            self._slots[transfer_id] = _Slot(offset, num_bytes, self._clock())
             self._used += num_bytes
-            return True
+            return self._arena[offset : offset + num_bytes]
 
-    def commit(self, transfer_id: str, entry: BufferEntry) -> bool:
-        """Turn a reservation into an entry; False if the reservation expired meanwhile."""
+    def commit(self, transfer_id: str, num_tokens: int, tokens_hash: int, layout: str) -> bool:
+        """The reserved bytes are filled and verified: make them an entry. False if the reservation expired."""
         with self._lock:
             slot = self._slots.get(transfer_id)
             if slot is None or slot.entry is not None:
                 return False
-            entry.stored_at = self._clock()
-            slot.entry = entry
+            record = self._arena[slot.offset : slot.offset + slot.num_bytes]
+            slot.entry = BufferEntry(record, num_tokens, tokens_hash, layout, self._clock())
             return True
-
-    def release(self, transfer_id: str) -> None:
-        """Drop a reservation or entry (a failed transfer, a rejected or finished request)."""
-        with self._lock:
-            slot = self._slots.pop(transfer_id, None)
-            if slot is not None:
-                self._used -= slot.num_bytes
 
     def peek(self, transfer_id: str) -> BufferEntry | None:
         with self._lock:
             slot = self._slots.get(transfer_id)
-            return slot.entry if slot is not None else None
+            return slot.entry if slot is not None and not slot.is_claimed else None
 
-    def take(self, transfer_id: str) -> BufferEntry | None:
-        """The entry, removed from the buffer (its bytes are free again); None if absent."""
+    def claim(self, transfer_id: str) -> BufferEntry | None:
+        """The entry, no longer expiring; the caller copies it out, then calls :meth:`release`."""
         with self._lock:
             slot = self._slots.get(transfer_id)
-            if slot is None or slot.entry is None:
+            if slot is None or slot.entry is None or slot.is_claimed:
                 return None
-            del self._slots[transfer_id]
-            self._used -= slot.num_bytes
+            slot.is_claimed = True
             self._stats.num_claimed += 1
             return slot.entry
+
+    def release(self, transfer_id: str) -> None:
+        """Free a reservation or entry (copied out, failed, rejected, or its request ended)."""
+        with self._lock:
+            slot = self._slots.pop(transfer_id, None)
+            if slot is not None:
+                self._free_range(slot)
 
     def stats(self) -> BufferStats:
         with self._lock:
@@ -114,11 +122,36 @@ class PDBuffer:
             stats.num_reservations = len(self._slots) - stats.num_entries
             return stats
 
+    # -- internals (lock held) ----------------------------------------------------------------------------
+
+    def _allocate(self, num_bytes: int) -> int | None:
+        for i, (offset, size) in enumerate(self._free):
+            if size >= num_bytes:
+                if size == num_bytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + num_bytes, size - num_bytes)
+                return offset
+        return None
+
+    def _free_range(self, slot: _Slot) -> None:
+        self._used -= slot.num_bytes
+        ranges = sorted([*self._free, (slot.offset, slot.num_bytes)])
+        merged: list[tuple[int, int]] = []
+        for offset, size in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        self._free = merged
+
     def _expire(self) -> None:
         now = self._clock()
         for transfer_id, slot in list(self._slots.items()):
+            if slot.is_claimed:
+                continue
             age = now - (slot.entry.stored_at if slot.entry is not None else slot.since)
             if age > (self.entry_ttl_s if slot.entry is not None else self.reservation_ttl_s):
                 del self._slots[transfer_id]
-                self._used -= slot.num_bytes
+                self._free_range(slot)
                 self._stats.num_expired += 1

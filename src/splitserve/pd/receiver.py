@@ -16,9 +16,9 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from splitserve.engine.connector import LoadedTokens
 from splitserve.engine.request import Request
@@ -31,6 +31,7 @@ from splitserve.pd.wire import WireError, recv_exact_into, recv_msg, send_msg
 logger = logging.getLogger(__name__)
 
 PD_SOURCE = "pd"
+SOCKET_BUFFER_BYTES = 4 << 20
 
 
 class KVReceiver:
@@ -70,6 +71,7 @@ class KVReceiver:
 
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         try:
             header = recv_msg(sock)
             transfer_id, num_bytes = str(header["transfer_id"]), int(header["nbytes"])
@@ -85,16 +87,15 @@ class KVReceiver:
             if layout != self.layout:
                 send_msg(sock, {"ok": False, "reason": f"layout {layout} is not this engine's {self.layout}"})
                 return
-            if not self.buffer.reserve(transfer_id, num_bytes):
+            room = self.buffer.reserve(transfer_id, num_bytes)
+            if room is None:
                 logger.info(
                     "Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes
                 )
                 send_msg(sock, {"ok": False, "reason": "full"})
                 return
             send_msg(sock, {"ok": True})
-            record = bytearray(num_bytes)
-            recv_exact_into(sock, memoryview(record))
-            serde.verify(record, layout)
+            _receive_record(sock, room, layout)
         except serde.RecordError as exc:
             self.buffer.release(transfer_id)
             logger.warning("KV receiver: transfer %s dropped: %s", transfer_id, exc)
@@ -104,15 +105,23 @@ class KVReceiver:
             self.buffer.release(transfer_id)
             logger.warning("KV receiver: transfer %s broke off: %s", transfer_id, exc)
             return
-        entry = BufferEntry(record, num_tokens, tokens_hash, layout)
-        ok = self.buffer.commit(transfer_id, entry)
+        ok = self.buffer.commit(transfer_id, num_tokens, tokens_hash, layout)
         send_msg(sock, {"ok": ok, "reason": "" if ok else "reservation expired"})
 
 
-@dataclass
-class _Pending:
-    entry: BufferEntry
-    num_tokens: int  # of the request's tokens the entry can fill
+def _receive_record(sock: socket.socket, room: memoryview, layout: str) -> None:
+    """Receive a record into ``room``, checksumming the payload as it arrives; RecordError if it is bad."""
+    fixed = serde.FIXED_HEADER_BYTES
+    if len(room) < fixed:
+        raise serde.RecordError(serde.RecordFault.TRUNCATED, f"{len(room)} bytes is shorter than a header")
+    recv_exact_into(sock, room[:fixed])
+    offset = serde.payload_offset(room[:fixed])
+    if offset > len(room):
+        raise serde.RecordError(serde.RecordFault.TRUNCATED, f"a {offset}-byte header in {len(room)} bytes")
+    recv_exact_into(sock, room[fixed:offset])
+    hasher = xxhash.xxh3_64()
+    recv_exact_into(sock, room[offset:], hasher.update)
+    serde.verify_with_checksum(room, layout, hasher.intdigest())
 
 
 class PDReceiverConnector:
@@ -164,7 +173,7 @@ class PDReceiverConnector:
             return LoadedTokens()
         required = max(0, request.num_tokens - 1 - start_token)
         began = time.perf_counter()
-        entry = self.buffer.take(params.transfer_id) if end_token > start_token else None
+        entry = self.buffer.claim(params.transfer_id) if end_token > start_token else None
         if entry is None:
             self._num_missed += 1
             logger.info("Retrieved 0 out of %d required tokens (from %d total tokens); recomputing",
@@ -172,15 +181,18 @@ class PDReceiverConnector:
             return LoadedTokens()
         assert self._kv_cache is not None
         num_layers, _, _, num_heads, head_dim = self._kv_cache.shape
-        try:
-            kv = serde.decode(entry.record, self.layout, (num_layers, 2, entry.num_tokens, num_heads, head_dim))
+        shape = (num_layers, 2, entry.num_tokens, num_heads, head_dim)
+        device = self._kv_cache.device
+        slots = torch.tensor(token_slots(block_ids, range(start_token, end_token), self._block_size), device=device)
+        try:  # verified when it arrived, and in this process's memory since
+            kv = serde.decode(entry.record, self.layout, shape, verify_checksum=False)
+            with torch.no_grad():
+                self._kv_cache.index_copy_(2, slots, kv[:, :, start_token:end_token].to(device))
         except serde.RecordError as exc:
             logger.warning("PD: transfer %s is unusable (%s); recomputing", params.transfer_id, exc)
             return LoadedTokens()
-        device = self._kv_cache.device
-        slots = torch.tensor(token_slots(block_ids, range(start_token, end_token), self._block_size), device=device)
-        with torch.no_grad():
-            self._kv_cache.index_copy_(2, slots, kv[:, :, start_token:end_token].to(device))
+        finally:
+            self.buffer.release(params.transfer_id)
         num = end_token - start_token
         elapsed_s = time.perf_counter() - began
         size_gb = len(entry.record) * num / max(entry.num_tokens, 1) / 1e9

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 MAX_CONTROL_BYTES = 64 * 1024
@@ -44,13 +45,18 @@ def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
     return bytes(buffer)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket (no intermediate copies); ``WireError`` if the peer closes first."""
+def recv_exact_into(
+    sock: socket.socket, view: memoryview, on_chunk: Callable[[memoryview], object] | None = None
+) -> None:
+    """Fill ``view`` from the socket (no intermediate copies), handing each received piece to ``on_chunk``
+    (a running checksum, say); ``WireError`` if the peer closes first."""
     received = 0
     while received < len(view):
         n = sock.recv_into(view[received:])
         if n == 0:
             raise WireError(f"connection closed after {received} of {len(view)} bytes")
+        if on_chunk is not None:
+            on_chunk(view[received : received + n])
         received += n
 
 

@@ -1,0 +1,273 @@
+"""Disaggregated prefill/decode against colocated serving (issue 5), one run on the same 2 cores.
+
+    .venv/bin/python benchmarks/pd_interference.py
+
+Set-ups, each behind a ``splitserve router`` (so both pay the same proxy):
+- colocated: one worker on both cores (``--num-threads 2``, ``taskset -c 0,1``).
+- disaggregated: a prefill worker on core 0 and a decode worker on core 1 (``--num-threads 1`` each), the router
+  sending prompts of ``--routing-threshold`` (1,024) tokens or more through prefill.
+
+Load, per set-up: 8 short streams (64 prompt tokens, 256 output tokens, ``ignore_eos``) alone, then again while
+6 long prompts (~2,500 tokens, 16 output tokens) arrive one per second. Reported: the short streams'
+inter-token latency p50/p99 (gaps between streamed chunks) and the long prompts' TTFT. Then, on the
+disaggregated set-up alone: a 4,000-token prompt's prefill time and KV transfer time, and the KV transfer
+throughput against a raw loopback socket moving the same bytes in this process. Results go to
+``benchmarks/results/pd_interference.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import re
+import shutil
+import socket
+import statistics
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, SPLITSERVE, free_port, machine_description, start_server, stop_server
+
+from splitserve.bench.datasets import WORDS
+from splitserve.model.registry import load_tokenizer, resolve_model
+
+RESULTS = REPO / "benchmarks" / "results"
+LOGS = RESULTS / "logs"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q
+    low, high = int(rank), min(int(rank) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class Prompts:
+    """Random-word prompts cut to an exact token count with the model's tokenizer."""
+
+    def __init__(self, seed: int) -> None:
+        self.tokenizer = load_tokenizer(resolve_model("smollm2"))
+        self.rng = random.Random(seed)
+
+    def make(self, num_tokens: int) -> str:
+        words = " ".join(self.rng.choice(WORDS) for _ in range(num_tokens))
+        ids = self.tokenizer.encode(words)[:num_tokens]
+        return str(self.tokenizer.decode(ids))
+
+
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> list[float]:
+    """Arrival times of the streamed chunks that carry text; the first is the TTFT mark."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    times: list[float] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(event["error"])
+                if any(c.get("text") for c in event.get("choices", [])):
+                    times.append(time.perf_counter())
+    return times
+
+
+async def run_load(url: str, short: list[str], long: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), trust_env=False) as client:
+        started = time.perf_counter()
+        short_tasks = [asyncio.create_task(stream(client, url, p, args.short_output)) for p in short]
+
+        async def long_one(prompt: str, delay_s: float) -> float:
+            await asyncio.sleep(delay_s)
+            sent = time.perf_counter()
+            times = await stream(client, url, prompt, args.long_output)
+            return times[0] - sent
+
+        long_tasks = [asyncio.create_task(long_one(p, 1.0 + i * args.long_interval)) for i, p in enumerate(long)]
+        short_times = await asyncio.gather(*short_tasks)
+        long_ttft = await asyncio.gather(*long_tasks)
+        duration = time.perf_counter() - started
+    itl_ms = [(b - a) * 1000 for times in short_times for a, b in itertools.pairwise(times)]
+    return {
+        "itl_ms_p50": percentile(itl_ms, 0.5),
+        "itl_ms_p99": percentile(itl_ms, 0.99),
+        "itl_ms_max": max(itl_ms),
+        "num_itl_samples": len(itl_ms),
+        "long_ttft_ms": [round(t * 1000, 1) for t in long_ttft],
+        "long_ttft_ms_p50": percentile([t * 1000 for t in long_ttft], 0.5) if long_ttft else None,
+        "duration_s": duration,
+    }
+
+
+def taskset(cores: str) -> list[str]:
+    return ["taskset", "-c", cores] if shutil.which("taskset") else []
+
+
+def worker_cmd(port: int, cores: str, *args: str) -> list[str]:
+    return [*taskset(cores), *SPLITSERVE, "worker", "--port", str(port), "--max-model-len", "8192",
+            "--kv-cache-memory", "1GiB", *args]  # fmt: skip
+
+
+def router_cmd(port: int, *args: str) -> list[str]:
+    return [*SPLITSERVE, "router", "--port", str(port), "--health-interval", "1", *args]
+
+
+def raw_loopback_gbps(num_bytes: int, repeats: int = 5) -> float:
+    """Median GB/s of ``sendall`` of ``num_bytes`` to a ``recv_into`` thread over 127.0.0.1."""
+    payload = bytes(num_bytes)
+    rates = []
+    for _ in range(repeats):
+        server = socket.create_server(("127.0.0.1", 0))
+        sink = bytearray(num_bytes)
+
+        def receive(srv: socket.socket = server, buf: bytearray = sink) -> None:
+            conn, _ = srv.accept()
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                got += conn.recv_into(view[got:])
+            conn.sendall(b"k")
+            conn.close()
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        began = time.perf_counter()
+        with socket.create_connection(server.getsockname()) as sock:
+            sock.sendall(payload)
+            sock.recv(1)
+        rates.append(num_bytes / (time.perf_counter() - began) / 1e9)
+        thread.join()
+        server.close()
+    return statistics.median(rates)
+
+
+def transfer_lines(log: str) -> list[tuple[int, float, float]]:
+    """(tokens, MB, ms) of every ``KV transfer ...`` line in a prefill worker's log."""
+    pattern = r"KV transfer \S+: (\d+) tokens, ([\d.]+) MB to \S+ in ([\d.]+) ms"
+    return [(int(n), float(mb), float(ms)) for n, mb, ms in re.findall(pattern, log)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-short", type=int, default=8)
+    parser.add_argument("--short-input", type=int, default=64)
+    parser.add_argument("--short-output", type=int, default=256)
+    parser.add_argument("--num-long", type=int, default=6)
+    parser.add_argument("--long-input", type=int, default=2500)
+    parser.add_argument("--long-output", type=int, default=16)
+    parser.add_argument("--long-interval", type=float, default=1.0)
+    parser.add_argument("--threshold", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "pd_interference.json")
+    args = parser.parse_args()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    prompts = Prompts(args.seed)
+    results: dict[str, Any] = {}
+
+    def load_pair(url: str, label: str) -> None:
+        short = [prompts.make(args.short_input) for _ in range(args.num_short)]
+        results[f"{label}/alone"] = asyncio.run(run_load(url, short, [], args))
+        print(label, "alone", json.dumps(results[f"{label}/alone"]), flush=True)
+        short = [prompts.make(args.short_input) for _ in range(args.num_short)]
+        long = [prompts.make(args.long_input) for _ in range(args.num_long)]
+        results[f"{label}/with_long"] = asyncio.run(run_load(url, short, long, args))
+        print(label, "with long prompts", json.dumps(results[f"{label}/with_long"]), flush=True)
+
+    # colocated
+    worker_port, router_port = free_port(), free_port()
+    worker = start_server(worker_cmd(worker_port, "0,1", "--num-threads", "2"), worker_port, LOGS / "pd-colocated.log")
+    router = start_server(router_cmd(router_port, "--backend", f"http://127.0.0.1:{worker_port}"), router_port,
+                          LOGS / "pd-colocated-router.log")  # fmt: skip
+    try:
+        load_pair(f"http://127.0.0.1:{router_port}", "colocated")
+    finally:
+        stop_server(router)
+        stop_server(worker)
+
+    # disaggregated
+    p_port, d_port, router_port = free_port(), free_port(), free_port()
+    prefill = start_server(worker_cmd(p_port, "0", "--role", "prefill", "--num-threads", "1"), p_port,
+                           LOGS / "pd-prefill.log")  # fmt: skip
+    decode = start_server(worker_cmd(d_port, "1", "--role", "decode", "--num-threads", "1"), d_port,
+                          LOGS / "pd-decode.log")  # fmt: skip
+    router = start_server(router_cmd(router_port, "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
+                                     f"http://127.0.0.1:{d_port}", "--routing-threshold", str(args.threshold)),
+                          router_port, LOGS / "pd-router.log")  # fmt: skip
+    url = f"http://127.0.0.1:{router_port}"
+    try:
+        load_pair(url, "disaggregated")
+        before = len(transfer_lines((LOGS / "pd-prefill.log").read_text()))
+        metrics_before = httpx.get(f"{url}/metrics", timeout=10).text
+        began = time.perf_counter()
+        times = asyncio.run(_one(url, prompts.make(4000)))
+        total_ttft_ms = (times[0] - began) * 1000
+        lines = transfer_lines((LOGS / "pd-prefill.log").read_text())
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    finally:
+        stop_server(router)
+        stop_server(decode)
+        stop_server(prefill)
+    tokens, mb, ms = lines[before]
+    prefill_s = _histogram_mean_between(metrics_before, metrics, "splitserve:prefill_time_seconds")
+    transfers = [(m, t) for _, m, t in lines]
+    results["transfer_4000"] = {
+        "tokens": tokens, "mb": mb, "transfer_ms": ms, "prefill_request_ms": prefill_s * 1000 if prefill_s else None,
+        "share_of_prefill": ms / (prefill_s * 1000) if prefill_s else None, "e2e_ttft_ms": total_ttft_ms,
+    }  # fmt: skip
+    kv_gbps = statistics.median(m / t for m, t in transfers) if transfers else float("nan")  # MB/ms = GB/s
+    raw_gbps = raw_loopback_gbps(int(mb * 1e6))
+    results["throughput"] = {"kv_transfer_gbps_median": kv_gbps, "raw_loopback_gbps": raw_gbps,
+                             "ratio": kv_gbps / raw_gbps, "num_transfers": len(transfers)}  # fmt: skip
+    print(json.dumps(results["transfer_4000"]), json.dumps(results["throughput"]))
+    _print_table(results)
+    document = {
+        "benchmark": "pd_interference",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": results,
+    }
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+async def _one(url: str, prompt: str) -> list[float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), trust_env=False) as client:
+        return await stream(client, url, prompt, 4)
+
+
+def _histogram_mean_between(before: str, after: str, name: str) -> float | None:
+    """The mean of the samples a histogram gained between two scrapes."""
+
+    def read(text: str, suffix: str) -> float:
+        found = re.search(rf"^{re.escape(name)}_{suffix} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    num = read(after, "count") - read(before, "count")
+    return (read(after, "sum") - read(before, "sum")) / num if num > 0 else None
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    print("\n| set-up | short streams alone: ITL p50 / p99 ms | with long prompts: ITL p50 / p99 ms | p99 ratio | "
+          "long prompts' TTFT p50 ms |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for label in ("colocated", "disaggregated"):
+        alone, loaded = results[f"{label}/alone"], results[f"{label}/with_long"]
+        print(f"| {label} | {alone['itl_ms_p50']:.0f} / {alone['itl_ms_p99']:.0f} | {loaded['itl_ms_p50']:.0f} / "
+              f"{loaded['itl_ms_p99']:.0f} | {loaded['itl_ms_p99'] / alone['itl_ms_p99']:.2f}x | "
+              f"{loaded['long_ttft_ms_p50']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
