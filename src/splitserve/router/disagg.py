@@ -7,7 +7,8 @@ Per request (``Disaggregator.proxy``):
 2. Disaggregate when the tokens D would have to compute (the prompt minus what the strategy found D already
    holds) reach ``--routing-threshold``; log ``Conditional routing: estimated_tokens=E, threshold=T,
    disaggregate=B``. Otherwise forward to D as a colocated worker would be.
-3. Disaggregated: send a prefill worker P the request with ``max_tokens`` 1, not streamed, and
+3. Disaggregated: send a prefill worker P, picked by the same strategy over the prefill pool (a prefill worker
+   holding the prompt's prefix computes less), the request with ``max_tokens`` 1, not streamed, and
    ``kv_transfer_params`` {transfer_id, decode_kv_addr} (D's KV receiver, from ``GET /kv/transfer``). P computes
    the prompt, samples the first token, pushes the KV into D's PD buffer and answers with the token and the
    push's result.
@@ -29,7 +30,7 @@ import aiohttp
 from starlette.responses import Response, StreamingResponse
 
 from splitserve.router.discovery import Worker, WorkerRole
-from splitserve.router.policies import Decision, LoadGuard
+from splitserve.router.policies import Decision, build_policy
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -46,7 +47,8 @@ class Disaggregator:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.threshold = router.config.routing_threshold
-        self._prefill_guard = LoadGuard(0, 0.0)  # the prefill pool: least loaded, ties in turn
+        # the prefill pool gets its own instance of the configured strategy (its own prefix index, ring...)
+        self.prefill_policy = build_policy(router.config, self.prefill_pool, router.kv_index)
 
     def decode_pool(self) -> list[Worker]:
         return self.router.pool.by_role(WorkerRole.DECODE)
@@ -73,7 +75,7 @@ class Disaggregator:
             router.metrics.pd_path("direct")
             return await router.forward(call, self.decode_pool, decision)
         decoder = decision.worker
-        prefiller = self._prefill_guard.least_loaded(prefillers)
+        prefiller = self.prefill_policy.select(call.routing, prefillers).worker
         addr = await self._kv_addr(decoder)
         transfer_id = f"xfer-{uuid.uuid4().hex}"
         answer = await self._prefill(prefiller, call, transfer_id, addr) if addr is not None else None
@@ -83,6 +85,7 @@ class Disaggregator:
             logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
             router.metrics.pd_path("fallback")
             return await router.forward(call, self.decode_pool, decision)
+        self.prefill_policy.on_routed(call.routing, prefiller)
         p_body = json.loads(answer[1])
         report = p_body.get("kv_transfer_params") or {}
         if not report.get("ok"):
