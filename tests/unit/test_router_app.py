@@ -208,3 +208,19 @@ def test_kv_events_register_workers_and_kvaware_follows_them(workers: list[FakeW
         'splitserve:router_routing_decisions_total{outcome="matched",strategy="kvaware"} 3.0'
         in client.get("/metrics").text
     )
+
+
+def test_the_worker_list_can_be_replaced_while_serving(workers: list[FakeWorker], stack: ExitStack) -> None:
+    router, client = start_router(stack, [workers[0].url])
+    assert completion(client).status_code == 200
+    kept = router.pool.get(workers[0].url)
+    r = client.put("/admin/workers", json={"backend": [workers[0].url, workers[1].url]})
+    assert r.status_code == 200 and [w["url"] for w in r.json()["workers"]] == [workers[0].url, workers[1].url]
+    assert router.pool.get(workers[0].url) is kept  # its state stays
+    before = workers[1].num_requests
+    for _ in range(4):
+        assert completion(client).status_code == 200
+    assert workers[1].num_requests - before == 2
+    assert client.put("/admin/workers", json={"backend": "x"}).status_code == 400
+    assert client.put("/admin/workers", json={"decode": [workers[1].url]}).status_code == 400  # mode change
+    assert client.get("/admin/workers").json()["workers"][1]["breaker"] == "closed"

@@ -37,7 +37,7 @@ from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
 from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import Worker, WorkerPool, WorkerRole, normalize_url
-from splitserve.router.health import HealthChecker
+from splitserve.router.health import CircuitBreaker, HealthChecker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
 
@@ -374,6 +374,30 @@ class Router:
             self._register(url, worker_id, meta or {})
         return Response(status_code=200)
 
+    async def workers_endpoint(self, request: Request) -> Response:
+        """``GET /admin/workers``: every worker's state. ``PUT``: replace the lists (the supervisor's and a
+        cluster watch's discovery feed); workers that stay keep their health, breaker and load."""
+        if request.method == "PUT":
+            try:
+                lists = _worker_lists(json.loads(await request.body()))
+            except ValueError as exc:
+                return RouterError(400, f"invalid worker list: {exc}").response()
+            is_split = bool(self.config.decode)
+            if is_split != bool(lists[WorkerRole.DECODE]) or (not is_split and not lists[WorkerRole.BACKEND]):
+                return RouterError(400, "the router's mode (backends, or prefill and decode) cannot change").response()
+            self.pool.update(
+                Worker(normalize_url(url), role, CircuitBreaker(self.config.breaker_failure_threshold,
+                                                                 self.config.breaker_cooldown_s))
+                for role, urls in lists.items() for url in urls
+            )  # fmt: skip
+            logger.info("workers updated: %s", ", ".join(f"{w.role.value} {w.url}" for w in self.pool))
+        states = [
+            {"url": w.url, "role": w.role.value, "healthy": w.healthy, "in_flight": w.in_flight,
+             "breaker": w.breaker.state.name.lower(), "worker_id": w.worker_id}
+            for w in self.pool
+        ]  # fmt: skip
+        return JSONResponse({"workers": states})
+
     def _register(self, url: str, worker_id: str, meta: dict[str, Any]) -> None:
         worker = self.pool.get(url)
         if worker is not None:
@@ -389,6 +413,19 @@ class Router:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _worker_lists(body: Any) -> dict[WorkerRole, list[str]]:
+    """``{"backend": [url...], "prefill": [...], "decode": [...]}`` checked; ValueError otherwise."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    lists = {role: body.get(role.value, []) for role in WorkerRole}
+    for role, urls in lists.items():
+        if not isinstance(urls, list) or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        ):
+            raise ValueError(f"'{role.value}' must be a list of http(s) URLs")
+    return lists
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
@@ -425,6 +462,7 @@ def build_router_app(router: Router, *, probe: bool = True) -> Starlette:
         Route("/health", router.health_endpoint, methods=["GET"]),
         Route("/metrics", router.render_metrics, methods=["GET"]),
         Route("/kv/events", router.kv_events, methods=["POST"]),
+        Route("/admin/workers", router.workers_endpoint, methods=["GET", "PUT"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
 
