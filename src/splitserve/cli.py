@@ -6,6 +6,8 @@ Heavy imports (torch, the engine) happen inside the subcommands that need them, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -379,6 +381,63 @@ def router_command(
     from splitserve.router.run import run_router
 
     raise typer.Exit(run_router(config, log_level.lower()))
+
+
+_FILE = Annotated[Path, typer.Option("-f", "--filename", help="The InferenceEndpointConfig YAML file.")]
+_ROUTER_PORT = Annotated[int, typer.Option("--port", help="Port of the endpoint's router.")]
+
+
+@app.command("up")
+def up_command(filename: _FILE, port: _ROUTER_PORT = 8080) -> None:
+    """Run an endpoint on this machine in the foreground (Ctrl-C stops it); SIGHUP re-reads the file."""
+    from splitserve.deploy.local import up
+
+    raise typer.Exit(_endpoint_command(lambda: up(filename, router_port=port)))
+
+
+@app.command("apply")
+def apply_command(filename: _FILE, port: _ROUTER_PORT = 8080) -> None:
+    """Start an endpoint in the background, or reconcile the running one with a changed file."""
+    from splitserve.deploy.local import apply
+
+    raise typer.Exit(_endpoint_command(lambda: apply(filename, router_port=port)))
+
+
+@app.command("get")
+def get_command(name: Annotated[str | None, typer.Argument(help="An endpoint (default: all).")] = None) -> None:
+    """List endpoints and their pods, like kubectl get pods."""
+    from splitserve.deploy.local import get
+
+    raise typer.Exit(get(name))
+
+
+@app.command("logs")
+def logs_command(
+    pod: Annotated[str, typer.Argument(help="A pod name, as `splitserve get` shows it.")],
+    tail: Annotated[int, typer.Option(help="Lines to show.")] = 100,
+) -> None:
+    """Show the end of a pod's log."""
+    from splitserve.deploy.local import logs
+
+    raise typer.Exit(logs(pod, lines=tail))
+
+
+@app.command("delete")
+def delete_command(name: Annotated[str, typer.Argument(help="The endpoint (metadata.name).")]) -> None:
+    """Stop an endpoint started with `splitserve apply`, and all its pods."""
+    from splitserve.deploy.local import delete
+
+    raise typer.Exit(delete(name))
+
+
+def _endpoint_command(run: Callable[[], int]) -> int:
+    """Run a local endpoint command; a bad resource file is one clear error (exit 2), not a traceback."""
+    from splitserve.endpoint import EndpointError
+
+    try:
+        return run()
+    except (EndpointError, RuntimeError, OSError) as exc:
+        _fail(str(exc))
 
 
 def _parse_size(flag: str, text: str) -> int:

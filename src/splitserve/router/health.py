@@ -133,6 +133,7 @@ class HealthChecker:
         if ok and worker.healthy is not True and streak >= self.success_threshold:
             logger.info("worker %s is healthy", worker.name)
             worker.healthy = True
+            worker.kv_transfer_addr = None  # a restarted decode worker may listen elsewhere
             worker.breaker.record_success()
         elif not ok and worker.healthy is not False and (worker.healthy is None or -streak >= self.failure_threshold):
             logger.warning("worker %s is unhealthy: %s", worker.name, reason)

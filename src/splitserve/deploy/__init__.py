@@ -1,0 +1,1 @@
+"""Running an endpoint: local pods and a supervisor, Kubernetes manifests, an operator."""

@@ -1,0 +1,222 @@
+"""The local commands: ``splitserve up`` (foreground) and ``apply`` / ``get`` / ``logs`` / ``delete`` (background).
+
+Each endpoint has a run directory, ``$SPLITSERVE_HOME/endpoints/<name>`` (``~/.splitserve`` by default): the
+applied resource (``endpoint.yaml``), the supervisor's pid and log, ``state.json`` and one log per pod. ``up``
+runs the supervisor in this process until Ctrl-C or SIGTERM, then stops every pod. ``apply`` starts the same
+supervisor in the background, or, when one already runs for that endpoint, hands it the new resource (SIGHUP)
+to reconcile. ``get`` and ``logs`` read the run directory; ``delete`` stops the supervisor, which stops its pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from splitserve.deploy.pods import format_pods
+from splitserve.deploy.supervisor import READY_TIMEOUT_S, Supervisor, default_run_root, splitserve_command
+from splitserve.endpoint import InferenceEndpointConfig, load_endpoint, local_model
+
+logger = logging.getLogger("splitserve.supervisor")
+
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+TICK_S = 0.5
+
+
+def run_dir_for(name: str, root: Path | None = None) -> Path:
+    return (root or default_run_root()) / name
+
+
+def revision_of(path: Path) -> str:
+    """A digest of a resource file's bytes: what ``state.json``'s ``revision`` reports once applied."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def load_for_local_run(path: Path) -> InferenceEndpointConfig:
+    """The resource, checked for a local run (a model that needs no network). Raises ``EndpointError``."""
+    config = load_endpoint(path)
+    local_model(config)
+    return config
+
+
+def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Path | None = None) -> int:
+    """Run the endpoint in the foreground until SIGINT/SIGTERM; SIGHUP re-reads ``path`` and reconciles."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
+    config = load_for_local_run(path)
+    run_dir = run_dir_for(config.metadata.name, root)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "supervisor.pid").write_text(str(os.getpid()))
+    supervisor = Supervisor(run_dir, host=host, router_port=router_port)
+    stop, reload = threading.Event(), threading.Event()
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    def on_reload(signum: int, frame: FrameType | None) -> None:
+        reload.set()
+
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGHUP, on_reload)
+    try:
+        supervisor.apply(config, revision_of(path))
+        _report(supervisor, stop)
+        while not stop.is_set():
+            if reload.is_set():
+                reload.clear()
+                _reapply(supervisor, path, stop)
+            supervisor.tick()
+            stop.wait(TICK_S)
+    finally:
+        logger.info("stopping endpoint %s", config.metadata.name)
+        supervisor.shutdown()
+        (run_dir / "supervisor.pid").unlink(missing_ok=True)
+    return 0
+
+
+def _reapply(supervisor: Supervisor, path: Path, stop: threading.Event) -> None:
+    from splitserve.endpoint import EndpointError
+
+    try:
+        config = load_for_local_run(path)
+    except EndpointError as exc:
+        logger.error("not applied: %s", exc)
+        return
+    logger.info("reconciling %s", config.metadata.name)
+    supervisor.apply(config, revision_of(path))
+    _report(supervisor, stop)
+
+
+def _report(supervisor: Supervisor, stop: threading.Event) -> None:
+    """Wait until every pod is ready (or a stop), then print the pods and where their metrics are."""
+    deadline = time.time() + READY_TIMEOUT_S
+    while not supervisor.is_ready and not stop.is_set() and time.time() < deadline:
+        supervisor.tick()
+        stop.wait(0.3)
+    if stop.is_set():
+        return
+    print(supervisor.pods.table(), flush=True)
+    print(f"\nrouter: {supervisor.router_url}  (OpenAI API: {supervisor.router_url}/v1)", flush=True)
+    for pod in supervisor.pods.pods:
+        if pod.spec.health_path is not None:
+            print(f"metrics: {pod.spec.url}/metrics  ({pod.name})", flush=True)
+    if supervisor.is_ready:
+        print(f"\ncondition Ready: {supervisor.ready_message}", flush=True)
+
+
+def apply(path: Path, *, router_port: int = 8080, root: Path | None = None, wait_s: float = 600.0) -> int:
+    """Start the endpoint in the background, or reconcile the running one; print its pods when ready."""
+    config = load_for_local_run(path)
+    run_dir = run_dir_for(config.metadata.name, root)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "endpoint.yaml"
+    shutil.copyfile(path, target)
+    pid = _supervisor_pid(run_dir)
+    revision = revision_of(target)
+    if pid is not None:
+        os.kill(pid, signal.SIGHUP)
+        print(f"endpoint {config.metadata.name} reconfigured")
+    else:
+        command = [*splitserve_command("up", "-f", str(target), "--port", str(router_port))]
+        env = {**os.environ, "SPLITSERVE_HOME": str(run_dir.parent.parent)}
+        with (run_dir / "supervisor.log").open("ab") as log:
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        print(f"endpoint {config.metadata.name} created")
+    state = _wait_state(run_dir, lambda s: bool(s["condition"]["status"]) and s.get("revision") == revision, wait_s)
+    if state is None:
+        print(f"not ready after {wait_s:.0f} s; see `splitserve get {config.metadata.name}` and the pod logs")
+        return 1
+    print(format_pods(state["pods"]))
+    print(f"\ncondition Ready: {state['condition']['message']}")
+    return 0
+
+
+def get(name: str | None = None, *, root: Path | None = None) -> int:
+    root = root or default_run_root()
+    names = [name] if name else sorted(p.name for p in root.glob("*") if (p / "state.json").exists())
+    if not names:
+        print("No endpoints found.")
+        return 0
+    for endpoint in names:
+        state = _read_state(run_dir_for(endpoint, root))
+        if state is None:
+            print(f"endpoint {endpoint} not found", file=sys.stderr)
+            return 1
+        alive = _supervisor_pid(run_dir_for(endpoint, root)) is not None
+        condition = state["condition"]
+        status = condition["message"] if condition["status"] else "NotReady" if alive else "Stopped"
+        print(f"ENDPOINT {endpoint}   ROUTER {state['router_url']}   {status}")
+        print(format_pods(state["pods"]))
+        print()
+    return 0
+
+
+def logs(pod: str, *, lines: int = 100, root: Path | None = None) -> int:
+    root = root or default_run_root()
+    for log in root.glob(f"*/logs/{pod}.log"):
+        text = log.read_text(errors="replace").splitlines()
+        print("\n".join(text[-lines:]))
+        return 0
+    print(f"pod {pod} not found (see `splitserve get`)", file=sys.stderr)
+    return 1
+
+
+def delete(name: str, *, root: Path | None = None, timeout_s: float = 60.0) -> int:
+    run_dir = run_dir_for(name, root)
+    pid = _supervisor_pid(run_dir)
+    if pid is None:
+        print(f"endpoint {name} is not running", file=sys.stderr)
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and _is_alive(pid):
+        time.sleep(0.2)
+    print(f"endpoint {name} deleted")
+    return 0
+
+
+def _supervisor_pid(run_dir: Path) -> int | None:
+    try:
+        pid = int((run_dir / "supervisor.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if _is_alive(pid) else None
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_state(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        state: dict[str, Any] = json.loads((run_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def _wait_state(run_dir: Path, predicate: Any, timeout_s: float) -> dict[str, Any] | None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        state = _read_state(run_dir)
+        if state is not None and predicate(state):
+            return state
+        time.sleep(0.5)
+    return None

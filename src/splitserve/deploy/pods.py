@@ -1,0 +1,237 @@
+"""Local processes run the way Kubernetes runs pods: start, probe readiness, restart with back-off, stop.
+
+A :class:`Pod` is one process with a stable name (``prefill-<endpoint>-<id>``), a command, a log file and a
+readiness probe (an HTTP ``/health``, or a Redis ``PING``). :class:`PodSet` keeps pods running: a pod that exits
+is restarted after a back-off that doubles up to ``MAX_BACKOFF_S`` (shown as ``CrashLoopBackOff`` meanwhile,
+counted in ``RESTARTS``) and that resets once it has stayed up ``STABLE_AFTER_S``. Status rows look like
+``kubectl get pods``. Nothing here knows about endpoints; ``supervisor`` decides which pods should exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger("splitserve.supervisor")
+
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+
+def pod_name(role: str, endpoint: str) -> str:
+    """``<role>-<endpoint>-<5 random chars>``, as a Deployment's pods are named."""
+    return f"{role}-{endpoint}-{secrets.token_hex(3)[:5]}"
+
+
+@dataclass
+class PodSpec:
+    """What to run; two pods with equal specs are interchangeable (a reapply keeps them)."""
+
+    role: str  # colocated, prefill, decode, router, redis
+    command: tuple[str, ...]
+    port: int
+    env: tuple[tuple[str, str], ...] = ()
+    cpus: tuple[int, ...] = ()  # CPU affinity; empty: any
+    health_path: str | None = "/health"  # None: probe with a Redis PING instead
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Pod:
+    name: str
+    spec: PodSpec
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    created_at: float = field(default_factory=time.time)
+    started_at: float = 0.0
+    is_ready: bool = False
+    restart_at: float | None = None  # set while waiting out a back-off
+    backoff_s: float = FIRST_BACKOFF_S
+    is_stopping: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.is_stopping:
+            return "Terminating"
+        if self.restart_at is not None:
+            return "CrashLoopBackOff" if self.restarts > 1 else "Error"
+        if self.process is None:
+            return "Pending"
+        return "Running" if self.is_ready else "ContainerCreating"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        cpus = self.spec.cpus
+
+        def pin() -> None:  # in the child, before exec
+            if cpus and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cpus)
+
+        self.process = subprocess.Popen(
+            self.spec.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **dict(self.spec.env)},
+            start_new_session=True,
+            preexec_fn=pin,
+        )
+        log.close()
+        self.started_at = time.time()
+        self.is_ready = False
+        self.restart_at = None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM the process group, SIGKILL after ``timeout_s``."""
+        self.is_stopping = True
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+
+    def probe(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            return False
+        if self.spec.health_path is None:
+            return _redis_ping(self.spec.port)
+        try:
+            return httpx.get(self.spec.url + self.spec.health_path, timeout=1.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def state(self) -> dict[str, Any]:
+        """What ``state.json`` keeps of the pod."""
+        return {
+            "name": self.name,
+            "role": self.spec.role,
+            "ready": self.is_ready,
+            "status": self.status,
+            "restarts": self.restarts,
+            "created_at": self.created_at,
+            "url": self.spec.url,
+            "metrics": f"{self.spec.url}/metrics" if self.spec.health_path else None,
+            "log": str(self.log_path),
+            "pid": self.process.pid if self.process is not None else None,
+            "cpus": list(self.spec.cpus),
+        }
+
+
+def _redis_ping(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1.0).ping())
+    except redis.RedisError:
+        return False
+
+
+def _human_age(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h"
+
+
+class PodSet:
+    """The running pods of one endpoint; :meth:`tick` keeps them alive and their readiness current."""
+
+    def __init__(self, log_dir: Path, on_change: Callable[[], None] | None = None) -> None:
+        self.log_dir = log_dir
+        self.pods: list[Pod] = []
+        self._on_change = on_change or (lambda: None)
+
+    def add(self, spec: PodSpec, name: str) -> Pod:
+        pod = Pod(name, spec, self.log_dir / f"{name}.log")
+        self.pods.append(pod)
+        pod.start()
+        logger.info("pod %s started: %s", name, " ".join(spec.command))
+        self._on_change()
+        return pod
+
+    def remove(self, pod: Pod) -> None:
+        pod.stop()
+        self.pods.remove(pod)
+        logger.info("pod %s deleted", pod.name)
+        self._on_change()
+
+    def by_role(self, *roles: str) -> list[Pod]:
+        return [p for p in self.pods if p.spec.role in roles]
+
+    def tick(self) -> bool:
+        """Restart exited pods (after their back-off) and refresh readiness; True if anything changed."""
+        now = time.time()
+        changed = False
+        for pod in self.pods:
+            process = pod.process
+            if pod.restart_at is None and process is not None and process.poll() is not None:
+                uptime = now - pod.started_at
+                pod.backoff_s = FIRST_BACKOFF_S if uptime > STABLE_AFTER_S else min(pod.backoff_s * 2, MAX_BACKOFF_S)
+                pod.restart_at = now + pod.backoff_s
+                pod.restarts += 1
+                pod.is_ready = False
+                logger.warning("pod %s exited with %s; restarting in %.0f s (restart %d)",
+                               pod.name, process.returncode, pod.backoff_s, pod.restarts)  # fmt: skip
+                changed = True
+            elif pod.restart_at is not None and now >= pod.restart_at:
+                pod.start()
+                changed = True
+            elif pod.restart_at is None and not pod.is_ready and pod.probe():
+                pod.is_ready = True
+                logger.info("pod %s is ready at %s", pod.name, pod.spec.url)
+                changed = True
+        if changed:
+            self._on_change()
+        return changed
+
+    def wait_ready(self, pods: Sequence[Pod], timeout_s: float, poll_s: float = 0.3) -> bool:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            self.tick()
+            if all(p.is_ready for p in pods):
+                return True
+            time.sleep(poll_s)
+        return False
+
+    def stop_all(self) -> None:
+        for pod in reversed(self.pods):  # the router first, Redis last
+            pod.stop()
+        self.pods.clear()
+
+    def table(self, now: float | None = None) -> str:
+        return format_pods([p.state() for p in self.pods], now)
+
+
+def format_pods(pods: Sequence[dict[str, Any]], now: float | None = None) -> str:
+    """``kubectl get pods`` rows from :meth:`Pod.state` entries (as kept in ``state.json``)."""
+    now = now or time.time()
+    rows = [("NAME", "READY", "STATUS", "RESTARTS", "AGE")]
+    for pod in pods:
+        ready = "1/1" if pod["ready"] else "0/1"
+        rows.append((pod["name"], ready, pod["status"], str(pod["restarts"]), _human_age(now - pod["created_at"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)

@@ -1,0 +1,265 @@
+"""Run an ``InferenceEndpointConfig`` on this machine: Redis if asked, the workers of each role, the router.
+
+:class:`Supervisor` turns ``endpoint.plan`` into pods (``deploy.pods``) and reconciles: :meth:`apply` with a
+changed resource keeps the pods whose role, flags and environment did not change, adds the missing replicas,
+drains and removes the surplus ones (the router stops sending them requests first, then they finish what
+they have), and tells the router its new worker lists through ``PUT /admin/workers``. Only a change of
+the router's own settings (strategy, threshold, DPD on or off) restarts the router.
+
+Each worker gets ``resources.limits.cpu`` (or ``--num-threads``) threads and as many cores of its own
+(``sched_setaffinity``, handed out in turn, so a 2-core machine runs a prefill and a decode worker on one core
+each), ``CUDA_VISIBLE_DEVICES`` for a GPU request, a free port, and ``--kv-events-url`` to the router when the
+router uses KV events. The state (pods, the ``Ready`` condition) is written to ``state.json`` in the run
+directory, where ``splitserve get`` and ``logs`` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from splitserve.config import Role
+from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
+from splitserve.endpoint import ROLE_URL_FLAG, EndpointPlan, InferenceEndpointConfig, RolePlan, Target, plan
+
+logger = logging.getLogger("splitserve.supervisor")
+
+READY_TIMEOUT_S = 600.0
+DRAIN_TIMEOUT_S = 60.0
+DPD_READY_MESSAGE = "DPD prefill and decode deployments are ready"
+COLOCATED_READY_MESSAGE = "Endpoint deployment is ready"
+
+
+def splitserve_command(*args: str) -> tuple[str, ...]:
+    """``splitserve <args>`` with this interpreter (no reliance on PATH)."""
+    return (sys.executable, "-c", "from splitserve.cli import main; main()", *args)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def default_run_root() -> Path:
+    return Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".splitserve")) / "endpoints"
+
+
+class CpuAllocator:
+    """Hands out cores in turn, so pods that ask for fewer cores than the machine has do not overlap."""
+
+    def __init__(self, cores: Sequence[int] | None = None) -> None:
+        available = cores if cores is not None else sorted(os.sched_getaffinity(0))
+        self.cores = list(available) or [0]
+        self._next = 0
+
+    def take(self, num: int) -> tuple[int, ...]:
+        num = min(max(num, 1), len(self.cores))
+        taken = tuple(self.cores[(self._next + i) % len(self.cores)] for i in range(num))
+        self._next = (self._next + num) % len(self.cores)
+        return taken
+
+
+@dataclass(frozen=True)
+class _Template:
+    """What makes two worker pods interchangeable (ports, cores and names aside)."""
+
+    role: Role
+    flags: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    num_threads: int | None
+    num_gpus: int
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, *, host: str = "127.0.0.1", router_port: int = 8080) -> None:
+        self.run_dir = run_dir
+        self.host = host
+        self.router_port = router_port
+        self.pods = PodSet(run_dir / "logs", on_change=self.write_state)
+        self.plan: EndpointPlan | None = None
+        self.config: InferenceEndpointConfig | None = None
+        self._templates: dict[str, _Template] = {}
+        self._router: Pod | None = None
+        self._router_flags: tuple[str, ...] = ()
+        self._redis: Pod | None = None
+        self._cpus = CpuAllocator()
+        self._next_gpu = 0
+        self._was_ready = False
+        self.revision = ""  # of the last resource applied in full
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    # -- reconcile ----------------------------------------------------------------------------------------
+
+    def apply(self, config: InferenceEndpointConfig, revision: str = "") -> None:
+        """Make the running pods match ``config`` (raises ``EndpointError`` for a resource that cannot run).
+
+        ``revision`` names what was applied (a digest of the file); ``state.json`` reports it once done.
+        """
+        redis_url = self._ensure_redis(config)
+        new_plan = plan(config, Target.LOCAL, redis_url=redis_url)
+        for warning in new_plan.warnings:
+            logger.warning("%s", warning)
+        self.config, self.plan = config, new_plan
+        router_changes = self._router_flags != self._router_base_flags(new_plan)
+        kept: list[Pod] = []
+        surplus: list[Pod] = []
+        for role_plan in new_plan.roles:
+            template = self._template(role_plan)
+            same = [p for p in self.pods.by_role(role_plan.role.value) if self._templates.get(p.name) == template]
+            kept += same[: role_plan.replicas]
+            surplus += same[role_plan.replicas :]
+            for _ in range(role_plan.replicas - len(same)):
+                kept.append(self._start_worker(new_plan, role_plan, template))
+        stale = [p for p in self.pods.pods if p.spec.role in ("colocated", "prefill", "decode") and p not in kept]
+        removed = [p for p in stale if p not in surplus] + surplus
+        if router_changes or self._router is None:
+            self._restart_router(new_plan, kept)
+        else:
+            self._publish_workers(kept)
+        for pod in removed:
+            self._drain(pod)
+            self.pods.remove(pod)
+            self._templates.pop(pod.name, None)
+        if self._redis is not None and not config.needs_local_redis:
+            self.pods.remove(self._redis)
+            self._redis = None
+        self.revision = revision
+        self.write_state()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
+        return self.pods.wait_ready(self.pods.pods, timeout_s)
+
+    def tick(self) -> None:
+        """Keep pods alive (restarts with back-off) and report the endpoint's readiness when it changes."""
+        self.pods.tick()
+        ready = self.is_ready
+        if ready != self._was_ready:
+            self._was_ready = ready
+            if ready:
+                logger.info("%s", self.ready_message)
+            self.write_state()
+
+    def shutdown(self) -> None:
+        self.pods.stop_all()
+        self._router = self._redis = None
+        self.write_state()
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.pods.pods) and all(p.is_ready for p in self.pods.pods)
+
+    @property
+    def ready_message(self) -> str:
+        return DPD_READY_MESSAGE if self.plan is not None and self.plan.is_disaggregated else COLOCATED_READY_MESSAGE
+
+    # -- pods ---------------------------------------------------------------------------------------------
+
+    def _template(self, role_plan: RolePlan) -> _Template:
+        return _Template(role_plan.role, tuple(role_plan.flags), tuple(sorted(role_plan.env.items())),
+                         role_plan.num_threads, role_plan.resources.num_gpus)  # fmt: skip
+
+    def _start_worker(self, endpoint: EndpointPlan, role_plan: RolePlan, template: _Template) -> Pod:
+        port = free_port()
+        name = pod_name(role_plan.role.value, endpoint.name)
+        flags = [*role_plan.flags, "--host", self.host, "--port", str(port), "--worker-id", name,
+                 "--advertise-url", f"http://127.0.0.1:{port}"]  # fmt: skip
+        if endpoint.router.kv_events:
+            flags += ["--kv-events-url", f"{self.router_url}/kv/events"]
+        env = dict(role_plan.env)
+        if template.num_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(self._next_gpu + i) for i in range(template.num_gpus))
+            self._next_gpu += template.num_gpus
+        cpus = self._cpus.take(template.num_threads) if template.num_threads else ()
+        spec = PodSpec(role_plan.role.value, splitserve_command("worker", *flags), port, tuple(env.items()), cpus)
+        pod = self.pods.add(spec, name)
+        self._templates[name] = template
+        return pod
+
+    def _router_base_flags(self, endpoint: EndpointPlan) -> tuple[str, ...]:
+        return (*endpoint.router.flags, "--disaggregated" if endpoint.is_disaggregated else "--colocated")
+
+    def _restart_router(self, endpoint: EndpointPlan, workers: list[Pod]) -> None:
+        if self._router is not None:
+            self.pods.remove(self._router)
+        urls = [f for p in workers for f in (ROLE_URL_FLAG[Role(p.spec.role)], p.spec.url)]
+        args = (*endpoint.router.flags, "--host", self.host, "--port", str(self.router_port), *urls)
+        spec = PodSpec("router", splitserve_command("router", *args), self.router_port)
+        self._router = self.pods.add(spec, pod_name("router", endpoint.name))
+        self._router_flags = self._router_base_flags(endpoint)
+
+    def _publish_workers(self, workers: list[Pod]) -> None:
+        """Tell the running router its worker lists (its discovery feed)."""
+        lists: dict[str, list[str]] = {"backend": [], "prefill": [], "decode": []}
+        for pod in workers:
+            lists[ROLE_URL_FLAG[Role(pod.spec.role)].removeprefix("--")].append(pod.spec.url)
+        try:
+            response = httpx.put(f"{self.router_url}/admin/workers", json=lists, timeout=10, trust_env=False)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.warning("could not update the router's workers (%s); restarting it", exc)
+            assert self.plan is not None
+            self._restart_router(self.plan, workers)
+
+    def _drain(self, pod: Pod, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Wait (bounded) until a worker the router no longer uses has finished its requests."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and _requests_in_worker(pod) > 0:
+            time.sleep(0.5)
+
+    def _ensure_redis(self, config: InferenceEndpointConfig) -> str | None:
+        if not config.needs_local_redis:
+            return None
+        if self._redis is None:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise RuntimeError("the resource asks for a Redis L2 without a URL, and redis-server is not installed")
+            port = free_port()
+            command = (binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                       "--protected-mode", "yes")  # fmt: skip
+            name = pod_name("redis", config.metadata.name)
+            self._redis = self.pods.add(PodSpec("redis", command, port, health_path=None), name)
+            self.pods.wait_ready([self._redis], 30)
+        return f"redis://127.0.0.1:{self._redis.spec.port}/0"
+
+    # -- state --------------------------------------------------------------------------------------------
+
+    def write_state(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "endpoint": self.plan.name if self.plan is not None else None,
+            "router_url": self.router_url,
+            "supervisor_pid": os.getpid(),
+            "revision": self.revision,
+            "condition": {"type": "Ready", "status": self.is_ready,
+                          "message": self.ready_message if self.is_ready else "pods are starting"},
+            "pods": [p.state() for p in self.pods.pods],
+        }  # fmt: skip
+        tmp = self.run_dir / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.run_dir / "state.json")
+
+
+def _requests_in_worker(pod: Pod) -> float:
+    try:
+        text = httpx.get(f"{pod.spec.url}/metrics", timeout=2, trust_env=False).text
+    except httpx.HTTPError:
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

