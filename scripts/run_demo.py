@@ -1,89 +1,79 @@
-"""``make run``: start a worker with the default model, ask it one question, then stream its logs.
+"""``make run``: bring up ``examples/dpd.yaml`` (a prefill worker, a decode worker and the router), send the
+two verification requests through the router, show how it routed them, and keep serving.
 
-Starts ``splitserve worker`` as a child process (its logs go straight to this terminal), waits for
-``/health``, asks "What is the capital of France?" through the chat API with the ``openai`` client, prints the
-answer, the URL and a curl example, and stays in the foreground until Ctrl-C (or SIGTERM), which stops the
-worker cleanly.
+Runs ``splitserve up -f examples/dpd.yaml`` as a child process (its log goes to this terminal), waits until the
+endpoint reports ``DPD prefill and decode deployments are ready``, then asks:
+- a short chat message ("What is the capital of France?"), which goes straight to the decode worker;
+- ``The quick brown fox jumps over the lazy dog. `` repeated 600 times (about 6,000 tokens, over the 4,096-token
+  routing threshold) with ``max_tokens`` 30, which is prefilled on the prefill worker and decoded from the KV it
+  pushed to the decode worker.
+
+It prints both answers and the router's and decode worker's log lines about them, then stays in the foreground
+until Ctrl-C (or SIGTERM), which stops every process of the endpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 import httpx
-import openai
 
+ROOT = Path(__file__).resolve().parent.parent
+ENDPOINT = ROOT / "examples" / "dpd.yaml"
 QUESTION = "What is the capital of France?"
-HEALTH_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 15.0
+FOX = "The quick brown fox jumps over the lazy dog. "
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="model to serve (default: smollm2)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="context length (default: 2048)")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
+    parser.add_argument("-f", "--filename", type=Path, default=ENDPOINT, help="endpoint file (default: dpd.yaml)")
     return parser.parse_args()
 
 
-def start_worker(args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-c", "from splitserve.cli import main; main()", "worker",
-               "--model", args.model, "--host", args.host, "--port", str(args.port),
-               "--max-model-len", str(args.max_model_len)]  # fmt: skip
-    return subprocess.Popen(command)
+def run_dir(name: str) -> Path:
+    return Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".splitserve")) / "endpoints" / name
 
 
-def wait_healthy(worker: subprocess.Popen[bytes], base_url: str) -> None:
-    """Poll ``/health`` until 200; exit if the worker dies or takes too long."""
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+def wait_ready(up: subprocess.Popen[bytes], state_path: Path) -> dict[str, object]:
+    deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            sys.exit(f"the worker exited with status {worker.returncode} before it was ready")
+        if up.poll() is not None:
+            sys.exit(f"splitserve up exited with status {up.returncode} before the endpoint was ready")
         try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not bound yet
+            state: dict[str, object] = json.loads(state_path.read_text())
+            condition = state["condition"]
+            if isinstance(condition, dict) and condition.get("status") and state.get("supervisor_pid") == up.pid:
+                return state
+        except (OSError, ValueError, KeyError):
+            pass
         time.sleep(0.5)
-    stop_worker(worker)
-    sys.exit(f"the worker was not healthy after {HEALTH_TIMEOUT_S:.0f} s")
+    sys.exit(f"the endpoint was not ready after {READY_TIMEOUT_S:.0f} s")
 
 
-def ask(base_url: str, model: str) -> str:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
-    reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=64, temperature=0
-    )
-    return reply.choices[0].message.content or ""
+def ask(base_url: str, content: str, max_tokens: int) -> str:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600, trust_env=False)
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["message"]["content"])
 
 
-def print_banner(base_url: str, model: str, answer: str) -> None:
-    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "{QUESTION}"}}], "max_tokens": 64}}'
-    print(
-        f"\n  Q: {QUESTION}\n  A: {answer.strip()}\n\n"
-        f"  The worker is serving {model} at {base_url} (OpenAI API under {base_url}/v1).\n"
-        f"  Try:\n    curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"      -d '{body}'\n"
-        f"  Metrics: {base_url}/metrics    Press Ctrl-C to stop.\n",
-        flush=True,
-    )
-
-
-def stop_worker(worker: subprocess.Popen[bytes]) -> int:
-    """SIGTERM (uvicorn shuts down gracefully), then SIGKILL if it does not exit in time."""
-    if worker.poll() is None:
-        worker.send_signal(signal.SIGTERM)
-    try:
-        return worker.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        return worker.wait()
+def log_lines(logs: Path, prefix: str, *needles: str) -> list[str]:
+    lines: list[str] = []
+    for log in sorted(logs.glob(f"{prefix}-*.log")):
+        lines += [line for line in log.read_text(errors="replace").splitlines() if any(n in line for n in needles)]
+    return lines
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -92,19 +82,42 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def main() -> int:
     args = parse_args()
-    base_url = f"http://{args.host}:{args.port}"
+    import yaml
+
+    name = yaml.safe_load(args.filename.read_text())["metadata"]["name"]
+    base_url = f"http://127.0.0.1:{args.port}"
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    worker = start_worker(args)
+    command = [sys.executable, "-c", "from splitserve.cli import main; main()", "up", "-f", str(args.filename),
+               "--port", str(args.port)]  # fmt: skip
+    up = subprocess.Popen(command)
     try:
-        wait_healthy(worker, base_url)
-        print_banner(base_url, args.model, ask(base_url, args.model))
-        return worker.wait()  # the worker's logs keep streaming to this terminal
+        wait_ready(up, run_dir(name) / "state.json")
+        short = ask(base_url, QUESTION, 32)
+        print(f"\n  Q: {QUESTION}\n  A: {short.strip()}", flush=True)
+        print("\n  Now the long one: the fox sentence 600 times (about 6,000 tokens), max_tokens 30 ...", flush=True)
+        long = ask(base_url, FOX * 600, 30)
+        print(f"  A: {long.strip()[:200]}\n", flush=True)
+        logs = run_dir(name) / "logs"
+        for line in log_lines(logs, "router", "Conditional routing") + log_lines(logs, "decode", "Retrieved"):
+            print(f"  {line}", flush=True)
+        print(
+            f"\n  The endpoint serves smollm2 at {base_url}/v1 (router), prefill and decode behind it.\n"
+            f"  Try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            f'\'{{"model": "smollm2", "messages": [{{"role": "user", "content": "Hi"}}]}}\'\n'
+            f"  Pods: .venv/bin/splitserve get {name}     Press Ctrl-C to stop.\n",
+            flush=True,
+        )
+        return up.wait()
     except KeyboardInterrupt:
-        print("\nstopping the worker...", flush=True)
-        return 0 if stop_worker(worker) in (0, -signal.SIGTERM, -signal.SIGINT) else 1
+        print("\nstopping the endpoint...", flush=True)
+        return 0
     finally:
-        if worker.poll() is None:
-            stop_worker(worker)
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                up.kill()
 
 
 if __name__ == "__main__":
