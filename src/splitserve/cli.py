@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NoReturn
+from urllib.parse import urlsplit
 
 import typer
 
@@ -243,6 +244,7 @@ def worker_command(
             kv_transfer_port=kv_transfer_port,
             pd_buffer_size=_parse_size("--pd-buffer-size", pd_buffer_size),
             transfer_deadline_s=kv_transfer_timeout,
+            kv_transfer_advertise_host=urlsplit(advertise_url).hostname if advertise_url else None,
         ),
     )
     if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -453,6 +455,116 @@ def _fail(message: str) -> NoReturn:
     """A start-up error: one line on stderr, exit status 2, no traceback."""
     typer.echo(f"Error: {message}", err=True)
     raise typer.Exit(2)
+
+
+_K8S = "Kubernetes options"
+
+
+@app.command("render")
+def render_command(
+    file: Annotated[str | None, typer.Option("--file", "-f", help="The InferenceEndpointConfig resource file.")] = None,
+    image: Annotated[
+        str | None, typer.Option(help="Image when the resource sets no spec.worker.image (default splitserve:latest).")
+    ] = None,
+    crd: Annotated[bool, typer.Option("--crd", help="Print the InferenceEndpointConfig CRD instead.")] = False,
+    operator: Annotated[
+        bool, typer.Option("--operator", help="Print the CRD and the operator (RBAC, Deployment) instead.")
+    ] = False,
+    operator_namespace: Annotated[
+        str, typer.Option(help="--operator: the namespace the operator runs in (must exist).")
+    ] = "splitserve-system",
+) -> None:
+    """Print the Kubernetes manifests of an endpoint (pipe them to kubectl apply -f -)."""
+    import yaml
+
+    from splitserve.deploy.render import DEFAULT_IMAGE, render_yaml
+
+    if crd or operator:
+        from splitserve.deploy.crd import crd_yaml
+        from splitserve.deploy.operator import install_manifests
+
+        if operator:
+            manifests = install_manifests(operator_namespace, image or DEFAULT_IMAGE)
+            typer.echo(yaml.safe_dump_all(manifests, sort_keys=False, width=4096), nl=False)
+        else:
+            typer.echo(crd_yaml(), nl=False)
+        return
+    if file is None:
+        _fail("give the resource file with -f (or --crd, or --operator)")
+    from splitserve.endpoint import EndpointError, load_endpoint
+
+    try:
+        text = render_yaml(load_endpoint(file), default_image=image or DEFAULT_IMAGE)
+    except EndpointError as exc:
+        _fail(str(exc))
+    typer.echo(text, nl=False)
+
+
+@app.command("operator")
+def operator_command(
+    namespace: Annotated[
+        list[str] | None, typer.Option(help="Namespace to watch (repeatable; default: every namespace).")
+    ] = None,
+    api_server: Annotated[
+        str | None,
+        typer.Option(help="API server URL, e.g. kubectl proxy's http://127.0.0.1:8001 (default: in-cluster)."),
+    ] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between status refreshes.")] = 10.0,
+    image: Annotated[
+        str | None, typer.Option(help="Image for endpoints that set no spec.worker.image (default splitserve:latest).")
+    ] = None,
+    liveness_port: Annotated[int, typer.Option(help="Port of the operator's /healthz.")] = 8081,
+) -> None:
+    """Run the Kubernetes operator for InferenceEndpointConfig resources (needs the operator extra: kopf)."""
+    from splitserve.deploy.operator import run_operator
+    from splitserve.deploy.render import DEFAULT_IMAGE
+
+    try:
+        code = run_operator(
+            namespaces=tuple(namespace or ()),
+            api_server=api_server,
+            interval_s=interval,
+            default_image=image or DEFAULT_IMAGE,
+            liveness_port=liveness_port,
+        )
+    except RuntimeError as exc:  # no kopf, or no API server
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
+@app.command("k8s-discovery")
+def k8s_discovery_command(
+    selector: Annotated[str, typer.Option(help="Label selector of the worker pods.", rich_help_panel=_K8S)],
+    port: Annotated[int, typer.Option(help="The workers' HTTP container port.", rich_help_panel=_K8S)],
+    router: Annotated[str, typer.Option(help="The router's base URL.")] = "http://127.0.0.1:8080",
+    namespace: Annotated[
+        str, typer.Option(help="Namespace of the pods.", envvar="SPLITSERVE_POD_NAMESPACE", rich_help_panel=_K8S)
+    ] = "default",
+    interval: Annotated[float, typer.Option(help="Seconds between pod listings.")] = 5.0,
+    api_server: Annotated[
+        str | None,
+        typer.Option(help="API server URL, e.g. kubectl proxy's (default: in-cluster).", rich_help_panel=_K8S),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Router sidecar: keep the router's workers equal to the ready pods matching --selector."""
+    from splitserve.router.k8s_discovery import run_discovery
+
+    if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
+        _fail(f"--log-level must be one of debug, info, warning, error; got {log_level!r}")
+    try:
+        code = run_discovery(
+            namespace=namespace,
+            selector=selector,
+            port=port,
+            router_url=router,
+            interval_s=interval,
+            api_server=api_server,
+            log_level=log_level.lower(),
+        )
+    except RuntimeError as exc:  # not in a pod and no --api-server
+        _fail(str(exc))
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -203,6 +203,7 @@ class PDConfig:
     """KV transfer between prefill (sender) and decode (receiver) workers."""
 
     kv_transfer_host: str = "127.0.0.1"  # where a decode worker's receiver listens
+    kv_transfer_advertise_host: str | None = None  # the host prefill workers connect to (default: the bound one)
     kv_transfer_port: int = 0  # 0: a free port, reported at GET /kv/transfer
     pd_buffer_size: int = DEFAULT_PD_BUFFER_BYTES  # bytes of pushed KV a decode worker holds until claimed
     transfer_deadline_s: float = 10.0  # a prefill worker gives up pushing after this (then decode recomputes)

@@ -145,7 +145,10 @@ class LLMEngine:
             from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 
             buffer = PDBuffer(config.pd.pd_buffer_size)
-            receiver = KVReceiver(buffer, layout, config.pd.kv_transfer_host, config.pd.kv_transfer_port)
+            pd = config.pd
+            receiver = KVReceiver(
+                buffer, layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_advertise_host
+            )
             connectors.append(PDReceiverConnector(buffer, layout))
         elif role == Role.PREFILL:
             from splitserve.pd.sender import PDSenderConnector

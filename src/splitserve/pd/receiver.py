@@ -37,9 +37,12 @@ SOCKET_BUFFER_BYTES = 4 << 20
 class KVReceiver:
     """A threaded TCP server storing pushed KV records in ``buffer``; ``layout`` is the engine's KV layout."""
 
-    def __init__(self, buffer: PDBuffer, layout: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, buffer: PDBuffer, layout: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+    ) -> None:
         self.buffer = buffer
         self.layout = layout
+        self.advertise_host = advertise_host
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -57,8 +60,8 @@ class KVReceiver:
 
     @property
     def addr(self) -> str:
-        """Where senders connect: the bound address (the host name when bound to every interface)."""
-        host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+        """Where senders connect: the advertised host, else the bound one (the host name for every interface)."""
+        host = self.advertise_host or (socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host)
         return f"{host}:{self.port}"
 
     def start(self) -> None:

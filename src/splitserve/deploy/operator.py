@@ -1,0 +1,431 @@
+"""The operator: keeps each ``InferenceEndpointConfig`` in the cluster running as :func:`render` describes it.
+
+Thin by design (kopf's habit): the handlers translate a kopf call into one pure-ish function here, and those
+functions take the resource body and a :class:`KubeClient`, so tests drive them with a fake client and no
+kopf. :func:`reconcile` (create, update, resume) parses the body with ``endpoint.parse_endpoint``, renders,
+applies every manifest (server-side apply, owned by the resource) and deletes what an earlier render made
+and this one does not (toggling ``pdSpec`` swaps the colocated Deployment for prefill and decode ones).
+:func:`refresh` (a timer) reads the Deployments and sets the ``Ready`` condition; :func:`teardown` (delete)
+removes everything labelled as this endpoint's. A resource that does not validate is never an exception:
+its ``Ready`` condition is False with reason ``InvalidSpec`` and the EndpointError's text.
+
+kopf is imported only by :func:`run_operator` (``splitserve operator``); install it with the ``operator`` extra.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
+from splitserve.deploy.render import (
+    DEFAULT_IMAGE,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGED_BY,
+    ROUTER_PORT,
+    Manifest,
+    in_cluster_redis_url,
+    managed_selector,
+    render,
+)
+from splitserve.endpoint import EndpointError, InferenceEndpointConfig, Target, parse_endpoint, plan
+
+logger = logging.getLogger("splitserve.operator")
+
+READY = "Ready"
+READY_DPD = "DPD prefill and decode deployments are ready"
+READY_COLOCATED = "Endpoint deployment is ready"
+FIELD_MANAGER = "splitserve-operator"
+DEFAULT_INTERVAL_S = 10.0
+RETRY_DELAY_S = 10.0
+# What render() makes, pruned and deleted in this order (workloads first, their identity last).
+MANAGED_KINDS = (
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("v1", "ServiceAccount"),
+)
+_PLURALS = {"Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
+            "Role": "roles", "RoleBinding": "rolebindings"}  # fmt: skip
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+Clock = Callable[[], datetime]
+
+
+class ApiError(Exception):
+    """A Kubernetes API call that failed; the operator retries the handler later."""
+
+
+class KubeClient(Protocol):
+    """The four calls the operator makes. Namespaced objects only; errors raise ApiError."""
+
+    def apply(self, manifest: Manifest) -> None:
+        """Create or update ``manifest`` (server-side apply: fields it leaves out are released)."""
+        ...
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
+        """The object, or None if there is none."""
+        ...
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Manifest]:
+        """The objects of ``kind`` matching the label ``selector``."""
+        ...
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete the object; one that is already gone is not an error."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------- handlers
+
+
+def reconcile(
+    body: Mapping[str, Any], client: KubeClient, *, now: Clock | None = None, default_image: str = DEFAULT_IMAGE
+) -> dict[str, Any]:
+    """Make the cluster match the resource ``body``; returns the new ``status``.
+
+    Applies every rendered manifest in order, then deletes this endpoint's objects that the render no longer
+    has. An invalid resource touches nothing and gets an ``InvalidSpec`` condition. Raises ApiError.
+    """
+    try:
+        config = parse_endpoint(_plain(body))
+        manifests = render(config, default_image=default_image)
+    except EndpointError as exc:
+        logger.warning("%s is invalid; nothing applied: %s", _source(body), exc)
+        return _invalid_status(body, exc, now)
+    owner = _owner_reference(body)
+    for manifest in manifests:
+        client.apply(_owned(manifest, owner))
+    keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    _delete_managed(client, config.metadata.namespace, config.metadata.name, keep)
+    return _valid_status(body, config, manifests, client, now)
+
+
+def refresh(
+    body: Mapping[str, Any], client: KubeClient, *, now: Clock | None = None, default_image: str = DEFAULT_IMAGE
+) -> dict[str, Any]:
+    """The resource's ``status`` from its Deployments' readiness (the timer); reads only. Raises ApiError."""
+    try:
+        config = parse_endpoint(_plain(body))
+        manifests = render(config, default_image=default_image)
+    except EndpointError as exc:
+        return _invalid_status(body, exc, now)
+    return _valid_status(body, config, manifests, client, now)
+
+
+def teardown(body: Mapping[str, Any], client: KubeClient) -> list[str]:
+    """Delete every object labelled as this endpoint's (whatever the resource now says, valid or not).
+
+    Returns ``Kind/name`` of each deleted object. Raises ApiError.
+    """
+    metadata = body.get("metadata") or {}
+    return _delete_managed(client, metadata.get("namespace", "default"), metadata["name"], keep=set())
+
+
+def ready_condition(config: InferenceEndpointConfig, deployments: Mapping[str, Manifest | None]) -> dict[str, str]:
+    """``status``, ``reason`` and ``message`` of the Ready condition, from each rendered Deployment's live
+    object (None: not there). Ready when every one has all its desired replicas updated and ready."""
+    waiting = [line for name, live in deployments.items() if (line := _not_ready(name, live)) is not None]
+    if waiting:
+        return {"status": "False", "reason": "DeploymentsNotReady", "message": "waiting for " + "; ".join(waiting)}
+    message = READY_DPD if config.is_disaggregated else READY_COLOCATED
+    return {"status": "True", "reason": "DeploymentsReady", "message": message}
+
+
+def _not_ready(name: str, live: Manifest | None) -> str | None:
+    if live is None:
+        return f"{name} (not created)"
+    wanted = int((live.get("spec") or {}).get("replicas", 1))
+    status = live.get("status") or {}
+    ready, updated = int(status.get("readyReplicas") or 0), int(status.get("updatedReplicas") or 0)
+    generation = int((live.get("metadata") or {}).get("generation") or 0)
+    is_current = int(status.get("observedGeneration") or 0) >= generation
+    if is_current and ready >= wanted and updated >= wanted:
+        return None
+    return f"{name} ({ready}/{wanted} ready)"
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def _valid_status(
+    body: Mapping[str, Any], config: InferenceEndpointConfig, manifests: Sequence[Manifest], client: KubeClient,
+    now: Clock | None,
+) -> dict[str, Any]:  # fmt: skip
+    namespace = config.metadata.namespace
+    deployments = {
+        m["metadata"]["name"]: client.get("apps/v1", "Deployment", namespace, m["metadata"]["name"])
+        for m in manifests
+        if m["kind"] == "Deployment"
+    }
+    warnings = plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config)).warnings
+    router = next(m["metadata"]["name"] for m in manifests if _component(m) == "router" and m["kind"] == "Service")
+    status = _status(body, ready_condition(config, deployments), now)
+    return {**status, "url": f"http://{router}.{namespace}.svc:{ROUTER_PORT}", "warnings": list(warnings)}
+
+
+def _invalid_status(body: Mapping[str, Any], error: EndpointError, now: Clock | None) -> dict[str, Any]:
+    condition = {"status": "False", "reason": "InvalidSpec", "message": str(error)}
+    return {**_status(body, condition, now), "url": None, "warnings": []}
+
+
+def _status(body: Mapping[str, Any], condition: dict[str, str], now: Clock | None) -> dict[str, Any]:
+    """``observedGeneration`` and the Ready condition; its ``lastTransitionTime`` moves only when its status does."""
+    generation = (body.get("metadata") or {}).get("generation")
+    previous = next((c for c in _conditions(body) if c.get("type") == READY), None)
+    stamp = (now or _utcnow)().strftime("%Y-%m-%dT%H:%M:%SZ")
+    if previous is not None and previous.get("status") == condition["status"]:
+        stamp = previous["lastTransitionTime"]
+    ready = {"type": READY, **condition, "lastTransitionTime": stamp}
+    if generation is not None:
+        ready["observedGeneration"] = generation
+    others = [c for c in _conditions(body) if c.get("type") != READY]
+    return {"observedGeneration": generation, "conditions": [ready, *others]}
+
+
+def _conditions(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return [c for c in conditions if isinstance(c, Mapping) and "lastTransitionTime" in c]
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# ---------------------------------------------------------------------------------------------- objects
+
+
+def _delete_managed(client: KubeClient, namespace: str, endpoint: str, keep: set[tuple[str, str]]) -> list[str]:
+    deleted = []
+    for api_version, kind in MANAGED_KINDS:
+        for obj in client.list(api_version, kind, namespace, managed_selector(endpoint)):
+            name = obj["metadata"]["name"]
+            if (kind, name) not in keep:
+                client.delete(api_version, kind, namespace, name)
+                deleted.append(f"{kind}/{name}")
+    if deleted:
+        logger.info("%s/%s: deleted %s", namespace, endpoint, ", ".join(deleted))
+    return deleted
+
+
+def _owner_reference(body: Mapping[str, Any]) -> Manifest | None:
+    """The resource as its objects' controller (Kubernetes then deletes them with it); None without a uid."""
+    metadata = body.get("metadata") or {}
+    if not metadata.get("uid"):
+        return None
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "name": metadata["name"],
+            "uid": metadata["uid"], "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+
+
+def _owned(manifest: Manifest, owner: Manifest | None) -> Manifest:
+    if owner is None:
+        return manifest
+    return {**manifest, "metadata": {**manifest["metadata"], "ownerReferences": [owner]}}
+
+
+def _component(manifest: Manifest) -> str | None:
+    return manifest["metadata"].get("labels", {}).get(LABEL_COMPONENT)
+
+
+def _source(body: Mapping[str, Any]) -> str:
+    metadata = body.get("metadata") or {}
+    return (
+        f"{body.get('kind', 'InferenceEndpointConfig')} {metadata.get('namespace', 'default')}/{metadata.get('name')}"
+    )
+
+
+def _plain(value: Any) -> Any:
+    """kopf's mapping views (and any Mapping) as plain dicts and lists, for pydantic."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- the real client
+
+
+class HttpKubeClient:
+    """:class:`KubeClient` over the Kubernetes REST API with httpx (``client`` holds base URL and credentials)."""
+
+    def __init__(self, client: httpx.Client) -> None:
+        self.client = client
+
+    @classmethod
+    def connect(cls, api_server: str | None = None, timeout_s: float = 10.0) -> HttpKubeClient:
+        """``api_server`` (e.g. ``kubectl proxy``'s http://127.0.0.1:8001) as is; None: the in-cluster API with
+        the pod's service account (RuntimeError outside a pod)."""
+        if api_server is not None:
+            return cls(httpx.Client(base_url=api_server, timeout=timeout_s))
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        token = SERVICE_ACCOUNT_DIR / "token"
+        if not host or not token.exists():
+            raise RuntimeError("not in a Kubernetes pod: give --api-server (e.g. run kubectl proxy)")
+        host = f"[{host}]" if ":" in host else host
+        client = httpx.Client(
+            base_url=f"https://{host}:{port}", verify=str(SERVICE_ACCOUNT_DIR / "ca.crt"), timeout=timeout_s,
+            event_hooks={"request": [lambda request: _bearer(request, token)]},
+        )  # fmt: skip
+        return cls(client)
+
+    def apply(self, manifest: Manifest) -> None:
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        headers = {"Content-Type": "application/apply-patch+yaml"}
+        self._call("PATCH", path, params=params, json=manifest, headers=headers)
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
+        return self._call("GET", _path(api_version, kind, namespace, name), missing_ok=True)
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Manifest]:
+        answer = self._call("GET", _path(api_version, kind, namespace), params={"labelSelector": selector})
+        return list((answer or {}).get("items") or [])
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        params = {"propagationPolicy": "Background"}
+        self._call("DELETE", _path(api_version, kind, namespace, name), params=params, missing_ok=True)
+
+    def _call(self, method: str, path: str, *, missing_ok: bool = False, **kwargs: Any) -> Any:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ApiError(f"{method} {path}: {exc}") from exc
+        if response.status_code == 404 and missing_ok:
+            return None
+        if response.status_code >= 400:
+            raise ApiError(f"{method} {path}: {response.status_code} {response.text[:300]}")
+        return response.json()
+
+
+def _bearer(request: httpx.Request, token: Path) -> None:
+    request.headers["Authorization"] = f"Bearer {token.read_text().strip()}"  # re-read: the kubelet rotates it
+
+
+def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{_PLURALS[kind]}"
+    return f"{path}/{name}" if name else path
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def register(
+    kopf: Any, client: KubeClient, *, interval_s: float = DEFAULT_INTERVAL_S, default_image: str = DEFAULT_IMAGE,
+    registry: Any = None,
+) -> None:  # fmt: skip
+    """Register the handlers with ``registry`` (None: kopf's default one). ``kopf`` is the module, passed in so
+    that tests can hand in a fake."""
+    resource = (GROUP, VERSION, PLURAL)
+    options = {} if registry is None else {"registry": registry}
+
+    def on_apply(body: Any, patch: Any, **_: Any) -> None:
+        status = _retrying(kopf, lambda: reconcile(body, client, default_image=default_image))
+        patch.status.update(status)
+
+    def on_timer(body: Any, patch: Any, **_: Any) -> None:
+        patch.status.update(_retrying(kopf, lambda: refresh(body, client, default_image=default_image)))
+
+    def on_delete(body: Any, **_: Any) -> None:
+        _retrying(kopf, lambda: teardown(body, client))
+
+    for decorator in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        decorator(*resource, id="apply", **options)(on_apply)
+    kopf.on.delete(*resource, id="delete", **options)(on_delete)
+    kopf.timer(*resource, id="status", interval=interval_s, initial_delay=interval_s, **options)(on_timer)
+
+
+def _retrying(kopf: Any, call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except ApiError as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+
+
+def run_operator(
+    *, namespaces: Sequence[str] = (), api_server: str | None = None, interval_s: float = DEFAULT_INTERVAL_S,
+    default_image: str = DEFAULT_IMAGE, liveness_port: int = 8081,
+) -> int:  # fmt: skip
+    """``splitserve operator``: watch ``namespaces`` (every namespace when empty) until stopped.
+
+    Raises RuntimeError before starting when kopf is missing or there is no API server to talk to.
+    """
+    try:
+        import kopf
+    except ImportError:
+        raise RuntimeError("splitserve operator needs kopf: pip install 'splitserve[operator]'") from None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    register(kopf, HttpKubeClient.connect(api_server), interval_s=interval_s, default_image=default_image)
+    kopf.run(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+        liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz",
+    )
+    return 0
+
+
+def install_manifests(
+    namespace: str = "splitserve-system", image: str = DEFAULT_IMAGE, liveness_port: int = 8081
+) -> list[Manifest]:
+    """The CRD and the operator itself (ServiceAccount, ClusterRole, ClusterRoleBinding, Deployment in
+    ``namespace``, which must exist): ``splitserve render --operator | kubectl apply -f -``."""
+    name = "splitserve-operator"
+    labels = {LABEL_NAME: "splitserve", LABEL_INSTANCE: name, LABEL_COMPONENT: "operator",
+              LABEL_MANAGED_BY: MANAGED_BY}  # fmt: skip
+    meta = {"name": name, "namespace": namespace, "labels": labels}
+    subject = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
+    role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+    probe = {"httpGet": {"path": "/healthz", "port": liveness_port}, "periodSeconds": 15}
+    container = {
+        "name": "operator", "image": image, "imagePullPolicy": "IfNotPresent",
+        "command": ["splitserve", "operator"], "livenessProbe": probe,
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+    }  # fmt: skip
+    selector = {k: v for k, v in labels.items() if k != LABEL_MANAGED_BY}
+    deployment_spec = {
+        "replicas": 1,  # standalone: one operator (no peering)
+        "strategy": {"type": "Recreate"},
+        "selector": {"matchLabels": selector},
+        "template": {"metadata": {"labels": labels},
+                     "spec": {"serviceAccountName": name, "containers": [container]}},
+    }  # fmt: skip
+    return [
+        crd(),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": name, "labels": labels}, "rules": _operator_rules()},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": name, "labels": labels}, "subjects": [subject], "roleRef": role_ref},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": deployment_spec},
+    ]  # fmt: skip
+
+
+def _operator_rules() -> list[Manifest]:
+    """kopf's needs (watch the resource and CRDs, namespaces, events), what render() makes, and pods: a Role
+    can grant only what its creator holds (the router's discovery lists pods)."""
+    manage = ["get", "list", "watch", "create", "update", "patch", "delete"]
+    read = ["get", "list", "watch"]
+    return [
+        {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": [*read, "patch", "update"]},
+        {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": read},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": read},
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": manage},
+        {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": manage},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": manage},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+    ]
