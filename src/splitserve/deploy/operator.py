@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import httpx
 
 from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
+from splitserve.deploy.plan import Target, plan
 from splitserve.deploy.render import (
     DEFAULT_IMAGE,
     LABEL_COMPONENT,
@@ -37,7 +38,7 @@ from splitserve.deploy.render import (
     managed_selector,
     render,
 )
-from splitserve.endpoint import EndpointError, InferenceEndpointConfig, Target, parse_endpoint, plan
+from splitserve.endpoint import EndpointError, InferenceEndpointConfig, parse_endpoint
 
 logger = logging.getLogger("splitserve.operator")
 

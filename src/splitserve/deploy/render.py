@@ -39,7 +39,8 @@ from typing import Any
 import yaml
 
 from splitserve.config import Role
-from splitserve.endpoint import ROLE_URL_FLAG, EndpointPlan, InferenceEndpointConfig, RolePlan, Target, plan
+from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
+from splitserve.endpoint import InferenceEndpointConfig
 
 Manifest = dict[str, Any]
 
@@ -87,7 +88,7 @@ class _Endpoint:
 def render(config: InferenceEndpointConfig, *, default_image: str = DEFAULT_IMAGE) -> list[Manifest]:
     """The manifests of ``config``, in apply order: router RBAC, Redis (if any), workers, router.
 
-    Raises EndpointError where :func:`splitserve.endpoint.plan` does (e.g. an s3 model without a volume).
+    Raises EndpointError where :func:`splitserve.deploy.plan.plan` does (e.g. an s3 model without a volume).
     """
     endpoint_plan = plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config))
     ep = _Endpoint(config, endpoint_plan, config.spec.worker.image or default_image)

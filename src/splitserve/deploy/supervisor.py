@@ -1,6 +1,6 @@
 """Run an ``InferenceEndpointConfig`` on this machine: Redis if asked, the workers of each role, the router.
 
-:class:`Supervisor` turns ``endpoint.plan`` into pods (``deploy.pods``) and reconciles: :meth:`apply` with a
+:class:`Supervisor` turns the ``deploy.plan`` plan into pods (``deploy.pods``) and reconciles: :meth:`apply` with a
 changed resource keeps the pods whose role, flags and environment did not change, adds the missing replicas,
 drains and removes the surplus ones (the router stops sending them requests first, then they finish what
 they have), and tells the router its new worker lists through ``PUT /admin/workers``. Only a change of
@@ -29,8 +29,9 @@ from pathlib import Path
 import httpx
 
 from splitserve.config import Role
+from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
-from splitserve.endpoint import ROLE_URL_FLAG, EndpointPlan, InferenceEndpointConfig, RolePlan, Target, plan
+from splitserve.endpoint import InferenceEndpointConfig
 
 logger = logging.getLogger("splitserve.supervisor")
 
