@@ -175,3 +175,22 @@ def test_a_bad_resource_file_is_one_precise_error(tmp_path: Path, change: Any, m
     path.write_text(yaml.safe_dump(resource))
     result = run(tmp_path, "up", "-f", str(path), timeout_s=60)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_applying_without_pd_spec_switches_to_colocated(tmp_path: Path) -> None:
+    resource = yaml.safe_load((EXAMPLES / "dpd.yaml").read_text())
+    path = tmp_path / "endpoint.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    name, port = resource["metadata"]["name"], free_port()
+    try:
+        assert run(tmp_path, "apply", "-f", str(path), "--port", str(port)).returncode == 0
+        assert {p["role"] for p in state(tmp_path, name)["pods"]} == {"prefill", "decode", "router"}
+        resource["spec"].pop("pdSpec")
+        resource["spec"]["worker"]["resources"] = {"limits": {"cpu": "2"}, "requests": {"cpu": "2"}}
+        path.write_text(yaml.safe_dump(resource))
+        switched = run(tmp_path, "apply", "-f", str(path), "--port", str(port))
+        assert switched.returncode == 0 and "Endpoint deployment is ready" in switched.stdout
+        assert {p["role"] for p in state(tmp_path, name)["pods"]} == {"colocated", "router"}
+        assert chat(f"http://127.0.0.1:{port}").status_code == 200
+    finally:
+        run(tmp_path, "delete", name)
