@@ -11,7 +11,9 @@ buffer, after checking it belongs to the request's own prompt tokens and the eng
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import socketserver
 import threading
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 PD_SOURCE = "pd"
 SOCKET_BUFFER_BYTES = 4 << 20
+RECEIVER_NICE = 10  # receiving yields the CPU to the engine thread: decode latency first, transfer speed second
 
 
 class KVReceiver:
@@ -73,6 +76,7 @@ class KVReceiver:
         self._server.server_close()
 
     def _serve(self, sock: socket.socket) -> None:
+        _lower_thread_priority(RECEIVER_NICE)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         try:
@@ -110,6 +114,12 @@ class KVReceiver:
             return
         ok = self.buffer.commit(transfer_id, num_tokens, tokens_hash, layout)
         send_msg(sock, {"ok": ok, "reason": "" if ok else "reservation expired"})
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Raise this thread's nice value (Linux: per thread), so it takes the CPU only when the engine does not."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def _receive_record(sock: socket.socket, room: memoryview, layout: str) -> None:
