@@ -259,7 +259,10 @@ class MultiRoundDataset:
 
     ``sample`` needs ``num_prompts == num_users * num_rounds``. The requests come round by round (every
     user's round 0, then every user's round 1, ...), so arrival times drawn in list order space a user's
-    rounds about ``num_users`` arrivals apart. Session ids are ``user-<u>``.
+    rounds about ``num_users`` arrivals apart. Within a round the users come in a shuffled (seeded) order, as
+    independent users would: in a fixed order, a round-robin router would send each user to the same worker
+    every round whenever the number of users is a multiple of the number of workers. Session ids are
+    ``user-<u>``.
     """
 
     def __init__(self, config: DatasetConfig) -> None:
@@ -277,7 +280,13 @@ class MultiRoundDataset:
         system_prompt = random_text(rng, cfg.shared_prefix_len)
         history = [{"role": "system", "content": system_prompt}] if system_prompt else []
         sessions = [self._session(rng, f"user-{u}", history) for u in range(cfg.num_users)]
-        return [session[r] for r in range(cfg.num_rounds) for session in sessions]
+        order_rng = random.Random(seed + 1)  # its own stream: the texts do not depend on the order
+        requests = []
+        for r in range(cfg.num_rounds):
+            order = list(range(cfg.num_users))
+            order_rng.shuffle(order)
+            requests += [sessions[u][r] for u in order]
+        return requests
 
     def _session(self, rng: random.Random, session_id: str, history: list[dict[str, str]]) -> list[BenchRequest]:
         """One user's rounds; request r's messages are request r-1's plus its answer and a new question."""
