@@ -391,7 +391,7 @@ _ROUTER_PORT = Annotated[int, typer.Option("--port", help="Port of the endpoint'
 
 @app.command("up")
 def up_command(filename: _FILE, port: _ROUTER_PORT = 8080) -> None:
-    """Run an endpoint on this machine in the foreground (Ctrl-C stops it); SIGHUP re-reads the file."""
+    """Run an endpoint on this machine in the foreground (Ctrl-C stops it); `apply -f` changes it."""
     from splitserve.deploy.local import up
 
     raise typer.Exit(_endpoint_command(lambda: up(filename, router_port=port)))

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -118,16 +119,20 @@ def test_a_failed_push_means_decode_recomputes_the_same_output(
 
 
 def test_a_full_buffer_is_retried_then_given_up_without_a_hang(layout: str, caplog: pytest.LogCaptureFixture) -> None:
-    receiver = KVReceiver(PDBuffer(1000), layout)
+    record = serde.encode(torch.zeros(2, 2, 32, 1, 8), 32, layout)
+    receiver = KVReceiver(PDBuffer(len(record) + 100), layout)
     receiver.start()
     try:
-        kv = torch.zeros(2, 2, 32, 1, 8)
-        record = serde.encode(kv, 32, layout)
+        assert receiver.buffer.reserve("another-transfer", 200) is not None  # being filled: the rest is too small
         with caplog.at_level(logging.INFO, logger="splitserve.pd.receiver"):
             result = push(receiver.addr, "t-3", record, 32, 0, layout, deadline_s=0.3)
         assert not result.ok and "stayed full" in result.reason
         assert sum("Failed to allocate memory object, retrying..." in r.getMessage() for r in caplog.records) >= 2
+        receiver.buffer.abort("another-transfer")
         assert receiver.buffer.stats().used_bytes == 0
+        began = time.monotonic()
+        result = push(receiver.addr, "t-3b", record + bytes(200), 32, 0, layout, deadline_s=5)
+        assert not result.ok and "never fit" in result.reason and time.monotonic() - began < 1  # not retried
     finally:
         receiver.close()
 
@@ -148,12 +153,17 @@ def test_kv_of_another_prompt_or_layout_is_refused(
     assert "layout" in push(receiver.addr, "t-5", record, 4, 0, "float32-L2-H1-D8-B16", deadline_s=0.2).reason
 
 
-def test_unclaimed_transfers_expire() -> None:
+def test_unclaimed_transfers_expire_and_filling_ones_are_never_handed_out_twice() -> None:
     now = [0.0]
-    buffer = PDBuffer(100, reservation_ttl_s=5, entry_ttl_s=10, clock=lambda: now[0])
-    assert buffer.reserve("a", 60) and not buffer.reserve("b", 60)
-    now[0] = 6.0  # the reservation was never filled
-    assert buffer.reserve("b", 60) and buffer.stats().num_expired == 1
+    buffer = PDBuffer(100, entry_ttl_s=10, clock=lambda: now[0])
+    assert buffer.reserve("a", 60) is not None and buffer.reserve("b", 60) is None
+    buffer.release("a")  # its request ended while the bytes still arrive: the room stays taken
+    now[0] = 100.0
+    assert buffer.reserve("b", 60) is None
+    assert not buffer.commit("a", 1, 0, "x")  # the filling thread finds it abandoned and frees it
+    assert buffer.reserve("b", 60) is not None and buffer.commit("b", 1, 0, "x")
+    now[0] = 111.0  # never claimed
+    assert buffer.reserve("c", 60) is not None and buffer.stats().num_expired == 1
 
 
 def test_a_corrupted_push_is_refused_and_frees_its_room(layout: str) -> None:

@@ -51,13 +51,17 @@ def load_for_local_run(path: Path) -> InferenceEndpointConfig:
 
 
 def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Path | None = None) -> int:
-    """Run the endpoint in the foreground until SIGINT/SIGTERM; SIGHUP re-reads ``path`` and reconciles."""
+    """Run the endpoint in the foreground until SIGINT/SIGTERM. ``path`` is copied to the run directory's
+    ``endpoint.yaml``; SIGHUP (``splitserve apply -f`` sends it after replacing that file) re-reads it."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
     config = load_for_local_run(path)
     run_dir = run_dir_for(config.metadata.name, root)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "supervisor.pid").write_text(str(os.getpid()))
+    applied = run_dir / "endpoint.yaml"  # what SIGHUP re-reads; `splitserve apply -f` replaces it
+    if path.resolve() != applied.resolve():
+        shutil.copyfile(path, applied)
+    path = applied
     supervisor = Supervisor(run_dir, host=host, router_port=router_port)
     stop, reload = threading.Event(), threading.Event()
 
@@ -70,6 +74,7 @@ def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Pa
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGHUP, on_reload)
+    (run_dir / "supervisor.pid").write_text(str(os.getpid()))  # after the handlers: SIGHUP must not kill us
     try:
         supervisor.apply(config, revision_of(path))
         _report(supervisor, stop)
@@ -95,7 +100,11 @@ def _reapply(supervisor: Supervisor, path: Path, stop: threading.Event) -> None:
         logger.error("not applied: %s", exc)
         return
     logger.info("reconciling %s", config.metadata.name)
-    supervisor.apply(config, revision_of(path))
+    try:
+        supervisor.apply(config, revision_of(path))
+    except (EndpointError, RuntimeError) as exc:  # checked before anything changed: the endpoint keeps running
+        logger.error("not applied: %s", exc)
+        return
     _report(supervisor, stop)
 
 
@@ -183,6 +192,9 @@ def delete(name: str, *, root: Path | None = None, timeout_s: float = 60.0) -> i
     deadline = time.time() + timeout_s
     while time.time() < deadline and _is_alive(pid):
         time.sleep(0.2)
+    if _is_alive(pid):
+        print(f"endpoint {name} is still stopping (supervisor pid {pid})", file=sys.stderr)
+        return 1
     print(f"endpoint {name} deleted")
     return 0
 

@@ -36,6 +36,7 @@ from splitserve.endpoint import InferenceEndpointConfig
 logger = logging.getLogger("splitserve.supervisor")
 
 READY_TIMEOUT_S = 600.0
+WORKER_ROLES = ("colocated", "prefill", "decode")
 DRAIN_TIMEOUT_S = 60.0
 DPD_READY_MESSAGE = "DPD prefill and decode deployments are ready"
 COLOCATED_READY_MESSAGE = "Endpoint deployment is ready"
@@ -56,19 +57,24 @@ def default_run_root() -> Path:
     return Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".splitserve")) / "endpoints"
 
 
-class CpuAllocator:
-    """Hands out cores in turn, so pods that ask for fewer cores than the machine has do not overlap."""
+class DeviceAllocator:
+    """Hands out the least used devices (cores, GPUs) first, and takes them back when a pod goes, so pods that
+    together ask for no more than the machine has do not overlap."""
 
-    def __init__(self, cores: Sequence[int] | None = None) -> None:
-        available = cores if cores is not None else sorted(os.sched_getaffinity(0))
-        self.cores = list(available) or [0]
-        self._next = 0
+    def __init__(self, devices: Sequence[int]) -> None:
+        self.users = dict.fromkeys(devices or [0], 0)
 
     def take(self, num: int) -> tuple[int, ...]:
-        num = min(max(num, 1), len(self.cores))
-        taken = tuple(self.cores[(self._next + i) % len(self.cores)] for i in range(num))
-        self._next = (self._next + num) % len(self.cores)
+        num = min(max(num, 1), len(self.users))
+        taken = tuple(sorted(sorted(self.users), key=lambda d: self.users[d])[:num])
+        for device in taken:
+            self.users[device] += 1
         return taken
+
+    def release(self, devices: Sequence[int]) -> None:
+        for device in devices:
+            if self.users.get(device, 0) > 0:
+                self.users[device] -= 1
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,9 @@ class Supervisor:
         self._router: Pod | None = None
         self._router_flags: tuple[str, ...] = ()
         self._redis: Pod | None = None
-        self._cpus = CpuAllocator()
-        self._next_gpu = 0
+        self._cpus = DeviceAllocator(sorted(os.sched_getaffinity(0)))
+        self._gpus = DeviceAllocator(list(range(_num_gpus())))
+        self._gpus_of: dict[str, tuple[int, ...]] = {}
         self._was_ready = False
         self.revision = ""  # of the last resource applied in full
 
@@ -110,6 +117,7 @@ class Supervisor:
 
         ``revision`` names what was applied (a digest of the file); ``state.json`` reports it once done.
         """
+        plan(config, Target.LOCAL, redis_url="redis://127.0.0.1:6379/0")  # every EndpointError before any change
         redis_url = self._ensure_redis(config)
         new_plan = plan(config, Target.LOCAL, redis_url=redis_url)
         for warning in new_plan.warnings:
@@ -117,16 +125,16 @@ class Supervisor:
         self.config, self.plan = config, new_plan
         router_changes = self._router_flags != self._router_base_flags(new_plan)
         kept: list[Pod] = []
-        surplus: list[Pod] = []
+        added: list[Pod] = []
         for role_plan in new_plan.roles:
             template = self._template(role_plan)
             same = [p for p in self.pods.by_role(role_plan.role.value) if self._templates.get(p.name) == template]
             kept += same[: role_plan.replicas]
-            surplus += same[role_plan.replicas :]
-            for _ in range(role_plan.replicas - len(same)):
-                kept.append(self._start_worker(new_plan, role_plan, template))
-        stale = [p for p in self.pods.pods if p.spec.role in ("colocated", "prefill", "decode") and p not in kept]
-        removed = [p for p in stale if p not in surplus] + surplus
+            added += [self._start_worker(new_plan, role_plan, template) for _ in range(role_plan.replicas - len(same))]
+        removed = [p for p in self.pods.pods if p.spec.role in WORKER_ROLES and p not in kept and p not in added]
+        if added and removed and not router_changes and self._router is not None:
+            self.pods.wait_ready(added, READY_TIMEOUT_S)  # a rolling replacement: new ones serve before old ones go
+        kept += added
         if router_changes or self._router is None:
             self._restart_router(new_plan, kept)
         else:
@@ -135,6 +143,8 @@ class Supervisor:
             self._drain(pod)
             self.pods.remove(pod)
             self._templates.pop(pod.name, None)
+            self._cpus.release(pod.spec.cpus)
+            self._gpus.release(self._gpus_of.pop(pod.name, ()))
         if self._redis is not None and not config.needs_local_redis:
             self.pods.remove(self._redis)
             self._redis = None
@@ -181,13 +191,15 @@ class Supervisor:
         if endpoint.router.kv_events:
             flags += ["--kv-events-url", f"{self.router_url}/kv/events"]
         env = dict(role_plan.env)
+        gpus: tuple[int, ...] = ()
         if template.num_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(self._next_gpu + i) for i in range(template.num_gpus))
-            self._next_gpu += template.num_gpus
+            gpus = self._gpus.take(template.num_gpus)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         cpus = self._cpus.take(template.num_threads) if template.num_threads else ()
         spec = PodSpec(role_plan.role.value, splitserve_command("worker", *flags), port, tuple(env.items()), cpus)
         pod = self.pods.add(spec, name)
         self._templates[name] = template
+        self._gpus_of[name] = gpus
         return pod
 
     def _router_base_flags(self, endpoint: EndpointPlan) -> tuple[str, ...]:
@@ -196,23 +208,28 @@ class Supervisor:
     def _restart_router(self, endpoint: EndpointPlan, workers: list[Pod]) -> None:
         if self._router is not None:
             self.pods.remove(self._router)
-        urls = [f for p in workers for f in (ROLE_URL_FLAG[Role(p.spec.role)], p.spec.url)]
-        args = (*endpoint.router.flags, "--host", self.host, "--port", str(self.router_port), *urls)
-        spec = PodSpec("router", splitserve_command("router", *args), self.router_port)
+        spec = PodSpec("router", self._router_command(endpoint, workers), self.router_port)
         self._router = self.pods.add(spec, pod_name("router", endpoint.name))
         self._router_flags = self._router_base_flags(endpoint)
+
+    def _router_command(self, endpoint: EndpointPlan, workers: list[Pod]) -> tuple[str, ...]:
+        urls = [f for p in workers for f in (ROLE_URL_FLAG[Role(p.spec.role)], p.spec.url)]
+        return splitserve_command(
+            "router", *endpoint.router.flags, "--host", self.host, "--port", str(self.router_port), *urls
+        )
 
     def _publish_workers(self, workers: list[Pod]) -> None:
         """Tell the running router its worker lists (its discovery feed)."""
         lists: dict[str, list[str]] = {"backend": [], "prefill": [], "decode": []}
         for pod in workers:
             lists[ROLE_URL_FLAG[Role(pod.spec.role)].removeprefix("--")].append(pod.spec.url)
+        assert self.plan is not None and self._router is not None
+        self._router.spec.command = self._router_command(self.plan, workers)  # a restarted router starts current
         try:
             response = httpx.put(f"{self.router_url}/admin/workers", json=lists, timeout=10, trust_env=False)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             logger.warning("could not update the router's workers (%s); restarting it", exc)
-            assert self.plan is not None
             self._restart_router(self.plan, workers)
 
     def _drain(self, pod: Pod, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
@@ -264,3 +281,19 @@ def _requests_in_worker(pod: Pod) -> float:
         if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _num_gpus() -> int:
+    """GPUs this process may use (from ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``); 0 without any."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    import subprocess
+
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())

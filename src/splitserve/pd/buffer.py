@@ -3,10 +3,10 @@
 One arena of ``capacity_bytes``, allocated (and touched) once at start, so a transfer writes into memory that
 is already mapped instead of paying page faults for every new record. A push first reserves its size, first
 fit (refused when no free range is large enough: the sender retries with back-off); the receiver writes the
-bytes into the reserved range and commits an entry once they are verified. The decode side claims the entry,
-copies it into its KV cache and releases it. Reservations never filled and entries never claimed expire, so
-an abandoned transfer frees its bytes. Thread-safe: the receiver's connection threads and the engine thread
-share it.
+bytes into the reserved range and commits an entry once they are verified (or aborts it: a reservation is only
+ever freed by the thread filling it, whose socket has a timeout). The decode side claims the entry, copies it
+into its KV cache and releases it. Entries never claimed expire, so an abandoned transfer frees its bytes.
+Thread-safe: the receiver's connection threads and the engine thread share it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class _Slot:
     since: float
     entry: BufferEntry | None = field(default=None)
     is_claimed: bool = False
+    is_abandoned: bool = False  # released while still being filled: the filling thread frees it
 
 
 class PDBuffer:
@@ -51,14 +52,12 @@ class PDBuffer:
         self,
         capacity_bytes: int,
         *,
-        reservation_ttl_s: float = 30.0,
         entry_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"the PD buffer needs a positive size, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.reservation_ttl_s = reservation_ttl_s
         self.entry_ttl_s = entry_ttl_s
         self._clock = clock
         self._arena = memoryview(bytearray(capacity_bytes))
@@ -82,10 +81,15 @@ class PDBuffer:
             return self._arena[offset : offset + num_bytes]
 
     def commit(self, transfer_id: str, num_tokens: int, tokens_hash: int, layout: str) -> bool:
-        """The reserved bytes are filled and verified: make them an entry. False if the reservation expired."""
+        """The reserved bytes are filled and verified: make them an entry. False (and the room freed) if the
+        reservation was abandoned meanwhile."""
         with self._lock:
             slot = self._slots.get(transfer_id)
             if slot is None or slot.entry is not None:
+                return False
+            if slot.is_abandoned:
+                del self._slots[transfer_id]
+                self._free_range(slot)
                 return False
             record = self._arena[slot.offset : slot.offset + slot.num_bytes]
             slot.entry = BufferEntry(record, num_tokens, tokens_hash, layout, self._clock())
@@ -107,10 +111,25 @@ class PDBuffer:
             return slot.entry
 
     def release(self, transfer_id: str) -> None:
-        """Free a reservation or entry (copied out, failed, rejected, or its request ended)."""
+        """Free an entry (copied out, rejected, or its request ended). A reservation still being filled is
+        only marked: its receiving thread frees it (:meth:`abort` or :meth:`commit`), so no one else gets
+        the room while bytes still arrive in it."""
         with self._lock:
-            slot = self._slots.pop(transfer_id, None)
-            if slot is not None:
+            slot = self._slots.get(transfer_id)
+            if slot is None:
+                return
+            if slot.entry is None:
+                slot.is_abandoned = True
+                return
+            del self._slots[transfer_id]
+            self._free_range(slot)
+
+    def abort(self, transfer_id: str) -> None:
+        """The receiving thread gives up on its reservation (the sender broke off, or the bytes are bad)."""
+        with self._lock:
+            slot = self._slots.get(transfer_id)
+            if slot is not None and slot.entry is None:
+                del self._slots[transfer_id]
                 self._free_range(slot)
 
     def stats(self) -> BufferStats:
@@ -148,10 +167,9 @@ class PDBuffer:
     def _expire(self) -> None:
         now = self._clock()
         for transfer_id, slot in list(self._slots.items()):
-            if slot.is_claimed:
-                continue
-            age = now - (slot.entry.stored_at if slot.entry is not None else slot.since)
-            if age > (self.entry_ttl_s if slot.entry is not None else self.reservation_ttl_s):
+            if slot.is_claimed or slot.entry is None:
+                continue  # being copied out, or being filled (its thread's socket timeout bounds that)
+            if now - slot.entry.stored_at > self.entry_ttl_s:
                 del self._slots[transfer_id]
                 self._free_range(slot)
                 self._stats.num_expired += 1

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 PD_SOURCE = "pd"
 SOCKET_BUFFER_BYTES = 4 << 20
+RECEIVE_TIMEOUT_S = 20.0
 RECEIVER_NICE = 10  # receiving yields the CPU to the engine thread: decode latency first, transfer speed second
 
 
@@ -77,6 +78,7 @@ class KVReceiver:
 
     def _serve(self, sock: socket.socket) -> None:
         _lower_thread_priority(RECEIVER_NICE)
+        sock.settimeout(RECEIVE_TIMEOUT_S)  # a sender that vanished must not hold its reservation forever
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         try:
@@ -94,6 +96,9 @@ class KVReceiver:
             if layout != self.layout:
                 send_msg(sock, {"ok": False, "reason": f"layout {layout} is not this engine's {self.layout}"})
                 return
+            if not 0 < num_bytes <= self.buffer.capacity_bytes:
+                send_msg(sock, {"ok": False, "reason": f"{num_bytes} bytes can never fit the PD buffer"})
+                return
             room = self.buffer.reserve(transfer_id, num_bytes)
             if room is None:
                 logger.info(
@@ -104,12 +109,12 @@ class KVReceiver:
             send_msg(sock, {"ok": True})
             _receive_record(sock, room, layout)
         except serde.RecordError as exc:
-            self.buffer.release(transfer_id)
+            self.buffer.abort(transfer_id)
             logger.warning("KV receiver: transfer %s dropped: %s", transfer_id, exc)
             send_msg(sock, {"ok": False, "reason": f"invalid record: {exc}"})
             return
         except (WireError, OSError) as exc:
-            self.buffer.release(transfer_id)
+            self.buffer.abort(transfer_id)
             logger.warning("KV receiver: transfer %s broke off: %s", transfer_id, exc)
             return
         ok = self.buffer.commit(transfer_id, num_tokens, tokens_hash, layout)

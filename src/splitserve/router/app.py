@@ -78,6 +78,7 @@ class Call:
     is_stream: bool
     routing: RoutingRequest
     start_s: float
+    observe_ttft: bool = True  # False when the client already got its first token (disaggregated streams)
 
 
 class _Attempt:
@@ -260,7 +261,8 @@ class Router:
                 self._failed(worker, attempt, f"read: {type(exc).__name__}")
                 return attempt
             worker.breaker.record_success()
-            self.metrics.ttft_s.observe(time.perf_counter() - start_s)
+            if call.observe_ttft:
+                self.metrics.ttft_s.observe(time.perf_counter() - start_s)
             self.policy.on_routed(routing, worker)
             attempt.response = StreamingResponse(
                 self._relay(worker, upstream, first, chunks, start_s),

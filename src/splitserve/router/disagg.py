@@ -79,14 +79,14 @@ class Disaggregator:
         addr = await self._kv_addr(decoder)
         transfer_id = f"xfer-{uuid.uuid4().hex}"
         answer = await self._prefill(prefiller, call, transfer_id, addr) if addr is not None else None
-        if answer is None or answer[0] != 200:
-            if answer is not None and 400 <= answer[0] < 500:
-                return Response(answer[1], answer[0], media_type="application/json")  # the client's mistake
+        if answer is not None and 400 <= answer[0] < 500 and answer[0] != 429:
+            return Response(answer[1], answer[0], media_type="application/json")  # the client's mistake
+        p_body = _json_object(answer[1]) if answer is not None and answer[0] == 200 else None
+        if p_body is None:
             logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
             router.metrics.pd_path("fallback")
             return await router.forward(call, self.decode_pool, decision)
         self.prefill_policy.on_routed(call.routing, prefiller)
-        p_body = json.loads(answer[1])
         report = p_body.get("kv_transfer_params") or {}
         if not report.get("ok"):
             decoder.kv_transfer_addr = None  # it may have moved (a restart); ask again next time
@@ -96,6 +96,7 @@ class Disaggregator:
         first_token = report.get("first_token_id")
         params = {"transfer_id": transfer_id, "first_token_id": first_token, "skip_first_token": call.is_stream}
         decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
+        decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
         if not call.is_stream or first_token is None:
             return await router.forward(decode_call, self.decode_pool, decision)
         first_chunk = _first_chunk(call.path, p_body)
@@ -154,6 +155,14 @@ class Disaggregator:
         if call.routing.token_ids is not None:
             return len(call.routing.token_ids)
         return len(json.dumps(call.body.get("messages") or call.body.get("prompt") or "")) // CHARS_PER_TOKEN
+
+
+def _json_object(content: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _with_body(call: Call, body: dict[str, Any]) -> Call:
