@@ -132,8 +132,8 @@ class Supervisor:
             kept += same[: role_plan.replicas]
             added += [self._start_worker(new_plan, role_plan, template) for _ in range(role_plan.replicas - len(same))]
         removed = [p for p in self.pods.pods if p.spec.role in WORKER_ROLES and p not in kept and p not in added]
-        if added and removed and not router_changes and self._router is not None:
-            self.pods.wait_ready(added, READY_TIMEOUT_S)  # a rolling replacement: new ones serve before old ones go
+        if added and not router_changes and self._router is not None:
+            self.pods.wait_ready(added, READY_TIMEOUT_S)  # new pods join the router's list once they can serve
         kept += added
         if router_changes or self._router is None:
             self._restart_router(new_plan, kept)
