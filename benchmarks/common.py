@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,16 @@ def machine_description() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores, {cpu}"
+
+
+def write_result(path: Path, benchmark: str, args: argparse.Namespace, results: Any) -> None:
+    """Write a benchmark's JSON document (name, date, machine, its arguments, its results) and say where."""
+    document = {
+        "benchmark": benchmark,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": results,
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {path}")

@@ -29,14 +29,13 @@ import statistics
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, SPLITSERVE, free_port, machine_description, start_server, stop_server
+from common import REPO, SPLITSERVE, free_port, start_server, stop_server, write_result
 
 from splitserve.bench.datasets import WORDS
 from splitserve.model.registry import load_tokenizer, resolve_model
@@ -231,15 +230,7 @@ def main() -> None:
                              "ratio": kv_gbps / raw_gbps, "num_transfers": len(transfers)}  # fmt: skip
     print(json.dumps(results["transfer_4000"]), json.dumps(results["throughput"]))
     _print_table(results)
-    document = {
-        "benchmark": "pd_interference",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_description(),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "results": results,
-    }
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, "pd_interference", args, results)
 
 
 async def _one(url: str, prompt: str) -> list[float]:

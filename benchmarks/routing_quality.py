@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, SPLITSERVE, bench_serve, free_port, machine_description, start_server, stop_server
+from common import REPO, SPLITSERVE, bench_serve, free_port, start_server, stop_server, write_result
 
 STRATEGIES = ("roundrobin", "session", "prefixaware", "kvaware")
 RESULTS = REPO / "benchmarks" / "results"
@@ -115,15 +114,7 @@ def main() -> None:
         ratio = f"{base['ttft_ms_p50'] / r['ttft_ms_p50']:.2f}x lower" if base and r["ttft_ms_p50"] else "-"
         print(f"| {r['strategy']} | {r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {ratio} | "
               f"{r['kv_hit_rate']:.1%} | {r['e2e_ms_p50']:.0f} | {r['num_failed']} |")  # fmt: skip
-    document = {
-        "benchmark": "routing_quality",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_description(),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "results": rows,
-    }
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, "routing_quality", args, rows)
 
 
 if __name__ == "__main__":

@@ -151,9 +151,6 @@ class Supervisor:
         self.revision = revision
         self.write_state()
 
-    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
-        return self.pods.wait_ready(self.pods.pods, timeout_s)
-
     def tick(self) -> None:
         """Keep pods alive (restarts with back-off) and report the endpoint's readiness when it changes."""
         self.pods.tick()

@@ -27,7 +27,7 @@ from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.model.attention import token_slots
-from splitserve.pd.buffer import BufferEntry, BufferStats, PDBuffer
+from splitserve.pd.buffer import BufferEntry, PDBuffer
 from splitserve.pd.wire import WireError, recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -150,8 +150,6 @@ class PDReceiverConnector:
         self.layout = layout
         self._kv_cache: torch.Tensor | None = None
         self._block_size = 0
-        self._num_retrieved_tokens = 0
-        self._num_missed = 0
 
     def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
         self._kv_cache = kv_cache
@@ -193,7 +191,6 @@ class PDReceiverConnector:
         began = time.perf_counter()
         entry = self.buffer.claim(params.transfer_id) if end_token > start_token else None
         if entry is None:
-            self._num_missed += 1
             logger.info("Retrieved 0 out of %d required tokens (from %d total tokens); recomputing",
                         required, request.num_prompt_tokens)  # fmt: skip
             return LoadedTokens()
@@ -214,7 +211,6 @@ class PDReceiverConnector:
         num = end_token - start_token
         elapsed_s = time.perf_counter() - began
         size_gb = len(entry.record) * num / max(entry.num_tokens, 1) / 1e9
-        self._num_retrieved_tokens += num
         logger.info(
             "Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, cost %.2f ms, "
             "throughput: %.2f GB/s",
@@ -232,9 +228,6 @@ class PDReceiverConnector:
 
     def stats(self) -> None:
         return None
-
-    def buffer_stats(self) -> BufferStats:
-        return self.buffer.stats()
 
     def close(self) -> None:
         pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -141,9 +141,3 @@ class PDSenderConnector:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
-
-
-def failed_future(transfer_id: str, reason: str) -> Future[KVTransferResult]:
-    future: Future[KVTransferResult] = Future()
-    future.set_result(KVTransferResult(transfer_id, False, reason=reason))
-    return future
