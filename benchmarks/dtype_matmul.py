@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from splitserve.model.attention import AttentionMetadata
+from splitserve.model.attention import AttentionMetadata, DecodeBatch
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.registry import cpu_has_native_bf16, load_model, resolve_dtype, resolve_model
 
@@ -31,8 +31,8 @@ def decode_step_inputs(
     shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
     kv = [(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)) for _ in range(cfg.num_hidden_layers)]
     context_slots = torch.arange(num_slots).view(batch, context + 1)  # [B, context + 1], the last is new
-    mask = torch.ones(batch, 1, 1, context + 1, dtype=torch.bool)
-    meta = AttentionMetadata(context_slots[:, -1].contiguous(), batch, context_slots, mask, [])
+    decode = DecodeBatch(context_slots, torch.full((batch,), context + 1), block_size=1)  # table = slot list
+    meta = AttentionMetadata(context_slots[:, -1].contiguous(), batch, decode, [])
     input_ids = torch.randint(0, cfg.vocab_size, (batch,))
     positions = torch.full((batch,), context)
     return input_ids, positions, kv, meta

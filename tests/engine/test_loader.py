@@ -130,7 +130,7 @@ def our_logits(config: LlamaConfig, state: dict[str, torch.Tensor], ids: torch.T
     n = len(ids)
     kv = [(torch.zeros(n, KV_HEADS, HEAD_DIM), torch.zeros(n, KV_HEADS, HEAD_DIM)) for _ in model.layers]
     slots = torch.arange(n)
-    meta = AttentionMetadata(slots, 0, None, None, [PrefillChunk(n, slots, n)])
+    meta = AttentionMetadata(slots, 0, None, [PrefillChunk(n, slots, n)])
     return model.compute_logits(model(ids, torch.arange(n), kv, meta))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from splitserve.model.attention import AttentionMetadata, PrefillChunk
+from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import load_gguf
 from splitserve.model.reference import transformers_model
@@ -70,14 +70,15 @@ class PagedRunner:
 
     def prefill(self, ids: list[int]) -> torch.Tensor:  # [n, vocab]
         n = len(ids)
-        meta = AttentionMetadata(self.slots[:n], 0, None, None, [PrefillChunk(n, self.slots[:n], n)])
+        meta = AttentionMetadata(self.slots[:n], 0, None, [PrefillChunk(n, self.slots[:n], n)])
         self.num_tokens = n
         return self.model.compute_logits(self.model(torch.tensor(ids), torch.arange(n), self.kv, meta))
 
     def decode(self, token: int) -> torch.Tensor:  # [vocab]
         p = self.num_tokens
-        mask = torch.ones(1, 1, 1, p + 1, dtype=torch.bool)
-        meta = AttentionMetadata(self.slots[p : p + 1], 1, self.slots[None, : p + 1], mask, [])
+        # block size 1: the block table is the slot list
+        decode = DecodeBatch(self.slots[None, : p + 1].contiguous(), torch.tensor([p + 1]), block_size=1)
+        meta = AttentionMetadata(self.slots[p : p + 1], 1, decode, [])
         self.num_tokens += 1
         return self.model.compute_logits(self.model(torch.tensor([token]), torch.tensor([p]), self.kv, meta))[0]
 

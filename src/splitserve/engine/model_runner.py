@@ -9,7 +9,7 @@ import torch
 
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.model.attention import AttentionMetadata, PrefillChunk, causal_blocked, token_slots
+from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, token_slots
 from splitserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.num_blocks = num_blocks
         self.dtype = model.dtype
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
@@ -72,9 +71,7 @@ class ModelRunner:
             token_ids.extend(s.request.all_token_ids[start : start + s.num_new_tokens])
             positions.extend(range(start, start + s.num_new_tokens))
         slot_mapping = self._slots_for(decodes + prefills, positions)
-        meta = AttentionMetadata(slot_mapping, len(decodes), None, None, [])
-        if decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_tables(decodes)
+        meta = AttentionMetadata(slot_mapping, len(decodes), self._decode_batch(decodes) if decodes else None, [])
         # a one-token step is a decode for attention, but it samples only if it ends the prompt: it may be
         # a one-token prefill chunk (the budget had one token left)
         sample_indices = [i for i, s in enumerate(decodes) if s.completes_prompt]
@@ -82,9 +79,8 @@ class ModelRunner:
         offset = len(decodes)
         for s in prefills:
             num_ctx = s.request.num_computed_tokens + s.num_new_tokens
-            blocked = causal_blocked(s.num_new_tokens, num_ctx, self.group, self.device)
             context_slots = self._context_slots(s.block_ids, num_ctx)
-            meta.prefills.append(PrefillChunk(s.num_new_tokens, context_slots, num_ctx, blocked))
+            meta.prefills.append(PrefillChunk(s.num_new_tokens, context_slots, num_ctx))
             offset += s.num_new_tokens
             if s.completes_prompt:
                 sample_indices.append(offset - 1)
@@ -111,17 +107,11 @@ class ModelRunner:
         table = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=self.device)
         return (table[:, None] * self.block_size + self._offsets).flatten()[:num_ctx]
 
-    def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded context slots [B, L] and mask [B, 1, 1, L] for the decode sequences."""
+    def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
+        """Block tables [B, max_blocks] (padded with 0) and context lengths of the decode sequences."""
         lengths = [s.request.num_computed_tokens + 1 for s in decodes]
         max_blocks = -(-max(lengths) // self.block_size)
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(decodes):
-            ids = s.block_ids[:max_blocks]
-            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        table = table.to(self.device)
-        max_len = max(lengths)
-        slots = (table[:, :, None] * self.block_size + self._offsets).view(len(decodes), -1)[:, :max_len].contiguous()
-        lens = torch.tensor(lengths, device=self.device)
-        mask = torch.arange(max_len, device=self.device)[None, :] < lens[:, None]
-        return slots, mask[:, None, None, :]
+        rows = [s.block_ids[:max_blocks] for s in decodes]
+        table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in rows], dtype=torch.long)
+        lens = torch.tensor(lengths, dtype=torch.long)
+        return DecodeBatch(table.to(self.device), lens.to(self.device), self.block_size)

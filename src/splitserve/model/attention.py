@@ -5,6 +5,10 @@ The KV cache of one layer is two tensors ``k_cache`` and ``v_cache`` of shape
 slot ``block_table[p // block_size] * block_size + p % block_size``. The runner builds one
 ``AttentionMetadata`` per step, shared by every layer.
 
+Decode attention runs in the native kernel (``kernels.py``), which reads each sequence's blocks in place;
+where it is unavailable, the PyTorch path gathers the contexts into a padded batch and runs SDPA. Prefill
+attention is PyTorch's fused (flash) SDPA over the chunk's gathered context.
+
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
 in the order of ``prefills``.
 """
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.model.kernels import native
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -25,25 +31,34 @@ class PrefillChunk:
     num_query_tokens: int
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
-    blocked: torch.Tensor | None = None  # [group * Q, C] bool, built once per step by ``causal_blocked``
 
 
-def causal_blocked(num_query: int, num_context: int, group: int, device: torch.device) -> torch.Tensor:
-    """[group * Q, C] bool, True where query i (absolute position C - Q + i) must not see a key (the future).
+@dataclass(slots=True)
+class DecodeBatch:
+    """The decode sequences of a step: one query each, attending to its whole context through its block table."""
 
-    Rows are repeated ``group`` times because the query heads sharing a KV head are stacked along the
-    query axis (see ``_prefill_attention``).
-    """
-    blocked = torch.ones(num_query, num_context, dtype=torch.bool, device=device).triu_(num_context - num_query + 1)
-    return blocked.repeat(group, 1)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0 past a sequence's blocks
+    context_lens: torch.Tensor  # [B] int64: tokens each query attends to, its own (just written) included
+    block_size: int
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None  # the PyTorch path's slots and mask, built once
+
+    def padded_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context slots [B, L_max] (padding points at real slots) and mask [B, 1, 1, L_max], True where real."""
+        if self.padded is None:
+            num_seqs = self.block_tables.shape[0]
+            max_len = int(self.context_lens.max())
+            offsets = torch.arange(self.block_size, device=self.block_tables.device)
+            slots = (self.block_tables[:, :, None] * self.block_size + offsets).view(num_seqs, -1)[:, :max_len]
+            mask = torch.arange(max_len, device=slots.device)[None, :] < self.context_lens[:, None]
+            self.padded = slots.contiguous(), mask[:, None, None, :]
+        return self.padded
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each input token's K/V is written
     num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
-    decode_slots: torch.Tensor | None  # [B, max_context] int64 context slots per decode sequence, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_context] bool: True where a context slot is real
+    decode: DecodeBatch | None  # present when num_decode_tokens > 0
     prefills: list[PrefillChunk]
 
 
@@ -68,27 +83,51 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Attention of every query token over its sequence's cached context."""
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
     parts = []
     nd = meta.num_decode_tokens
     if nd:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        # Grouped-query trick: the `group` query heads sharing a KV head act as `group` query rows.
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-        # index_select over the flattened table is ~2x faster than advanced indexing on CPU
-        slots = meta.decode_slots.view(-1)
-        kd = k_cache.index_select(0, slots).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache.index_select(0, slots).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        parts.append(od.view(nd, num_heads, head_dim))
+        assert meta.decode is not None
+        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta.decode, scale))
     start = nd
     for chunk in meta.prefills:
         end = start + chunk.num_query_tokens
-        parts.append(_prefill_attention(q[start:end], k_cache, v_cache, chunk, group, scale))
+        parts.append(_prefill_attention(q[start:end], k_cache, v_cache, chunk, scale))
         start = end
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    decode: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    kernels = native() if q.device.type == "cpu" else None
+    if kernels is not None:
+        out = kernels.paged_decode_attention(
+            q, k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
+        )
+        if out is not None:
+            return out
+    return _decode_attention_torch(q, k_cache, v_cache, decode, scale)
+
+
+def _decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """The same as the native kernel: gather each context into a padded batch, then SDPA with a mask."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    slots, mask = decode.padded_slots()
+    # Grouped-query trick: the `group` query heads sharing a KV head act as `group` query rows.
+    qd = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    # index_select over the flattened table is ~2x faster than advanced indexing on CPU
+    flat = slots.view(-1)
+    kd = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    vd = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+    return od.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_attention(
@@ -96,20 +135,17 @@ def _prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
-    group: int,
     scale: float,
 ) -> torch.Tensor:  # [Q, H, D]
-    num_q, num_heads, head_dim = q.shape
-    num_ctx = chunk.num_context_tokens
-    num_kv_heads = num_heads // group
-    k = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)  # [Hkv, C, D]
-    v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
-    # [Hkv, G*Q, D]: the group's query heads stacked along the query axis
-    qg = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
-    blocked = chunk.blocked if chunk.blocked is not None else causal_blocked(num_q, num_ctx, group, q.device)
-    # Plain float32 matmuls + softmax: on CPU about 1.5x faster than bfloat16 SDPA at prefill shapes
-    # (1024 x 2500: 107 ms against 168 ms per layer), and scores are never rounded to bfloat16.
-    scores = torch.bmm(qg.float(), k.float().transpose(1, 2)).mul_(scale)  # [Hkv, G*Q, C]
-    scores.masked_fill_(blocked, float("-inf"))
-    o = torch.bmm(scores.softmax(dim=-1), v.float()).to(q.dtype)  # [Hkv, G*Q, D]
-    return o.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
+    num_q, num_ctx = q.shape[0], chunk.num_context_tokens
+    k = k_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
+    v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    # PyTorch's CPU flash kernel keeps scores in float32 tiles that stay in cache; unfused matmuls + softmax
+    # stream a [H, Q, C] score matrix through memory and run 3-7x slower (benchmarks.md).
+    if num_q == num_ctx:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query i sits at absolute position C - Q + i: it sees keys 0 .. C - Q + i
+        allowed = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_(num_ctx - num_q)
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
