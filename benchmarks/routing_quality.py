@@ -62,7 +62,8 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
             bench_args = ["--endpoint", "chat", "--dataset", "multiround", "--num-users", str(args.num_users),
                           "--num-rounds", str(args.num_rounds), "--shared-prefix-len", str(args.system_words),
                           "--random-input-len", str(args.question_words), "--random-output-len", str(args.answer_words),
-                          "--request-rate", str(args.request_rate), "--seed", str(args.seed)]  # fmt: skip
+                          "--user-history-len", str(args.history_words), "--request-rate", str(args.request_rate),
+                          "--seed", str(args.seed)]  # fmt: skip
             document = bench_serve(f"http://127.0.0.1:{router_port}", "smollm2", f"router-{strategy}", bench_args)
             after = [prefix_cache_counters(u) for u in urls]
         finally:
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--num-users", type=int, default=8)
     parser.add_argument("--num-rounds", type=int, default=8)
     parser.add_argument("--system-words", type=int, default=50, help="shared system prompt, words")
+    parser.add_argument("--history-words", type=int, default=0, help="each user's own document opening the chat")
     parser.add_argument("--question-words", type=int, default=60)
     parser.add_argument("--answer-words", type=int, default=40, help="also max_tokens of each request")
     parser.add_argument("--request-rate", type=float, default=3.0, help="Poisson arrivals per second")

@@ -228,6 +228,23 @@ def test_multiround_without_a_system_prompt_starts_with_the_question() -> None:
     assert [[m["role"] for m in r.as_messages()] for r in requests] == [["user"], ["user"]]
 
 
+def test_multiround_user_history_opens_each_users_chat_with_a_document_of_their_own() -> None:
+    plain = _multiround(num_users=2, num_rounds=3, shared_prefix_len=5, random_input_len=4, random_output_len=3)
+    requests = _multiround(
+        num_users=2, num_rounds=3, shared_prefix_len=5, random_input_len=4, random_output_len=3, user_history_len=50
+    )
+    first = {r.session_id: r.as_messages()[1]["content"] for r in requests if r.round_index == 0}
+    documents = {user: text.split("\n\n")[0] for user, text in first.items()}
+    assert all(len(d.split()) == 50 for d in documents.values()) and len(set(documents.values())) == 2
+    for r in requests:  # every round of a user carries the document; otherwise the lengths are the plain chat's
+        assert r.as_messages()[1]["content"].startswith(documents[r.session_id])
+        assert r.approx_prompt_tokens == 50 + next(
+            p.approx_prompt_tokens for p in plain if (p.session_id, p.round_index) == (r.session_id, r.round_index)
+        )
+    with pytest.raises(ValueError, match="user_history_len"):
+        DatasetConfig(user_history_len=-1).validate()
+
+
 def test_multiround_needs_num_prompts_equal_to_users_times_rounds() -> None:
     cfg = DatasetConfig(num_users=8, num_rounds=4)
     assert default_num_prompts("multiround", cfg) == 32 and default_num_prompts("random", cfg) == 100

@@ -80,6 +80,12 @@ def serve_command(
             rich_help_panel=_DATASET,
         ),
     ] = 4,
+    user_history_len: Annotated[
+        int,
+        typer.Option(
+            help="multiround: words of each user's own document that opens their chat.", rich_help_panel=_DATASET
+        ),
+    ] = 0,
     request_rate: Annotated[
         float,
         typer.Option(
@@ -119,6 +125,7 @@ def serve_command(
         dataset_path=dataset_path,
         num_users=num_users,
         num_rounds=num_rounds,
+        user_history_len=user_history_len,
     )
     config = ServeConfig(
         url=url,

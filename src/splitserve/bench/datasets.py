@@ -90,6 +90,8 @@ class DatasetConfig:
     """multiround: number of users (sessions); the run has exactly num_users * num_rounds requests."""
     num_rounds: int = 4
     """multiround: questions each user asks, one after the other."""
+    user_history_len: int = 0
+    """multiround: words of a document of each user's own that opens their chat (after the system prompt)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending values."""
@@ -104,6 +106,8 @@ class DatasetConfig:
                 f"shared-prefix needs groups >= 1 and lengths >= 0, got groups={self.shared_prefix_groups} "
                 f"prefix={self.shared_prefix_len} suffix={self.shared_suffix_len}"
             )
+        if self.user_history_len < 0:
+            raise ValueError(f"user_history_len must be >= 0, got {self.user_history_len}")
         if self.num_users < 1 or self.num_rounds < 1:
             raise ValueError(
                 f"multiround needs num_users >= 1 and num_rounds >= 1, got users={self.num_users} "
@@ -250,12 +254,14 @@ class JsonlDataset:
 class MultiRoundDataset:
     """U users (``num_users``), each asking R questions (``num_rounds``) in one growing chat.
 
-    Every conversation starts with the same system prompt of ``shared_prefix_len`` words (none when 0).
-    Round r (0-based) sends: system, then (question_0, answer_0, ..., question_r). Questions are about
-    ``random_input_len`` words (varied by ``random_range_ratio``); the answers in the history are fixed
-    ``random_output_len``-word texts drawn from the seed, not what the model said, so the whole workload is
-    known up front and each round's prompt extends the previous round's prompt exactly. Every request asks
-    for ``random_output_len`` tokens.
+    Every conversation starts with the same system prompt of ``shared_prefix_len`` words (none when 0), then,
+    with ``user_history_len``, a document of that many words of the user's own (a long chat history, a file
+    the user works on: LMCache's multi-round QA benchmark shape), which the first question follows in the
+    same user message. Round r (0-based) sends: system, then (question_0, answer_0, ..., question_r).
+    Questions are about ``random_input_len`` words (varied by ``random_range_ratio``); the answers in the
+    history are fixed ``random_output_len``-word texts drawn from the seed, not what the model said, so the
+    whole workload is known up front and each round's prompt extends the previous round's prompt exactly.
+    Every request asks for ``random_output_len`` tokens.
 
     ``sample`` needs ``num_prompts == num_users * num_rounds``. The requests come round by round (every
     user's round 0, then every user's round 1, ...), so arrival times drawn in list order space a user's
@@ -293,8 +299,11 @@ class MultiRoundDataset:
         cfg = self.config
         messages = list(history)
         requests = []
+        document = random_text(rng, cfg.user_history_len) + "\n\n" if cfg.user_history_len else ""
         for r in range(cfg.num_rounds):
             question = random_text(rng, _uniform_len(rng, cfg.random_input_len, cfg.random_range_ratio))
+            if r == 0:
+                question = document + question
             messages = [*messages, {"role": "user", "content": question}]
             num_words = sum(len(m["content"].split()) for m in messages)
             requests.append(
