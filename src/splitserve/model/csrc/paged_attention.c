@@ -4,8 +4,13 @@
  * Built and loaded by splitserve/model/kernels.py (gcc -O3 -march=native -fopenmp, at first use). The
  * torch fallback in attention.py first gathers every sequence's context into a padded [B, L_max] tensor
  * and then runs SDPA over it: a 2,500-token sequence in a batch of short ones makes every sequence pay
- * for 2,500 tokens, twice (the copy and the attention). Here each (sequence, KV head) pair walks its own
- * blocks once for the scores and once for the values; nothing is copied or padded.
+ * for 2,500 tokens, twice (the copy and the attention). Here each sequence walks its own blocks, once for
+ * the scores and once for the values; nothing is copied or padded.
+ *
+ * Work is split into (sequence, partition) items of PARTITION tokens, as flash-decoding does, so one long
+ * sequence still uses every thread: an item reads its slots front to back (every KV head of a slot at once,
+ * so reads are sequential) and leaves, per query head, its maximum score, its sum of exponentials and its
+ * unnormalised output; a second pass merges a sequence's partitions.
  *
  * Layout (attention.py's contract): the cache of one layer is [num_slots, num_kv_heads, head_dim],
  * slot = block_table[p / block_size] * block_size + p % block_size. q and out are [B, num_heads, head_dim]
@@ -18,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+#define PARTITION 256 /* tokens per work item; a multiple of every block size */
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -36,100 +41,209 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(bits >> 16);
 }
 
-/* One (sequence, KV head) pair. `scores` has room for group * len floats. */
-#define DEFINE_PAIR(NAME, T, LOAD)                                                                           \
-    static void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len,    \
-                     int num_kv_heads, int kvh, int group, int head_dim, int block_size, float scale,       \
-                     float *scores, float *acc) {                                                           \
-        float qf[MAX_GROUP][MAX_HEAD_DIM];                                                                  \
-        float row_max[MAX_GROUP], row_sum[MAX_GROUP];                                                       \
-        for (int g = 0; g < group; g++) {                                                                   \
-            for (int d = 0; d < head_dim; d++) qf[g][d] = LOAD(q[g * head_dim + d]) * scale;               \
-            row_max[g] = -INFINITY;                                                                         \
-            row_sum[g] = 0.0f;                                                                              \
+/* Row helpers: the dot product of a float row with a stored row, and acc += p * stored row. With AVX-512
+ * they run 16 lanes at a time (head_dim a multiple of 16); otherwise scalar loops the compiler may vectorize. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+#define VECTOR_ROWS(T, LOAD16)                                                                              \
+    static inline void to_float_##T(const T *x, float *out, int n) {                                        \
+        if (n % 16 == 0) {                                                                                  \
+            for (int d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, LOAD16(x + d));                      \
+            return;                                                                                         \
         }                                                                                                   \
+        for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
+    }
+#else
+#define VECTOR_ROWS(T, LOAD16)                                                                              \
+    static inline void to_float_##T(const T *x, float *out, int n) {                                        \
+        for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
+    }
+#endif
+
+static inline float scalar_uint16_t(uint16_t x) { return bf16_to_f32(x); }
+static inline float scalar_float(float x) { return x; }
+VECTOR_ROWS(uint16_t, load16_bf16)
+VECTOR_ROWS(float, load16_f32)
+
+static inline float dot_row(const float *a, const float *b, int n) {
+#if defined(__AVX512F__)
+    if (n % 32 == 0) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int d = 0; d < n; d += 32) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#endif
+    float dot = 0.0f;
+    for (int d = 0; d < n; d++) dot += a[d] * b[d];
+    return dot;
+}
+
+static inline void axpy_row(float p, const float *x, float *acc, int n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int d = 0; d < n; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(acc + d)));
+        return;
+    }
+#endif
+    for (int d = 0; d < n; d++) acc[d] += p * x[d];
+}
+
+/* s[t] = exp(s[t] - top) for t < n; returns their sum. The AVX-512 exp: n = round(x / ln 2), r = x - n ln 2
+ * (in two parts, Cody-Waite), exp(r) by its degree-7 Taylor polynomial (|r| <= ln 2 / 2: relative error
+ * under 1e-8), scaled by 2^n. */
+static inline float exp_row(float *s, int64_t n, float top) {
+    float sum = 0.0f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 shift = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-88.0f);
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __m512 total = _mm512_setzero_ps();
+    for (; t + 16 <= n; t += 16) {
+        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift), lowest);
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
+        __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+        const __m512 e = _mm512_scalef_ps(p, k);
+        _mm512_storeu_ps(s + t, e);
+        total = _mm512_add_ps(total, e);
+    }
+    sum = _mm512_reduce_add_ps(total);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* Per work item: for every query head h, max score m[h], sum of exp(score - m[h]) l[h], and
+ * acc[h][d] = sum_t exp(score_t - m[h]) * v_t[d], over tokens [begin, end) of one sequence. */
+#define DEFINE_PARTITION(NAME, T, LOAD)                                                                      \
+    static void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t begin,  \
+                     int64_t end, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, \
+                     float *qf, float *scores, float *m, float *l, float *acc) {                            \
+        const int group = num_heads / num_kv_heads;                                                         \
+        const int64_t n = end - begin;                                                                      \
         const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per slot */                       \
-        for (int64_t start = 0; start < len; start += block_size) {                                         \
-            const int64_t base = table[start / block_size] * block_size;                                    \
-            const int64_t n = len - start < block_size ? len - start : block_size;                          \
-            for (int64_t i = 0; i < n; i++) {                                                               \
-                const T *kp = k_cache + (base + i) * row + (int64_t)kvh * head_dim;                         \
-                float kf[MAX_HEAD_DIM];                                                                     \
-                for (int d = 0; d < head_dim; d++) kf[d] = LOAD(kp[d]);                                     \
-                for (int g = 0; g < group; g++) {                                                           \
-                    float dot = 0.0f;                                                                       \
-                    _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < head_dim; d++) dot +=       \
-                        qf[g][d] * kf[d];                                                                   \
-                    scores[g * len + start + i] = dot;                                                      \
-                    if (dot > row_max[g]) row_max[g] = dot;                                                 \
+        for (int h = 0; h < num_heads; h++) {                                                               \
+            for (int d = 0; d < head_dim; d++) qf[h * head_dim + d] = LOAD(q[h * head_dim + d]) * scale;   \
+            m[h] = -INFINITY;                                                                               \
+        }                                                                                                   \
+        const int64_t first_block = begin / block_size; /* begin is a multiple of the block size */       \
+        for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                                    \
+            const T *kp = k_cache + table[first_block + t0 / block_size] * block_size * row;                 \
+            const int64_t stop = t0 + block_size < n ? t0 + block_size : n;                                 \
+            for (int64_t t = t0; t < stop; t++, kp += row) {                                                \
+                for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                              \
+                    float kf[MAX_HEAD_DIM];                                                                 \
+                    to_float_##T(kp + kvh * head_dim, kf, head_dim);                                        \
+                    for (int h = kvh * group; h < (kvh + 1) * group; h++) {                                 \
+                        const float dot = dot_row(qf + h * head_dim, kf, head_dim);                         \
+                        scores[h * n + t] = dot;                                                            \
+                        if (dot > m[h]) m[h] = dot;                                                         \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
-        for (int g = 0; g < group; g++) {                                                                   \
-            float *s = scores + g * len, sum = 0.0f;                                                        \
-            for (int64_t t = 0; t < len; t++) {                                                             \
-                s[t] = expf(s[t] - row_max[g]);                                                             \
-                sum += s[t];                                                                                \
-            }                                                                                               \
-            row_sum[g] = sum;                                                                               \
-            for (int d = 0; d < head_dim; d++) acc[g * head_dim + d] = 0.0f;                                \
-        }                                                                                                   \
-        for (int64_t start = 0; start < len; start += block_size) {                                         \
-            const int64_t base = table[start / block_size] * block_size;                                    \
-            const int64_t n = len - start < block_size ? len - start : block_size;                          \
-            for (int64_t i = 0; i < n; i++) {                                                               \
-                const T *vp = v_cache + (base + i) * row + (int64_t)kvh * head_dim;                         \
-                float vf[MAX_HEAD_DIM];                                                                     \
-                for (int d = 0; d < head_dim; d++) vf[d] = LOAD(vp[d]);                                     \
-                for (int g = 0; g < group; g++) {                                                           \
-                    const float p = scores[g * len + start + i];                                            \
-                    float *a = acc + g * head_dim;                                                          \
-                    _Pragma("omp simd") for (int d = 0; d < head_dim; d++) a[d] += p * vf[d];              \
+        for (int h = 0; h < num_heads; h++) l[h] = exp_row(scores + h * n, n, m[h]);                        \
+        memset(acc, 0, sizeof(float) * (size_t)num_heads * (size_t)head_dim);                               \
+        for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                                    \
+            const T *vp = v_cache + table[first_block + t0 / block_size] * block_size * row;                 \
+            const int64_t stop = t0 + block_size < n ? t0 + block_size : n;                                 \
+            for (int64_t t = t0; t < stop; t++, vp += row) {                                                \
+                for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                              \
+                    float vf[MAX_HEAD_DIM];                                                                 \
+                    to_float_##T(vp + kvh * head_dim, vf, head_dim);                                        \
+                    for (int h = kvh * group; h < (kvh + 1) * group; h++)                                   \
+                        axpy_row(scores[h * n + t], vf, acc + h * head_dim, head_dim);                      \
                 }                                                                                           \
             }                                                                                               \
-        }                                                                                                   \
-        for (int g = 0; g < group; g++) {                                                                   \
-            const float inv = 1.0f / row_sum[g];                                                            \
-            for (int d = 0; d < head_dim; d++) acc[g * head_dim + d] *= inv;                                \
         }                                                                                                   \
     }
 
 #define LOAD_F32(x) (x)
-DEFINE_PAIR(pair_bf16, uint16_t, bf16_to_f32)
-DEFINE_PAIR(pair_f32, float, LOAD_F32)
+DEFINE_PARTITION(partition_bf16, uint16_t, bf16_to_f32)
+DEFINE_PARTITION(partition_f32, float, LOAD_F32)
 
-/* Returns 0, or -1 when the shapes are beyond the fixed per-pair buffers (the caller falls back). */
-#define DEFINE_ENTRY(NAME, T, PAIR, STORE)                                                                  \
+/* Returns 0, or -1 when the head size is beyond the fixed buffers or memory runs out (the caller falls
+ * back to PyTorch). */
+#define DEFINE_ENTRY(NAME, T, PARTITION_FN, STORE)                                                          \
     int NAME(const T *q, int64_t q_row_stride, const T *k_cache, const T *v_cache, const int64_t *tables,  \
              int64_t max_blocks, const int64_t *lens, T *out, int num_seqs, int num_heads, int num_kv_heads, \
              int head_dim, int block_size, float scale, int num_threads) {                                  \
-        const int group = num_heads / num_kv_heads;                                                         \
-        if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;                                        \
-        int64_t max_len = 1;                                                                                \
-        for (int b = 0; b < num_seqs; b++)                                                                  \
-            if (lens[b] > max_len) max_len = lens[b];                                                       \
-        int failed = 0;                                                                                     \
-        _Pragma("omp parallel num_threads(num_threads)") {                                                  \
-            float *scores = malloc(sizeof(float) * (size_t)group * (size_t)max_len);                        \
-            float acc[MAX_GROUP * MAX_HEAD_DIM];                                                            \
-            if (scores == NULL) {                                                                           \
-                _Pragma("omp atomic write") failed = 1;                                                     \
-            }                                                                                               \
-            _Pragma("omp for collapse(2) schedule(dynamic, 1)") for (int b = 0; b < num_seqs; b++) {        \
-                for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                              \
-                    if (scores == NULL) continue;                                                           \
-                    const T *qp = q + b * q_row_stride + (int64_t)kvh * group * head_dim;                  \
-                    PAIR(qp, k_cache, v_cache, tables + (int64_t)b * max_blocks, lens[b], num_kv_heads, kvh, \
-                         group, head_dim, block_size, scale, scores, acc);                                  \
-                    T *op = out + ((int64_t)b * num_heads + (int64_t)kvh * group) * head_dim;               \
-                    for (int i = 0; i < group * head_dim; i++) op[i] = STORE(acc[i]);                       \
+        if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0 || PARTITION % block_size != 0) return -1; \
+        int64_t *first = malloc(sizeof(int64_t) * ((size_t)num_seqs + 1)); /* first item of each sequence */ \
+        if (first == NULL) return -1;                                                                       \
+        first[0] = 0;                                                                                       \
+        for (int b = 0; b < num_seqs; b++) first[b + 1] = first[b] + (lens[b] + PARTITION - 1) / PARTITION; \
+        const int64_t num_items = first[num_seqs];                                                          \
+        const size_t per_item = (size_t)num_heads * ((size_t)head_dim + 2); /* m, l, acc */                 \
+        float *partials = malloc(sizeof(float) * per_item * (size_t)num_items);                             \
+        int failed = partials == NULL;                                                                      \
+        if (!failed) {                                                                                      \
+            _Pragma("omp parallel num_threads(num_threads)") {                                              \
+                const size_t hd = (size_t)num_heads * (size_t)head_dim;                                     \
+                float *work = malloc(sizeof(float) * (hd + (size_t)num_heads * PARTITION));                 \
+                if (work == NULL) {                                                                         \
+                    _Pragma("omp atomic write") failed = 1;                                                 \
                 }                                                                                           \
+                int b = 0;                                                                                  \
+                _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < num_items; item++) {  \
+                    if (work == NULL) continue;                                                             \
+                    while (first[b + 1] <= item) b++;                                                       \
+                    while (first[b] > item) b--;                                                            \
+                    const int64_t begin = (item - first[b]) * PARTITION;                                    \
+                    const int64_t end = begin + PARTITION < lens[b] ? begin + PARTITION : lens[b];          \
+                    float *m = partials + per_item * (size_t)item, *l = m + num_heads, *acc = l + num_heads; \
+                    PARTITION_FN(q + b * q_row_stride, k_cache, v_cache, tables + (int64_t)b * max_blocks, begin, \
+                                 end, num_heads, num_kv_heads, head_dim, block_size, scale, work, work + hd, m, l, \
+                                 acc);                                                                      \
+                }                                                                                           \
+                _Pragma("omp for") for (int bb = 0; bb < num_seqs; bb++) { /* merge the partitions */       \
+                    for (int h = 0; h < num_heads; h++) {                                                   \
+                        float top = -INFINITY, total = 0.0f, o[MAX_HEAD_DIM];                               \
+                        for (int64_t it = first[bb]; it < first[bb + 1]; it++) {                            \
+                            const float mi = partials[per_item * (size_t)it + h];                           \
+                            if (mi > top) top = mi;                                                         \
+                        }                                                                                   \
+                        for (int d = 0; d < head_dim; d++) o[d] = 0.0f;                                     \
+                        for (int64_t it = first[bb]; it < first[bb + 1]; it++) {                            \
+                            const float *m = partials + per_item * (size_t)it, *l = m + num_heads;          \
+                            const float *acc = l + num_heads + (size_t)h * head_dim;                        \
+                            const float w = expf(m[h] - top);                                               \
+                            total += w * l[h];                                                              \
+                            for (int d = 0; d < head_dim; d++) o[d] += w * acc[d];                          \
+                        }                                                                                   \
+                        T *op = out + ((int64_t)bb * num_heads + h) * head_dim;                             \
+                        for (int d = 0; d < head_dim; d++) op[d] = STORE(o[d] / total);                     \
+                    }                                                                                       \
+                }                                                                                           \
+                free(work);                                                                                 \
             }                                                                                               \
-            free(scores);                                                                                   \
         }                                                                                                   \
+        free(partials);                                                                                     \
+        free(first);                                                                                        \
         return failed ? -1 : 0;                                                                             \
     }
 
 #define STORE_F32(x) (x)
-DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, pair_bf16, f32_to_bf16)
-DEFINE_ENTRY(paged_decode_attention_f32, float, pair_f32, STORE_F32)
+DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, partition_bf16, f32_to_bf16)
+DEFINE_ENTRY(paged_decode_attention_f32, float, partition_f32, STORE_F32)
