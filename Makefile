@@ -11,6 +11,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: $(STAMP)
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+	command -v cc >/dev/null || ($(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

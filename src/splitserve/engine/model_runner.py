@@ -10,6 +10,7 @@ import torch
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, token_slots
+from splitserve.model.kernels import native
 from splitserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class ModelRunner:
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int = 0
     ) -> None:
         cfg = model.config
+        if device.type == "cpu":
+            native()  # build (or load) the CPU kernels now, not in the first request's step
         model.prepare_for_inference()
         self.model = model
         self.device = device

@@ -21,21 +21,22 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ctypes import _SimpleCData
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_I = ctypes.c_int
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # q, q_row_stride, k_cache, v_cache, tables, max_blocks, lens, out, num_seqs, num_heads, num_kv_heads,
 # head_dim, block_size, scale, num_threads
-_DECODE_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+_DECODE_ARGTYPES: list[type[_SimpleCData[Any]]] = [
     _P,
     _I64,
     _P,
@@ -49,9 +50,11 @@ _DECODE_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _I,
     _I,
     _I,
-    ctypes.c_float,
+    _F,
     _I,
 ]
+# x, delta, weight, out, num_rows, n, eps, num_threads
+_NORM_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _P, _P, _P, _I64, _I64, _F, _I]
 
 
 class NativeKernels:
@@ -65,6 +68,47 @@ class NativeKernels:
         for fn in self.decode.values():
             fn.argtypes = _DECODE_ARGTYPES
             fn.restype = ctypes.c_int
+        # (residual/delta dtype, output dtype): the model's two layouts, float32 throughout and float32
+        # residual with bfloat16 matmul inputs
+        self.norm = {
+            torch.bfloat16: library.add_rms_norm_bf16_to_bf16,
+            torch.float32: library.add_rms_norm_f32_to_f32,
+        }
+        for fn in self.norm.values():
+            fn.argtypes = _NORM_ARGTYPES
+            fn.restype = None
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``x += delta`` in place, then RMSNorm(x) * weight as ``out_dtype``; None where the kernel does not apply.
+
+        x and weight are float32; delta, when given, is ``out_dtype`` (the matmul dtype), as is the result.
+        """
+        fn = self.norm.get(out_dtype)
+        if (
+            fn is None
+            or x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.dim() != 2
+            or not (x.is_contiguous() and weight.is_contiguous())
+            or (delta is not None and (delta.dtype != out_dtype or delta.shape != x.shape or not delta.is_contiguous()))
+        ):
+            return None
+        out = torch.empty(x.shape, dtype=out_dtype)
+        delta_ptr = None if delta is None else delta.data_ptr()
+        fn(
+            x.data_ptr(),
+            delta_ptr,
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
 
     def paged_decode_attention(
         self,

@@ -15,6 +15,7 @@ from torch import nn
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.model.config import LlamaConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
+from splitserve.model.kernels import native
 
 # Matmuls with at most this many rows use 4-bit weights when the layer has them (see ``model/int4.py``):
 # measured on a 2-core AMX CPU, 30 layers of SmolLM2: 3.5 ms at 1 row and 7 ms at 4 rows vs 13.5 ms in
@@ -149,21 +150,39 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]: the residual stream, updated in place
+        delta: torch.Tensor | None,  # what the previous layer adds to the stream (None in the first layer)
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
-        if self.compute_dtype is not None:
-            h = h.to(self.compute_dtype)
-        x = x + self.self_attn(h, cos, sin, k_cache, v_cache, meta)  # promotes to the residual dtype
-        h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
-        if self.compute_dtype is not None:
-            h = h.to(self.compute_dtype)
-        return x + self.mlp(h)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the stream, this layer's addition to it)
+        matmul_dtype = self.compute_dtype or x.dtype
+        h = add_rms_norm(x, delta, self.input_layernorm, self.eps, matmul_dtype)
+        attn = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        h = add_rms_norm(x, attn, self.post_attention_layernorm, self.eps, matmul_dtype)
+        return x, self.mlp(h)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``x += delta`` in place (when given), then RMSNorm(x) * weight as ``out_dtype``.
+
+    Adding each layer's output to the residual stream as the next norm reads it (vLLM's fused_add_rms_norm)
+    lets the native kernel do the add, the norm and the cast in one pass; the PyTorch path is the same
+    arithmetic in three ops.
+    """
+    kernels = native() if x.device.type == "cpu" else None
+    if kernels is not None:
+        out = kernels.add_rms_norm(x, delta, weight, eps, out_dtype)
+        if out is not None:
+            return out
+    if delta is not None:
+        x.add_(delta)
+    h = F.rms_norm(x, x.shape[-1:], weight, eps)
+    return h if h.dtype == out_dtype else h.to(out_dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -196,9 +215,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(positions, x.dtype)
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
+        delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+            x, delta = layer(x, delta, cos, sin, k_cache, v_cache, meta)
+        return add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps, x.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

@@ -247,3 +247,27 @@ DEFINE_PARTITION(partition_f32, float, LOAD_F32)
 #define STORE_F32(x) (x)
 DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, partition_bf16, f32_to_bf16)
 DEFINE_ENTRY(paged_decode_attention_f32, float, partition_f32, STORE_F32)
+
+/* RMSNorm with the residual add in front (vLLM's fused_add_rms_norm): for each of the num_rows rows of x
+ * (float32, [num_rows, n], updated in place), x += delta (when delta is not NULL), then
+ * out = x / sqrt(mean(x^2) + eps) * weight, stored as bfloat16 or float32. Small inputs (decode steps)
+ * stay on the calling thread: forking threads would cost more than the work. */
+#define DEFINE_ADD_RMS_NORM(NAME, D, LOAD_D, O, STORE_O)                                                    \
+    void NAME(float *x, const D *delta, const float *weight, O *out, int64_t num_rows, int64_t n, float eps, \
+              int num_threads) {                                                                            \
+        const int threads = num_rows * n >= (1 << 16) ? num_threads : 1;                                    \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t r = 0; r < num_rows; \
+                                                                              r++) {                       \
+            float *xr = x + r * n;                                                                          \
+            if (delta != NULL)                                                                              \
+                for (int64_t i = 0; i < n; i++) xr[i] += LOAD_D(delta[r * n + i]);                          \
+            float sum = 0.0f;                                                                               \
+            _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];   \
+            const float inv = 1.0f / sqrtf(sum / (float)n + eps);                                           \
+            O *orow = out + r * n;                                                                          \
+            for (int64_t i = 0; i < n; i++) orow[i] = STORE_O(xr[i] * inv * weight[i]);                     \
+        }                                                                                                   \
+    }
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16_to_bf16, uint16_t, bf16_to_f32, uint16_t, f32_to_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32_to_f32, float, LOAD_F32, float, STORE_F32)

@@ -1,4 +1,4 @@
-"""The native decode-attention kernel against the PyTorch path, and prefill attention against plain softmax."""
+"""The native CPU kernels (decode attention, add + RMSNorm) against PyTorch, and prefill attention against softmax."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import splitserve.model.attention as attention
 from splitserve.model.attention import DecodeBatch, PrefillChunk
@@ -101,6 +102,32 @@ def test_prefill_attention_matches_reference(dtype: torch.dtype, num_q: int, num
     out = attention._prefill_attention(q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), HEAD_DIM**-0.5)
     ref = _reference(q, k_cache[slots], v_cache[slots])
     assert torch.allclose(out.double(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 16, 300])  # 300 rows take the threaded path
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_pytorch(
+    kernels: NativeKernels, out_dtype: torch.dtype, num_rows: int, with_delta: bool
+) -> None:
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 576, generator=gen) * 3
+    delta = torch.randn(num_rows, 576, generator=gen).to(out_dtype) if with_delta else None
+    weight = torch.rand(576, generator=gen) + 0.5
+    summed = x + delta.float() if delta is not None else x.clone()
+    expected = F.rms_norm(summed, (576,), weight, 1e-5)
+    out = kernels.add_rms_norm(x, delta, weight, 1e-5, out_dtype)
+    assert out is not None and out.dtype == out_dtype
+    assert torch.equal(x, summed)  # the residual add is in place and exact
+    rtol = 1e-5 if out_dtype == torch.float32 else 2**-7  # one bfloat16 rounding step
+    assert torch.allclose(out.float(), expected, rtol=rtol, atol=1e-6)
+
+
+def test_add_rms_norm_declines_other_layouts(kernels: NativeKernels) -> None:
+    x, weight = torch.randn(4, 8), torch.ones(8)
+    assert kernels.add_rms_norm(x.t(), None, weight, 1e-5, torch.float32) is None  # not contiguous
+    assert kernels.add_rms_norm(x, torch.randn(4, 8), weight, 1e-5, torch.bfloat16) is None  # delta dtype
+    assert kernels.add_rms_norm(x.bfloat16(), None, weight, 1e-5, torch.bfloat16) is None  # stream not fp32
 
 
 @pytest.fixture
