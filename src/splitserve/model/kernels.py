@@ -30,35 +30,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC") + (
+    ("-mprefer-vector-width=512",) if os.uname().machine in ("x86_64", "AMD64") else ()
+)
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # q, q_row_stride, k_cache, v_cache, tables, max_blocks, lens, out, num_seqs, num_heads, num_kv_heads,
 # head_dim, block_size, scale, num_threads
-_DECODE_ARGTYPES: list[type[_SimpleCData[Any]]] = [
-    _P,
-    _I64,
-    _P,
-    _P,
-    _P,
-    _I64,
-    _P,
-    _P,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    _F,
-    _I,
-]
+_DECODE_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I, _I, _I, _I, _I, _F, _I]
 # x, delta, weight, out, num_rows, n, eps, num_threads
 _NORM_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _P, _P, _P, _I64, _I64, _F, _I]
 
 
 class NativeKernels:
-    """The loaded library: one entry point per storage dtype."""
+    """The loaded library. Each method checks that the tensors are ones its C function takes (CPU, dtype,
+    layout) and declines (None or False) otherwise, so callers keep a PyTorch path for everything else."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.decode = {
@@ -172,7 +159,7 @@ def _build() -> Path:
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
-    target = cache_dir() / f"paged_attention-{digest.hexdigest()[:16]}.so"
+    target = cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

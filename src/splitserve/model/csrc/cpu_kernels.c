@@ -1,8 +1,11 @@
 /*
- * Decode attention that reads K/V in place through each sequence's block table (CPU, OpenMP).
+ * CPU kernels for the model's per-step work that PyTorch runs as many small ops (OpenMP, AVX-512 where the
+ * compiler targets it):
+ * - decode attention that reads K/V in place through each sequence's block table;
+ * - the residual add + RMSNorm + cast (vLLM's fused_add_rms_norm).
  *
- * Built and loaded by splitserve/model/kernels.py (gcc -O3 -march=native -fopenmp, at first use). The
- * torch fallback in attention.py first gathers every sequence's context into a padded [B, L_max] tensor
+ * Built and loaded by splitserve/model/kernels.py (cc -O3 -march=native -fopenmp, at first use). For
+ * decode attention, the torch fallback in attention.py first gathers every sequence's context into a padded [B, L_max] tensor
  * and then runs SDPA over it: a 2,500-token sequence in a batch of short ones makes every sequence pay
  * for 2,500 tokens, twice (the copy and the attention). Here each sequence walks its own blocks, once for
  * the scores and once for the values; nothing is copied or padded.
