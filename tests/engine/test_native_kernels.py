@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,9 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import splitserve.engine.model_runner as model_runner
 import splitserve.model.attention as attention
+import splitserve.model.llama as llama
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
 from splitserve.model.kernels import NativeKernels, native
+from splitserve.model.llama import LlamaForCausalLM
+from tests.engine.conftest import build_engine, run_to_completion
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -157,3 +163,29 @@ def test_the_build_is_cached(fresh_native: Path) -> None:
     native.cache_clear()
     assert native() is not None
     assert list(fresh_native.iterdir()) == built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
+    tiny_model: LlamaForCausalLM, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both paths through a whole engine: chunked prefill over a cached prefix, then batched decodes."""
+
+    def run() -> list[torch.Tensor]:
+        model = copy.deepcopy(tiny_model).to(dtype)
+        logits: list[torch.Tensor] = []
+        compute = model.compute_logits
+        model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]  # type: ignore[method-assign]
+        engine = build_engine(model, max_num_batched_tokens=32)  # a 70-token prompt takes three chunks
+        prompts = {"a": list(range(1, 71)), "b": list(range(100, 120))}
+        run_to_completion(engine, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        return logits
+
+    native_logits = run()
+    for module in (attention, llama, model_runner):
+        monkeypatch.setattr(module, "native", lambda: None)
+    torch_logits = run()
+    assert len(native_logits) == len(torch_logits) > 10
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for ours, theirs in zip(native_logits, torch_logits, strict=True):
+        assert torch.allclose(ours, theirs, atol=tol, rtol=tol)
