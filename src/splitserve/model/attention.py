@@ -31,6 +31,7 @@ class PrefillChunk:
     num_query_tokens: int
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
+    allowed: torch.Tensor | None = None  # [Q, C] bool causal mask over a cached prefix, built by the first layer
 
 
 @dataclass(slots=True)
@@ -116,7 +117,7 @@ def _decode_attention(
 def _decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """The same as the native kernel: gather each context into a padded batch, then SDPA with a mask."""
+    """What the native kernel computes, in PyTorch: gather each context into a padded batch, then masked SDPA."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     slots, mask = decode.padded_slots()
@@ -146,6 +147,7 @@ def _prefill_attention(
     if num_q == num_ctx:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at absolute position C - Q + i: it sees keys 0 .. C - Q + i
-        allowed = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_(num_ctx - num_q)
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        if chunk.allowed is None:
+            chunk.allowed = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_(num_ctx - num_q)
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.allowed, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

@@ -4,11 +4,12 @@
  * - decode attention that reads K/V in place through each sequence's block table;
  * - the residual add + RMSNorm + cast (vLLM's fused_add_rms_norm).
  *
- * Built and loaded by splitserve/model/kernels.py (cc -O3 -march=native -fopenmp, at first use). For
- * decode attention, the torch fallback in attention.py first gathers every sequence's context into a padded [B, L_max] tensor
- * and then runs SDPA over it: a 2,500-token sequence in a batch of short ones makes every sequence pay
- * for 2,500 tokens, twice (the copy and the attention). Here each sequence walks its own blocks, once for
- * the scores and once for the values; nothing is copied or padded.
+ * Built and loaded by splitserve/model/kernels.py (cc -O3 -march=native -fopenmp, at first use).
+ *
+ * Decode attention: the torch fallback in attention.py first gathers every sequence's context into a
+ * padded [B, L_max] tensor and then runs SDPA over it, so a 2,500-token sequence in a batch of short ones
+ * makes every sequence pay for 2,500 tokens, twice (the copy and the attention). Here each sequence walks
+ * its own blocks, once for the scores and once for the values; nothing is copied or padded.
  *
  * Work is split into (sequence, partition) items of PARTITION tokens, as flash-decoding does, so one long
  * sequence still uses every thread: an item reads its slots front to back (every KV head of a slot at once,
