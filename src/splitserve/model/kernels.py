@@ -55,8 +55,8 @@ class NativeKernels:
         for fn in self.decode.values():
             fn.argtypes = _DECODE_ARGTYPES
             fn.restype = ctypes.c_int
-        # (residual/delta dtype, output dtype): the model's two layouts, float32 throughout and float32
-        # residual with bfloat16 matmul inputs
+        # keyed by the output dtype, which the delta shares; the residual stream is always float32. These are
+        # the model's two layouts: float32 throughout, and a float32 stream with bfloat16 matmul inputs
         self.norm = {
             torch.bfloat16: library.add_rms_norm_bf16_to_bf16,
             torch.float32: library.add_rms_norm_f32_to_f32,
