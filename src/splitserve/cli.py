@@ -60,7 +60,8 @@ def worker_command(
     quantization: Annotated[
         str,
         typer.Option(
-            help="auto: decode with a Q4 GGUF's 4-bit weights when running bfloat16 on CPU; int4: require it; "
+            help="gguf: every CPU matmul from a Q4_0/Q4_1/Q8_0 GGUF's own blocks (native kernels); int4: "
+            "PyTorch's int4 kernel for decode steps (bf16 CPU); auto: gguf, else int4, where they run; "
             "none: always the dequantized --dtype weights.",
             rich_help_panel=_ENGINE,
         ),

@@ -68,8 +68,9 @@ class ModelConfig:
     seed: int = 0  # seeds the random-weight test model and unseeded sampling
     served_model_name: str | None = None  # the name the API answers to; None: the model argument
     num_threads: int | None = None  # CPU threads for torch ops; None: the CPUs this process may run on
-    # Weights for decode-sized matmuls: "auto" uses a Q4_0/Q4_1 GGUF's 4-bit weights where bfloat16 runs on
-    # a CPU with the int4 kernel, "int4" insists on it, "none" always uses the dequantized --dtype weights.
+    # Where matmul weights come from: "gguf" runs every matmul from a Q4_0/Q4_1/Q8_0 GGUF's own blocks in the
+    # native CPU kernels; "int4" uses PyTorch's int4 kernel for decode-sized matmuls (bfloat16 on CPU);
+    # "auto" takes gguf, else int4, where they can run; "none" always uses the dequantized --dtype weights.
     quantization: str = "auto"
 
     def validate(self) -> None:
@@ -77,8 +78,8 @@ class ModelConfig:
             raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda; got {self.device!r}")
-        if self.quantization not in ("auto", "none", "int4"):
-            raise ValueError(f"--quantization must be one of auto, none, int4; got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "gguf", "int4"):
+            raise ValueError(f"--quantization must be one of auto, none, gguf, int4; got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 16:

@@ -16,7 +16,7 @@ import splitserve.model.attention as attention
 import splitserve.model.llama as llama
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
-from splitserve.model.kernels import NativeKernels, native
+from splitserve.model.kernels import NativeKernels, kernels_for, native
 from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import build_engine, run_to_completion
 
@@ -141,8 +141,10 @@ def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Pa
     """``native()`` rebuilt under this test's environment, into an empty cache directory."""
     monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path))
     native.cache_clear()
+    kernels_for.cache_clear()
     yield tmp_path
     native.cache_clear()
+    kernels_for.cache_clear()
 
 
 def test_native_kernels_can_be_switched_off(fresh_native: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -132,9 +132,9 @@ class LLMEngine:
         dtype = resolve_dtype(config.model.dtype, device)
         torch.manual_seed(config.model.seed)
         model = load_model(source, dtype, device)
-        num_int4 = apply_quantization(model, source, config.model.quantization)
-        if num_int4:
-            logger.info("decode-sized matmuls use the GGUF's 4-bit weights in %d layers", num_int4)
+        quantized = apply_quantization(model, source, config.model.quantization)
+        if quantized:
+            logger.info("matmuls use %s", quantized)
         tokenizer = load_tokenizer(source)
         name = config.model.served_model_name or config.model.model
         layout = kv_cache_layout(model, config.cache.block_size)

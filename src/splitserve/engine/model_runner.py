@@ -49,6 +49,7 @@ class ModelRunner:
             device=device,
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        model.bind_kv_cache(self.kv_cache, block_size)
         self.sampler = Sampler(seed)
         self._offsets = torch.arange(block_size, device=device)
 

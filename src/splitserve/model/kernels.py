@@ -1,13 +1,24 @@
 """Native CPU kernels: C sources in ``csrc/``, built with the system C compiler at first use, called via ctypes.
 
-The build is ``cc -O3 -march=native -fopenmp`` into a cache directory (``$SPLITSERVE_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/splitserve/kernels``, else ``~/.cache/splitserve/kernels``), named by a digest of the source,
-the flags, the compiler and the CPU's feature flags, so a changed source or another CPU builds afresh and
-processes starting together never load a half-written file (each builds to a temporary name and renames).
-Building takes about a second. Without a compiler, or with ``SPLITSERVE_NATIVE_KERNELS=0``, ``native()``
-returns None and callers use their PyTorch paths: the results agree, only speed differs.
+**One source, every instruction set.** The sources are compiled once per instruction-set level, each level a
+set of compiler flags the code's ``#if`` branches key on (``csrc/common.h``):
 
-ctypes releases the GIL for the call, so the engine thread's attention does not hold up the event loop.
+- ``scalar``: portable C, any CPU (always built by the tests);
+- ``avx2``: x86 with AVX2 + FMA + F16C (Haswell, Zen 1-3: the common cloud baseline);
+- ``avxvnni``: the same with AVX-VNNI's 8-bit dot products (Alder Lake and later without AVX-512);
+- ``avx512``: x86 with AVX-512 F/BW/VL/DQ and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later);
+- ``neon``, ``neon-dotprod``: ARMv8, and ARMv8.2 with 8-bit dot products (Graviton 2 and later).
+
+``detect_cpu()`` reads the CPU's features once; ``native()`` loads the best level the CPU runs, or the one
+``SPLITSERVE_KERNEL_ISA`` names (to measure another class's code path on this machine). Each build goes into a
+cache directory (``$SPLITSERVE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/splitserve/kernels``, else
+``~/.cache/splitserve/kernels``), named by a digest of the sources, the flags, the compiler and the CPU's
+features, so a changed source or another CPU builds afresh and processes starting together never load a
+half-written file (each builds to a temporary name and renames). Building takes a few seconds. Without a
+compiler, or with ``SPLITSERVE_NATIVE_KERNELS=0``, ``native()`` returns None and callers use their PyTorch
+paths: the results agree, only speed differs.
+
+ctypes releases the GIL for the call, so the engine thread's kernels do not hold up the event loop.
 """
 
 from __future__ import annotations
@@ -17,9 +28,11 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +43,112 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC") + (
-    ("-mprefer-vector-width=512",) if os.uname().machine in ("x86_64", "AMD64") else ()
+SOURCE_DIR = Path(__file__).with_name("csrc")
+BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True, slots=True)
+class IsaLevel:
+    """A build of the kernels: the CPU features it needs (``/proc/cpuinfo`` names) and its compiler flags."""
+
+    name: str
+    needs: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+_X86_LEVELS = (
+    IsaLevel("scalar", (), ("-march=x86-64", "-mtune=generic", "-DSS_SCALAR")),
+    IsaLevel("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mtune=native")),
+    IsaLevel(
+        "avxvnni", ("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mtune=native")
+    ),
+    IsaLevel(
+        "avx512",
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+         "-mprefer-vector-width=512", "-mtune=native"),
+    ),
+)  # fmt: skip
+_ARM_LEVELS = (
+    IsaLevel("scalar", (), ("-DSS_SCALAR",)),
+    IsaLevel("neon", ("asimd",), ("-mtune=native",)),
+    IsaLevel("neon-dotprod", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod", "-mtune=native")),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CpuInfo:
+    """What this CPU can run, read once at start (``detect_cpu``)."""
+
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    model_name: str
+    flags: frozenset[str]
+
+    @property
+    def levels(self) -> tuple[IsaLevel, ...]:
+        """The kernel builds this CPU can execute, best last."""
+        table = _X86_LEVELS if self.arch in ("x86_64", "AMD64") else _ARM_LEVELS if self.is_arm else ()
+        return tuple(level for level in table if all(f in self.flags for f in level.needs)) or (_X86_LEVELS[0],)
+
+    @property
+    def is_arm(self) -> bool:
+        return self.arch in ("aarch64", "arm64")
+
+    @property
+    def features(self) -> list[str]:
+        """The features that decide the kernel path and dtype, in the order the README lists them."""
+        names = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                 "amx_bf16", "amx_int8", "asimd", "asimddp", "sve", "bf16", "i8mm")  # fmt: skip
+        return [name for name in names if name in self.flags]
+
+    @property
+    def isa_class(self) -> str:
+        """One word for the CPU class: amx, avx512-bf16, avx512, avx2, neon-dotprod, neon or scalar."""
+        f = self.flags
+        if "amx_bf16" in f:
+            return "amx"
+        if "avx512_bf16" in f:
+            return "avx512-bf16"
+        if "avx512f" in f:
+            return "avx512"
+        if "avx2" in f:
+            return "avx2"
+        if self.is_arm:
+            return "neon-dotprod" if "asimddp" in f else "neon"
+        return "scalar"
+
+
+@functools.cache
+def detect_cpu() -> CpuInfo:
+    """This machine's CPU: architecture, model name and feature flags (from ``/proc/cpuinfo``)."""
+    flags: set[str] = set()
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+            elif key == "model name" and not model:
+                model = value.strip()
+    except OSError:
+        pass
+    return CpuInfo(platform.machine(), model or platform.processor() or platform.machine(), frozenset(flags))
+
+
+def select_level(cpu: CpuInfo) -> IsaLevel:
+    """The best level ``cpu`` runs, or the one ``SPLITSERVE_KERNEL_ISA`` names (a ``ValueError`` if it can't)."""
+    levels = cpu.levels
+    wanted = os.environ.get("SPLITSERVE_KERNEL_ISA", "").strip().lower()
+    if not wanted or wanted == "auto":
+        return levels[-1]
+    for level in levels:
+        if level.name == wanted:
+            return level
+    raise ValueError(
+        f"SPLITSERVE_KERNEL_ISA={wanted!r} is not one this CPU runs; choose one of {[lv.name for lv in levels]}"
+    )
+
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # q, q_row_stride, k_cache, v_cache, tables, max_blocks, lens, out, num_seqs, num_heads, num_kv_heads,
@@ -41,13 +156,34 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _DECODE_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I, _I, _I, _I, _I, _F, _I]
 # x, delta, weight, out, num_rows, n, eps, num_threads
 _NORM_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _P, _P, _P, _I64, _I64, _F, _I]
+# x, x_dtype, x_stride, m, k, w, wtype, n, y, out_dtype, ldy, scratch, num_threads
+_QMATMUL_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _I, _I64, _I64, _I64, _P, _I, _I64, _P, _I, _I64, _P, _I]
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# GGML type numbers of the weight formats the quantized matmul takes
+QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """A [n, k] weight in the kernels' interleaved layout (``NativeKernels.pack``), for the build that packed it."""
+
+    data: torch.Tensor  # uint8, opaque
+    wtype: int  # GGML type number
+    n: int
+    k: int
+    isa: str  # the level whose layout this is
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
 
 class NativeKernels:
     """The loaded library. Each method checks that the tensors are ones its C function takes (CPU, dtype,
     layout) and declines (None or False) otherwise, so callers keep a PyTorch path for everything else."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, level: IsaLevel) -> None:
+        self.level = level
         self.decode = {
             torch.bfloat16: library.paged_decode_attention_bf16,
             torch.float32: library.paged_decode_attention_f32,
@@ -64,6 +200,64 @@ class NativeKernels:
         for fn in self.norm.values():
             fn.argtypes = _NORM_ARGTYPES
             fn.restype = None
+        self._qmatmul = library.ss_quant_matmul
+        self._qmatmul.argtypes = _QMATMUL_ARGTYPES
+        self._qmatmul.restype = ctypes.c_int
+        self._packed_bytes = library.ss_packed_bytes
+        self._packed_bytes.argtypes = [_I, _I64, _I64]
+        self._packed_bytes.restype = _I64
+        self._repack = library.ss_repack
+        self._repack.argtypes = [_P, _I, _I64, _I64, _P]
+        self._repack.restype = ctypes.c_int
+        self.decode_step = library.ss_decode_step
+        self.decode_step.argtypes = [_P, _P, _I, _P, _P, _P, _I64, _P, _P, _I]
+        self.decode_step.restype = ctypes.c_int
+        self._dequantize = library.ss_dequantize_rows
+        self._dequantize.argtypes = [_P, _I, _I64, _I64, _I64, _P]
+        self._dequantize.restype = ctypes.c_int
+
+    def pack(self, rows: torch.Tensor, wtype: int, k: int) -> PackedWeight:
+        """GGUF rows ([n, row bytes] uint8, ``wtype`` blocks of 32 along k) in this build's layout.
+
+        Raises ``ValueError`` for a format the kernels do not take or a k that is not a multiple of 32.
+        """
+        n = rows.shape[0]
+        size = self._packed_bytes(wtype, n, k) if wtype in QUANT_TYPES else -1
+        if size < 0 or rows.dtype != torch.uint8 or not rows.is_contiguous():
+            raise ValueError(f"cannot pack a GGML type {wtype} weight of {n} x {k} ({rows.dtype})")
+        data = torch.empty(size, dtype=torch.uint8)
+        if self._repack(rows.data_ptr(), wtype, n, k, data.data_ptr()) != 0:
+            raise ValueError(f"repacking a GGML type {wtype} weight of {n} x {k} failed")
+        return PackedWeight(data, wtype, n, k, self.level.name)
+
+    def dequantize(self, rows: torch.Tensor, wtype: int, k: int) -> torch.Tensor:
+        """GGUF rows ([n, row bytes] uint8) as a float32 [n, k] tensor (the reference the tests compare to)."""
+        out = torch.empty(rows.shape[0], k, dtype=torch.float32)
+        if wtype not in QUANT_TYPES or self._dequantize(rows.data_ptr(), wtype, k, 0, rows.shape[0], out.data_ptr()):
+            raise ValueError(f"cannot dequantize GGML type {wtype}")
+        return out
+
+    def quant_matmul(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor | None:
+        """``x @ W.T`` ([m, k] float32/bfloat16 -> [m, n] in x's dtype); None where the kernel does not apply.
+
+        Activations are quantized to 8 bits per block of 32 on the way in (llama.cpp's Q8 scheme).
+        """
+        code = _DTYPE_CODES.get(x.dtype)
+        if (
+            code is None
+            or weight.isa != self.level.name
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[1] != weight.k
+            or x.stride(1) != 1
+        ):
+            return None
+        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
+        status = self._qmatmul(
+            x.data_ptr(), code, x.stride(0), x.shape[0], weight.k, weight.data.data_ptr(), weight.wtype, weight.n,
+            out.data_ptr(), code, weight.n, None, torch.get_num_threads(),
+        )  # fmt: skip
+        return out if status == 0 else None
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
@@ -131,6 +325,89 @@ class NativeKernels:
         return out if status == 0 else None
 
 
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
+        ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
+        ("down_type", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _P), ("sin", _P), ("max_positions", _I64),
+        ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("kv", _P), ("num_slots", _I64),
+        ("kv_dtype", ctypes.c_int32), ("block_size", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayer:
+    """One decoder layer's tensors for ``DecodeStep``: float32 norm weights and packed matmul weights."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+class DecodeStep:
+    """A whole decode step in one native call (``csrc/decode_step.c``), over the model's tensors.
+
+    Built once per model and KV cache; holds references to every tensor it points at, so they outlive it.
+    """
+
+    def __init__(
+        self,
+        kernels: NativeKernels,
+        layers: list[DecodeLayer],
+        final_norm: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [max_positions, head_dim] float32
+        kv_cache: torch.Tensor,  # [layers, 2, slots, kv_heads, head_dim]
+        shape: tuple[int, int, int, int, int],  # hidden, heads, kv heads, head_dim, intermediate
+        eps: float,
+        block_size: int,
+    ) -> None:
+        hidden, num_heads, num_kv_heads, head_dim, intermediate = shape
+        self._keep = (layers, final_norm, rotary, kv_cache)
+        self._layers = (_Layer * len(layers))()
+        for slot, layer in zip(self._layers, layers, strict=True):
+            slot.input_norm, slot.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight: PackedWeight = getattr(layer, name)
+                setattr(slot, name, weight.data.data_ptr())
+                setattr(slot, f"{name}_type", weight.wtype)
+        cos, sin = rotary
+        self._model = _Model(
+            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, head_dim**-0.5,
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], final_norm.data_ptr(), self._layers, kv_cache.data_ptr(),
+            kv_cache.shape[2], _DTYPE_CODES[kv_cache.dtype], block_size,
+        )  # fmt: skip
+        self.hidden = hidden
+        self._fn = kernels.decode_step
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [B, hidden] float32 embeddings, overwritten
+        positions: torch.Tensor,  # [B] int64
+        slots: torch.Tensor,  # [B] int64
+        block_tables: torch.Tensor,  # [B, max_blocks] int64
+        context_lens: torch.Tensor,  # [B] int64
+    ) -> torch.Tensor | None:
+        """The final-normed hidden states [B, hidden] float32, or None where the step cannot run here."""
+        out = torch.empty_like(x)
+        status = self._fn(
+            ctypes.byref(self._model), x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out if status == 0 else None
+
+
 def cache_dir() -> Path:
     if explicit := os.environ.get("SPLITSERVE_KERNEL_CACHE"):
         return Path(explicit)
@@ -140,35 +417,52 @@ def cache_dir() -> Path:
 
 @functools.cache
 def native() -> NativeKernels | None:
-    """The native kernels, built on first call; None (logged once) where they cannot be built or loaded."""
+    """The kernels of this CPU's best level, built on first call; None (logged once) where they cannot be."""
     if os.environ.get("SPLITSERVE_NATIVE_KERNELS", "1") == "0":
-        logger.info("native CPU kernels disabled (SPLITSERVE_NATIVE_KERNELS=0); using PyTorch attention")
+        logger.info("native CPU kernels disabled (SPLITSERVE_NATIVE_KERNELS=0); using PyTorch paths")
         return None
+    cpu = detect_cpu()
+    level = select_level(cpu)
+    kernels = kernels_for(level)
+    if kernels is not None:
+        logger.info(
+            "CPU %s (%s; %s): native kernels built for %s",
+            cpu.model_name, cpu.isa_class, " ".join(cpu.features) or "no vector extensions", level.name,
+        )  # fmt: skip
+    return kernels
+
+
+@functools.cache
+def kernels_for(level: IsaLevel) -> NativeKernels | None:
+    """The kernels built for ``level`` (which the caller knows this CPU runs); None where they cannot be built."""
     try:
-        return NativeKernels(ctypes.CDLL(str(_build())))
+        return NativeKernels(ctypes.CDLL(str(_build(level))), level)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        logger.warning("native CPU kernels unavailable, using PyTorch attention: %s", exc)
+        logger.warning("native CPU kernels (%s) unavailable, using PyTorch paths: %s", level.name, exc)
         return None
 
 
-def _build() -> Path:
+def _build(level: IsaLevel) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    flags = [*BASE_FLAGS, *level.cflags]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
-        digest.update(part)
-    target = cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    for part in (" ".join(flags), version, " ".join(sorted(detect_cpu().flags))):
+        digest.update(part.encode())
+    target = cache_dir() / f"cpu_kernels-{level.name}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-        )
+        command = [compiler, *flags, "-o", tmp, *map(str, sources), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -177,13 +471,3 @@ def _build() -> Path:
             os.unlink(tmp)
     logger.info("built native CPU kernels: %s", target)
     return target
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine

@@ -8,6 +8,8 @@ unchanged; ``load_hf_state_dict`` fuses q/k/v and gate/up into single matrices f
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,8 @@ from torch import nn
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.model.config import LlamaConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
-from splitserve.model.kernels import native
+from splitserve.model.kernels import DecodeLayer, DecodeStep, NativeKernels, PackedWeight, native
+from splitserve.model.quant import GGUFRows
 
 # Matmuls with at most this many rows use 4-bit weights when the layer has them (see ``model/int4.py``):
 # measured on a 2-core AMX CPU, 30 layers of SmolLM2: 3.5 ms at 1 row and 7 ms at 4 rows vs 13.5 ms in
@@ -23,6 +26,15 @@ from splitserve.model.kernels import native
 INT4_MAX_ROWS = 4
 # With low-precision weights, this many top logits per row are recomputed in float32 (see compute_logits).
 REFINE_TOP_K = 32
+# Steps that carry prompt tokens (prefill chunks) run their matmuls in --dtype from the dequantized weights;
+# pure decode steps use the GGUF's quantized blocks. Prefill stays as exact as the float model, and its first
+# token with it: 8-bit activations move each matmul by about 0.5%, enough to flip a near-tied first token
+# ("What is the capital of France?" starts "L'" instead of "The capital" in float32). Where oneDNN runs
+# bfloat16 in hardware (AVX-512 BF16, AMX), decode batches of more than QUANT_MAX_ROWS_BESIDE_BF16 rows use
+# the bf16 weights too: one SmolLM2 MLP matmul on 2 AMX cores takes 0.10 ms quantized vs 0.12 ms in bf16 at
+# 16 rows, 0.34 vs 0.14 ms at 32. Elsewhere (AVX2, AVX-512 without BF16, ARM) quantized decode always wins.
+QUANT_MAX_ROWS_BESIDE_BF16 = 16
+QUANT_MAX_ROWS = 1 << 62
 
 
 class Linear(nn.Linear):
@@ -36,6 +48,9 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     int4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed codes, scales_and_zeros)
+    quant: PackedWeight | None = None  # the GGUF's blocks, repacked for the native kernels
+    quant_kernels: NativeKernels | None = None
+    quant_max_rows = 1 << 62  # inputs with more rows take the float path
 
     def pack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -47,7 +62,20 @@ class Linear(nn.Linear):
             )
         self.int4_weight = weight.pack(self.weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def set_quantized(self, weight: GGUFRows, kernels: NativeKernels) -> None:
+        """Run matmuls from ``weight``'s quantized blocks (``ValueError`` if its shape is not this layer's)."""
+        if (weight.n, weight.k) != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight of shape {(weight.n, weight.k)} for a {tuple(self.weight.shape)} layer")
+        self.quant = kernels.pack(weight.rows, weight.wtype, weight.k)
+        self.quant_kernels = kernels
+
+    def forward(self, x: torch.Tensor, quantized: bool = True) -> torch.Tensor:
+        """``x @ W.T``; ``quantized=False`` keeps the float weights even where quantized ones are set."""
+        kernels = self.quant_kernels
+        if quantized and kernels is not None and self.quant is not None and x.shape[0] <= self.quant_max_rows:
+            out = kernels.quant_matmul(x, self.quant)
+            if out is not None:
+                return out
         if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
             codes, scales_zeros = self.int4_weight
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, GROUP_SIZE, scales_zeros)
@@ -114,7 +142,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        quantized = not meta.prefills  # prefill runs in float (see QUANT_MAX_ROWS)
+        qkv = self.qkv_proj(x, quantized)
         # q and k heads side by side, rotated in one go: [T, Hq + Hkv, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rotary(qk, cos, sin)
@@ -122,7 +151,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), quantized)
 
 
 class LlamaMLP(nn.Module):
@@ -132,10 +161,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, quantized: bool = True) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, quantized)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, quantized)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,7 +191,7 @@ class LlamaDecoderLayer(nn.Module):
         h = add_rms_norm(x, delta, self.input_layernorm, self.eps, matmul_dtype)
         attn = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
         h = add_rms_norm(x, attn, self.post_attention_layernorm, self.eps, matmul_dtype)
-        return x, self.mlp(h)
+        return x, self.mlp(h, not meta.prefills)
 
 
 def add_rms_norm(
@@ -195,6 +224,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._fp32_lm_head: torch.Tensor | None = None  # for refining the top logits
         self._packed_head: torch.Tensor | None = None
+        self._quant_head: tuple[PackedWeight, NativeKernels] | None = None  # the head's quantized blocks
+        self._quant_head_max_rows = 1 << 62
+        self._decode_step: DecodeStep | None = None  # the one-call native decode step (bind_kv_cache)
+        self._decode_step_max_rows = 0
         self.residual_dtype: torch.dtype | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
@@ -211,6 +244,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
+        step, decode = self._decode_step, meta.decode
+        fits = len(input_ids) <= self._decode_step_max_rows
+        if step is not None and decode is not None and not meta.prefills and fits:
+            x = self.embed_tokens(input_ids).float()
+            out = step(x, positions, meta.slot_mapping, decode.block_tables, decode.context_lens)
+            if out is not None:
+                return out
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         if self.residual_dtype is not None:
@@ -226,7 +266,12 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self._head_weight()).float()
         # Low-precision logits for the whole vocabulary (cheap), then the leading candidates recomputed
         # in float32: greedy choices are as float32 would make them, at a third of the cost.
-        logits = self._head(hidden.to(self.dtype)).float()
+        logits = None
+        if self._quant_head is not None and hidden.shape[0] <= self._quant_head_max_rows:
+            head, kernels = self._quant_head
+            logits = kernels.quant_matmul(hidden.float(), head)
+        if logits is None:
+            logits = self._head(hidden.to(self.dtype)).float()
         top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1).indices  # [N, k]
         exact = torch.einsum("nd,nkd->nk", hidden.float(), self._fp32_lm_head[top])
         return logits.scatter_(1, top, exact)
@@ -246,6 +291,13 @@ class LlamaForCausalLM(nn.Module):
         pre-packed for oneDNN.
         """
         dtype = self.dtype
+        beside_bf16 = can_pack_linear(self.embed_tokens.weight.device, dtype)
+        for module in [*self.modules()]:
+            if isinstance(module, Linear) and module.quant is not None:
+                module.quant_max_rows = QUANT_MAX_ROWS_BESIDE_BF16 if beside_bf16 else QUANT_MAX_ROWS
+        if self._quant_head is not None:
+            self._quant_head_max_rows = QUANT_MAX_ROWS_BESIDE_BF16 if beside_bf16 else QUANT_MAX_ROWS
+            self._fp32_lm_head = self._head_weight().detach().float()
         if dtype != torch.float32:
             self.residual_dtype = torch.float32
             for layer in self.layers:
@@ -255,29 +307,86 @@ class LlamaForCausalLM(nn.Module):
                 layer.post_attention_layernorm.data = layer.post_attention_layernorm.data.float()
             self.norm.data = self.norm.data.float()
             self._fp32_lm_head = self._head_weight().detach().float()
-        if can_pack_linear(self.embed_tokens.weight.device, dtype):
+        if beside_bf16:
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack()
             self._packed_head = torch.ops.mkldnn._reorder_linear_weight(self._head_weight().detach(), 1)
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        """Run pure decode steps in one native call over ``kv_cache`` ([layers, 2, slots, kv_heads, head_dim])
+        where every layer has quantized weights for the native kernels; otherwise leave the module path.
+
+        Call after ``prepare_for_inference``. ``SPLITSERVE_DECODE_STEP=0`` keeps the module path (to compare).
+        """
+        self._decode_step = None
+        cfg = self.config
+        linears = list(self._linear_sources())  # qkv, o, gate_up, down of each layer in turn
+        kernels = linears[0].quant_kernels if linears else None
+        if (
+            kernels is None
+            or os.environ.get("SPLITSERVE_DECODE_STEP", "1") == "0"
+            or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous()
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or cfg.head_dim > 256
+            or cfg.num_attention_heads % cfg.num_key_value_heads
+            or 256 % block_size
+            or self.norm.dtype != torch.float32
+        ):
+            return
+        layers: list[DecodeLayer] = []
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            packed = [lin.quant for lin in linears[4 * i : 4 * i + 4] if lin.quant_kernels is kernels]
+            norms = (layer.input_layernorm.detach(), layer.post_attention_layernorm.detach())
+            if any(p is None for p in packed) or len(packed) < 4 or any(n.dtype != torch.float32 for n in norms):
+                return
+            layers.append(DecodeLayer(*norms, *packed))  # type: ignore[arg-type]
+        shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+        rotary = (self.rotary.cos, self.rotary.sin)
+        self._decode_step = DecodeStep(
+            kernels, layers, self.norm.detach(), rotary, kv_cache, shape, cfg.rms_norm_eps, block_size
+        )
+        self._decode_step_max_rows = linears[0].quant_max_rows
+
     def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
         """Give each linear layer whose HF weights are all present its 4-bit form; returns how many got one."""
         num_set = 0
+        for module, names in self._linear_sources().items():
+            if all(n in weights for n in names):
+                module.set_int4(Int4Weight.concat([weights[n] for n in names]))
+                num_set += 1
+        return num_set
+
+    def load_quantized_weights(self, weights: dict[str, GGUFRows], kernels: NativeKernels) -> int:
+        """Give each linear layer (and the output head) whose HF weights are all present in one quantized
+        format its quantized form for ``kernels``; returns how many got one."""
+        num_set = 0
+        for module, names in self._linear_sources().items():
+            parts = [weights[n] for n in names if n in weights]
+            rows = GGUFRows.concat(parts) if len(parts) == len(names) else None
+            if rows is not None:
+                module.set_quantized(rows, kernels)
+                num_set += 1
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        head = weights.get("lm_head.weight", weights.get(head_name))
+        if head is not None and (head.n, head.k) == tuple(self._head_weight().shape):
+            self._quant_head = kernels.pack(head.rows, head.wtype, head.k), kernels
+            num_set += 1
+        return num_set
+
+    def _linear_sources(self) -> dict[Linear, list[str]]:
+        """Each fused linear layer and the HF weights it stacks."""
+        sources: dict[Linear, list[str]] = {}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             hf = f"model.layers.{i}."
-            groups = {
-                layer.self_attn.qkv_proj: [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
-                layer.self_attn.o_proj: [hf + "self_attn.o_proj.weight"],
-                layer.mlp.gate_up_proj: [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
-                layer.mlp.down_proj: [hf + "mlp.down_proj.weight"],
-            }
-            for module, names in groups.items():
-                if all(n in weights for n in names):
-                    module.set_int4(Int4Weight.concat([weights[n] for n in names]))
-                    num_set += 1
-        return num_set
+            sources[layer.self_attn.qkv_proj] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
+            sources[layer.self_attn.o_proj] = [hf + "self_attn.o_proj.weight"]
+            sources[layer.mlp.gate_up_proj] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+            sources[layer.mlp.down_proj] = [hf + "mlp.down_proj.weight"]
+        return sources
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

