@@ -37,6 +37,7 @@ LMCACHE_NUM_LOOKUP_TOKENS_TOTAL = "lmcache:num_lookup_tokens_total"
 LMCACHE_NUM_LOOKUP_HITS_TOTAL = "lmcache:num_lookup_hits_total"
 LMCACHE_NUM_VLLM_HIT_TOKENS_TOTAL = "lmcache:num_vllm_hit_tokens_total"
 LMCACHE_REQUEST_CACHE_HIT_RATE = "lmcache:request_cache_hit_rate"
+CPU_INFO = "splitserve:cpu_info"
 KV_TIER_HITS_TOTAL = "splitserve:kv_tier_hits_total"
 KV_TIER_MISSES_TOTAL = "splitserve:kv_tier_misses_total"
 KV_TIER_ERRORS_TOTAL = "splitserve:kv_tier_errors_total"
@@ -182,6 +183,19 @@ def _counter_base(name: str) -> str:
     return name.removesuffix("_total")
 
 
+class _CpuInfoCollector(Collector):
+    """``splitserve:cpu_info``: always 1, labelled with the CPU and the kernel path the engine runs."""
+
+    def __init__(self, get_info: Callable[[], Mapping[str, str]]) -> None:
+        self._get_info = get_info
+
+    def collect(self) -> Iterator[Metric]:
+        info = dict(self._get_info())
+        gauge = GaugeMetricFamily(CPU_INFO, "The CPU and the kernel path the engine runs on it.", labels=list(info))
+        gauge.add_metric(list(info.values()), 1.0)
+        yield gauge
+
+
 class _EngineStatsCollector(Collector):
     """Reads the latest engine stats snapshot on each scrape; nothing is exposed before the first one."""
 
@@ -272,10 +286,17 @@ class WorkerMetrics:
     ``observe_*`` methods are called from the event loop thread; ``render()`` may be called from any thread.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        cpu_info: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self._stats: EngineStatsLike | None = None
+        if cpu_info is not None:
+            self.registry.register(_CpuInfoCollector(cpu_info))
         self.ttft_s = self._histogram(
             TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS_S
         )

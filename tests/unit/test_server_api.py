@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 
+from splitserve import __version__
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.metrics import WorkerMetrics
+from splitserve.model.kernels import detect_cpu
 from splitserve.server.app import build_app
 from tests.unit.fake_engine import REPLY, FakeEngine, ServerThread
 from tests.waiting import wait_until
@@ -116,6 +118,18 @@ class TestResponses:
         body = http.get("/v1/models").json()
         assert body["object"] == "list"
         assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [(MODEL, "model", 128)]
+
+    def test_version_names_the_cpu_and_the_kernel_path(self, http: httpx.Client) -> None:
+        body = http.get("/version").json()
+        cpu = detect_cpu()
+        assert body["version"] == __version__
+        assert body["cpu"]["isa_class"] == cpu.isa_class and body["cpu"]["model_name"] == cpu.model_name
+        assert body["cpu"]["kernel_isa"] in [level.name for level in cpu.levels]
+
+    def test_cpu_info_metric_carries_the_kernel_path(self) -> None:
+        info = {"arch": "x86_64", "model_name": "Some CPU", "isa_class": "avx2", "kernel_isa": "avx2"}
+        text = WorkerMetrics(MODEL, cpu_info=lambda: info).render().decode()
+        assert 'splitserve:cpu_info{arch="x86_64",isa_class="avx2",kernel_isa="avx2",model_name="Some CPU"} 1.0' in text
 
     def test_vllm_extras_and_kv_transfer_params_are_accepted(self, http: httpx.Client) -> None:
         extras = {"top_k": 5, "min_tokens": 1, "ignore_eos": True, "include_stop_str_in_output": False, "seed": 3}

@@ -136,6 +136,34 @@ def detect_cpu() -> CpuInfo:
     return CpuInfo(platform.machine(), model or platform.processor() or platform.machine(), frozenset(flags))
 
 
+def describe_cpu() -> dict[str, Any]:
+    """What ``GET /version`` and the ``splitserve:cpu_info`` metric show: the CPU and the kernel path chosen.
+
+    Loads the kernels when nothing has yet (a few seconds the first time; call it off the event loop).
+    """
+    cpu = detect_cpu()
+    kernels = native()
+    return {
+        "arch": cpu.arch,
+        "model_name": cpu.model_name,
+        "isa_class": cpu.isa_class,
+        "features": cpu.features,
+        "kernel_isa": kernels.level.name if kernels is not None else "none",
+    }
+
+
+def loaded_cpu_info() -> dict[str, str]:
+    """``describe_cpu`` as metric labels, without building anything: the kernel path is "none" until loaded."""
+    cpu = detect_cpu()
+    loaded = native() if native.cache_info().currsize else None
+    return {
+        "arch": cpu.arch,
+        "model_name": cpu.model_name,
+        "isa_class": cpu.isa_class,
+        "kernel_isa": loaded.level.name if loaded is not None else "none",
+    }
+
+
 def select_level(cpu: CpuInfo) -> IsaLevel:
     """The best level ``cpu`` runs, or the one ``SPLITSERVE_KERNEL_ISA`` names (a ``ValueError`` if it can't)."""
     levels = cpu.levels
@@ -215,6 +243,9 @@ class NativeKernels:
         self._dequantize = library.ss_dequantize_rows
         self._dequantize.argtypes = [_P, _I, _I64, _I64, _I64, _P]
         self._dequantize.restype = ctypes.c_int
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NativeKernels:
+        return self  # a loaded library: copies of a model share it
 
     def pack(self, rows: torch.Tensor, wtype: int, k: int) -> PackedWeight:
         """GGUF rows ([n, row bytes] uint8, ``wtype`` blocks of 32 along k) in this build's layout.

@@ -19,8 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from splitserve import __version__
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.model.kernels import describe_cpu
 from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest, KVLookupRequest
 from splitserve.server.serving import ApiError, OpenAIServing
 
@@ -58,6 +60,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        cpu = await asyncio.to_thread(describe_cpu)
+        return _json({"version": __version__, "cpu": cpu})
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -16,6 +16,7 @@ from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.kv_events import KVEventPublisher
 from splitserve.metrics import WorkerMetrics
+from splitserve.model.kernels import loaded_cpu_info
 from splitserve.server.app import build_app
 
 logger = logging.getLogger("splitserve.worker")
@@ -50,9 +51,8 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
     events = _event_publisher(engine_config, server_config)
-    engine = AsyncEngine(
-        lambda: _load_engine(engine_config, server_config.role, events), WorkerMetrics(served_model_name(engine_config))
-    )
+    metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
+    engine = AsyncEngine(lambda: _load_engine(engine_config, server_config.role, events), metrics)
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(
         app,

@@ -1,0 +1,159 @@
+"""The quantized matmul on every instruction-set path this CPU runs (the portable scalar one always), against a
+float64 reference built from the ``gguf`` package's own quantizer and dequantizer; and the one-call decode step
+against the module path it replaces.
+
+The reference quantizes the activations exactly as the kernels do (per 32 values: d = max|x| / 127,
+q = round(x * 127 / max|x|)), so the kernel and the reference differ only by float32 accumulation order.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model import llama
+from splitserve.model.kernels import QUANT_TYPES, NativeKernels, detect_cpu, kernels_for
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.quant import GGUFRows
+from tests.engine.conftest import build_engine, run_to_completion
+
+LEVELS = [level.name for level in detect_cpu().levels]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request: pytest.FixtureRequest) -> NativeKernels:
+    level = next(lv for lv in detect_cpu().levels if lv.name == request.param)
+    built = kernels_for(level)
+    if built is None:
+        pytest.fail(f"the {request.param} kernels did not build (is a C compiler with OpenMP installed?)")
+    return built
+
+
+def gguf_rows(weight: np.ndarray, wtype: int) -> GGUFRows:
+    blocks = quantize(weight.astype(np.float32), wtype)
+    return GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks)), wtype, weight.shape[1])
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] float32 rounded as the kernels round it: 8 bits per block of 32, in float64."""
+    blocks = x.view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    q = torch.round(blocks * scale)
+    return (q.double() * (top / 127.0).double()).view_as(x)
+
+
+def test_the_scalar_path_is_always_tested() -> None:
+    assert LEVELS[0] == "scalar"
+
+
+@pytest.mark.parametrize("wtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 17, 40])
+def test_quant_matmul_matches_a_float64_reference(kernels: NativeKernels, wtype: int, num_rows: int) -> None:
+    rng = np.random.default_rng(wtype * 100 + num_rows)
+    n, k = 44, 96  # n not a multiple of any row group: the last group is partly padding
+    rows = gguf_rows(rng.normal(0, 0.3, (n, k)), wtype)
+    weight = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).double()
+    x = torch.from_numpy(rng.normal(0, 1, (num_rows, k)).astype(np.float32))
+    x[0, 5] = 40.0  # an outlier, as real activations have
+    packed = kernels.pack(rows.rows, wtype, k)
+    out = kernels.quant_matmul(x, packed)
+    assert out is not None and out.dtype == torch.float32 and out.shape == (num_rows, n)
+    expected = quantized_activations(x) @ weight.t()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_quant_matmul_takes_bfloat16_and_strided_rows(kernels: NativeKernels) -> None:
+    rng = np.random.default_rng(7)
+    rows = gguf_rows(rng.normal(0, 0.3, (16, 64)), 3)
+    weight = torch.from_numpy(dequantize(rows.rows.numpy(), 3)).double()
+    wide = torch.from_numpy(rng.normal(0, 1, (6, 128)).astype(np.float32)).bfloat16()
+    x = wide[:, 32:96]  # rows 128 elements apart
+    out = kernels.quant_matmul(x, kernels.pack(rows.rows, 3, 64))
+    assert out is not None and out.dtype == torch.bfloat16
+    expected = quantized_activations(x.float().contiguous()) @ weight.t()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+
+
+def test_the_native_dequantizer_agrees_with_the_gguf_package(kernels: NativeKernels) -> None:
+    rng = np.random.default_rng(3)
+    for wtype in QUANT_TYPES:
+        rows = gguf_rows(rng.normal(0, 1, (8, 64)), wtype)
+        ours = kernels.dequantize(rows.rows, wtype, 64)
+        assert torch.equal(ours, torch.from_numpy(dequantize(rows.rows.numpy(), wtype)))
+
+
+def test_quant_matmul_declines_what_it_cannot_take(kernels: NativeKernels) -> None:
+    rows = gguf_rows(np.ones((8, 64)), 8)
+    packed = kernels.pack(rows.rows, 8, 64)
+    assert kernels.quant_matmul(torch.ones(2, 32), packed) is None  # wrong k
+    assert kernels.quant_matmul(torch.ones(2, 64, dtype=torch.float16), packed) is None
+    assert kernels.quant_matmul(torch.ones(64, 2).t(), packed) is None  # columns not contiguous
+    with pytest.raises(ValueError, match="cannot pack"):
+        kernels.pack(rows.rows, 12, 64)  # Q4_K: not a format the kernels take
+    with pytest.raises(ValueError, match="cannot pack"):
+        kernels.pack(rows.rows, 8, 48)  # k not a multiple of 32
+
+
+def quantize_model(model: LlamaForCausalLM, kernels: NativeKernels, wtype: int) -> LlamaForCausalLM:
+    """A copy of ``model`` whose weights are ``wtype``-rounded, with those blocks as its quantized weights."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, llama.Linear):
+            rows = gguf_rows(module.weight.detach().numpy(), wtype)
+            module.weight.data = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).float()
+            module.set_quantized(rows, kernels)
+    head = gguf_rows(model.embed_tokens.weight.detach().numpy(), 8)
+    model.embed_tokens.weight.data = torch.from_numpy(dequantize(head.rows.numpy(), 8)).float()
+    assert model.load_quantized_weights({"model.embed_tokens.weight": head}, kernels) == 1
+    return model
+
+
+@pytest.mark.parametrize("wtype", [2, 3])
+def test_the_one_call_decode_step_matches_the_module_path(
+    tiny_model: LlamaForCausalLM, kernels: NativeKernels, wtype: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole engine: quantized decode steps in one native call vs the same matmuls one module at a time."""
+    model = quantize_model(tiny_model, kernels, wtype)
+
+    def run(one_call: bool) -> list[torch.Tensor]:
+        monkeypatch.setenv("SPLITSERVE_DECODE_STEP", "1" if one_call else "0")
+        copy_ = copy.deepcopy(model)
+        logits: list[torch.Tensor] = []
+        compute = copy_.compute_logits
+        copy_.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]  # type: ignore[method-assign]
+        engine = build_engine(copy_, max_num_batched_tokens=32)
+        assert (copy_._decode_step is not None) == one_call
+        prompts = {"a": list(range(1, 41)), "b": list(range(100, 120)), "c": [7]}
+        run_to_completion(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+        return logits
+
+    one_call, modules = run(True), run(False)
+    assert len(one_call) == len(modules) >= 10  # a batched prefill, then decode steps of 3, 2 and 1
+    for ours, theirs in zip(one_call, modules, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3)
+
+
+def test_quantized_decode_stays_close_to_float(tiny_model: LlamaForCausalLM, kernels: NativeKernels) -> None:
+    """8-bit activations move the logits a little, never the model: same weights, float vs quantized decode."""
+    model = quantize_model(tiny_model, kernels, 8)
+    float_model = copy.deepcopy(model)
+    float_model._quant_head = None
+    for module in float_model.modules():
+        if isinstance(module, llama.Linear):
+            module.quant = module.quant_kernels = None
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = {}
+    for label, m in (("quant", model), ("float", float_model)):
+        logits: list[torch.Tensor] = []
+        compute = m.compute_logits
+        m.compute_logits = lambda hidden, c=compute, sink=logits: sink.append(c(hidden)) or sink[-1]  # type: ignore[method-assign]
+        run_to_completion(build_engine(m), {"a": list(range(1, 30))}, params)
+        got[label] = logits
+    for ours, theirs in zip(got["quant"], got["float"], strict=True):
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
