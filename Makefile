@@ -13,6 +13,9 @@ setup: $(STAMP)
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 	command -v cc >/dev/null || ($(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc)
+	# the ARM (NEON) kernels are tested under qemu on x86 machines
+	[ "$$(uname -m)" != x86_64 ] || command -v qemu-aarch64 >/dev/null || ($(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -9,6 +9,9 @@ q = round(x * 127 / max|x|)), so the kernel and the reference differ only by flo
 from __future__ import annotations
 
 import copy
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +20,15 @@ from gguf.quants import dequantize, quantize
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model import llama
-from splitserve.model.kernels import QUANT_TYPES, NativeKernels, detect_cpu, kernels_for
+from splitserve.model.kernels import (
+    ARM_LEVELS,
+    QUANT_TYPES,
+    SOURCE_DIR,
+    IsaLevel,
+    NativeKernels,
+    detect_cpu,
+    kernels_for,
+)
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.quant import GGUFRows
 from tests.engine.conftest import build_engine, run_to_completion
@@ -157,3 +168,20 @@ def test_quantized_decode_stays_close_to_float(tiny_model: LlamaForCausalLM, ker
         got[label] = logits
     for ours, theirs in zip(got["quant"], got["float"], strict=True):
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+ARM_GCC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+
+
+@pytest.mark.skipif(detect_cpu().is_arm, reason="on ARM the tests above run these paths natively")
+@pytest.mark.skipif(ARM_GCC is None or QEMU is None, reason="needs gcc-aarch64-linux-gnu and qemu-user (make setup)")
+@pytest.mark.parametrize("level", ARM_LEVELS, ids=lambda level: level.name)
+def test_the_arm_paths_under_qemu(level: IsaLevel, tmp_path: Path) -> None:
+    """The NEON (and dot-product) kernels, cross-built and run under qemu against tests/native/quant_check.c."""
+    flags = [flag for flag in level.cflags if flag != "-mtune=native"]
+    binary = tmp_path / "quant_check"
+    sources = [str(Path(__file__).parents[1] / "native" / "quant_check.c"), *map(str, sorted(SOURCE_DIR.glob("*.c")))]
+    build = [str(ARM_GCC), "-O2", "-fopenmp", "-static", *flags, "-o", str(binary), *sources, "-lm"]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    result = subprocess.run([str(QEMU), "-cpu", "max", str(binary)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr

@@ -56,7 +56,7 @@ class IsaLevel:
     cflags: tuple[str, ...]
 
 
-_X86_LEVELS = (
+X86_LEVELS = (
     IsaLevel("scalar", (), ("-march=x86-64", "-mtune=generic", "-DSS_SCALAR")),
     IsaLevel("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mtune=native")),
     IsaLevel(
@@ -69,7 +69,7 @@ _X86_LEVELS = (
          "-mprefer-vector-width=512", "-mtune=native"),
     ),
 )  # fmt: skip
-_ARM_LEVELS = (
+ARM_LEVELS = (
     IsaLevel("scalar", (), ("-DSS_SCALAR",)),
     IsaLevel("neon", ("asimd",), ("-mtune=native",)),
     IsaLevel("neon-dotprod", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod", "-mtune=native")),
@@ -87,8 +87,8 @@ class CpuInfo:
     @property
     def levels(self) -> tuple[IsaLevel, ...]:
         """The kernel builds this CPU can execute, best last."""
-        table = _X86_LEVELS if self.arch in ("x86_64", "AMD64") else _ARM_LEVELS if self.is_arm else ()
-        return tuple(level for level in table if all(f in self.flags for f in level.needs)) or (_X86_LEVELS[0],)
+        table = X86_LEVELS if self.arch in ("x86_64", "AMD64") else ARM_LEVELS if self.is_arm else ()
+        return tuple(level for level in table if all(f in self.flags for f in level.needs)) or (X86_LEVELS[0],)
 
     @property
     def is_arm(self) -> bool:

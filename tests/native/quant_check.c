@@ -1,0 +1,91 @@
+/*
+ * A self-contained check of the quantized matmul for builds this machine cannot run natively (ARM NEON under
+ * qemu on an x86 machine): random GGUF blocks of each format, ss_quant_matmul against a float64 reference
+ * over ss_dequantize_rows (plain C) and activations rounded as the kernels round them. Prints "ok" and exits
+ * 0 when every case agrees; tests/engine/test_quant_kernels.py builds and runs it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int64_t ss_quant_row_bytes(int wtype, int64_t k);
+int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k);
+int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst);
+int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
+                    int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
+int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out);
+
+static uint32_t state = 12345u;
+static uint32_t next(void) {
+    state = state * 1664525u + 1013904223u;
+    return state >> 8;
+}
+static float uniform(void) { return (float)next() / 16777216.0f; } /* [0, 1) */
+
+static const uint16_t HALF_SCALES[] = {0x2000, 0x2266, 0x23ff, 0x1c00}; /* about 0.0078 .. 0.0039 */
+
+static void random_rows(uint8_t *rows, int wtype, int64_t n, int64_t k) {
+    const int64_t row_bytes = ss_quant_row_bytes(wtype, k), block = row_bytes / (k / 32);
+    for (int64_t b = 0; b < n * (k / 32); b++) {
+        uint8_t *p = rows + b * block;
+        for (int64_t i = 0; i < block; i++) p[i] = (uint8_t)next();
+        uint16_t d = HALF_SCALES[next() % 4];
+        memcpy(p, &d, 2);
+        if (wtype == 3) { /* Q4_1: a small negative minimum */
+            uint16_t m = 0xA000;
+            memcpy(p + 2, &m, 2);
+        }
+    }
+}
+
+static int check(int wtype, int64_t m, int64_t n, int64_t k) {
+    uint8_t *rows = malloc((size_t)(n * ss_quant_row_bytes(wtype, k)));
+    uint8_t *packed = malloc((size_t)ss_packed_bytes(wtype, n, k));
+    float *w = malloc(sizeof(float) * (size_t)(n * k)), *x = malloc(sizeof(float) * (size_t)(m * k));
+    float *y = malloc(sizeof(float) * (size_t)(m * n));
+    random_rows(rows, wtype, n, k);
+    for (int64_t i = 0; i < m * k; i++) x[i] = (uniform() - 0.5f) * 4.0f;
+    x[1] = 30.0f; /* an outlier */
+    if (ss_repack(rows, wtype, n, k, packed) || ss_dequantize_rows(rows, wtype, k, 0, n, w) ||
+        ss_quant_matmul(x, 0, k, m, k, packed, wtype, n, y, 0, n, NULL, 2)) {
+        printf("type %d: a call failed\n", wtype);
+        return 1;
+    }
+    double worst = 0.0;
+    for (int64_t i = 0; i < m; i++) {
+        double xq[4096];
+        for (int64_t b = 0; b < k / 32; b++) { /* the kernels' rounding: d = max / 127, q = round(x * 127 / max) */
+            float top = 0.0f;
+            for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(x[i * k + b * 32 + j]));
+            const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+            for (int j = 0; j < 32; j++) xq[b * 32 + j] = nearbyintf(x[i * k + b * 32 + j] * inv) * (double)(top / 127.0f);
+        }
+        for (int64_t r = 0; r < n; r++) {
+            double ref = 0.0, scale = 0.0;
+            for (int64_t t = 0; t < k; t++) {
+                ref += xq[t] * w[r * k + t];
+                scale += fabs(xq[t] * w[r * k + t]);
+            }
+            const double err = fabs(ref - y[i * n + r]) / (scale + 1e-6);
+            if (err > worst) worst = err;
+        }
+    }
+    free(rows), free(packed), free(w), free(x), free(y);
+    if (worst > 1e-5) {
+        printf("type %d, m %ld: relative error %g\n", wtype, (long)m, worst);
+        return 1;
+    }
+    return 0;
+}
+
+int main(void) {
+    const int types[] = {2, 3, 8};
+    const int64_t rows[] = {1, 3, 4, 5, 17};
+    int failures = 0;
+    for (int t = 0; t < 3; t++)
+        for (int r = 0; r < 5; r++) failures += check(types[t], rows[r], 44, 96);
+    printf(failures ? "failed\n" : "ok\n");
+    return failures != 0;
+}
