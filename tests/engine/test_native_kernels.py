@@ -16,7 +16,7 @@ import splitserve.model.attention as attention
 import splitserve.model.llama as llama
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
-from splitserve.model.kernels import NativeKernels, kernels_for, native
+from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for, native
 from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import build_engine, run_to_completion
 
@@ -59,9 +59,10 @@ def _context(k_cache: torch.Tensor, decode: DecodeBatch, row: int) -> torch.Tens
     return k_cache[slots]
 
 
-@pytest.fixture
-def kernels() -> NativeKernels:
-    built = native()
+@pytest.fixture(params=[level.name for level in detect_cpu().levels])
+def kernels(request: pytest.FixtureRequest) -> NativeKernels:
+    """Each instruction-set build this CPU runs (the portable scalar one always)."""
+    built = kernels_for(next(level for level in detect_cpu().levels if level.name == request.param))
     if built is None:
         pytest.fail("the native kernels did not build (is a C compiler with OpenMP installed?)")
     return built

@@ -30,7 +30,8 @@
 #define PARTITION 256 /* tokens per work item; a multiple of every block size */
 
 /* Row helpers: the dot product of a float row with a stored row, and acc += p * stored row. With AVX-512
- * they run 16 lanes at a time (head_dim a multiple of 16); otherwise scalar loops the compiler may vectorize. */
+ * they run 16 lanes at a time (head_dim a multiple of 16), with AVX2 8 lanes (a multiple of 8); otherwise
+ * loops the compiler vectorizes (omp simd lets it reorder the dot product's sum). */
 #if defined(SS_AVX512)
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
@@ -45,6 +46,22 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
         }                                                                                                   \
         for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
     }
+#elif defined(SS_AVX2)
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+#define VECTOR_ROWS(T, LOAD8)                                                                               \
+    static inline void to_float_##T(const T *x, float *out, int n) {                                        \
+        if (n % 8 == 0) {                                                                                   \
+            for (int d = 0; d < n; d += 8) _mm256_storeu_ps(out + d, LOAD8(x + d));                        \
+            return;                                                                                         \
+        }                                                                                                   \
+        for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
+    }
+#define load16_bf16 load8_bf16
+#define load16_f32 load8_f32
 #else
 #define VECTOR_ROWS(T, LOAD16)                                                                              \
     static inline void to_float_##T(const T *x, float *out, int n) {                                        \
@@ -67,8 +84,21 @@ static inline float dot_row(const float *a, const float *b, int n) {
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
     }
+#elif defined(SS_AVX2)
+    if (n % 16 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int d = 0; d < n; d += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        }
+        const __m256 s = _mm256_add_ps(s0, s1);
+        __m128 h = _mm_add_ps(_mm256_extractf128_ps(s, 1), _mm256_castps256_ps128(s));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
 #endif
     float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
     for (int d = 0; d < n; d++) dot += a[d] * b[d];
     return dot;
 }
@@ -79,6 +109,13 @@ static inline void axpy_row(float p, const float *x, float *acc, int n) {
         const __m512 pv = _mm512_set1_ps(p);
         for (int d = 0; d < n; d += 16)
             _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(acc + d)));
+        return;
+    }
+#elif defined(SS_AVX2)
+    if (n % 8 == 0) {
+        const __m256 pv = _mm256_set1_ps(p);
+        for (int d = 0; d < n; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(acc + d)));
         return;
     }
 #endif
@@ -113,6 +150,31 @@ static inline float exp_row(float *s, int64_t n, float top) {
         total = _mm512_add_ps(total, e);
     }
     sum = _mm512_reduce_add_ps(total);
+#elif defined(SS_AVX2) /* the same, 8 lanes; 2^k built in the exponent bits (k >= -127 as x >= -88) */
+    const __m256 shift = _mm256_set1_ps(top), lowest = _mm256_set1_ps(-88.0f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 total = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift), lowest);
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
+        __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        _mm256_storeu_ps(s + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_extractf128_ps(total, 1), _mm256_castps256_ps128(total));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #endif
     for (; t < n; t++) {
         s[t] = expf(s[t] - top);
