@@ -104,7 +104,8 @@ def run_one(eng: Any, request_id: str, num_prompt: int, max_tokens: int) -> list
     """Serve one request to the end; returns each step's seconds."""
     from splitserve.engine.sampling_params import SamplingParams
 
-    eng.add_request(request_id, prompt(num_prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    eng.add_request(request_id, prompt(num_prompt), params)
     times = []
     while eng.has_unfinished_requests():
         began = time.perf_counter()
