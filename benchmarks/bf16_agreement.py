@@ -1,8 +1,12 @@
-"""Greedy-token agreement of bfloat16 with float32: our engine and transformers, 20 chat prompts x 64 steps.
+"""Greedy-token agreement of bfloat16 and of the quantized decode path with float32, 20 chat prompts x 64 steps.
 
-Four runs on the same (dequantized GGUF) SmolLM2-135M-Instruct weights, all greedy with EOS ignored:
+Runs on the same (dequantized GGUF) SmolLM2-135M-Instruct weights, all greedy with EOS ignored:
 ours-fp32 and ours-bf16 go through ``LLMEngine`` (all 20 prompts in one batch, as served); hf-fp32 and
-hf-bf16 go through ``transformers.LlamaForCausalLM.generate``, one prompt at a time. For each pair it
+hf-bf16 go through ``transformers.LlamaForCausalLM.generate``, one prompt at a time. The quantized runs decode
+from the GGUF's own blocks: ours-bf16-int4 with PyTorch's int4 kernel, ours-bf16-gguf with the native
+kernels (one prompt at a time, today's default on a bf16 CPU), and ours-fp32-gguf-<isa> in float32 (one
+batch) with each instruction-set build this CPU runs. The first 12 tokens each run answers to "What is the
+capital of France?" are printed. For each pair it
 reports the fraction of the 20 x 64 tokens that agree position by position, the number of prompts whose 64
 tokens are all identical, and the mean step of the first divergence (over the prompts that diverge).
 
@@ -39,7 +43,9 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.kernels import detect_cpu, kernels_for
 from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.registry import apply_quantization, load_model, load_tokenizer, resolve_model
 from splitserve.model.tokenizer import Tokenizer
 
@@ -78,6 +84,8 @@ PAIRS = [
     ("ours-bf16", "hf-bf16"),
     ("ours-bf16-int4", "ours-fp32"),
     ("ours-bf16-int4", "ours-bf16"),
+    ("ours-bf16-gguf", "ours-fp32"),
+    ("ours-bf16-gguf", "ours-bf16"),
 ]
 
 
@@ -253,6 +261,23 @@ def main() -> None:
     runs["ours-bf16-int4"], tops["ours-bf16-int4"] = timed(
         "ours-bf16-int4", run_ours, int4, tokenizer, prompts, args.steps, 1
     )
+    # today's default: decode steps from the GGUF's quantized blocks in the native kernels (one sequence at a
+    # time, so every decode step takes them; bf16 above 16 rows); and the same in float32 for every
+    # instruction-set build this CPU runs, as on a CPU without native bfloat16
+    quantized = load_model(source, torch.bfloat16, torch.device("cpu"))
+    apply_quantization(quantized, source, "gguf")
+    runs["ours-bf16-gguf"], tops["ours-bf16-gguf"] = timed(
+        "ours-bf16-gguf", run_ours, quantized, tokenizer, prompts, args.steps, 1
+    )
+    blocks = load_gguf_quantized(source.path, fp32.config)
+    for level in detect_cpu().levels:
+        model, kernels = load_model(source, torch.float32, torch.device("cpu")), kernels_for(level)
+        if kernels is None:
+            continue
+        model.load_quantized_weights(blocks, kernels)
+        name = f"ours-fp32-gguf-{level.name}"
+        runs[name], tops[name] = timed(name, run_ours, model, tokenizer, prompts, args.steps)
+        PAIRS.append((name, "ours-fp32"))
     runs["hf-fp32"] = timed("hf-fp32", run_hf, "float32", prompts, args.steps)
     runs["hf-bf16"] = timed("hf-bf16", run_hf, "bfloat16", prompts, args.steps)
     pairs = [compare(f"{a} vs {b}", runs[a], runs[b]) for a, b in PAIRS]
@@ -268,10 +293,13 @@ def main() -> None:
         "ours_bf16_divergences": [asdict(d) for d in found],
         "fp32_top2_margin_quantiles": margin_quantiles(all_margins),
         "tokens": runs,
+        "capital_of_france": {name: tokenizer.decode(tokens[0][:12]) for name, tokens in runs.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print_tables(pairs, found, results["fp32_top2_margin_quantiles"])
+    for name, text in results["capital_of_france"].items():
+        print(f"{name}: {text!r}")
 
 
 def margin_quantiles(margins: list[float]) -> dict[str, float]:
