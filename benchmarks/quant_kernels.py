@@ -1,0 +1,99 @@
+"""The quantized matmul on every instruction-set build this CPU runs, on SmolLM2's own matrices.
+
+    .venv/bin/python benchmarks/quant_kernels.py [--threads 2]
+
+For each kernel build (scalar, avx2, avxvnni, avx512, neon... as the CPU allows) and each of the model's
+matmul shapes (layer 0's fused q/k/v, output, fused gate/up and down projections, and the Q8_0 output head),
+the median time of ``NativeKernels.quant_matmul`` at 1, 16 and 256 rows, with the packed weight bytes read per
+second and the multiply-adds per second. PyTorch's float32 ``F.linear`` over the dequantized weight is timed
+alongside. Results go to ``benchmarks/results/quant_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, write_result
+
+from splitserve.model.kernels import detect_cpu, kernels_for
+from splitserve.model.loader import load_gguf
+from splitserve.model.quant import GGUFRows, load_gguf_quantized
+from splitserve.model.registry import resolve_model
+
+ROWS = (1, 16, 256)
+
+
+def shapes() -> dict[str, GGUFRows]:
+    path = resolve_model("smollm2").path
+    config, _ = load_gguf(path)
+    weights = load_gguf_quantized(path, config)
+    layer = "model.layers.0."
+    fused = GGUFRows.concat([weights[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+    gate_up = GGUFRows.concat([weights[layer + f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert fused is not None and gate_up is not None
+    return {
+        "qkv": fused,
+        "o": weights[layer + "self_attn.o_proj.weight"],
+        "gate_up": gate_up,
+        "down": weights[layer + "mlp.down_proj.weight"],
+        "head (Q8_0)": weights["model.embed_tokens.weight"],
+    }
+
+
+def median_s(fn: Callable[[], Any], budget_s: float = 0.3) -> float:
+    fn()
+    times: list[float] = []
+    began = time.perf_counter()
+    while time.perf_counter() - began < budget_s or len(times) < 5:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "quant_kernels.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = detect_cpu()
+    results: dict[str, Any] = {"cpu": cpu.model_name, "isa_class": cpu.isa_class, "rows": {}}
+    weights = shapes()
+    for level in cpu.levels:
+        kernels = kernels_for(level)
+        if kernels is None:
+            continue
+        for name, w in weights.items():
+            packed = kernels.pack(w.rows, w.wtype, w.k)
+            dense = kernels.dequantize(w.rows, w.wtype, w.k)
+            for m in ROWS if name != "head (Q8_0)" else ROWS[:2]:
+                if level.name == "scalar" and m > 16:
+                    continue
+                x = torch.randn(m, w.k)
+                quant_s = median_s(lambda x=x, packed=packed, k=kernels: k.quant_matmul(x, packed))
+                float_s = median_s(lambda x=x, dense=dense: F.linear(x, dense))
+                row = {
+                    "us": quant_s * 1e6,
+                    "gb_s": packed.nbytes / quant_s / 1e9,
+                    "gmac_s": m * w.n * w.k / quant_s / 1e9,
+                    "torch_f32_us": float_s * 1e6,
+                }
+                results["rows"][f"{level.name} {name} m={m}"] = row
+                print(f"{level.name:9s} {name:12s} m={m:<4d} {row['us']:9.1f} us {row['gb_s']:6.1f} GB/s "
+                      f"{row['gmac_s']:6.1f} GMAC/s   torch f32 {row['torch_f32_us']:9.1f} us", flush=True)  # fmt: skip
+    write_result(args.out, "quant_kernels", args, results)
+
+
+if __name__ == "__main__":
+    main()
