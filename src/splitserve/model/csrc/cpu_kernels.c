@@ -122,6 +122,55 @@ static inline void axpy_row(float p, const float *x, float *acc, int n) {
     for (int d = 0; d < n; d++) acc[d] += p * x[d];
 }
 
+/* Blocked helpers for the vector builds (VW floats per vector): dot_many gives VW dot products of q with VW
+ * consecutive rows at once, so the horizontal sums are one transposing reduction for all of them instead of
+ * one per row; vload_row reads a stored row into vectors. */
+#if defined(SS_AVX2)
+static inline __m256 reduce8(const __m256 *a) { /* lane j = the sum of a[j]'s 8 lanes */
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+#if defined(SS_AVX512)
+#define VW 16
+static inline void dot_many(const float *q, const float *rows, int n, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < n; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + j * n + d), acc[j]);
+    }
+    __m256 half[16];
+    for (int j = 0; j < 16; j++)
+        half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
+    _mm256_storeu_ps(out, reduce8(half));
+    _mm256_storeu_ps(out + 8, reduce8(half + 8));
+}
+#elif defined(SS_AVX2)
+#define VW 8
+static inline void dot_many(const float *q, const float *rows, int n, float *out) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < n; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + j * n + d), acc[j]);
+    }
+    _mm256_storeu_ps(out, reduce8(acc));
+}
+#else
+#define VW 0
+static inline void dot_many(const float *q, const float *rows, int n, float *out) { (void)q, (void)rows, (void)n, (void)out; }
+#endif
+
+static inline float max_row(const float *s, int64_t n) {
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+    return top;
+}
+
 /* s[t] = exp(s[t] - top) for t < n; returns their sum. The AVX-512 exp: n = round(x / ln 2), r = x - n ln 2
  * (in two parts, Cody-Waite), exp(r) by its degree-7 Taylor polynomial (|r| <= ln 2 / 2: relative error
  * under 1e-8), scaled by 2^n. */
@@ -183,6 +232,70 @@ static inline float exp_row(float *s, int64_t n, float top) {
     return sum;
 }
 
+/* The value pass with the group's accumulators in registers: for each KV head and slice of SV vectors of
+ * head_dim, every token's V slice is loaded once and added into up to MAX_GROUP query heads' accumulators
+ * (acc += p * v), which stay in registers across the tokens. Returns 0 where it does not apply (no vector
+ * build, a larger group, head_dim not a multiple of the slice), and the caller runs the plain pass. */
+#define MAX_GROUP 4
+#if defined(SS_AVX512)
+#define SV 4 /* 64 floats per slice */
+typedef __m512 vec;
+#define VZERO _mm512_setzero_ps()
+#define VSET1 _mm512_set1_ps
+#define VFMA _mm512_fmadd_ps
+#define VSTORE _mm512_storeu_ps
+#elif defined(SS_AVX2)
+#define SV 2 /* 16 floats per slice */
+typedef __m256 vec;
+#define VZERO _mm256_setzero_ps()
+#define VSET1 _mm256_set1_ps
+#define VFMA _mm256_fmadd_ps
+#define VSTORE _mm256_storeu_ps
+#endif
+#if VW > 0
+#define DEFINE_VPASS(NAME, T, VLOAD)                                                                         \
+    static int NAME(const T *v_cache, const int64_t *table, int64_t first_block, int64_t n, int num_kv_heads, \
+                    int group, int head_dim, int block_size, const float *scores, float *acc) {             \
+        if (group > MAX_GROUP || head_dim % (SV * VW) != 0) return 0;                                       \
+        const int64_t row = (int64_t)num_kv_heads * head_dim;                                               \
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                                      \
+            for (int d0 = 0; d0 < head_dim; d0 += SV * VW) {                                                \
+                vec a[MAX_GROUP][SV];                                                                       \
+                for (int g = 0; g < MAX_GROUP; g++)                                                         \
+                    for (int i = 0; i < SV; i++) a[g][i] = VZERO;                                           \
+                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                            \
+                    const T *vp = v_cache + table[first_block + t0 / block_size] * block_size * row + kvh * head_dim + d0; \
+                    const int64_t stop = t0 + block_size < n ? t0 + block_size : n;                         \
+                    for (int64_t t = t0; t < stop; t++, vp += row) {                                        \
+                        vec v[SV];                                                                          \
+                        for (int i = 0; i < SV; i++) v[i] = VLOAD(vp + i * VW);                             \
+                        for (int g = 0; g < MAX_GROUP; g++) {                                               \
+                            if (g >= group) break;                                                          \
+                            const vec p = VSET1(scores[(int64_t)(kvh * group + g) * n + t]);                \
+                            for (int i = 0; i < SV; i++) a[g][i] = VFMA(p, v[i], a[g][i]);                  \
+                        }                                                                                   \
+                    }                                                                                       \
+                }                                                                                           \
+                for (int g = 0; g < group; g++)                                                             \
+                    for (int i = 0; i < SV; i++) VSTORE(acc + (kvh * group + g) * head_dim + d0 + i * VW, a[g][i]); \
+            }                                                                                               \
+        }                                                                                                   \
+        return 1;                                                                                           \
+    }
+DEFINE_VPASS(v_pass_uint16_t, uint16_t, load16_bf16)
+DEFINE_VPASS(v_pass_float, float, load16_f32)
+#else
+#define DEFINE_VPASS(NAME, T)                                                                                \
+    static int NAME(const T *v_cache, const int64_t *table, int64_t first_block, int64_t n, int num_kv_heads, \
+                    int group, int head_dim, int block_size, const float *scores, float *acc) {             \
+        (void)v_cache, (void)table, (void)first_block, (void)n, (void)num_kv_heads, (void)group;            \
+        (void)head_dim, (void)block_size, (void)scores, (void)acc;                                          \
+        return 0;                                                                                           \
+    }
+DEFINE_VPASS(v_pass_uint16_t, uint16_t)
+DEFINE_VPASS(v_pass_float, float)
+#endif
+
 /* Per work item: for every query head h, max score m[h], sum of exp(score - m[h]) l[h], and
  * acc[h][d] = sum_t exp(score_t - m[h]) * v_t[d], over tokens [begin, end) of one sequence. */
 #define DEFINE_PARTITION(NAME, T, LOAD)                                                                      \
@@ -194,25 +307,34 @@ static inline float exp_row(float *s, int64_t n, float top) {
         const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per slot */                       \
         for (int h = 0; h < num_heads; h++) {                                                               \
             for (int d = 0; d < head_dim; d++) qf[h * head_dim + d] = LOAD(q[h * head_dim + d]) * scale;   \
-            m[h] = -INFINITY;                                                                               \
         }                                                                                                   \
         const int64_t first_block = begin / block_size; /* begin is a multiple of the block size */       \
+        const int blocked = VW > 0 && head_dim % (VW > 0 ? VW : 1) == 0;                                    \
         for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                                    \
             const T *kp = k_cache + table[first_block + t0 / block_size] * block_size * row;                 \
             const int64_t stop = t0 + block_size < n ? t0 + block_size : n;                                 \
-            for (int64_t t = t0; t < stop; t++, kp += row) {                                                \
+            int64_t t = t0;                                                                                 \
+            for (; blocked && t + VW <= stop; t += VW, kp += VW * row) { /* VW tokens at a time */           \
+                for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                              \
+                    float kf[(VW > 0 ? VW : 1) * MAX_HEAD_DIM];                                             \
+                    for (int j = 0; j < VW; j++) to_float_##T(kp + j * row + kvh * head_dim, kf + j * head_dim, head_dim); \
+                    for (int h = kvh * group; h < (kvh + 1) * group; h++)                                   \
+                        dot_many(qf + h * head_dim, kf, head_dim, scores + h * n + t);                      \
+                }                                                                                           \
+            }                                                                                               \
+            for (; t < stop; t++, kp += row) {                                                              \
                 for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                              \
                     float kf[MAX_HEAD_DIM];                                                                 \
                     to_float_##T(kp + kvh * head_dim, kf, head_dim);                                        \
-                    for (int h = kvh * group; h < (kvh + 1) * group; h++) {                                 \
-                        const float dot = dot_row(qf + h * head_dim, kf, head_dim);                         \
-                        scores[h * n + t] = dot;                                                            \
-                        if (dot > m[h]) m[h] = dot;                                                         \
-                    }                                                                                       \
+                    for (int h = kvh * group; h < (kvh + 1) * group; h++)                                   \
+                        scores[h * n + t] = dot_row(qf + h * head_dim, kf, head_dim);                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
+        for (int h = 0; h < num_heads; h++) m[h] = max_row(scores + h * n, n);                              \
         for (int h = 0; h < num_heads; h++) l[h] = exp_row(scores + h * n, n, m[h]);                        \
+        if (v_pass_##T(v_cache, table, first_block, n, num_kv_heads, group, head_dim, block_size, scores, acc)) \
+            return;                                                                                         \
         memset(acc, 0, sizeof(float) * (size_t)num_heads * (size_t)head_dim);                               \
         for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                                    \
             const T *vp = v_cache + table[first_block + t0 / block_size] * block_size * row;                 \
