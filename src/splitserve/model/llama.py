@@ -42,8 +42,9 @@ class Linear(nn.Linear):
 
     ``pack()``: plain ``F.linear`` in bfloat16 on CPU re-lays-out the weight on every call; packing it once
     for oneDNN (as Inductor's freezing pass does) makes bfloat16 matmuls 2-4x faster on CPUs with AVX-512
-    BF16 / AMX. ``set_int4()``: decode-sized inputs (few rows) read 4-bit weights instead, a quarter of the
-    bytes. The original ``weight`` stays for ``state_dict`` and for everything else.
+    BF16 / AMX. ``set_quantized()``: decode steps read the GGUF's quantized blocks through the native kernels
+    (``model/quant.py``). ``set_int4()``: decode-sized inputs (few rows) read 4-bit weights through PyTorch's
+    int4 kernel instead. The original ``weight`` stays for ``state_dict``, prefill and everything else.
     """
 
     packed_weight: torch.Tensor | None = None

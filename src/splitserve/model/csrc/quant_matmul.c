@@ -123,11 +123,6 @@ static void quantize_rows(const void *x, int dtype, int64_t row_stride, int64_t 
     }
 }
 
-void ss_quantize_rows(const void *x, int dtype, int64_t row_stride, int64_t m, int64_t k, void *out,
-                      int num_threads) {
-    quantize_rows(x, dtype, row_stride, m, k, (block_q8a *)out, num_threads);
-}
-
 /* ------------------------------------------------------------------------- the repacked layout */
 /* At load, weights are repacked into groups of RG rows interleaved 4 weights at a time, so one vector holds 4
  * consecutive weights of each of the RG rows. An integer dot product against 4 activation bytes broadcast to
@@ -154,8 +149,6 @@ typedef struct {
     uint16_t d[RG];
     uint8_t qs[8][RG * 4]; /* qs[c][4 r + j]: weight 4 c + j of row r, as a byte (+ Q8_OFFSET) */
 } group_q8;
-
-int ss_group_rows(void) { return RG; }
 
 int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k) {
     const int64_t groups = (n + RG - 1) / RG, nb = k / QK;
