@@ -16,7 +16,7 @@ import splitserve.model.attention as attention
 import splitserve.model.llama as llama
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
-from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for, native
+from splitserve.model.kernels import CpuInfo, NativeKernels, detect_cpu, kernels_for, native, select_level
 from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import build_engine, run_to_completion
 
@@ -192,3 +192,28 @@ def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for ours, theirs in zip(native_logits, torch_logits, strict=True):
         assert torch.allclose(ours, theirs, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("arch", "flags", "levels", "isa_class"),
+    [
+        ("x86_64", {"avx2", "fma", "f16c"}, ["scalar", "avx2"], "avx2"),
+        ("x86_64", {"sse2"}, ["scalar"], "scalar"),
+        ("aarch64", {"asimd", "asimddp"}, ["scalar", "neon", "neon-dotprod"], "neon-dotprod"),
+        ("riscv64", set(), ["scalar"], "scalar"),
+    ],
+)
+def test_each_cpu_class_gets_the_builds_it_runs(arch: str, flags: set[str], levels: list[str], isa_class: str) -> None:
+    cpu = CpuInfo(arch, "some CPU", frozenset(flags))
+    assert [level.name for level in cpu.levels] == levels
+    assert cpu.isa_class == isa_class
+
+
+def test_a_build_can_be_chosen_but_not_one_the_cpu_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    avx2 = CpuInfo("x86_64", "some CPU", frozenset({"avx2", "fma", "f16c"}))
+    assert select_level(avx2).name == "avx2"
+    monkeypatch.setenv("SPLITSERVE_KERNEL_ISA", "scalar")
+    assert select_level(avx2).name == "scalar"
+    monkeypatch.setenv("SPLITSERVE_KERNEL_ISA", "avx512")
+    with pytest.raises(ValueError, match="avx512"):
+        select_level(avx2)

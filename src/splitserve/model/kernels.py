@@ -69,6 +69,7 @@ X86_LEVELS = (
          "-mprefer-vector-width=512", "-mtune=native"),
     ),
 )  # fmt: skip
+GENERIC_LEVEL = IsaLevel("scalar", (), ("-DSS_SCALAR",))  # any other architecture: portable C only
 ARM_LEVELS = (
     IsaLevel("scalar", (), ("-DSS_SCALAR",)),
     IsaLevel("neon", ("asimd",), ("-mtune=native",)),
@@ -88,7 +89,7 @@ class CpuInfo:
     def levels(self) -> tuple[IsaLevel, ...]:
         """The kernel builds this CPU can execute, best last."""
         table = X86_LEVELS if self.arch in ("x86_64", "AMD64") else ARM_LEVELS if self.is_arm else ()
-        return tuple(level for level in table if all(f in self.flags for f in level.needs)) or (X86_LEVELS[0],)
+        return tuple(level for level in table if all(f in self.flags for f in level.needs)) or (GENERIC_LEVEL,)
 
     @property
     def is_arm(self) -> bool:
@@ -142,13 +143,17 @@ def describe_cpu() -> dict[str, Any]:
     Loads the kernels when nothing has yet (a few seconds the first time; call it off the event loop).
     """
     cpu = detect_cpu()
-    kernels = native()
+    try:
+        kernels = native()
+        kernel_isa = kernels.level.name if kernels is not None else "none"
+    except ValueError as exc:  # SPLITSERVE_KERNEL_ISA names a build this CPU cannot run
+        kernel_isa = f"none ({exc})"
     return {
         "arch": cpu.arch,
         "model_name": cpu.model_name,
         "isa_class": cpu.isa_class,
         "features": cpu.features,
-        "kernel_isa": kernels.level.name if kernels is not None else "none",
+        "kernel_isa": kernel_isa,
     }
 
 
