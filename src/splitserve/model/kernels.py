@@ -138,35 +138,27 @@ def detect_cpu() -> CpuInfo:
 
 
 def describe_cpu() -> dict[str, Any]:
-    """What ``GET /version`` and the ``splitserve:cpu_info`` metric show: the CPU and the kernel path chosen.
+    """What ``GET /version`` shows: the CPU, its features and the kernel path chosen.
 
     Loads the kernels when nothing has yet (a few seconds the first time; call it off the event loop).
     """
-    cpu = detect_cpu()
     try:
         kernels = native()
         kernel_isa = kernels.level.name if kernels is not None else "none"
     except ValueError as exc:  # SPLITSERVE_KERNEL_ISA names a build this CPU cannot run
         kernel_isa = f"none ({exc})"
-    return {
-        "arch": cpu.arch,
-        "model_name": cpu.model_name,
-        "isa_class": cpu.isa_class,
-        "features": cpu.features,
-        "kernel_isa": kernel_isa,
-    }
+    return {**_cpu_labels(kernel_isa), "features": detect_cpu().features}
 
 
 def loaded_cpu_info() -> dict[str, str]:
-    """``describe_cpu`` as metric labels, without building anything: the kernel path is "none" until loaded."""
-    cpu = detect_cpu()
+    """The ``splitserve:cpu_info`` labels, without building anything: the kernel path is "none" until loaded."""
     loaded = native() if native.cache_info().currsize else None
-    return {
-        "arch": cpu.arch,
-        "model_name": cpu.model_name,
-        "isa_class": cpu.isa_class,
-        "kernel_isa": loaded.level.name if loaded is not None else "none",
-    }
+    return _cpu_labels(loaded.level.name if loaded is not None else "none")
+
+
+def _cpu_labels(kernel_isa: str) -> dict[str, str]:
+    cpu = detect_cpu()
+    return {"arch": cpu.arch, "model_name": cpu.model_name, "isa_class": cpu.isa_class, "kernel_isa": kernel_isa}
 
 
 def select_level(cpu: CpuInfo) -> IsaLevel:

@@ -34,7 +34,7 @@ REFINE_TOP_K = 32
 # the bf16 weights too: one SmolLM2 MLP matmul on 2 AMX cores takes 0.10 ms quantized vs 0.12 ms in bf16 at
 # 16 rows, 0.34 vs 0.14 ms at 32. Elsewhere (AVX2, AVX-512 without BF16, ARM) quantized decode always wins.
 QUANT_MAX_ROWS_BESIDE_BF16 = 16
-QUANT_MAX_ROWS = 1 << 62
+QUANT_MAX_ROWS = 1 << 62  # no limit
 
 
 class Linear(nn.Linear):
@@ -51,7 +51,7 @@ class Linear(nn.Linear):
     int4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed codes, scales_and_zeros)
     quant: PackedWeight | None = None  # the GGUF's blocks, repacked for the native kernels
     quant_kernels: NativeKernels | None = None
-    quant_max_rows = 1 << 62  # inputs with more rows take the float path
+    quant_max_rows = QUANT_MAX_ROWS  # inputs with more rows take the float path
 
     def pack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -143,7 +143,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        quantized = not meta.prefills  # prefill runs in float (see QUANT_MAX_ROWS)
+        quantized = not meta.prefills  # prefill runs in float (see QUANT_MAX_ROWS_BESIDE_BF16)
         qkv = self.qkv_proj(x, quantized)
         # q and k heads side by side, rotated in one go: [T, Hq + Hkv, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         self._fp32_lm_head: torch.Tensor | None = None  # for refining the top logits
         self._packed_head: torch.Tensor | None = None
         self._quant_head: tuple[PackedWeight, NativeKernels] | None = None  # the head's quantized blocks
-        self._quant_head_max_rows = 1 << 62
+        self._quant_head_max_rows = QUANT_MAX_ROWS
         self._decode_step: DecodeStep | None = None  # the one-call native decode step (bind_kv_cache)
         self._decode_step_max_rows = 0
         self.residual_dtype: torch.dtype | None = None
