@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import EngineFactory, random_prompts, run_to_completion, tokens_of
 
@@ -28,12 +29,41 @@ def test_prefix_cache_hit_gives_same_output(make_engine: EngineFactory) -> None:
     cold = tokens_of(run_to_completion(engine, {"a": prompt})["a"])
     warm_outputs = run_to_completion(engine, {"b": prompt})["b"]
     assert tokens_of(warm_outputs) == cold
-    assert warm_outputs[0].num_cached_tokens == 96  # six full blocks; the last token is always computed
+    # six full blocks, and three of the four tokens of the tail block "a" left; the last token is computed
+    assert warm_outputs[0].num_cached_tokens == 99
     stats = engine.get_stats()
-    assert stats.prefix_cache_hits == 96 and stats.prefix_cache_queries == 200
-    # a longer prompt sharing the prefix reuses it too
+    assert stats.prefix_cache_hits == 99 and stats.prefix_cache_queries == 200
+    # a longer prompt sharing the prefix reuses its full blocks, not the tail (its last block differs)
     longer = run_to_completion(engine, {"c": [*prompt, 7, 8, 9]})["c"]
     assert longer[0].num_cached_tokens == 96
+
+
+def test_cached_prompt_on_a_block_boundary_copies_its_last_block(make_engine: EngineFactory) -> None:
+    prompt = random_prompts(1, 96, 96, seed=5)["r0"]
+    engine = make_engine()
+    cold = tokens_of(run_to_completion(engine, {"a": prompt})["a"])
+    warm = run_to_completion(engine, {"b": prompt})["b"]
+    assert tokens_of(warm) == cold
+    assert warm[0].num_cached_tokens == 95
+
+
+def test_cached_tail_while_its_owner_still_decodes(make_engine: EngineFactory) -> None:
+    """The second request copies the first's tail block while the first keeps writing into it."""
+    prompt = random_prompts(1, 70, 70, seed=6)["r0"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cold = tokens_of(run_to_completion(make_engine(), {"a": prompt}, params)["a"])
+    engine = make_engine()
+    engine.add_request("a", prompt, params)
+    outputs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+    for _ in range(3):  # a computes its prompt and decodes into its tail block
+        for o in engine.step():
+            outputs[o.request_id].append(o)
+    engine.add_request("b", prompt, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id].append(o)
+    assert tokens_of(outputs["a"]) == tokens_of(outputs["b"]) == cold
+    assert outputs["b"][0].num_cached_tokens == 69
 
 
 def test_chunked_prefill_on_and_off_agree(make_engine: EngineFactory) -> None:

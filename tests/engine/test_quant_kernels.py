@@ -79,6 +79,26 @@ def test_quant_matmul_matches_a_float64_reference(kernels: NativeKernels, wtype:
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("wtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("num_rows", [1, 2, 4, 5, 9])
+def test_float_activation_matmul_is_the_float_model(kernels: NativeKernels, wtype: int, num_rows: int) -> None:
+    """With float activations the only difference from float64 over the dequantized weights is float32 rounding."""
+    rng = np.random.default_rng(wtype * 10 + num_rows)
+    n, k = 44, 96
+    rows = gguf_rows(rng.normal(0, 0.3, (n, k)), wtype)
+    weight = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).double()
+    x = torch.from_numpy(rng.normal(0, 1, (num_rows, k)).astype(np.float32))
+    x[0, 5] = 40.0
+    out = kernels.quant_matmul(x, kernels.pack(rows.rows, wtype, k), float_activations=True)
+    assert out is not None and out.shape == (num_rows, n)
+    torch.testing.assert_close(out.double(), x.double() @ weight.t(), rtol=1e-5, atol=1e-5)
+    wide = torch.from_numpy(rng.normal(0, 1, (num_rows, 2 * k)).astype(np.float32)).bfloat16()
+    strided = wide[:, k // 2 : k // 2 + k]  # bfloat16 rows 2k elements apart
+    out = kernels.quant_matmul(strided, kernels.pack(rows.rows, wtype, k), float_activations=True)
+    assert out is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), strided.double() @ weight.t(), rtol=1e-2, atol=1e-2)
+
+
 def test_quant_matmul_takes_bfloat16_and_strided_rows(kernels: NativeKernels) -> None:
     rng = np.random.default_rng(7)
     rows = gguf_rows(rng.normal(0, 0.3, (16, 64)), 3)
@@ -168,6 +188,24 @@ def test_quantized_decode_stays_close_to_float(tiny_model: LlamaForCausalLM, ker
         got[label] = logits
     for ours, theirs in zip(got["quant"], got["float"], strict=True):
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_a_cached_prompt_answers_as_a_cold_one(tiny_model: LlamaForCausalLM, kernels: NativeKernels) -> None:
+    """The last token of a cached prompt runs alone through the float-activation kernel; the first logits are
+    the cold prefill's (same float model), and so is every token after."""
+    model = quantize_model(tiny_model, kernels, 3)
+    logits: list[torch.Tensor] = []
+    compute = model.compute_logits
+    model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]  # type: ignore[method-assign]
+    engine = build_engine(model)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [int(t) for t in torch.randint(1, 200, (75,), generator=torch.Generator().manual_seed(4))]
+    cold = run_to_completion(engine, {"cold": prompt}, params)["cold"]
+    cold_first = logits[0]
+    warm = run_to_completion(engine, {"warm": prompt}, params)["warm"]
+    assert warm[0].num_cached_tokens == 74
+    assert [o.new_token_ids for o in warm] == [o.new_token_ids for o in cold]
+    torch.testing.assert_close(logits[6], cold_first, atol=1e-4, rtol=1e-4)
 
 
 ARM_GCC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")

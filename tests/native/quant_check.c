@@ -1,7 +1,8 @@
 /*
  * A self-contained check of the quantized matmul for builds this machine cannot run natively (ARM NEON under
  * qemu on an x86 machine): random GGUF blocks of each format, ss_quant_matmul against a float64 reference
- * over ss_dequantize_rows (plain C) and activations rounded as the kernels round them. Prints "ok" and exits
+ * over ss_dequantize_rows (plain C) and activations rounded as the kernels round them, and ss_quant_matmul_f
+ * against the same reference with the activations as they are. Prints "ok" and exits
  * 0 when every case agrees; tests/engine/test_quant_kernels.py builds and runs it.
  */
 #include <math.h>
@@ -15,6 +16,8 @@ int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k);
 int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst);
 int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
                     int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
+int ss_quant_matmul_f(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
+                      int64_t n, void *y, int out_dtype, int64_t ldy, int num_threads);
 int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out);
 
 static uint32_t state = 12345u;
@@ -40,7 +43,7 @@ static void random_rows(uint8_t *rows, int wtype, int64_t n, int64_t k) {
     }
 }
 
-static int check(int wtype, int64_t m, int64_t n, int64_t k) {
+static int check(int wtype, int64_t m, int64_t n, int64_t k, int float_activations) {
     uint8_t *rows = malloc((size_t)(n * ss_quant_row_bytes(wtype, k)));
     uint8_t *packed = malloc((size_t)ss_packed_bytes(wtype, n, k));
     float *w = malloc(sizeof(float) * (size_t)(n * k)), *x = malloc(sizeof(float) * (size_t)(m * k));
@@ -49,7 +52,8 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k) {
     for (int64_t i = 0; i < m * k; i++) x[i] = (uniform() - 0.5f) * 4.0f;
     x[1] = 30.0f; /* an outlier */
     if (ss_repack(rows, wtype, n, k, packed) || ss_dequantize_rows(rows, wtype, k, 0, n, w) ||
-        ss_quant_matmul(x, 0, k, m, k, packed, wtype, n, y, 0, n, NULL, 2)) {
+        (float_activations ? ss_quant_matmul_f(x, 0, k, m, k, packed, wtype, n, y, 0, n, 2)
+                           : ss_quant_matmul(x, 0, k, m, k, packed, wtype, n, y, 0, n, NULL, 2))) {
         printf("type %d: a call failed\n", wtype);
         return 1;
     }
@@ -60,7 +64,9 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k) {
             float top = 0.0f;
             for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(x[i * k + b * 32 + j]));
             const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-            for (int j = 0; j < 32; j++) xq[b * 32 + j] = nearbyintf(x[i * k + b * 32 + j] * inv) * (double)(top / 127.0f);
+            for (int j = 0; j < 32; j++)
+                xq[b * 32 + j] = float_activations ? x[i * k + b * 32 + j]
+                                                   : nearbyintf(x[i * k + b * 32 + j] * inv) * (double)(top / 127.0f);
         }
         for (int64_t r = 0; r < n; r++) {
             double ref = 0.0, scale = 0.0;
@@ -74,7 +80,7 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k) {
     }
     free(rows), free(packed), free(w), free(x), free(y);
     if (worst > 1e-5) {
-        printf("type %d, m %ld: relative error %g\n", wtype, (long)m, worst);
+        printf("type %d, m %ld, float activations %d: relative error %g\n", wtype, (long)m, float_activations, worst);
         return 1;
     }
     return 0;
@@ -85,7 +91,8 @@ int main(void) {
     const int64_t rows[] = {1, 3, 4, 5, 17};
     int failures = 0;
     for (int t = 0; t < 3; t++)
-        for (int r = 0; r < 5; r++) failures += check(types[t], rows[r], 44, 96);
+        for (int r = 0; r < 5; r++)
+            for (int f = 0; f < 2; f++) failures += check(types[t], rows[r], 44, 96, f);
     printf(failures ? "failed\n" : "ok\n");
     return failures != 0;
 }

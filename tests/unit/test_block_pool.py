@@ -55,3 +55,24 @@ def test_first_writer_wins_and_caching_can_be_off() -> None:
     (c,) = off.allocate(1)
     off.cache(c, 9)
     assert off.lookup(9) is None
+
+
+def test_prompt_tails_outlive_free_like_cached_blocks_and_never_raise_events() -> None:
+    pool = BlockPool(3)
+    events: list[int] = []
+    pool.on_cache = events.append
+    pool.on_evict = events.append
+    a, b, c = pool.allocate(3)
+    pool.cache_tail(a, 7)
+    pool.cache_tail(b, 7)  # first writer wins
+    assert pool.lookup_tail(7) is a and b.tail_hash is None and pool.lookup(7) is None
+    pool.free([c, b, a])
+    got = pool.allocate(2)  # blocks holding nothing are handed out first
+    assert a not in got and pool.lookup_tail(7) is a
+    (last,) = pool.allocate(1)
+    assert last is a and pool.lookup_tail(7) is None and a.tail_hash is None
+    assert events == []  # tails stay inside the engine: no KV events
+    pool.free([a])
+    pool.cache_tail(a, 8)
+    pool.reset_prefix_cache()
+    assert pool.lookup_tail(8) is None

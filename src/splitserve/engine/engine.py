@@ -256,6 +256,7 @@ class LLMEngine:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            self.kv.cache_prompt_tail(request)
             if self.connector is not None:
                 self.connector.save_completed_chunks(request, s.block_ids)
             token = sampled.get(request.request_id)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.block_pool import BlockPool, KVBlock
 from splitserve.engine.request import Request
+from splitserve.keys import ROOT_HASH, hash_block
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+        self._tail_published: set[str] = set()  # requests whose prompt tail was offered to the pool
+        self._pinned: list[KVBlock] = []  # tail sources copied by the step being run: kept from eviction
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
@@ -43,24 +46,54 @@ class KVCacheManager:
             found.append(block)
         return found
 
+    def find_cached_tail(self, request: Request, num_cached_blocks: int) -> KVBlock | None:
+        """A block holding the request's last, partly computed block but its last token, or None.
+
+        Applies when ``find_cached_prefix`` found every full block before it (``num_cached_blocks``). The
+        block is a cached full block when the tokens end on a block boundary, else the tail a request with
+        the same tokens left (``cache_prompt_tail``). Its leading slots are copied into the request's own
+        block (``SchedulerOutput.block_copies``), and only the last token is computed.
+        """
+        num_tokens = request.num_tokens
+        last = (num_tokens - 1) // self.block_size
+        start = last * self.block_size
+        if not self.pool.enable_caching or num_cached_blocks != last or num_tokens - start < 2:
+            return None
+        hashes = request.update_block_hashes(self.block_size)
+        if num_tokens - start == self.block_size:
+            return self.pool.lookup(hashes[last])
+        parent = hashes[last - 1] if last else ROOT_HASH
+        return self.pool.lookup_tail(hash_block(parent, request.all_token_ids[start:num_tokens]))
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's prefix-cache lookup; the scheduler calls it once, at first admission."""
         self.stats.num_queries += num_tokens
         self.stats.num_hits += num_hit_tokens
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: list[KVBlock] | None = None,
+        tail: KVBlock | None = None,
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the request's computed (and ``cached``) ones.
 
-        ``cached`` are blocks from ``find_cached_prefix`` for a request holding none yet. Returns False, with
-        nothing changed, when the pool has too few free blocks.
+        ``cached`` are blocks from ``find_cached_prefix`` for a request holding none yet, and ``tail`` the one
+        from ``find_cached_tail``, which stays pinned until ``release_pins`` (after the step copied it).
+        Returns False, with nothing changed, when the pool has too few free blocks.
         """
         cached = cached or []
         held = self._blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(held) - len(cached)
-        num_cached_free = sum(1 for b in cached if b.ref_count == 0)
+        borrowed = [*cached, tail] if tail is not None else cached
+        num_cached_free = sum(1 for b in borrowed if b.ref_count == 0)
         if num_needed > self.pool.num_free_blocks - num_cached_free:
             return False
+        if tail is not None:
+            self.pool.touch([tail])
+            self._pinned.append(tail)
         self.pool.touch(cached)
         held.extend(cached)
         if num_needed > 0:
@@ -83,10 +116,32 @@ class KVCacheManager:
                 self.pool.cache(held[i], hashes[i])
         self._num_published[request.request_id] = end
 
+    def cache_prompt_tail(self, request: Request) -> None:
+        """Once its prompt is computed, offer the request's partial last prompt block as a tail (see pool)."""
+        rid = request.request_id
+        num_prompt = request.num_prompt_tokens
+        if not self.pool.enable_caching or rid in self._tail_published or request.num_computed_tokens < num_prompt:
+            return
+        self._tail_published.add(rid)
+        last, num_tail = divmod(num_prompt, self.block_size)
+        held = self._blocks.get(rid, [])
+        if num_tail < 2 or last >= len(held):  # one token is recomputed anyway; nothing to gain
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        parent = hashes[last - 1] if last else ROOT_HASH
+        tokens = request.all_token_ids[last * self.block_size : num_prompt]
+        self.pool.cache_tail(held[last], hash_block(parent, tokens))
+
+    def release_pins(self) -> None:
+        """Drop the references ``allocate`` took on tail sources; call once the step that copied them ran."""
+        self.pool.free(self._pinned)
+        self._pinned = []
+
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first)."""
         blocks = self._blocks.pop(request.request_id, [])
         self._num_published.pop(request.request_id, None)
+        self._tail_published.discard(request.request_id)
         self.pool.free(reversed(blocks))
 
     @property

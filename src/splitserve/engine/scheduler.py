@@ -10,6 +10,9 @@ prefix-cached blocks usually make that cheap).
 With a KV connector (``splitserve.engine.connector``), admission goes further than the engine's own prefix
 cache: the connector names more leading tokens it can load (e.g. from L1/L2), blocks are allocated for them,
 their KV is copied in, and the request starts past them; whatever fails to load is computed instead.
+
+When every full block of a request is cached and another request left the same partial last block (a
+repeated prompt), that block is copied too (``block_copies``) and only the last token is computed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (source block id, destination block id): copy these KV blocks before the forward pass (cached tails)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -76,6 +81,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.release_pins()  # the previous step, which copied them, has run
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -129,13 +135,17 @@ class Scheduler:
             num_cached = len(cached) * self.kv.block_size
             num_external = self._num_external_tokens(request, num_cached)
             num_new = request.num_tokens - num_cached - num_external
-            if num_new > budget:
+            tail = None if num_external else self.kv.find_cached_tail(request, len(cached))
+            if tail is None and num_new > budget:  # with a tail, one token is computed: it fits
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.allocate(request, num_external + num_new, cached):
+            if not self.kv.allocate(request, num_external + num_new, cached, tail):
                 break
             self.waiting.popleft()
+            if tail is not None:  # all but the last token are in the tail's block: copy it into ours
+                out.block_copies.append((tail.block_id, self.kv.block_ids(request.request_id)[len(cached)]))
+                num_cached += num_new - 1
             num_computed = num_cached + self._load_external(request, num_cached, num_external)
             # tokens that failed to load are computed now; their blocks are already allocated
             num_new = min(request.num_tokens - num_computed, budget)

@@ -32,6 +32,7 @@ class PrefillChunk:
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
     allowed: torch.Tensor | None = None  # [Q, C] bool causal mask over a cached prefix, built by the first layer
+    as_decodes: DecodeBatch | None = None  # set for short chunks: each query runs as a decode of this sequence
 
 
 @dataclass(slots=True)
@@ -138,6 +139,8 @@ def _prefill_attention(
     chunk: PrefillChunk,
     scale: float,
 ) -> torch.Tensor:  # [Q, H, D]
+    if chunk.as_decodes is not None:
+        return _decode_attention(q, k_cache, v_cache, chunk.as_decodes, scale)
     num_q, num_ctx = q.shape[0], chunk.num_context_tokens
     k = k_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
     v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)

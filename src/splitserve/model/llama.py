@@ -35,6 +35,12 @@ REFINE_TOP_K = 32
 # 16 rows, 0.34 vs 0.14 ms at 32. Elsewhere (AVX2, AVX-512 without BF16, ARM) quantized decode always wins.
 QUANT_MAX_ROWS_BESIDE_BF16 = 16
 QUANT_MAX_ROWS = 1 << 62  # no limit
+# A float step of this many rows (the last token of a prompt whose every other token was cached) reads the
+# quantized blocks with float activations (NativeKernels.quant_matmul): the float model's arithmetic from
+# 4-bit weights' memory traffic. One row through SmolLM2's 120 matmuls on 2 AMX cores: 11 ms against 30 ms for
+# oneDNN's pre-packed bfloat16, whose weights (212 MB) no cache holds; the kernel converts every weight to
+# float, so from 2 rows on it loses that lead (a 3072 x 576 matmul: 125 us for 1 row, 407 us for 4).
+FLOAT_ACTIVATION_MAX_ROWS = 1
 
 
 class Linear(nn.Linear):
@@ -73,8 +79,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, quantized: bool = True) -> torch.Tensor:
         """``x @ W.T``; ``quantized=False`` keeps the float weights even where quantized ones are set."""
         kernels = self.quant_kernels
-        if quantized and kernels is not None and self.quant is not None and x.shape[0] <= self.quant_max_rows:
-            out = kernels.quant_matmul(x, self.quant)
+        if kernels is not None and self.quant is not None:
+            out = None
+            if quantized and x.shape[0] <= self.quant_max_rows:
+                out = kernels.quant_matmul(x, self.quant)
+            elif not quantized and x.shape[0] <= FLOAT_ACTIVATION_MAX_ROWS:
+                out = kernels.quant_matmul(x, self.quant, float_activations=True)
             if out is not None:
                 return out
         if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:

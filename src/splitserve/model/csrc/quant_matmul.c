@@ -458,6 +458,140 @@ int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int
     return 0;
 }
 
+/* ------------------------------------------------------------- float activations (W4/W8, A32) */
+/* The same repacked weights against float activations: each weight is dequantized in registers (w = d u + m,
+ * in float32) and multiplied with the activation as it is, accumulating in float32. No activation rounding, so
+ * the result is the float model's (the weights are the GGUF's, which the float path dequantizes too), but the
+ * step reads 4-bit weights: a prompt's last token, computed alone after a prefix-cache hit, costs a decode's
+ * memory traffic, not a bfloat16 prefill's. Tiles of up to 4 activation rows share each dequantized block. */
+
+#if defined(SS_AVX2)
+/* Lanes 0..3 hold row 2p of the group, lanes 4..7 row 2p + 1: p-th quarter of a chunk's 32 bytes. */
+static inline __m256 pair_scale(__m256 v8, int p) {
+    return _mm256_permutevar8x32_ps(v8, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                                          2 * p + 1));
+}
+static inline __m256 bytes_to_ps(__m128i b8, int is_signed) {
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8));
+}
+/* acc[i][p] += dequant(bytes) * (x[i][4c..4c+3] in both halves) */
+#define FMA_CHUNK(B8, SIGNED, C)                                                                           \
+    do {                                                                                                   \
+        const __m256 wf = _mm256_fmadd_ps(bytes_to_ps(B8, SIGNED), dv[p], mv[p]);                         \
+        for (int i = 0; i < mr; i++)                                                                       \
+            acc[i][p] = _mm256_fmadd_ps(wf, _mm256_broadcast_ps((const __m128 *)(x[i] + kb * QK + 4 * (C))), \
+                                        acc[i][p]);                                                        \
+    } while (0)
+
+static void fgroup(const void *wp, int is_q8, const float *const *x, int mr, int64_t nb, float *out) {
+    __m256 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int p = 0; p < 4; p++) acc[i][p] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t kb = 0; kb < nb; kb++) {
+        __m256 dv[4], mv[4];
+        if (is_q8) {
+            const group_q8 *b = (const group_q8 *)wp + kb;
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
+            const __m256 m8 = _mm256_mul_ps(d8, _mm256_set1_ps(-(float)Q8_OFFSET));
+            for (int p = 0; p < 4; p++) dv[p] = pair_scale(d8, p), mv[p] = pair_scale(m8, p);
+            for (int c = 0; c < 8; c++)
+                for (int p = 0; p < 4; p++)
+                    FMA_CHUNK(_mm_loadl_epi64((const __m128i *)(b->qs[c] + 8 * p)), Q8_OFFSET == 0, c);
+        } else {
+            const group_q4 *b = (const group_q4 *)wp + kb;
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
+            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->m));
+            for (int p = 0; p < 4; p++) dv[p] = pair_scale(d8, p), mv[p] = pair_scale(m8, p);
+            for (int v = 0; v < 4; v++)
+                for (int p = 0; p < 4; p++) {
+                    const __m128i raw = _mm_loadl_epi64((const __m128i *)(b->qs[v] + 8 * p));
+                    FMA_CHUNK(_mm_and_si128(raw, low), 0, v);
+                    FMA_CHUNK(_mm_and_si128(_mm_srli_epi16(raw, 4), low), 0, v + 4);
+                }
+        }
+    }
+    /* hadd twice: low halves give rows 0, 2, 4, 6 and high halves rows 1, 3, 5, 7; then interleave */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < mr; i++) {
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+        _mm256_storeu_ps(out + i * RG, _mm256_permutevar8x32_ps(t, order));
+    }
+}
+#undef FMA_CHUNK
+
+#else /* NEON and portable: dequantize the group's block, then plain dot products (Q8_OFFSET is 0 here) */
+static void fgroup(const void *wp, int is_q8, const float *const *x, int mr, int64_t nb, float *out) {
+    float acc[4][RG] = {{0.0f}};
+    for (int64_t kb = 0; kb < nb; kb++) {
+        float wf[RG][QK];
+        if (is_q8) {
+            const group_q8 *b = (const group_q8 *)wp + kb;
+            for (int r = 0; r < RG; r++) {
+                const float d = f16_to_f32(b->d[r]);
+                for (int c = 0; c < 8; c++)
+                    for (int j = 0; j < 4; j++) wf[r][4 * c + j] = d * (float)(int8_t)b->qs[c][4 * r + j];
+            }
+        } else {
+            const group_q4 *b = (const group_q4 *)wp + kb;
+            for (int r = 0; r < RG; r++) {
+                const float d = f16_to_f32(b->d[r]), mn = f16_to_f32(b->m[r]);
+                for (int v = 0; v < 4; v++)
+                    for (int j = 0; j < 4; j++) {
+                        wf[r][4 * v + j] = d * (float)(b->qs[v][4 * r + j] & 0x0F) + mn;
+                        wf[r][16 + 4 * v + j] = d * (float)(b->qs[v][4 * r + j] >> 4) + mn;
+                    }
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const float *xb = x[i] + kb * QK;
+            for (int r = 0; r < RG; r++) {
+                float dot = 0.0f;
+                for (int t = 0; t < QK; t++) dot += wf[r][t] * xb[t];
+                acc[i][r] += dot;
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < RG; r++) out[i * RG + r] = acc[i][r];
+}
+#endif
+
+/* Y[M, N] (out_dtype, rows ldy apart) = X[M, K] (x_dtype, rows x_stride apart) . W[N, K]^T, as ss_quant_matmul
+ * but with X kept in float (see above). Returns 0, or -1 for an unknown weight type, a bad K or no memory. */
+int ss_quant_matmul_f(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
+                      int64_t n, void *y, int out_dtype, int64_t ldy, int num_threads) {
+    if (ss_packed_bytes(wtype, n, k) < 0) return -1;
+    const float *xf = (const float *)x;
+    float *copy = NULL;
+    if (x_dtype != SS_F32 || x_stride != k) { /* float32 rows, contiguous */
+        copy = malloc(sizeof(float) * (size_t)(m * k));
+        if (copy == NULL) return -1;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < k; j++) copy[r * k + j] = load_elem(x, x_dtype, r * x_stride + j);
+        xf = copy;
+    }
+    const int is_q8 = wtype == GGML_Q8_0;
+    const int64_t nb = k / QK, groups = (n + RG - 1) / RG;
+    const int64_t group_bytes = nb * (int64_t)(is_q8 ? sizeof(group_q8) : sizeof(group_q4));
+    const int threads = m * n * k >= (1 << 16) ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int cols = n - g * RG >= RG ? RG : (int)(n - g * RG);
+        for (int64_t i = 0; i < m; i += 4) {
+            const int rows = m - i >= 4 ? 4 : (int)(m - i);
+            const float *xr[4];
+            for (int r = 0; r < rows; r++) xr[r] = xf + (i + r) * k;
+            float tmp[4 * RG];
+            fgroup((const uint8_t *)w + g * group_bytes, is_q8, xr, rows, nb, tmp);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < cols; c++) store_elem(y, out_dtype, (i + r) * ldy + g * RG + c, tmp[r * RG + c]);
+        }
+    }
+    free(copy);
+    return 0;
+}
+
 /* Dequantize weight rows [n0, n1) to float32 [n1 - n0, K] (tests and the PyTorch reference). */
 int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out) {
     const int64_t nb = k / QK, row_bytes = ss_quant_row_bytes(wtype, k);
