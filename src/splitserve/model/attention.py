@@ -31,7 +31,8 @@ class PrefillChunk:
     num_query_tokens: int
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
-    allowed: torch.Tensor | None = None  # [Q, C] bool causal mask over a cached prefix, built by the first layer
+    # [Q, C] additive causal mask over a cached prefix (0 where allowed, -inf elsewhere), built by the first layer
+    allowed: torch.Tensor | None = None
     as_decodes: DecodeBatch | None = None  # set for short chunks: each query runs as a decode of this sequence
 
 
@@ -150,7 +151,10 @@ def _prefill_attention(
     if num_q == num_ctx:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at absolute position C - Q + i: it sees keys 0 .. C - Q + i
+        # an additive mask in q's dtype: a bool one is converted on every call, 20-30% of a chunk's attention
         if chunk.allowed is None:
-            chunk.allowed = torch.ones(num_q, num_ctx, dtype=torch.bool, device=q.device).tril_(num_ctx - num_q)
+            chunk.allowed = torch.full((num_q, num_ctx), float("-inf"), dtype=q.dtype, device=q.device).triu_(
+                num_ctx - num_q + 1
+            )
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.allowed, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
