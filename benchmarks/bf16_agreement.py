@@ -46,8 +46,9 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.kernels import detect_cpu, kernels_for
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.quant import load_gguf_quantized
-from splitserve.model.registry import apply_quantization, load_model, load_tokenizer, resolve_model
-from splitserve.model.tokenizer import Tokenizer
+from splitserve.model.registry import apply_quantization, load_model
+from splitserve.model.source import resolve_model
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
 SUPPORT_SYSTEM = (
     "You are the support assistant of a small online bookshop. Be brief and polite. Orders ship within two "

@@ -16,7 +16,8 @@ import torch
 
 from splitserve.model.attention import AttentionMetadata, DecodeBatch
 from splitserve.model.llama import LlamaForCausalLM
-from splitserve.model.registry import cpu_has_native_bf16, load_model, resolve_dtype, resolve_model
+from splitserve.model.registry import cpu_has_native_bf16, load_model, resolve_dtype
+from splitserve.model.source import resolve_model
 
 BATCH_SIZES = (1, 16)
 DTYPES = (torch.float32, torch.bfloat16)

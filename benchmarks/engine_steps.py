@@ -30,15 +30,15 @@ from common import REPO, write_result
 
 def measure(threads: int) -> dict[str, float]:
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from splitserve.engine.engine import LLMEngine
     from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.worker.build import build_engine
 
     config = EngineConfig(
         model=ModelConfig(model="smollm2", max_model_len=4096, num_threads=threads),
         cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024),
     )
-    engine = LLMEngine.from_config(config)
+    engine = build_engine(config)
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:

@@ -49,6 +49,7 @@ from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier
 from splitserve.kvcache.tiers import KVTier
+from splitserve.metrics import sum_samples
 
 MODEL = "smollm2"
 MAX_TOKENS = (1, 16)
@@ -113,8 +114,8 @@ class Worker:
         """Prompt tokens so far found in the engine's prefix cache, and loaded from L1/L2."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         return (
-            round(_metric(text, "vllm:prefix_cache_hits_total")),
-            round(_metric(text, "lmcache:num_vllm_hit_tokens_total")),
+            round(sum_samples(text, "vllm:prefix_cache_hits_total")),
+            round(sum_samples(text, "lmcache:num_vllm_hit_tokens_total")),
         )
 
     def stop(self) -> None:
@@ -124,15 +125,6 @@ class Worker:
 async def _stream(url: str, request: BenchRequest) -> RequestResult:
     async with httpx.AsyncClient(timeout=600) as http:
         return await OpenAIStreamClient(http, base_url=url, model=MODEL).send(request)
-
-
-def _metric(text: str, name: str) -> float:
-    """Sum of the samples of ``name`` in a Prometheus text page."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @contextmanager

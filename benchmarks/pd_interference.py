@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, SPLITSERVE, free_port, start_server, stop_server, write_result
 
 from splitserve.bench.datasets import WORDS
-from splitserve.model.registry import load_tokenizer, resolve_model
+from splitserve.metrics import sum_samples
+from splitserve.model.source import resolve_model
+from splitserve.model.tokenizer import load_tokenizer
 
 RESULTS = REPO / "benchmarks" / "results"
 LOGS = RESULTS / "logs"
@@ -246,12 +248,8 @@ async def _one(url: str, prompt: str) -> list[float]:
 def _histogram_mean_between(before: str, after: str, name: str) -> float | None:
     """The mean of the samples a histogram gained between two scrapes."""
 
-    def read(text: str, suffix: str) -> float:
-        found = re.search(rf"^{re.escape(name)}_{suffix} (\S+)$", text, re.M)
-        return float(found.group(1)) if found else 0.0
-
-    num = read(after, "count") - read(before, "count")
-    return (read(after, "sum") - read(before, "sum")) / num if num > 0 else None
+    num = sum_samples(after, f"{name}_count") - sum_samples(before, f"{name}_count")
+    return (sum_samples(after, f"{name}_sum") - sum_samples(before, f"{name}_sum")) / num if num > 0 else None
 
 
 def _print_table(results: dict[str, Any]) -> None:

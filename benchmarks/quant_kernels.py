@@ -28,7 +28,7 @@ from common import REPO, write_result
 from splitserve.model.kernels import detect_cpu, kernels_for
 from splitserve.model.loader import load_gguf
 from splitserve.model.quant import GGUFRows, load_gguf_quantized
-from splitserve.model.registry import resolve_model
+from splitserve.model.source import resolve_model
 
 ROWS = (1, 16, 256)
 

@@ -56,14 +56,14 @@ def triad_gb_s(threads: int) -> float:
 
 def engine(threads: int, quantization: str = "auto") -> Any:
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from splitserve.engine.engine import LLMEngine
+    from splitserve.worker.build import build_engine
 
     config = EngineConfig(
         model=ModelConfig(model="smollm2", max_model_len=4096, num_threads=threads, quantization=quantization),
         cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
     )
-    return LLMEngine.from_config(config)
+    return build_engine(config)
 
 
 def prefill_isa(isa_class: str, dtype: str) -> str:

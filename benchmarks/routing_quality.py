@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from splitserve.metrics import sum_samples
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, SPLITSERVE, bench_serve, free_port, start_server, stop_server, write_result
 
@@ -31,11 +33,7 @@ RESULTS = REPO / "benchmarks" / "results"
 
 
 def counter(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum_samples(httpx.get(f"{url}/metrics", timeout=10).text, name)
 
 
 def prefix_cache_counters(url: str) -> tuple[float, float]:

@@ -124,7 +124,7 @@ def load_hf_model(dtype_name: str) -> tuple[Any, Any]:
 
     from splitserve.model.loader import load_gguf
     from splitserve.model.reference import transformers_model
-    from splitserve.model.registry import resolve_model
+    from splitserve.model.source import resolve_model
     from splitserve.model.tokenizer import Tokenizer
 
     source = resolve_model("smollm2")
@@ -170,7 +170,7 @@ def export_hf_folder(folder: Path) -> None:
 
 def run_llama_server(binary: str, logs: Path) -> dict[str, Any]:
     """llama.cpp on the GGUF splitserve reads: 2 threads, 16 slots of 4,096 tokens, continuous batching."""
-    from splitserve.model.registry import resolve_model
+    from splitserve.model.source import resolve_model
 
     port = free_port()
     cmd = [binary, "-m", str(resolve_model("smollm2").path), "--port", str(port), "-t", str(CPU_COUNT)]

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 # Names exactly as exposed. prometheus_client appends ``_total`` to a Counter's name itself, so Counter
@@ -483,3 +484,12 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def sum_samples(text: str, name: str) -> float:
+    """The sum of every sample named exactly ``name`` (any labels) in a Prometheus text page.
+
+    ``name`` is the sample's full name: ``..._total`` for a counter, ``..._sum`` or ``..._count`` of a histogram.
+    Every reader of ``/metrics`` (supervisor, benchmarks) goes through here, never through substring matches.
+    """
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)

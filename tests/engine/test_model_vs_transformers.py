@@ -17,7 +17,8 @@ from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillCh
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import load_gguf
 from splitserve.model.reference import transformers_model
-from splitserve.model.registry import apply_quantization, load_model, resolve_model
+from splitserve.model.registry import apply_quantization, load_model
+from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]

@@ -20,8 +20,9 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.llama import LlamaForCausalLM
-from splitserve.model.registry import load_model, load_tokenizer, resolve_model
-from splitserve.model.tokenizer import Tokenizer
+from splitserve.model.registry import load_model
+from splitserve.model.source import resolve_model
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.conftest import build_engine, run_to_completion, tokens_of
 
 pytestmark = pytest.mark.slow

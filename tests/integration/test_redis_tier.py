@@ -17,9 +17,9 @@ import pytest
 import redis
 import torch
 
+from splitserve.breaker import BreakerState, CircuitBreaker
 from splitserve.keys import cache_key, kv_layout
 from splitserve.kvcache import serde
-from splitserve.kvcache.breaker import BreakerState, CircuitBreaker
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore

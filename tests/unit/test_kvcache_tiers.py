@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
+from splitserve.breaker import BreakerState, CircuitBreaker
 from splitserve.config import KVTierConfig, L2Backend
 from splitserve.kvcache import disk as disk_module
-from splitserve.kvcache.breaker import BreakerState, CircuitBreaker
 from splitserve.kvcache.connector import build_connector
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier

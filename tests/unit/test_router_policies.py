@@ -16,11 +16,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from splitserve.breaker import BreakerState, CircuitBreaker
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.keys import hash_blocks
 from splitserve.kv_events import EventKind, Tier
 from splitserve.router.discovery import Worker, WorkerPool
-from splitserve.router.health import MAX_COOLDOWN_S, BreakerState, CircuitBreaker, HealthChecker
+from splitserve.router.health import MAX_COOLDOWN_S, HealthChecker, worker_breaker
 from splitserve.router.kv_index import KVIndex, PrefixIndex, TierMatch
 from splitserve.router.policies import (
     POLICIES,
@@ -444,13 +445,13 @@ class TestKVAware:
 class TestCircuitBreaker:
     @staticmethod
     def opened(clock: FakeClock, cooldown_s: float = 5.0) -> CircuitBreaker:
-        breaker = CircuitBreaker(failure_threshold=3, cooldown_s=cooldown_s, clock=clock)
+        breaker = worker_breaker(3, cooldown_s, clock=clock)
         assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
         return breaker
 
     def test_opens_after_the_threshold_of_consecutive_failures(self) -> None:
         clock = FakeClock()
-        breaker = CircuitBreaker(failure_threshold=3, cooldown_s=5.0, clock=clock)
+        breaker = worker_breaker(3, 5.0, clock=clock)
         breaker.record_failure()
         breaker.record_failure()
         assert breaker.state == BreakerState.CLOSED and breaker.allows()
@@ -459,7 +460,7 @@ class TestCircuitBreaker:
         assert breaker.record_failure() is False  # already open
 
     def test_a_success_resets_the_failure_count(self) -> None:
-        breaker = CircuitBreaker(failure_threshold=3, cooldown_s=5.0, clock=FakeClock())
+        breaker = worker_breaker(3, 5.0, clock=FakeClock())
         for _ in range(5):
             breaker.record_failure()
             breaker.record_failure()
@@ -496,7 +497,7 @@ class TestCircuitBreaker:
         for cooldown_s in (10.0, 20.0, 40.0, MAX_COOLDOWN_S, MAX_COOLDOWN_S):
             assert breaker.state == BreakerState.HALF_OPEN
             breaker.on_attempt()
-            assert breaker.record_failure() is True
+            assert breaker.record_failure() is False  # re-opened: not a new opening, nothing more to log
             clock.advance(cooldown_s - 0.5)
             assert breaker.state == BreakerState.OPEN and not breaker.allows()
             clock.advance(0.5)
@@ -544,7 +545,7 @@ class TestHealthRecord:
 
     def test_success_threshold_successes_bring_it_back_and_reset_its_breaker(self) -> None:
         clock = FakeClock()
-        worker = Worker(W0, breaker=CircuitBreaker(failure_threshold=1, cooldown_s=5.0, clock=clock))
+        worker = Worker(W0, breaker=worker_breaker(1, 5.0, clock=clock))
         health = checker(success_threshold=2)
         health._record(worker, False, "HTTP 503")
         worker.breaker.record_failure()
@@ -671,7 +672,7 @@ class TestPromptTokenIds:
 
 def test_a_half_open_trial_without_an_outcome_expires() -> None:
     now = [0.0]
-    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=5.0, clock=lambda: now[0])
+    breaker = worker_breaker(1, 5.0, clock=lambda: now[0])
     breaker.record_failure()
     now[0] = 5.0
     breaker.on_attempt()  # the trial's request is cancelled: no success, no failure

@@ -347,7 +347,7 @@ def local_model(config: InferenceEndpointConfig) -> str:
 
 
 def _builtin_names() -> list[str]:
-    from splitserve.model.registry import known_names  # torch-free, but only needed here
+    from splitserve.model.source import known_names  # only needed here
 
     return known_names()
 

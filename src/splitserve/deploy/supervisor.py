@@ -32,6 +32,7 @@ from splitserve.config import Role
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
 from splitserve.endpoint import InferenceEndpointConfig
+from splitserve.metrics import sum_samples
 
 logger = logging.getLogger("splitserve.supervisor")
 
@@ -273,11 +274,7 @@ def _requests_in_worker(pod: Pod) -> float:
         text = httpx.get(f"{pod.spec.url}/metrics", timeout=2, trust_env=False).text
     except httpx.HTTPError:
         return 0.0
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum_samples(text, "vllm:num_requests_running") + sum_samples(text, "vllm:num_requests_waiting")
 
 
 def _num_gpus() -> int:

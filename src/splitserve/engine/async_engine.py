@@ -27,16 +27,9 @@ from typing import Any, Protocol
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.metrics import EngineStatsLike, WorkerMetrics
+from splitserve.model.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
-
-
-class TokenizerLike(Protocol):
-    """The tokenizer surface the server uses (``splitserve.model.tokenizer.Tokenizer``)."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
 
 
 class EngineCore(Protocol):
@@ -132,17 +125,17 @@ class RequestStream:
         item = await self._state.outputs.get()
         if isinstance(item, BaseException):
             self._done = True
-            self._engine._forget(self.request_id)
+            self._engine.release(self.request_id, abort=False)
             raise item
         if item.finished:
             self._done = True
-            self._engine._forget(self.request_id)
+            self._engine.release(self.request_id, abort=False)
         return item
 
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._engine._abort_in_flight(self.request_id)
+            self._engine.release(self.request_id, abort=True)
 
     async def aclose(self) -> None:
         self.close()
@@ -249,10 +242,10 @@ class AsyncEngine:
             self._send(_AddCommand(request_id, list(prompt_token_ids), params, accepted))
             accepted_s = await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            self._abort_in_flight(request_id)
+            self.release(request_id, abort=True)
             raise
         except BaseException:
-            self._forget(request_id)
+            self.release(request_id, abort=False)
             raise
         self.metrics.queue_time_s.observe(max(0.0, accepted_s - state.arrival_s))
         return RequestStream(self, request_id, state)
@@ -271,7 +264,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort an in-flight request; its stream ends without a final output. No-op if unknown."""
         if request_id in self._states:
-            self._abort_in_flight(request_id)
+            self.release(request_id, abort=True)
 
     def _send(self, command: _Command) -> None:
         with self._lock:
@@ -279,11 +272,9 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine failed: {self._error!r}")
             self._commands.put(command)
 
-    def _forget(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
-
-    def _abort_in_flight(self, request_id: str) -> None:
-        if self._states.pop(request_id, None) is None:
+    def release(self, request_id: str, *, abort: bool) -> None:
+        """Drop a request's stream state; ``abort`` also aborts it in the engine (its stream was cut short)."""
+        if self._states.pop(request_id, None) is None or not abort:
             return
         self.metrics.observe_finished(FinishReason.ABORT.value)
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to free

@@ -1,4 +1,8 @@
-"""The engine's hooks for KV computed elsewhere: a KV tier (L1/L2) today, a PD receiver later.
+"""The engine's hooks for KV computed elsewhere: the KV tiers (L1/L2) and PD transfer implement them.
+
+This module is the whole interface between the engine and those packages: ``splitserve.kvcache`` and
+``splitserve.pd`` reach the engine only through it (and ``engine.request``), and the engine imports neither
+(``splitserve.worker.build`` plugs them in).
 
 Shaped after vLLM v1's ``KVConnectorBase_V1`` (``get_num_new_matched_tokens`` / ``update_state_after_alloc``
 / ``save_kv_layer``), smaller and synchronous. The order within one engine step is:
@@ -15,14 +19,23 @@ Every hook runs on the engine thread and must not raise for I/O trouble.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
+    from splitserve.engine.kv_transfer import KVTransferResult
     from splitserve.engine.request import Request
-    from splitserve.metrics import KVCacheStatsLike
+    from splitserve.metrics import KVCacheStatsLike, PDBufferStatsLike
+
+
+def token_slots(block_ids: Sequence[int], positions: Iterable[int], block_size: int) -> list[int]:
+    """The KV slot of each token position of a request whose block table is ``block_ids``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +86,11 @@ class KVConnectorBase(Protocol):
         """Store what became storable of the request's computed KV after this step (never blocks on I/O)."""
         ...
 
+    def take_transfer_result(self, request_id: str) -> Future[KVTransferResult] | None:
+        """Prefill role: the push of a request's prompt KV to its decode worker, handed over once as the request
+        ends (before ``request_finished``); None for any other connector or request."""
+        ...
+
     def request_finished(self, request: Request) -> None:
         """Forget per-request state (the request finished or was aborted)."""
         ...
@@ -84,6 +102,22 @@ class KVConnectorBase(Protocol):
     def close(self) -> None:
         """Finish pending writes (bounded) and release connections; no hook is called afterwards."""
         ...
+
+
+class PDBufferLike(Protocol):
+    def stats(self) -> PDBufferStatsLike: ...
+
+
+class KVReceiverLike(Protocol):
+    """The decode role's listener for KV pushed by prefill workers (``splitserve.pd.receiver.KVReceiver``)."""
+
+    @property
+    def addr(self) -> str: ...  # host:port prefill workers push to
+
+    @property
+    def buffer(self) -> PDBufferLike: ...  # where pushed KV waits to be claimed
+
+    def close(self) -> None: ...
 
 
 class MultiConnector:
@@ -126,6 +160,9 @@ class MultiConnector:
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
         for connector in self.connectors:
             connector.save_completed_chunks(request, block_ids)
+
+    def take_transfer_result(self, request_id: str) -> Future[KVTransferResult] | None:
+        return next((f for c in self.connectors if (f := c.take_transfer_result(request_id)) is not None), None)
 
     def request_finished(self, request: Request) -> None:
         self._chosen.pop(request.request_id, None)

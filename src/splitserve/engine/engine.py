@@ -5,6 +5,7 @@ Not thread-safe: every method must be called from one thread (``AsyncEngine`` ow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -13,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitserve.config import EngineConfig, Role
+from splitserve.config import EngineConfig
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.connector import KVConnectorBase, MultiConnector
+from splitserve.engine.connector import KVConnectorBase, KVReceiverLike
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model_runner import ModelRunner
@@ -25,7 +26,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.keys import kv_layout
 from splitserve.kv_events import KVEventSink, Tier
-from splitserve.metrics import KVCacheStatsLike
+from splitserve.metrics import KVCacheStatsLike, PDBufferStatsLike
 from splitserve.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class EngineStats:
     num_prompt_tokens: int  # cumulative
     num_generation_tokens: int  # cumulative
     kv_cache: KVCacheStatsLike | None = None  # the KV connector's counters (L1/L2 tiers), if it has one
-    pd_buffer: Any = None  # decode role: pd.buffer.BufferStats of the PD buffer
+    pd_buffer: PDBufferStatsLike | None = None  # decode role: the PD buffer's state
 
 
 class LLMEngine:
@@ -60,10 +61,13 @@ class LLMEngine:
         device: torch.device,
         connector: KVConnectorBase | None = None,
         events: KVEventSink | None = None,
+        kv_receiver: KVReceiverLike | None = None,
     ) -> None:
         """Build the engine around a loaded model; ``connector`` loads and saves KV outside the engine.
 
         ``events`` is told each block hash the prefix cache starts or stops holding (the ``engine`` tier).
+        ``kv_receiver`` (decode role) is the listener prefill workers push KV to; the engine reports it and
+        closes it. ``splitserve.worker.build`` puts these parts together from a config.
         """
         config.validate()
         self.config = config
@@ -84,7 +88,7 @@ class LLMEngine:
         sched_cfg = config.scheduler
         if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < self.max_model_len:
             # without chunking a whole prompt must fit in one step
-            sched_cfg = type(sched_cfg)(sched_cfg.max_num_seqs, self.max_model_len, False)
+            sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=self.max_model_len)
         self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
         if events is not None:
             self.pool.on_cache = lambda block_hash: events.stored(Tier.ENGINE, (block_hash,))
@@ -97,7 +101,8 @@ class LLMEngine:
             connector.register_kv_cache(self.runner.kv_cache, block_size)
         self.eos_token_ids = _eos_ids(tokenizer, model)
         self.requests: dict[str, Request] = {}
-        self.kv_receiver: Any = None  # decode role: the pd.receiver.KVReceiver feeding the connector
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # requests with a tokenizer: text and stops
+        self.kv_receiver = kv_receiver
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info(
@@ -107,70 +112,13 @@ class LLMEngine:
             self.max_model_len, self.runner.dtype, device,
         )  # fmt: skip
 
-    @classmethod
-    def from_config(
-        cls, config: EngineConfig, role: Role = Role.COLOCATED, events: KVEventSink | None = None
-    ) -> LLMEngine:
-        """Load the model and tokenizer named by ``config.model`` and build an engine (blocking, seconds).
-
-        With ``config.kv_tiers`` enabled the engine gets a KV connector over L1/L2 (``role`` decides what it
-        saves: the decode role saves nothing unless ``save_decode_cache``). ``events`` hears what the engine's
-        prefix cache and the tiers hold.
-        """
-        from splitserve.model.registry import (
-            apply_quantization,
-            load_model,
-            load_tokenizer,
-            resolve_dtype,
-            resolve_model,
-        )
-
-        config.validate()
-        set_cpu_threads(config.model.num_threads)
-        device = resolve_device(config.model.device)
-        source = resolve_model(config.model.model)
-        dtype = resolve_dtype(config.model.dtype, device)
-        torch.manual_seed(config.model.seed)
-        model = load_model(source, dtype, device)
-        quantized = apply_quantization(model, source, config.model.quantization)
-        if quantized:
-            logger.info("matmuls use %s", quantized)
-        tokenizer = load_tokenizer(source)
-        name = config.model.served_model_name or config.model.model
-        layout = kv_cache_layout(model, config.cache.block_size)
-        connectors: list[KVConnectorBase] = []
-        receiver = None
-        if role == Role.DECODE:
-            from splitserve.pd.buffer import PDBuffer
-            from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
-
-            buffer = PDBuffer(config.pd.pd_buffer_size)
-            pd = config.pd
-            receiver = KVReceiver(
-                buffer, layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_advertise_host
-            )
-            connectors.append(PDReceiverConnector(buffer, layout))
-        elif role == Role.PREFILL:
-            from splitserve.pd.sender import PDSenderConnector
-
-            connectors.append(PDSenderConnector(layout, deadline_s=config.pd.transfer_deadline_s))
-        if config.kv_tiers.is_enabled:
-            from splitserve.kvcache.connector import build_connector
-
-            connectors.append(build_connector(config.kv_tiers, source.model_id, layout, role, events))
-        connector = connectors[0] if len(connectors) == 1 else MultiConnector(connectors) if connectors else None
-        engine = cls(config, model, tokenizer, name, device, connector, events)
-        if receiver is not None:
-            receiver.start()
-            engine.kv_receiver = receiver
-        return engine
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
         self._check_new_request(request_id, prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_ids)
         if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            stop, include = params.stop, params.include_stop_str_in_output
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, stop, include)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -179,6 +127,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.finish(request, FinishReason.ABORT)
+            self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -262,9 +211,6 @@ class LLMEngine:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that has not reached the end of the prompt yet
-            transfer = request.params.kv_transfer
-            if request.num_output_tokens == 0 and transfer is not None and transfer.first_token_id is not None:
-                token = transfer.first_token_id  # the decode side agrees with the token prefill already sent
             request.append_output_token(token)
             self.num_generation_tokens += 1
             if request.num_output_tokens == 1:
@@ -273,8 +219,9 @@ class LLMEngine:
         return outputs
 
     def _output_for(self, request: Request, token: int) -> RequestOutput:
+        stop_reason: int | str | None
         reason, stop_reason = self._stop_by_token(request, token)
-        detok = request.detokenizer
+        detok = self._detokenizers.get(request.request_id)
         if detok is not None and reason is None:
             stop_str = detok.update(request.output_token_ids)
             if stop_str is not None:
@@ -284,9 +231,12 @@ class LLMEngine:
         ):
             reason = FinishReason.LENGTH
         finished = reason is not None
+        transfer = None
         if finished:
+            transfer = self.connector.take_transfer_result(request.request_id) if self.connector else None
             self.scheduler.finish(request, reason, stop_reason)  # type: ignore[arg-type]
             del self.requests[request.request_id]
+            self._forget(request.request_id)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token],
@@ -297,8 +247,13 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             stop_reason=stop_reason,
-            kv_transfer_result=request.kv_transfer_result if finished else None,
+            kv_transfer_result=transfer,
         )
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended: drop what the engine kept for it besides the request itself."""
+        self._detokenizers.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
 
     @staticmethod
     def _stop_by_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.connector import token_slots
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, token_slots
+from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from splitserve.model.kernels import native
 from splitserve.model.llama import LlamaForCausalLM
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_transfer import KVTransferResult
 
 
 class FinishReason(StrEnum):
@@ -31,4 +35,5 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (or a KV tier) instead of computed
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    kv_transfer_result: Any = None  # on the last output of a prefill-role request: Future[KVTransferResult]
+    # on the last output of a prefill-role request: the push of its KV to the decode worker
+    kv_transfer_result: Future[KVTransferResult] | None = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
@@ -40,9 +39,6 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
     num_preemptions: int = 0
-    generator: Any = None  # torch.Generator for seeded sampling, created by the sampler on first use
-    detokenizer: Any = None  # incremental detokenizer state, owned by the engine
-    kv_transfer_result: Any = None  # prefill role: Future[KVTransferResult] of the push to the decode worker
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

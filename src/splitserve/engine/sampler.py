@@ -2,7 +2,8 @@
 
 Greedy rows share one argmax. Sampled rows are drawn one by one, each from its request's own
 ``torch.Generator`` when it has a seed, so a seeded request gives the same tokens whatever else is in the
-batch.
+batch. The sampler keeps those generators (``forget`` drops one). A disaggregated decode request's first
+token is the one its prefill worker already sent (``kv_transfer.first_token_id``), whatever the logits say.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from splitserve.engine.request import Request
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}  # request id -> its own generator (requests with a seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [N, vocab] float32 on any device, row i for ``requests[i]``; returns N token ids."""
@@ -22,9 +24,16 @@ class Sampler:
         _suppress_early_stops(logits, requests)
         tokens = logits.argmax(dim=-1).tolist()
         for i, request in enumerate(requests):
-            if not request.params.is_greedy:
+            forced = _forced_first_token(request)
+            if forced is not None:
+                tokens[i] = forced
+            elif not request.params.is_greedy:
                 tokens[i] = self._sample_row(logits[i], request)
         return tokens
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its generator."""
+        self._seeded.pop(request_id, None)
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:  # row: [vocab]
         params = request.params
@@ -41,12 +50,21 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator_for(request)).item())
 
     def _generator_for(self, request: Request) -> torch.Generator:
-        if request.params.seed is None:
+        seed = request.params.seed
+        if seed is None:
             return self._generator
-        if request.generator is None:
-            request.generator = torch.Generator().manual_seed(request.params.seed)
-        generator: torch.Generator = request.generator
+        generator = self._seeded.get(request.request_id)
+        if generator is None:
+            generator = self._seeded[request.request_id] = torch.Generator().manual_seed(seed)
         return generator
+
+
+def _forced_first_token(request: Request) -> int | None:
+    """The first token of a request whose prefill ran on another worker: the one that worker sent."""
+    transfer = request.params.kv_transfer
+    if request.num_output_tokens or transfer is None:
+        return None
+    return transfer.first_token_id
 
 
 def _suppress_early_stops(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -5,7 +5,7 @@ record format (``splitserve.kvcache.serde``) needs torch and is imported explici
 do not, so importing this package stays light.
 """
 
-from splitserve.kvcache.breaker import BreakerState, CircuitBreaker
+from splitserve.breaker import BreakerState, CircuitBreaker
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier

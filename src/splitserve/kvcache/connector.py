@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from splitserve.config import KVTierConfig, L2Backend, Role, redact_url
-from splitserve.engine.connector import LoadedTokens
+from splitserve.engine.connector import LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import cache_key, hash_of_key, kv_layout
 from splitserve.kv_events import KVEventSink, Tier
@@ -39,7 +39,6 @@ from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
-from splitserve.model.attention import token_slots
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +272,9 @@ class KVConnector:
         ):
             records.append(self._record(request, tail_end // self._block_size - 1))
         return records
+
+    def take_transfer_result(self, request_id: str) -> None:
+        return None
 
     def request_finished(self, request: Request) -> None:
         self._lookups.pop(request.request_id, None)

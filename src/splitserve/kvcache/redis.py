@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from splitserve.kvcache.breaker import BreakerState, CircuitBreaker
+from splitserve.breaker import BreakerState, CircuitBreaker
 from splitserve.kvcache.tiers import ErrorBurstLog, TierStats
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ in the order of ``prefills``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,11 +62,6 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
     decode: DecodeBatch | None  # present when num_decode_tokens > 0
     prefills: list[PrefillChunk]
-
-
-def token_slots(block_ids: Sequence[int], positions: Iterable[int], block_size: int) -> list[int]:
-    """The KV slot of each token position of a request whose block table is ``block_ids``."""
-    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def write_kv(

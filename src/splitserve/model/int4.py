@@ -17,7 +17,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from splitserve.model.config import LlamaConfig
-from splitserve.model.loader import gguf_to_hf_name, open_gguf, unpermute_gguf_rows
+from splitserve.model.gguf_file import open_gguf
+from splitserve.model.loader import gguf_to_hf_name, unpermute_gguf_rows
 
 GROUP_SIZE = 32
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}

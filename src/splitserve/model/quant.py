@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from splitserve.model.config import LlamaConfig
+from splitserve.model.gguf_file import open_gguf
 from splitserve.model.kernels import QUANT_TYPES
-from splitserve.model.loader import gguf_to_hf_name, open_gguf, unpermute_gguf_rows
+from splitserve.model.loader import gguf_to_hf_name, unpermute_gguf_rows
 
 BLOCK = 32
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # GGML type -> bytes per block of 32 weights

@@ -20,12 +20,12 @@ import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from splitserve.model.registry import ModelSource
+    from splitserve.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ _META_FILE = "splitserve_tokenizer.json"
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # GGUF metadata keys naming tokens that end a turn, besides eos.
 _GGUF_STOP_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+
+
+class TokenizerLike(Protocol):
+    """What the server and the router use of a tokenizer (``Tokenizer`` below; fakes in unit tests)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
 
 
 class Tokenizer:
@@ -172,11 +180,11 @@ class Tokenizer:
         return len(self._hf)
 
 
-def load_tokenizer(name_or_path: str, cache_dir: Path | None = None) -> Tokenizer:
-    """Resolve ``name_or_path`` through the model registry and load its tokenizer."""
-    from splitserve.model.registry import resolve_model
+def load_tokenizer(model: str | ModelSource, cache_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer of a model source, or of a name or path resolved through ``splitserve.model.source``."""
+    from splitserve.model.source import resolve_model
 
-    return Tokenizer.from_source(resolve_model(name_or_path), cache_dir)
+    return Tokenizer.from_source(resolve_model(model) if isinstance(model, str) else model, cache_dir)
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
@@ -288,7 +296,7 @@ def convert_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
 def _gguf_stop_ids(gguf_path: Path) -> list[int]:
     """eos, eot and eom token ids declared in the GGUF metadata."""
-    from splitserve.model.loader import open_gguf  # imports torch: only the conversion process runs this
+    from splitserve.model.gguf_file import open_gguf
 
     reader = open_gguf(gguf_path)
     ids = set()

@@ -22,11 +22,10 @@ import time
 import torch
 import xxhash
 
-from splitserve.engine.connector import LoadedTokens
+from splitserve.engine.connector import LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
-from splitserve.model.attention import token_slots
 from splitserve.pd.buffer import BufferEntry, PDBuffer
 from splitserve.pd.wire import WireError, recv_exact_into, recv_msg, send_msg
 
@@ -220,6 +219,9 @@ class PDReceiverConnector:
 
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
         pass
+
+    def take_transfer_result(self, request_id: str) -> None:
+        return None
 
     def request_finished(self, request: Request) -> None:
         params = request.params.kv_transfer

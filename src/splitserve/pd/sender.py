@@ -3,8 +3,9 @@
 :class:`PDSenderConnector` implements ``KVConnectorBase``: when a request carrying ``kv_transfer_params`` with a
 ``decode_kv_addr`` has computed its whole prompt, it copies the prompt's KV out of the paged cache (on the
 engine thread, one ``index_select``) and hands it to a sender thread, which encodes the record and pushes it
-(:func:`push`); the request's ``kv_transfer_result`` future says how that went. A full buffer is retried
-with back-off until ``deadline_s``; then the push gives up and the decode worker will recompute.
+(:func:`push`); the push's future, handed to the engine as the request ends (``take_transfer_result``), says
+how that went. A full buffer is retried with back-off until ``deadline_s``; then the push gives up and the
+decode worker will recompute.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from splitserve.engine.connector import LoadedTokens
+from splitserve.engine.connector import LoadedTokens, token_slots
 from splitserve.engine.kv_transfer import KVTransferResult
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
-from splitserve.model.attention import token_slots
 from splitserve.pd.wire import WireError, parse_addr, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class PDSenderConnector:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-sender")
         self._kv_cache: torch.Tensor | None = None
         self._block_size = 0
+        self._pushes: dict[str, Future[KVTransferResult]] = {}  # request id -> its push, until the request ends
 
     def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
         self._kv_cache = kv_cache
@@ -104,7 +105,7 @@ class PDSenderConnector:
         if (
             params is None
             or not params.is_sender
-            or request.kv_transfer_result is not None
+            or request.request_id in self._pushes
             or request.num_computed_tokens < request.num_prompt_tokens
             or self._kv_cache is None
         ):
@@ -114,7 +115,7 @@ class PDSenderConnector:
         kv = self._kv_cache.index_select(2, torch.tensor(slots, device=self._kv_cache.device)).cpu()
         tokens_hash = hash_tokens(request.prompt_token_ids)
         assert params.decode_kv_addr is not None
-        request.kv_transfer_result = self._pool.submit(
+        self._pushes[request.request_id] = self._pool.submit(
             self._encode_and_push, params.decode_kv_addr, params.transfer_id, kv, num_tokens, tokens_hash
         )
 
@@ -133,8 +134,11 @@ class PDSenderConnector:
             logger.warning("KV transfer %s to %s failed: %s", transfer_id, addr, result.reason)
         return result
 
+    def take_transfer_result(self, request_id: str) -> Future[KVTransferResult] | None:
+        return self._pushes.pop(request_id, None)
+
     def request_finished(self, request: Request) -> None:
-        pass
+        self._pushes.pop(request.request_id, None)  # aborted: nobody waits for the push
 
     def stats(self) -> None:
         return None

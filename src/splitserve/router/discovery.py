@@ -11,7 +11,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from splitserve.router.health import CircuitBreaker
+from splitserve.breaker import CircuitBreaker
+from splitserve.router.health import worker_breaker
 
 
 class WorkerRole(StrEnum):
@@ -26,7 +27,7 @@ class Worker:
 
     url: str  # base URL, no trailing slash
     role: WorkerRole = WorkerRole.BACKEND
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    breaker: CircuitBreaker = field(default_factory=worker_breaker)
     healthy: bool | None = None  # None: not probed yet (routable); False after failed probes
     in_flight: int = 0
     worker_id: str | None = None  # the name it registered with (KV events), if it did
@@ -58,7 +59,7 @@ class WorkerPool:
     ) -> WorkerPool:
         by_role = ((WorkerRole.BACKEND, backends), (WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode))
         workers = [
-            Worker(normalize_url(url), role, CircuitBreaker(**breaker))  # type: ignore[arg-type]
+            Worker(normalize_url(url), role, worker_breaker(**breaker))  # type: ignore[arg-type]
             for role, urls in by_role
             for url in urls
         ]

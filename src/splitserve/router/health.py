@@ -1,9 +1,9 @@
-"""Worker health: a circuit breaker fed by request outcomes, and active ``/health`` probes.
+"""Worker health: a circuit breaker per worker fed by request outcomes, and active ``/health`` probes.
 
-The breaker stops sending to a worker after ``failure_threshold`` consecutive failed requests (connect
-errors, 5xx), lets one trial request through after a cool-down (half-open), and closes on its success; a
-failed trial doubles the cool-down (up to ``MAX_COOLDOWN_S``). Probes mark a worker unhealthy after
-``failure_threshold`` consecutive failures (or its first, if it never answered) and healthy again after
+The breaker (``splitserve.breaker``) stops sending to a worker after ``failure_threshold`` consecutive failed
+requests (connect errors, 5xx), lets one trial request through after a cool-down (half-open), and closes on
+its success; a failed trial doubles the cool-down (up to ``MAX_COOLDOWN_S``). Probes mark a worker unhealthy
+after ``failure_threshold`` consecutive failures (or its first, if it never answered) and healthy again after
 ``success_threshold`` good answers.
 """
 
@@ -13,10 +13,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import aiohttp
+
+from splitserve.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from splitserve.router.discovery import Worker
@@ -26,64 +27,11 @@ logger = logging.getLogger(__name__)
 MAX_COOLDOWN_S = 60.0
 
 
-class BreakerState(IntEnum):
-    CLOSED = 0
-    OPEN = 1
-    HALF_OPEN = 2
-
-
-class CircuitBreaker:
-    def __init__(
-        self,
-        failure_threshold: int = 3,
-        cooldown_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.failure_threshold = failure_threshold
-        self.base_cooldown_s = cooldown_s
-        self._clock = clock
-        self._failures = 0
-        self._cooldown_s = cooldown_s
-        self._opened_at: float | None = None
-        self._trial_started_at: float | None = None  # a half-open trial in flight since then
-
-    @property
-    def state(self) -> BreakerState:
-        if self._opened_at is None:
-            return BreakerState.CLOSED
-        if self._clock() - self._opened_at >= self._cooldown_s:
-            return BreakerState.HALF_OPEN
-        return BreakerState.OPEN
-
-    def allows(self) -> bool:
-        """Closed: yes. Half-open: one trial at a time (a trial with no outcome after a cool-down expires)."""
-        state = self.state
-        if state != BreakerState.HALF_OPEN:
-            return state == BreakerState.CLOSED
-        started = self._trial_started_at
-        return started is None or self._clock() - started >= self._cooldown_s
-
-    def on_attempt(self) -> None:
-        if self.state == BreakerState.HALF_OPEN:
-            self._trial_started_at = self._clock()
-
-    def record_success(self) -> None:
-        self._failures = 0
-        self._opened_at = None
-        self._cooldown_s = self.base_cooldown_s
-        self._trial_started_at = None
-
-    def record_failure(self) -> bool:
-        """Count a failed request; True when this opened (or re-opened) the breaker."""
-        self._failures += 1
-        state = self.state
-        if state == BreakerState.HALF_OPEN:
-            self._cooldown_s = min(self._cooldown_s * 2, MAX_COOLDOWN_S)
-        elif state == BreakerState.OPEN or self._failures < self.failure_threshold:
-            return False
-        self._opened_at = self._clock()
-        self._trial_started_at = None
-        return True
+def worker_breaker(
+    failure_threshold: int = 3, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+) -> CircuitBreaker:
+    """The breaker of one worker: ``cooldown_s`` after it opens, doubling per failed trial up to a minute."""
+    return CircuitBreaker(failure_threshold, cooldown_s, max(cooldown_s, MAX_COOLDOWN_S), clock)
 
 
 class HealthChecker:

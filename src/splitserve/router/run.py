@@ -20,7 +20,8 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     tokenize = None
     if config.routing_strategy in (RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE) or config.decode:
-        from splitserve.model.registry import load_tokenizer, resolve_model
+        from splitserve.model.source import resolve_model
+        from splitserve.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model(config.model))
         tokenize = functools.partial(prompt_token_ids, tokenizer)

@@ -7,13 +7,9 @@ cannot read gives None: the policy then falls back, and the worker answers the c
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-
-class TokenizerLike(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+from splitserve.model.tokenizer import TokenizerLike
 
 
 def prompt_token_ids(tokenizer: TokenizerLike, path: str, body: dict[str, Any]) -> list[int] | None:

@@ -92,9 +92,9 @@ def _event_publisher(engine_config: EngineConfig, server_config: ServerConfig) -
 
 
 def _load_engine(config: EngineConfig, role: Role, events: KVEventPublisher | None) -> EngineCore:
-    from splitserve.engine.engine import LLMEngine  # torch: imported on the engine thread, after binding
+    from splitserve.worker.build import build_engine  # torch: imported on the engine thread, after binding
 
-    return LLMEngine.from_config(config, role, events)
+    return build_engine(config, role, events)
 
 
 def _exit_if_load_fails(engine: AsyncEngine, server: uvicorn.Server, failed: threading.Event) -> None:

@@ -21,11 +21,11 @@ from splitserve.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     RequestStream,
-    TokenizerLike,
 )
 from splitserve.engine.kv_transfer import KVTransferParams
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.tokenizer import TokenizerLike
 from splitserve.server.protocol import (
     AssistantMessage,
     ChatChoice,

@@ -1,0 +1,69 @@
+"""The composition root of a worker: the one place that builds the model, the engine and what plugs into it.
+
+The engine (``splitserve.engine``) knows neither PD transfer nor the KV tiers: it takes a
+``KVConnectorBase`` and, on the decode role, a ``KVReceiverLike``. This module loads the model and tokenizer,
+picks those parts for the role and the config, and hands them in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitserve.config import EngineConfig, Role
+from splitserve.engine.connector import KVConnectorBase, MultiConnector
+from splitserve.engine.engine import LLMEngine, kv_cache_layout, resolve_device, set_cpu_threads
+from splitserve.kv_events import KVEventSink
+from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
+from splitserve.model.source import resolve_model
+from splitserve.model.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig, role: Role = Role.COLOCATED, events: KVEventSink | None = None) -> LLMEngine:
+    """Load the model and tokenizer named by ``config.model`` and build an engine for ``role`` (blocking, seconds).
+
+    - decode role: a KV receiver (started here) and its connector, which hands pushed KV to the scheduler;
+    - prefill role: the connector that pushes each finished prompt's KV to its decode worker;
+    - ``config.kv_tiers`` enabled: a connector over L1/L2 (``role`` decides what it saves: the decode role
+      saves nothing unless ``save_decode_cache``).
+
+    ``events`` hears what the engine's prefix cache and the tiers hold.
+    """
+    set_cpu_threads(config.model.num_threads)
+    device = resolve_device(config.model.device)
+    source = resolve_model(config.model.model)
+    dtype = resolve_dtype(config.model.dtype, device)
+    torch.manual_seed(config.model.seed)
+    model = load_model(source, dtype, device)
+    quantized = apply_quantization(model, source, config.model.quantization)
+    if quantized:
+        logger.info("matmuls use %s", quantized)
+    tokenizer = load_tokenizer(source)
+    name = config.model.served_model_name or config.model.model
+    layout = kv_cache_layout(model, config.cache.block_size)
+    connectors: list[KVConnectorBase] = []
+    receiver = None
+    if role == Role.DECODE:
+        from splitserve.pd.buffer import PDBuffer
+        from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
+
+        buffer = PDBuffer(config.pd.pd_buffer_size)
+        pd = config.pd
+        receiver = KVReceiver(buffer, layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_advertise_host)
+        connectors.append(PDReceiverConnector(buffer, layout))
+    elif role == Role.PREFILL:
+        from splitserve.pd.sender import PDSenderConnector
+
+        connectors.append(PDSenderConnector(layout, deadline_s=config.pd.transfer_deadline_s))
+    if config.kv_tiers.is_enabled:
+        from splitserve.kvcache.connector import build_connector
+
+        connectors.append(build_connector(config.kv_tiers, source.model_id, layout, role, events))
+    connector = connectors[0] if len(connectors) == 1 else MultiConnector(connectors) if connectors else None
+    engine = LLMEngine(config, model, tokenizer, name, device, connector, events, receiver)
+    if receiver is not None:
+        receiver.start()
+    return engine
