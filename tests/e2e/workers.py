@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -42,12 +43,14 @@ class WorkerProcess:
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=180)
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        """Sum of the samples named ``name`` whose labels include ``labels``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.engine.connector import LoadedTokens
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import FinishReason, RequestOutput
+from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import EngineFactory, random_prompts, run_to_completion, tokens_of
 
 
@@ -122,3 +127,57 @@ def test_stop_token_ids_outside_vocabulary_are_refused(make_engine: EngineFactor
     with pytest.raises(ValueError, match="stop_token_ids must be below the vocabulary size 512"):
         engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=(512,)))
     assert not engine.has_unfinished_requests()
+
+
+class FetchingConnector:
+    """A connector whose answer for request "slow" is pending until ``ready`` (as while L2 is read)."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.finished: list[str] = []
+
+    def register_kv_cache(self, kv_cache: object, block_size: int) -> None:
+        pass
+
+    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
+        return None if request.request_id == "slow" and not self.ready else 0
+
+    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
+        return ()
+
+    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+        return LoadedTokens()
+
+    def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
+        pass
+
+    def take_transfer_result(self, request_id: str) -> None:
+        return None
+
+    def request_finished(self, request: Request) -> None:
+        self.finished.append(request.request_id)
+
+    def stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_request_whose_kv_is_still_fetched_lets_the_ones_behind_it_run(tiny_model: LlamaForCausalLM) -> None:
+    connector = FetchingConnector()
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=256),
+        cache=CacheConfig(block_size=16, num_gpu_blocks_override=64),
+        scheduler=SchedulerConfig(8, 256, True),
+    )
+    engine = LLMEngine(config, tiny_model, None, "test", torch.device("cpu"), connector)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("slow", list(range(1, 40)), params)
+    engine.add_request("fast", list(range(50, 60)), params)
+    outputs = [o for _ in range(3) for o in engine.step()]
+    assert {o.request_id for o in outputs} == {"fast"} and outputs[-1].finished
+    assert [r.request_id for r in engine.scheduler.waiting] == ["slow"]  # still first in line
+    connector.ready = True
+    outputs = [o for _ in range(3) for o in engine.step()]
+    assert [o.request_id for o in outputs] == ["slow"] * 3 and outputs[-1].finished

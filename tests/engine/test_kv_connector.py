@@ -17,6 +17,7 @@ import torch
 
 from splitserve.config import CacheConfig, EngineConfig, KVTierConfig, L2Backend, ModelConfig, Role, SchedulerConfig
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
+from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import cache_key, chunk_hashes, hash_blocks, hash_of_key, kv_layout
 from splitserve.kv_events import Tier
@@ -100,6 +101,16 @@ def loaded_slots(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.T
     return engine.runner.kv_cache.index_select(2, slots)
 
 
+def step_until_admitted(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+    """Step until the request is admitted: its L2 records are read on the connector's prefetch thread first."""
+    outputs: list[RequestOutput] = []
+    for _ in range(5000):
+        outputs.extend(engine.step())
+        if engine.requests[request_id].num_cached_tokens >= 0:
+            return outputs
+    raise AssertionError(f"{request_id} was never admitted")
+
+
 def stored_kv(l2_dir: Path, layout: str, keys: list[str]) -> torch.Tensor:
     records = [(l2_dir / (quote(k, safe="") + ".kv")).read_bytes() for k in keys]
     return torch.cat([serde.decode(r, layout) for r in records], dim=2)
@@ -112,7 +123,7 @@ def test_another_worker_answers_from_l2_with_identical_output_and_kv(
     connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
     engine_b = make_engine(tiny_model, connector, max_num_batched_tokens=64)  # the rest is computed in chunks
     engine_b.add_request("b", PROMPT, GREEDY)
-    outputs = engine_b.step()  # admission loads 6 chunks (192 tokens) and computes the last 8 tokens
+    outputs = step_until_admitted(engine_b, "b")  # admission loads 6 chunks (192 tokens), computes the last 8
     num_loaded = 6 * CHUNK
     assert engine_b.requests["b"].cached_tokens_by_source == (("engine", 0), ("l2", num_loaded))
     expected_kv = stored_kv(tmp_path, layout, chunk_keys(layout, PROMPT)[:6])
@@ -171,7 +182,7 @@ def test_another_worker_computes_less_than_a_block_of_any_prompt(
     connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
     engine_b = make_engine(tiny_model, connector)
     engine_b.add_request("b", prompt, GREEDY)
-    out = engine_b.step()  # admission loads every full block but never the final token, then computes the rest
+    out = step_until_admitted(engine_b, "b")  # loads every full block but never the final token; computes the rest
     num_loaded = min(num_tokens // BLOCK * BLOCK, num_tokens - 1)
     expected_kv = stored_kv(tmp_path, layout, record_keys(layout, prompt))[:, :, :num_loaded]
     assert torch.equal(loaded_slots(engine_b, "b", num_loaded), expected_kv)

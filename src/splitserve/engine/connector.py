@@ -10,7 +10,9 @@ Shaped after vLLM v1's ``KVConnectorBase_V1`` (``get_num_new_matched_tokens`` / 
 1. admission of a waiting request: the scheduler matches its own prefix cache (``num_cached`` tokens), asks
    :meth:`KVConnectorBase.num_external_tokens` for more, allocates blocks for all of them, then calls
    :meth:`KVConnectorBase.load` once, which copies what it can into those blocks. Tokens it could not load
-   are computed as usual (a miss is never an error).
+   are computed as usual (a miss is never an error). A connector whose KV lives behind a network or a disk
+   fetches it on its own thread: until it has, ``num_external_tokens`` answers None and the scheduler
+   admits the requests behind this one. So no hook does network or disk I/O on the engine thread.
 2. after the forward pass: :meth:`KVConnectorBase.save_completed_chunks` for every scheduled request.
 3. when a request ends (finished or aborted): :meth:`KVConnectorBase.request_finished`.
 
@@ -58,8 +60,9 @@ class KVConnectorBase(Protocol):
         """
         ...
 
-    def num_external_tokens(self, request: Request, num_cached: int) -> int:
-        """How many tokens after the first ``num_cached`` (held by the engine's prefix cache) could be loaded.
+    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
+        """How many tokens after the first ``num_cached`` (held by the engine's prefix cache) can be loaded, or
+        None while that is still being found out (ask again next step).
 
         Never the request's last token (it must be computed to get logits). May be called several times for
         one waiting request (e.g. while it waits for free blocks); changes nothing in the engine.
@@ -135,9 +138,12 @@ class MultiConnector:
         for connector in self.connectors:
             connector.register_kv_cache(kv_cache, block_size)
 
-    def num_external_tokens(self, request: Request, num_cached: int) -> int:
+    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
         for connector in self.connectors:
             num = connector.num_external_tokens(request, num_cached)
+            if num is None:
+                self._chosen.pop(request.request_id, None)
+                return None
             if num > 0:
                 self._chosen[request.request_id] = connector
                 return num

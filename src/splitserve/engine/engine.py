@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+FETCH_POLL_S = 0.002  # when nothing can run until a connector's fetch completes, step again after this
 
 
 @dataclass(slots=True)
@@ -136,6 +137,8 @@ class LLMEngine:
         """Schedule, run one forward pass, sample; returns outputs of requests that produced a token."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.scheduler.waiting:  # waiting only for a connector's fetch: pace the loop, don't spin
+                time.sleep(FETCH_POLL_S)
             return []
         sampled = self.runner.execute(sched)
         return self._update(sched, sampled)

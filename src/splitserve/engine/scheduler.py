@@ -11,6 +11,9 @@ With a KV connector (``splitserve.engine.connector``), admission goes further th
 cache: the connector names more leading tokens it can load (e.g. from L1/L2), blocks are allocated for them,
 their KV is copied in, and the request starts past them; whatever fails to load is computed instead.
 
+A connector may answer that it is still fetching a request's KV (from L2, on its own thread): that request
+keeps its place at the front of the queue, and the ones behind it are admitted meanwhile.
+
 When every full block of a request is cached and another request left the same partial last block (a
 repeated prompt), that block is copied too (``block_copies``) and only the last token is computed.
 """
@@ -129,11 +132,22 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order; one whose KV the connector is still fetching is passed over."""
+        fetching: list[Request] = []
+        try:
+            self._admit(out, budget, fetching)
+        finally:
+            self.waiting.extendleft(reversed(fetching))  # they keep their place at the front
+
+    def _admit(self, out: SchedulerOutput, budget: int, fetching: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_external = self._num_external_tokens(request, num_cached)
+            if num_external is None:
+                fetching.append(self.waiting.popleft())
+                continue
             num_new = request.num_tokens - num_cached - num_external
             tail = None if num_external else self.kv.find_cached_tail(request, len(cached))
             if tail is None and num_new > budget:  # with a tail, one token is computed: it fits
@@ -155,7 +169,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
             budget -= num_new
 
-    def _num_external_tokens(self, request: Request, num_cached: int) -> int:
+    def _num_external_tokens(self, request: Request, num_cached: int) -> int | None:
         if self.connector is None:
             return 0
         return self.connector.num_external_tokens(request, num_cached)

