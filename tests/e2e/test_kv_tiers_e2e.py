@@ -40,19 +40,11 @@ def long_prompt(num_facts: int, topic: str) -> str:
 class TierWorker(WorkerProcess):
     """A worker process with L1 and a Redis L2; its output goes to a log file."""
 
-    def __init__(self, log_path: Path, redis_url: str) -> None:
-        args = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096", "--max-num-seqs", "4",
-                "--kv-cache-memory", "320MiB", "--l1-cache", "--l1-cache-bytes", "256MiB",
-                "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
+    def __init__(self, log_path: Path, redis_url: str, max_num_seqs: int = 4, kv_cache: str = "320MiB") -> None:
+        args = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096",
+                "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory", kv_cache, "--l1-cache",
+                "--l1-cache-bytes", "256MiB", "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
         super().__init__(log_path, args)
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

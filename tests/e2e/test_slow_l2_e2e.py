@@ -17,14 +17,13 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
-from tests.e2e.test_kv_tiers_e2e import long_prompt
+from tests.e2e.test_kv_tiers_e2e import TierWorker, long_prompt
 from tests.e2e.workers import WorkerProcess
 from tests.integration.test_redis_tier import RedisServer
 
@@ -77,22 +76,6 @@ class DelayProxy:
         finally:
             for sock in (source, sink):
                 sock.close()
-
-
-class SlowL2Worker(WorkerProcess):
-    def __init__(self, log_path: Path, redis_url: str) -> None:
-        args = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096", "--max-num-seqs", "16",
-                "--kv-cache-memory", "512MiB", "--l1-cache", "--l1-cache-bytes", "256MiB",
-                "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
-        super().__init__(log_path, args)
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
 
 
 def stream_gaps(url: str, prompt: str, gaps: list[float]) -> None:
@@ -158,7 +141,7 @@ def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: Redis
         writer.stop()
 
     proxy = DelayProxy(redis_server.port, 0.0)
-    worker = SlowL2Worker(tmp_path / "worker.log", proxy.url)
+    worker = TierWorker(tmp_path / "worker.log", proxy.url, max_num_seqs=16, kv_cache="512MiB")
     try:
         worker.wait_healthy()
         streams_with(worker.url, None)  # warm-up: kernels, allocator, the streams' own L2 writes
