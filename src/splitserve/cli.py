@@ -182,6 +182,22 @@ def worker_command(
             help="The URL the router reaches this worker at (default: http://host:port).", rich_help_panel=_SERVER
         ),
     ] = None,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
+            "SPLITSERVE_API_KEY and VLLM_API_KEY. Without one, /v1/* is open.",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    cluster_secret_file: Annotated[
+        str | None,
+        typer.Option(
+            help="A file holding the cluster secret, the router's credential here (default: the "
+            "SPLITSERVE_CLUSTER_SECRET environment variable).",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     uvicorn_log_level: Annotated[
         str, typer.Option(help="debug, info, warning or error.", rich_help_panel=_SERVER)
     ] = "info",
@@ -250,6 +266,13 @@ def worker_command(
     )
     if uvicorn_log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         _fail(f"--uvicorn-log-level must be one of debug, info, warning, error; got {uvicorn_log_level!r}")
+    from splitserve import auth
+
+    try:
+        api_keys = auth.api_keys(api_key or (), (auth.API_KEY_ENV, auth.VLLM_API_KEY_ENV))
+        secret = auth.cluster_secret(cluster_secret_file)
+    except ValueError as exc:
+        _fail(str(exc))
     server_config = ServerConfig(
         host=host,
         port=port,
@@ -257,6 +280,8 @@ def worker_command(
         kv_events_url=kv_events_url,
         worker_id=worker_id,
         advertise_url=advertise_url,
+        api_keys=api_keys,
+        cluster_secret=secret,
     )
     try:
         engine_config.validate()
@@ -344,12 +369,34 @@ def router_command(
     breaker_cooldown: Annotated[
         float, typer.Option(help="Seconds before a tripped breaker lets a trial through.", rich_help_panel=_FAULTS)
     ] = 5.0,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
+            "SPLITSERVE_API_KEY. Without one, /v1/* is open."
+        ),
+    ] = None,
+    cluster_secret_file: Annotated[
+        str | None,
+        typer.Option(
+            help="A file holding the cluster secret, sent to workers in place of the client's key (default: the "
+            "SPLITSERVE_CLUSTER_SECRET environment variable)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Route OpenAI requests over workers: roundrobin, session, prefixaware or kvaware (no torch)."""
+    from splitserve import auth
     from splitserve.config import RouterConfig
 
+    try:
+        api_keys = auth.api_keys(api_key or ())
+        secret = auth.cluster_secret(cluster_secret_file)
+    except ValueError as exc:
+        _fail(str(exc))
     config = RouterConfig(
+        api_keys=api_keys,
+        cluster_secret=secret,
         model=model,
         host=host,
         port=port,

@@ -246,6 +246,8 @@ class ServerConfig:
     kv_events_url: str | None = None  # where KV events go (the router's /kv/events); None: not sent
     worker_id: str | None = None  # None: host:port
     advertise_url: str | None = None  # how others reach this worker; None: http://host:port
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
+    cluster_secret: str | None = field(default=None, repr=False)  # the router's credential; accepted like a key
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -307,6 +309,8 @@ class RouterConfig:
     breaker_failure_threshold: int = 3  # consecutive request failures that open a worker's breaker
     breaker_cooldown_s: float = 5.0  # open -> half-open after this (doubles while trials fail, up to 60 s)
     max_request_body_bytes: int = 16 << 20
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
+    cluster_secret: str | None = field(default=None, repr=False)  # sent to workers instead of the client's key
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:

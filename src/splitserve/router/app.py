@@ -28,10 +28,12 @@ from typing import Any
 import aiohttp
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from splitserve.auth import ClientKeyMiddleware, bearer_header
 from splitserve.config import RouterConfig
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
@@ -44,9 +46,11 @@ from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, 
 logger = logging.getLogger("splitserve.router")
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-HOP_BY_HOP = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection"}
-)
+# not forwarded to workers: hop-by-hop headers, and the client's key (the router sends its own credential)
+NOT_FORWARDED = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection",
+     "authorization"}
+)  # fmt: skip
 Tokenize = Callable[[str, dict[str, Any]], list[int] | None]
 """(path, body) -> the prompt's token ids as the workers would see them, or None when it cannot tell."""
 
@@ -134,7 +138,11 @@ class Router:
             )
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
+                connector=connector,
+                timeout=timeout,
+                auto_decompress=False,
+                trust_env=False,
+                headers=bearer_header(self.config.cluster_secret),  # the router's own credential
             )
         return self._session
 
@@ -170,7 +178,7 @@ class Router:
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object").response()
         routing = await self._routing_request(request, path, body)
-        call = Call(path, body, raw, {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP},
+        call = Call(path, body, raw, {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED},
                     body.get("stream") is True, routing, start_s)  # fmt: skip
         if self.disagg is not None:
             return await self.disagg.proxy(call)
@@ -466,7 +474,8 @@ def build_router_app(router: Router, *, probe: bool = True) -> Starlette:
         Route("/kv/events", router.kv_events, methods=["POST"]),
         Route("/admin/workers", router.workers_endpoint, methods=["GET", "PUT"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
+    keys = Middleware(ClientKeyMiddleware, keys=router.config.api_keys)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS, middleware=[keys])
 
 
 async def _on_http_error(_: Request, exc: Exception) -> Response:

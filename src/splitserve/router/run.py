@@ -7,6 +7,7 @@ import logging
 
 import uvicorn
 
+from splitserve.auth import CLUSTER_SECRET_ENV, warn_if_open
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.tokens import prompt_token_ids
@@ -26,6 +27,12 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
         tokenizer = load_tokenizer(resolve_model(config.model))
         tokenize = functools.partial(prompt_token_ids, tokenizer)
     router = Router(config, tokenize)
+    warn_if_open("router", config.api_keys)
+    if config.api_keys and not config.cluster_secret:
+        logger.warning(
+            "the router requires client keys but has no cluster secret (%s): it forwards requests without "
+            "credentials, so workers that require a key will refuse them", CLUSTER_SECRET_ENV,
+        )  # fmt: skip
     logger.info(
         "router on %s:%d, strategy %s, workers %s",
         config.host, config.port, config.routing_strategy.value,

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import uvicorn
 
+from splitserve.auth import warn_if_open
 from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.kv_events import KVEventPublisher
@@ -50,6 +51,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
+    warn_if_open("worker", server_config.api_keys)
     events = _event_publisher(engine_config, server_config)
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
     engine = AsyncEngine(lambda: _load_engine(engine_config, server_config.role, events), metrics)

