@@ -8,6 +8,8 @@ router adds is most of what there is to see. Targets, each measured against the 
 
 - direct: straight to the stub.
 - splitserve: ``splitserve router --routing-strategy roundrobin`` with the stub as its one backend.
+- splitserve-keys: the same with a client key (``--api-key``) and a cluster secret: what checking the key and
+  sending the router's own credential instead of the client's costs.
 - vllm-router: the Rust router from PyPI (``pip install vllm-router`` into a separate environment, never a
   splitserve dependency) with ``--policy round_robin``; skipped unless ``--vllm-router-bin`` names its
   ``vllm-router`` script (or the Python of its environment).
@@ -51,6 +53,8 @@ COMPLETIONS_PATH = "/v1/completions"
 COMPLETION = {"model": MODEL, "prompt": "Say hello.", "max_tokens": 5}
 STREAMING_COMPLETION = {**COMPLETION, "stream": True}
 EXPECTED_TEXT = "Hello from the stub."  # the stub's fixed completion
+API_KEY = "bench-client-key-0123456789abcdef"  # every request carries it; only splitserve-keys checks it
+AUTHORIZATION = {"Authorization": f"Bearer {API_KEY}"}
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 BLOCK_SIZE = 100  # sequential requests per turn when a router and its direct baseline alternate
 
@@ -60,6 +64,7 @@ T = TypeVar("T")
 class TargetName(StrEnum):
     DIRECT = "direct"
     SPLITSERVE = "splitserve"
+    SPLITSERVE_KEYS = "splitserve-keys"
     VLLM_ROUTER = "vllm-router"
 
 
@@ -166,7 +171,7 @@ def build_request(port: int, payload: dict[str, Any]) -> bytes:
     body = json.dumps(payload).encode()
     head = (
         f"POST {COMPLETIONS_PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
@@ -325,20 +330,26 @@ def added_latency(target: dict[str, Any], baseline: dict[str, Any]) -> dict[str,
 def check_target(port: int) -> None:
     """One non-streaming and one streaming completion through httpx: the stub's answer must come back whole."""
     url = f"http://{HOST}:{port}{COMPLETIONS_PATH}"
-    reply = httpx.post(url, json=COMPLETION, timeout=10)
+    reply = httpx.post(url, json=COMPLETION, headers=AUTHORIZATION, timeout=10)
     reply.raise_for_status()
     text = reply.json()["choices"][0]["text"]
     if text != EXPECTED_TEXT:
         raise RuntimeError(f"expected the stub's {EXPECTED_TEXT!r}, got {text!r}")
-    with httpx.stream("POST", url, json=STREAMING_COMPLETION, timeout=10) as stream:
+    with httpx.stream("POST", url, json=STREAMING_COMPLETION, headers=AUTHORIZATION, timeout=10) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     if events[-1] != "data: [DONE]" or len(events) < 2:
         raise RuntimeError(f"streaming answer does not end with [DONE]: {events}")
 
 
-def router_command(name: TargetName, port: int, backend_url: str, vllm_router_bin: Path | None) -> list[str]:
-    if name is TargetName.SPLITSERVE:
+def router_command(
+    name: TargetName, port: int, backend_url: str, vllm_router_bin: Path | None, logs: Path
+) -> list[str]:
+    if name in (TargetName.SPLITSERVE, TargetName.SPLITSERVE_KEYS):
         args = ["router", "--model", MODEL, "--host", HOST, "--port", str(port), "--backend", backend_url]
+        if name is TargetName.SPLITSERVE_KEYS:
+            secret = logs / "router-overhead-cluster-secret"
+            secret.write_text("bench-cluster-secret\n")
+            args += ["--api-key", API_KEY, "--cluster-secret-file", str(secret)]
         return [*SPLITSERVE, *args, "--routing-strategy", "roundrobin"]
     assert vllm_router_bin is not None  # main() skips vllm-router without it
     # the environment's Python runs the same launcher as its ``vllm-router`` script
@@ -354,7 +365,7 @@ def running(name: TargetName, stub_port: int, vllm_router_bin: Path | None, logs
         yield Endpoint(name, stub_port, None)
         return
     port = free_port()
-    command = router_command(name, port, f"http://{HOST}:{stub_port}", vllm_router_bin)
+    command = router_command(name, port, f"http://{HOST}:{stub_port}", vllm_router_bin, logs)
     log_path = logs / f"router-overhead-{name}.log"
     try:
         proc = start_server(command, port, log_path, timeout_s=120)

@@ -6,9 +6,11 @@ use among themselves.
   router: ``Authorization: Bearer <key>``, else a 401 with OpenAI's error body. ``/health``, ``/ping``,
   ``/metrics`` and ``/version`` stay open. With no key configured, those routes are open, and the process
   says so once, loudly.
-- **The cluster secret** (``SPLITSERVE_CLUSTER_SECRET``, or ``--cluster-secret-file``) is the router's
-  credential towards its workers. The router never forwards a client's ``Authorization`` header; it sends the
-  cluster secret instead, and a worker accepts it wherever it accepts a client key.
+- **The cluster secret** (``SPLITSERVE_CLUSTER_SECRET``, or ``--cluster-secret-file``) is the credential of
+  the cluster's own processes. The router never forwards a client's ``Authorization`` header; it sends the
+  cluster secret instead, and a worker accepts it wherever it accepts a client key. When a process has one,
+  its internal routes (``/admin/*``, ``/kv/*``: worker lists, KV events, KV transfer addresses and lookups)
+  take the cluster secret and nothing else; client keys get a 401 there. Workers send it with their KV events.
 
 Keys are compared in constant time. They never appear in logs.
 """
@@ -30,6 +32,7 @@ API_KEY_ENV = "SPLITSERVE_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 CLUSTER_SECRET_ENV = "SPLITSERVE_CLUSTER_SECRET"
 CLIENT_PATHS = ("/v1/", "/invocations", "/tokenize", "/detokenize")  # prefixes of the routes keys guard
+INTERNAL_PATHS = ("/admin/", "/kv/")  # prefixes of the routes only the cluster secret opens
 
 
 def api_keys(flags: Iterable[str], env_names: Sequence[str] = (API_KEY_ENV,)) -> tuple[str, ...]:
@@ -59,42 +62,58 @@ def bearer_header(secret: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"} if secret else {}
 
 
-def warn_if_open(process: str, keys: Sequence[str]) -> None:
-    """One loud warning when a process serves its OpenAI routes to anyone."""
-    if not keys:
+def warn_if_open(process: str, keys: Sequence[str], secret: str | None) -> None:
+    """One loud warning when a process serves its OpenAI or its internal routes to anyone."""
+    open_routes = [what for what, guarded in (("/v1/*", keys), ("/admin/* and /kv/*", secret)) if not guarded]
+    if open_routes:
         logger.warning(
-            "SECURITY: this %s has no API key: anyone who can reach it may use /v1/*. Set --api-key or %s "
-            "(the supervisor and the Kubernetes operator set one up themselves).",
-            process, API_KEY_ENV,
+            "SECURITY: anyone who can reach this %s may use %s. Set --api-key (or %s) and the cluster secret "
+            "(%s or --cluster-secret-file).",
+            process, " and ".join(open_routes), API_KEY_ENV, CLUSTER_SECRET_ENV,
         )  # fmt: skip
 
 
-class ClientKeyMiddleware:
-    """ASGI middleware: a 401 with OpenAI's error body on a client route without a valid bearer token.
+class AuthMiddleware:
+    """ASGI middleware: a 401 with OpenAI's error body for a request without a bearer token its route accepts.
 
-    ``keys`` are the client keys; ``cluster_secret``, when set, is accepted too (the router's credential). With
-    no keys every request passes.
+    Client routes accept ``keys``, and the cluster secret too when ``secret_opens_client_routes`` (a worker:
+    the router's credential); with no keys they are open. Internal routes accept the cluster secret only; with
+    none configured they are open. Every other route is open.
     """
 
-    def __init__(self, app: ASGIApp, keys: Sequence[str], cluster_secret: str | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Sequence[str],
+        cluster_secret: str | None = None,
+        secret_opens_client_routes: bool = True,
+    ) -> None:
         self.app = app
-        self._accepted = [key.encode() for key in keys]
-        if keys and cluster_secret:
-            self._accepted.append(cluster_secret.encode())
+        secret = [cluster_secret.encode()] if cluster_secret else []
+        self._client = [key.encode() for key in keys]
+        if self._client and secret_opens_client_routes:
+            self._client += secret
+        self._internal = secret
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self._accepted and str(scope["path"]).startswith(CLIENT_PATHS):
-            token = _bearer_token(scope)
-            if token is None or not self._accepts(token):
-                await _unauthorized(send, token is None)
-                return
+        if scope["type"] == "http":
+            path = str(scope["path"])
+            accepted = self._client if path.startswith(CLIENT_PATHS) else None
+            if path.startswith(INTERNAL_PATHS):
+                accepted = self._internal
+            if accepted:
+                token = _bearer_token(scope)
+                if token is None or not _matches(token, accepted):
+                    await _unauthorized(send, token is None, accepted is self._internal)
+                    return
         await self.app(scope, receive, send)
 
-    def _accepts(self, token: bytes) -> bool:
-        matched = False
-        for key in self._accepted:  # every key, so the time does not tell which one nearly matched
-            matched |= hmac.compare_digest(token, key)
-        return matched
+
+def _matches(token: bytes, accepted: Sequence[bytes]) -> bool:
+    matched = False
+    for key in accepted:  # every one, so the time does not tell which one nearly matched
+        matched |= hmac.compare_digest(token, key)
+    return matched
 
 
 def _bearer_token(scope: Scope) -> bytes | None:
@@ -105,13 +124,16 @@ def _bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
-async def _unauthorized(send: Send, missing: bool) -> None:
-    message = (
-        "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
-        "(Authorization: Bearer YOUR_KEY)."
-        if missing
-        else "Incorrect API key provided."
-    )
+async def _unauthorized(send: Send, missing: bool, internal: bool) -> None:
+    if internal:
+        message = "This route is internal to the cluster: it takes the cluster secret as a Bearer token."
+    elif missing:
+        message = (
+            "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+            "(Authorization: Bearer YOUR_KEY)."
+        )
+    else:
+        message = "Incorrect API key provided."
     body = json.dumps(
         {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
     ).encode()

@@ -65,6 +65,7 @@ class KVEventPublisher:
         meta: sent with every snapshot (model, block size, chunk size, KV layout, role).
         interval_s: how often a batch is sent while events arrive.
         transport: replaces the network (tests).
+        headers: sent with every batch (the cluster secret, ``splitserve.auth.bearer_header``).
     """
 
     def __init__(
@@ -76,13 +77,16 @@ class KVEventPublisher:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         transport: httpx.BaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.url = url
         self.worker_id = worker_id
         self.worker_url = worker_url
         self.meta = dict(meta or {})
         self.interval_s = interval_s
-        self._client = httpx.Client(transport=transport, timeout=httpx.Timeout(5.0), trust_env=False)
+        self._client = httpx.Client(
+            transport=transport, timeout=httpx.Timeout(5.0), trust_env=False, headers=dict(headers or {})
+        )
         self._lock = threading.Condition()
         self._held: dict[Tier, OrderedDict[int, None]] = {tier: OrderedDict() for tier in Tier}
         self._pending: list[dict[str, Any]] = []

@@ -1,5 +1,6 @@
-"""Client keys and the router's own credential (issue 13, item 1), against real worker and router processes,
-and the router's forwarding against a backend that records what it receives."""
+"""Client keys, the router's own credential and the internal routes' cluster secret (issue 13, items 1 and 2),
+against real worker and router processes, and the router's forwarding against a backend that records what it
+receives."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from starlette.routing import Route
 from splitserve import auth
 from splitserve.config import RouterConfig
 from splitserve.router.app import Router, build_router_app
-from tests.e2e.workers import RouterProcess, WorkerProcess
+from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
 from tests.unit.fake_engine import ServerThread
+from tests.waiting import wait_until
 
 WORKER_KEY = "worker-key-0123456789"
 ROUTER_KEY = "router-key-9876543210"
@@ -54,12 +56,15 @@ def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker
     secret_file.write_text(SECRET + "\n")
     os.chmod(secret_file, 0o600)
     common = ["--cluster-secret-file", str(secret_file)]
+    router_port = free_port()
+    events = ["--kv-events-url", f"http://127.0.0.1:{router_port}/kv/events", "--worker-id", "keyed-worker"]
     worker = WorkerProcess(folder / "worker.log", ["--dtype", "float32", "--num-threads", "1",
-                                                   "--api-key", WORKER_KEY, *common])  # fmt: skip
+                                                   "--api-key", WORKER_KEY, *common, *events])  # fmt: skip
     router = None
     try:
         worker.wait_healthy()
-        router = RouterProcess(folder / "router.log", ["--backend", worker.url, "--api-key", ROUTER_KEY, *common])
+        args = ["--backend", worker.url, "--api-key", ROUTER_KEY, *common]
+        router = RouterProcess(folder / "router.log", args, port=router_port)
         router.wait_healthy()
         yield worker, router
     finally:
@@ -80,6 +85,43 @@ def test_every_client_route_wants_a_key_on_the_worker_and_the_router(
         assert call(url, method, path, right).status_code == 200
     assert call(worker.url, method, path, SECRET).status_code == 200  # the router's credential
     assert_refused(call(router.url, method, path, SECRET))  # not a client key of the router
+
+
+INTERNAL = [
+    ("worker", "POST", "/kv/lookup", {"prompt": "Hello"}),
+    ("worker", "GET", "/kv/transfer", None),
+    ("router", "GET", "/admin/workers", None),
+    ("router", "PUT", "/admin/workers", {"backends": ["http://attacker.example:80"]}),
+    ("router", "POST", "/kv/events", {"worker_id": "x", "worker_url": "http://attacker.example:80", "events": []}),
+]
+
+
+@pytest.mark.parametrize(("process", "method", "path", "body"), INTERNAL, ids=lambda v: str(v))
+def test_internal_routes_take_the_cluster_secret_and_nothing_else(
+    processes: tuple[WorkerProcess, RouterProcess], process: str, method: str, path: str, body: object
+) -> None:
+    worker, router = processes
+    url = worker.url if process == "worker" else router.url
+    for key in (None, WORKER_KEY, ROUTER_KEY, SECRET[:-1]):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+        assert response.status_code == 401, (key, response.text)
+        assert "internal" in response.json()["error"]["message"]
+    if method == "GET" or path == "/kv/lookup":  # the writes would change the router: only read with the secret
+        response = httpx.request(method, url + path, json=body, headers={"Authorization": f"Bearer {SECRET}"})
+        # past the check, the route answers for itself: a colocated worker has no KV receiver to name
+        assert response.status_code == (404 if path == "/kv/transfer" else 200), response.text
+
+
+def test_workers_send_their_kv_events_with_the_cluster_secret(processes: tuple[WorkerProcess, RouterProcess]) -> None:
+    _, router = processes
+    secret = {"Authorization": f"Bearer {SECRET}"}
+
+    def registered() -> bool:
+        workers = httpx.get(router.url + "/admin/workers", headers=secret, timeout=10).json()["workers"]
+        return any(w["worker_id"] == "keyed-worker" for w in workers)
+
+    wait_until(registered, timeout_s=30)
 
 
 def test_health_and_metrics_stay_open(processes: tuple[WorkerProcess, RouterProcess]) -> None:

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitserve.auth import ClientKeyMiddleware, bearer_header
+from splitserve.auth import AuthMiddleware, bearer_header
 from splitserve.config import RouterConfig
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
@@ -474,7 +474,10 @@ def build_router_app(router: Router, *, probe: bool = True) -> Starlette:
         Route("/kv/events", router.kv_events, methods=["POST"]),
         Route("/admin/workers", router.workers_endpoint, methods=["GET", "PUT"]),
     ]
-    keys = Middleware(ClientKeyMiddleware, keys=router.config.api_keys)
+    config = router.config
+    keys = Middleware(
+        AuthMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret, secret_opens_client_routes=False
+    )
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS, middleware=[keys])
 
 

@@ -27,7 +27,7 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
         tokenizer = load_tokenizer(resolve_model(config.model))
         tokenize = functools.partial(prompt_token_ids, tokenizer)
     router = Router(config, tokenize)
-    warn_if_open("router", config.api_keys)
+    warn_if_open("router", config.api_keys, config.cluster_secret)
     if config.api_keys and not config.cluster_secret:
         logger.warning(
             "the router requires client keys but has no cluster secret (%s): it forwards requests without "

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve import __version__
-from splitserve.auth import ClientKeyMiddleware
+from splitserve.auth import AuthMiddleware
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.model.kernels import describe_cpu
@@ -50,7 +50,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app = FastAPI(title="splitserve worker", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     # added last, so it runs first: a request without a valid key is refused before its body is read
-    app.add_middleware(ClientKeyMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret)
+    app.add_middleware(AuthMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret)
     _install_error_handlers(app)
 
     @app.get("/health")

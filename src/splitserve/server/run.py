@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import uvicorn
 
-from splitserve.auth import warn_if_open
+from splitserve.auth import bearer_header, warn_if_open
 from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.kv_events import KVEventPublisher
@@ -51,7 +51,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
-    warn_if_open("worker", server_config.api_keys)
+    warn_if_open("worker", server_config.api_keys, server_config.cluster_secret)
     events = _event_publisher(engine_config, server_config)
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
     engine = AsyncEngine(lambda: _load_engine(engine_config, server_config.role, events), metrics)
@@ -90,7 +90,8 @@ def _event_publisher(engine_config: EngineConfig, server_config: ServerConfig) -
         "l1_cache": engine_config.kv_tiers.l1_cache,
         "l2_backend": engine_config.kv_tiers.l2_backend.value,
     }
-    return KVEventPublisher(server_config.kv_events_url, server_config.name, server_config.url, meta)
+    url, name = server_config.kv_events_url, server_config.name
+    return KVEventPublisher(url, name, server_config.url, meta, headers=bearer_header(server_config.cluster_secret))
 
 
 def _load_engine(config: EngineConfig, role: Role, events: KVEventPublisher | None) -> EngineCore:
