@@ -128,6 +128,20 @@ def test_a_killed_worker_is_restarted_and_traffic_recovers(colocated: Up) -> Non
     assert worker["name"] in listing.stdout and "Running   1" in listing.stdout
 
 
+def test_the_supervisor_closes_the_internal_routes_with_a_secret_of_its_own(colocated: Up) -> None:
+    secret_file = colocated.home / "endpoints" / colocated.name / "cluster-secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600 and secret_file.parent.stat().st_mode & 0o077 == 0
+    secret = secret_file.read_text().strip()
+    attack = {"backends": ["http://attacker.example:80"]}
+    refused = httpx.put(f"{colocated.url}/admin/workers", json=attack, timeout=10)
+    assert refused.status_code == 401, refused.text
+    listing = httpx.get(f"{colocated.url}/admin/workers", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    assert listing.status_code == 200 and all("attacker" not in w["url"] for w in listing.json()["workers"])
+    assert chat(colocated.url).status_code == 200  # clients are unaffected: no client key was set
+    pids = [pod["pid"] for pod in state(colocated.home, colocated.name)["pods"] if pod["pid"]]
+    assert pids and all(secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids)
+
+
 def test_reapplying_scales_without_dropping_in_flight_requests(tmp_path: Path) -> None:
     resource = yaml.safe_load((EXAMPLES / "kvaware.yaml").read_text())
     path = tmp_path / "endpoint.yaml"

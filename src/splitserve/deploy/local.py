@@ -57,7 +57,7 @@ def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Pa
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
     config = load_for_local_run(path)
     run_dir = run_dir_for(config.metadata.name, root)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     applied = run_dir / "endpoint.yaml"  # what SIGHUP re-reads; `splitserve apply -f` replaces it
     if path.resolve() != applied.resolve():
         shutil.copyfile(path, applied)
@@ -129,7 +129,7 @@ def apply(path: Path, *, router_port: int = 8080, root: Path | None = None, wait
     """Start the endpoint in the background, or reconcile the running one; print its pods when ready."""
     config = load_for_local_run(path)
     run_dir = run_dir_for(config.metadata.name, root)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     target = run_dir / "endpoint.yaml"
     shutil.copyfile(path, target)
     pid = _supervisor_pid(run_dir)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from splitserve.auth import bearer_header
 from splitserve.config import Role
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
@@ -106,6 +108,8 @@ class Supervisor:
         self._gpus_of: dict[str, tuple[int, ...]] = {}
         self._was_ready = False
         self.revision = ""  # of the last resource applied in full
+        self.secret_file = run_dir / "cluster-secret"
+        self._secret = _cluster_secret(self.secret_file)  # closes every pod's internal routes to outsiders
 
     @property
     def router_url(self) -> str:
@@ -185,7 +189,8 @@ class Supervisor:
         port = free_port()
         name = pod_name(role_plan.role.value, endpoint.name)
         flags = [*role_plan.flags, "--host", self.host, "--port", str(port), "--worker-id", name,
-                 "--advertise-url", f"http://127.0.0.1:{port}"]  # fmt: skip
+                 "--advertise-url", f"http://127.0.0.1:{port}",
+                 "--cluster-secret-file", str(self.secret_file)]  # fmt: skip
         if endpoint.router.kv_events:
             flags += ["--kv-events-url", f"{self.router_url}/kv/events"]
         env = dict(role_plan.env)
@@ -213,8 +218,9 @@ class Supervisor:
     def _router_command(self, endpoint: EndpointPlan, workers: list[Pod]) -> tuple[str, ...]:
         urls = [f for p in workers for f in (ROLE_URL_FLAG[Role(p.spec.role)], p.spec.url)]
         return splitserve_command(
-            "router", *endpoint.router.flags, "--host", self.host, "--port", str(self.router_port), *urls
-        )
+            "router", *endpoint.router.flags, "--host", self.host, "--port", str(self.router_port), *urls,
+            "--cluster-secret-file", str(self.secret_file),
+        )  # fmt: skip
 
     def _publish_workers(self, workers: list[Pod]) -> None:
         """Tell the running router its worker lists (its discovery feed)."""
@@ -224,7 +230,8 @@ class Supervisor:
         assert self.plan is not None and self._router is not None
         self._router.spec.command = self._router_command(self.plan, workers)  # a restarted router starts current
         try:
-            response = httpx.put(f"{self.router_url}/admin/workers", json=lists, timeout=10, trust_env=False)
+            url, headers = f"{self.router_url}/admin/workers", bearer_header(self._secret)
+            response = httpx.put(url, json=lists, headers=headers, timeout=10, trust_env=False)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             logger.warning("could not update the router's workers (%s); restarting it", exc)
@@ -275,6 +282,21 @@ def _requests_in_worker(pod: Pod) -> float:
     except httpx.HTTPError:
         return 0.0
     return sum_samples(text, "vllm:num_requests_running") + sum_samples(text, "vllm:num_requests_waiting")
+
+
+def _cluster_secret(path: Path) -> str:
+    """The endpoint's cluster secret: read from ``path``, or made and written there (0600) the first time.
+
+    The router and the workers read it from that file (``--cluster-secret-file``), never from argv.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists():
+        return path.read_text(encoding="utf-8").strip()
+    secret = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(secret + "\n")
+    return secret
 
 
 def _num_gpus() -> int:
