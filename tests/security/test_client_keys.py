@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from splitserve import auth
 from splitserve.config import RouterConfig
+from splitserve.deploy.pods import redacted
 from splitserve.router.app import Router, build_router_app
 from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
 from tests.unit.fake_engine import ServerThread
@@ -173,3 +174,8 @@ def test_keys_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatc
     assert auth.cluster_secret(str(tmp_path / "s")) == "file-secret"
     with pytest.raises(ValueError, match="cannot read"):
         auth.cluster_secret(str(tmp_path / "missing"))
+
+
+def test_the_supervisor_log_hides_keys_passed_as_flags() -> None:
+    command = ["splitserve", "worker", "--api-key", "k1", "--api-key=k2", "--port", "8000"]
+    assert redacted(command) == ["splitserve", "worker", "--api-key", "***", "--api-key=***", "--port", "8000"]

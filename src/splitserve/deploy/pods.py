@@ -30,6 +30,23 @@ STABLE_AFTER_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
 
+SECRET_FLAGS = frozenset({"--api-key"})  # flags whose value must never reach a log
+
+
+def redacted(command: Sequence[str]) -> list[str]:
+    """``command`` with the value of every secret-bearing flag (``--api-key KEY``, ``--api-key=KEY``) hidden."""
+    out: list[str] = []
+    for token in command:
+        flag = token.split("=", 1)[0]
+        if out and out[-1] in SECRET_FLAGS:
+            out.append("***")
+        elif flag in SECRET_FLAGS and "=" in token:
+            out.append(f"{flag}=***")
+        else:
+            out.append(token)
+    return out
+
+
 def pod_name(role: str, endpoint: str) -> str:
     """``<role>-<endpoint>-<5 random chars>``, as a Deployment's pods are named."""
     return f"{role}-{endpoint}-{secrets.token_hex(3)[:5]}"
@@ -169,7 +186,7 @@ class PodSet:
         pod = Pod(name, spec, self.log_dir / f"{name}.log")
         self.pods.append(pod)
         pod.start()
-        logger.info("pod %s started: %s", name, " ".join(spec.command))
+        logger.info("pod %s started: %s", name, " ".join(redacted(spec.command)))
         self._on_change()
         return pod
 
