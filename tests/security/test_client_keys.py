@@ -20,7 +20,9 @@ from starlette.routing import Route
 from splitserve import auth
 from splitserve.config import RouterConfig
 from splitserve.deploy.pods import redacted
+from splitserve.router import app as router_app
 from splitserve.router.app import Router, build_router_app
+from splitserve.router.discovery import checked_worker_url
 from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
 from tests.unit.fake_engine import ServerThread
 from tests.waiting import wait_until
@@ -179,3 +181,48 @@ def test_keys_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatc
 def test_the_supervisor_log_hides_keys_passed_as_flags() -> None:
     command = ["splitserve", "worker", "--api-key", "k1", "--api-key=k2", "--port", "8000"]
     assert redacted(command) == ["splitserve", "worker", "--api-key", "***", "--api-key=***", "--port", "8000"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://attacker.example:80/steal?",
+        "http://user:pw@10.0.0.1:8000",
+        "http://10.0.0.1:8000/v1",
+        "http://10.0.0.1:8000#x",
+        "ftp://10.0.0.1:8000",
+        "http://:8000",
+        "http://10.0.0.1:99999",
+        12,
+    ],
+)
+def test_worker_urls_from_outside_are_bare_http_host_port(url: object) -> None:
+    with pytest.raises(ValueError):
+        checked_worker_url(url)
+
+
+def test_worker_urls_are_normalized() -> None:
+    assert checked_worker_url("http://Worker-0.svc:8000/") == "http://worker-0.svc:8000"
+    assert checked_worker_url("https://[::1]:8443") == "https://[::1]:8443"
+
+
+def test_admin_updates_and_events_refuse_bad_urls_and_too_many_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_app, "MAX_WORKERS", 2)
+    secret = {"Authorization": f"Bearer {SECRET}"}
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    with ExitStack() as stack:
+        worker = stack.enter_context(ServerThread(Starlette(routes=[Route("/health", health)])))
+        config = RouterConfig(backends=(worker.url,), cluster_secret=SECRET)
+        url = stack.enter_context(ServerThread(build_router_app(Router(config)))).url
+        bad = httpx.put(f"{url}/admin/workers", json={"backend": ["http://x:1/?"]}, headers=secret)
+        assert bad.status_code == 400 and "bare" in bad.json()["error"]["message"]
+        many = {"backend": [f"http://10.0.0.{i}:8000" for i in range(3)]}
+        assert httpx.put(f"{url}/admin/workers", json=many, headers=secret).status_code == 400
+        for i, status in ((0, 200), (1, 200), (2, 429)):
+            batch = {"worker_id": f"w{i}", "worker_url": f"http://10.0.0.{i}:8000", "reset": True, "events": []}
+            assert httpx.post(f"{url}/kv/events", json=batch, headers=secret).status_code == status
+        batch = {"worker_id": "w", "worker_url": "http://u:p@10.0.0.9:8000", "reset": True, "events": []}
+        assert httpx.post(f"{url}/kv/events", json=batch, headers=secret).status_code == 400

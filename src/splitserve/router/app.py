@@ -38,7 +38,7 @@ from splitserve.config import RouterConfig
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
 from splitserve.router.disagg import Disaggregator
-from splitserve.router.discovery import Worker, WorkerPool, WorkerRole, normalize_url
+from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url, normalize_url
 from splitserve.router.health import HealthChecker, worker_breaker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
@@ -374,9 +374,11 @@ class Router:
         try:
             body = json.loads(await request.body())
             worker_id, worker_url, reset, events = parse_batch(body)
+            url = checked_worker_url(worker_url)
         except ValueError as exc:
             return RouterError(400, f"invalid KV events: {exc}").response()
-        url = normalize_url(worker_url)
+        if reset and not self.kv_index.is_registered(url) and self.kv_index.num_workers >= MAX_WORKERS:
+            return RouterError(429, f"the KV index already tracks {MAX_WORKERS} workers", "too_many_workers").response()
         meta = body.get("meta") if isinstance(body.get("meta"), dict) else None
         if not self.kv_index.apply(url, worker_id, reset, events, meta):
             return RouterError(409, f"worker {worker_id} is not registered; send a reset", "unknown_worker").response()
@@ -430,12 +432,11 @@ def _worker_lists(body: Any) -> dict[WorkerRole, list[str]]:
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     lists = {role: body.get(role.value, []) for role in WorkerRole}
-    for role, urls in lists.items():
-        if not isinstance(urls, list) or not all(
-            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
-        ):
-            raise ValueError(f"'{role.value}' must be a list of http(s) URLs")
-    return lists
+    if any(not isinstance(urls, list) for urls in lists.values()):
+        raise ValueError("'backend', 'prefill' and 'decode' must be lists of http(s)://host:port URLs")
+    if sum(len(urls) for urls in lists.values()) > MAX_WORKERS:
+        raise ValueError(f"at most {MAX_WORKERS} workers")
+    return {role: [checked_worker_url(url) for url in urls] for role, urls in lists.items()}
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from urllib.parse import urlsplit
 
 from splitserve.breaker import CircuitBreaker
 from splitserve.router.health import worker_breaker
@@ -42,8 +43,34 @@ class Worker:
         return self.worker_id or self.url
 
 
+MAX_WORKERS = 1024  # workers a router takes from an admin update, and workers its KV index tracks
+
+
 def normalize_url(url: str) -> str:
     return url.rstrip("/")
+
+
+def checked_worker_url(url: object) -> str:
+    """A worker's base URL as ``http(s)://host[:port]``, normalized; ``ValueError`` for anything else.
+
+    No credentials, path, query or fragment: a URL from an admin update or a KV event is where the router sends
+    clients' prompts, so nothing may ride along with it.
+    """
+    if not isinstance(url, str):
+        raise ValueError("a worker URL must be a string")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} must be http(s)://host[:port]")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError(f"{url!r} must not carry credentials")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or url.rstrip("/").endswith(("?", "#")):
+        raise ValueError(f"{url!r} must be a bare http(s)://host[:port], with no path, query or fragment")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
 class WorkerPool:

@@ -97,6 +97,10 @@ class KVIndex:
     def __len__(self) -> int:
         return sum(len(h.engine) + len(h.l1) for h in self._workers.values()) + len(self._l2)
 
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
     def is_registered(self, worker_url: str) -> bool:
         return worker_url in self._workers
 
