@@ -1,6 +1,7 @@
 """The ``InferenceEndpointConfig`` resource: its model, validation, loading, and the merging rules of its args.
 
-One resource file describes a whole endpoint (``spec/SPEC.md`` section 1). This module reads it into a frozen
+One resource file describes a whole endpoint (the README's "One resource file" section; ``examples/`` holds one of
+each kind). This module reads it into a frozen
 pydantic model, checks every rule across fields, and reports each problem as an :class:`EndpointError` line that
 names the field path. It also holds the spec's rules for ``args`` lists (:func:`parse_args`,
 :func:`merge_flags`: per-role args over ``worker.args``), which validation and planning share. What to run for

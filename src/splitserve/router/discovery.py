@@ -1,8 +1,9 @@
 """The workers the router knows, their per-worker state, and where that list comes from.
 
-Discovery is static (the ``--backend`` flags) today; :class:`WorkerPool.update` is the seam through which the
-supervisor or a Kubernetes watch will feed it later: workers that stay keep their state (health, breaker,
-load), new ones start unprobed, removed ones are forgotten.
+The list starts from the ``--backend``/``--prefill``/``--decode`` flags. After that, :class:`WorkerPool.update`
+takes the lists that the supervisor or the Kubernetes discovery sidecar sends through ``PUT /admin/workers``
+(``checked_worker_url`` checks each URL): workers that stay keep their state (health, breaker, load), new ones
+start unprobed, and removed ones are forgotten.
 """
 
 from __future__ import annotations
