@@ -190,6 +190,22 @@ def worker_command(
             rich_help_panel=_SERVER,
         ),
     ] = None,
+    max_tokens_limit: Annotated[
+        int | None,
+        typer.Option(
+            help="The most max_tokens a request may ask for, and what it gets when it sets none "
+            "(default: the context left).",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    max_queued_requests: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests that may wait for their first token; past that, new ones get a 429 with Retry-After "
+            "(default: no bound).",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     cluster_secret_file: Annotated[
         str | None,
         typer.Option(
@@ -282,6 +298,8 @@ def worker_command(
         advertise_url=advertise_url,
         api_keys=api_keys,
         cluster_secret=secret,
+        max_tokens_limit=max_tokens_limit,
+        max_queued_requests=max_queued_requests,
     )
     try:
         engine_config.validate()

@@ -242,7 +242,8 @@ class ServerConfig:
     port: int = 8000
     role: Role = Role.COLOCATED
     max_request_body_bytes: int = 16 << 20
-    max_tokens_limit: int | None = None  # None: max_model_len
+    max_tokens_limit: int | None = None  # cap on max_tokens, and the default when none is set; None: the context
+    max_queued_requests: int | None = None  # requests waiting for their first token before a 429; None: no bound
     kv_events_url: str | None = None  # where KV events go (the router's /kv/events); None: not sent
     worker_id: str | None = None  # None: host:port
     advertise_url: str | None = None  # how others reach this worker; None: http://host:port
@@ -255,6 +256,12 @@ class ServerConfig:
         for flag, url in (("--kv-events-url", self.kv_events_url), ("--advertise-url", self.advertise_url)):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{flag} must start with http:// or https://, got {url!r}")
+        for flag, value in (
+            ("--max-tokens-limit", self.max_tokens_limit),
+            ("--max-queued-requests", self.max_queued_requests),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be positive, got {value}")
 
     @property
     def url(self) -> str:

@@ -1,12 +1,13 @@
 """A slow L2 leaves decode steps alone: a real worker (smollm2, float32) streams 8 requests while a long prompt
 whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
-Redis call held 500 ms by a delaying proxy. The streams' ITL p99 must not differ by more than 1.3x, and no gap
-may reach the delay.
+Redis call held 500 ms by a delaying proxy. No gap between two tokens of a stream may grow by the delay.
 
 Both runs admit the same kind of prompt (loading ~1,800 tokens of KV and computing the rest in float, which
-costs a few decode steps' time), so their ratio isolates what L2's latency adds. The connector reads L2 on its
-own prefetch thread (``kvcache/connector.py``); before, the engine thread ran the lookups and the MGET inside
-``schedule()``, and every decode step waited for them (1.5 s here)."""
+costs a few decode steps' time), so comparing them isolates what L2's latency adds. The connector reads L2 on
+its own prefetch thread (``kvcache/connector.py``); before, the engine thread ran the lookups and the MGET
+inside ``schedule()``, and every stream got one gap of 1.4 s. The test prints the ITL p99 of both runs (the
+issue's figure, recorded in docs/benchmarks.md) but does not assert on it: the p99 does not see that stall (8
+of 1,272 gaps), and on a shared 2-core machine it moves by 30% between two identical runs."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ pytestmark = [
 DELAY_S = 0.5
 NUM_STREAMS = 8
 STREAM_TOKENS = 160  # 8 x 159 gaps: one slow step moves 8 of them, not the p99
-ITL_P99_RATIO_MAX = 1.3
 
 
 class DelayProxy:
@@ -159,8 +159,9 @@ def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: Redis
             f"\nITL p99 with the long prompt from a fast L2 {p99(fast) * 1000:.1f} ms, from a {DELAY_S * 1000:.0f} ms "
             f"L2 {p99(slow) * 1000:.1f} ms ({ratio:.2f}x); max {max(fast) * 1000:.0f} / {max(slow) * 1000:.0f} ms"
         )
-        assert max(slow) < DELAY_S  # no step waited for a Redis call
-        assert ratio <= ITL_P99_RATIO_MAX
+        # no step waited for Redis: a call in schedule() would add DELAY_S (three calls: 1.5 s) to the admission
+        # step, whose own compute is in both runs (about 0.25 s here, more on a slower CPU)
+        assert max(slow) < max(fast) + DELAY_S
     finally:
         worker.stop()
         proxy.close()

@@ -419,3 +419,18 @@ def test_lookup_and_events_name_what_each_tier_holds(
     assert not sink.held[Tier.ENGINE]
     assert engine.lookup_prefix(PROMPT) == {"engine": 0, "l1": loadable, "l2": 0}
     engine.close()
+
+
+def test_a_prefetch_that_fails_is_a_miss_and_the_engine_lives(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+
+    def broken(keys: object) -> list[bytes]:
+        raise RuntimeError("an L2 bug")
+
+    connector.store.get_prefix = broken  # type: ignore[method-assign]
+    engine_b = make_engine(tiny_model, connector)
+    outputs = run_to_completion(engine_b, {"b": PROMPT}, GREEDY)["b"]
+    assert tokens_of(outputs) == cold_tokens and outputs[-1].num_cached_tokens == 0

@@ -410,3 +410,33 @@ class TestHealth:
             assert http.get("/health").status_code == 503
             r = http.post("/v1/completions", json={"prompt": "Hi"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_serves_again_once_it_drains() -> None:
+    engine = AsyncEngine(lambda: FakeEngine(step_delay_s=0.5), WorkerMetrics(MODEL), max_queued=1)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    with (
+        ServerThread(build_app(engine, ServerConfig(max_queued_requests=1))) as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as http,
+    ):
+        wait_until(lambda: http.get("/health").status_code == 200)
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as waiting:
+            assert waiting.status_code == 200  # accepted; its first token is half a second away
+            refused = http.post("/v1/completions", json=body)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+            waiting.read()
+        assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_max_tokens_limit_caps_requests_and_is_the_default() -> None:
+    engine = AsyncEngine(lambda: FakeEngine(), WorkerMetrics(MODEL))
+    with (
+        ServerThread(build_app(engine, ServerConfig(max_tokens_limit=3))) as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as http,
+    ):
+        wait_until(lambda: http.get("/health").status_code == 200)
+        unset = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        assert unset.status_code == 200 and unset.json()["usage"]["completion_tokens"] == 3
+        over = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+        assert over.status_code == 400 and "at most 3" in over.json()["error"]["message"]

@@ -72,6 +72,10 @@ class EngineNotReadyError(RuntimeError):
     """The model is still loading."""
 
 
+class QueueFullError(RuntimeError):
+    """``max_queued`` requests already wait for their first token: try again shortly (a 429)."""
+
+
 @dataclass(slots=True)
 class _AddCommand:
     request_id: str
@@ -153,8 +157,14 @@ class AsyncEngine:
         engine_factory: Callable[[], EngineCore],
         metrics: WorkerMetrics,
         clock: Callable[[], float] = time.monotonic,
+        max_queued: int | None = None,
     ) -> None:
+        """``max_queued``: accepted requests still waiting for their first token beyond which ``submit`` refuses
+        new ones with :class:`QueueFullError` (None: no bound)."""
+        if max_queued is not None and max_queued < 1:
+            raise ValueError(f"--max-queued-requests must be positive, got {max_queued}")
         self._factory = engine_factory
+        self.max_queued = max_queued
         self.metrics = metrics
         self._clock = clock
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -225,6 +235,11 @@ class AsyncEngine:
 
     # ---- requests (event loop side) --------------------------------------------------------------------
 
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted (or being accepted) that have not produced a token yet: waiting or in prefill."""
+        return sum(state.first_token_s is None for state in self._states.values())
+
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         """Add a request and wait until the engine accepted it.
 
@@ -235,6 +250,8 @@ class AsyncEngine:
         self.engine  # noqa: B018 -- raises when not ready or dead
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if self.max_queued is not None and self.num_queued >= self.max_queued:
+            raise QueueFullError(f"{self.num_queued} requests are already waiting for their first token")
         state = _RequestState(arrival_s=self._clock())
         accepted: Future[float] = Future()
         self._states[request_id] = state

@@ -170,7 +170,11 @@ class KVConnector:
         if not pending[1].done():
             return None
         del self._prefetches[rid]
-        self._lookups[rid] = pending[1].result()
+        try:
+            self._lookups[rid] = pending[1].result()
+        except Exception:  # a bug or an unexpected tier error: a miss, never a dead engine
+            logger.exception("KV connector: prefetching %s failed; computing it instead", rid)
+            self._lookups[rid] = _Lookup(num_cached, (), 0, 0)
         return self._lookups[rid].num_external
 
     def _plan(self, request: Request, num_cached: int) -> _Plan:

@@ -54,7 +54,8 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     warn_if_open("worker", server_config.api_keys, server_config.cluster_secret)
     events = _event_publisher(engine_config, server_config)
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
-    engine = AsyncEngine(lambda: _load_engine(engine_config, server_config.role, events), metrics)
+    load = lambda: _load_engine(engine_config, server_config.role, events)  # noqa: E731
+    engine = AsyncEngine(load, metrics, max_queued=server_config.max_queued_requests)
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(
         app,

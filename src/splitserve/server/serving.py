@@ -20,6 +20,7 @@ from splitserve.engine.async_engine import (
     EngineCore,
     EngineDeadError,
     EngineNotReadyError,
+    QueueFullError,
     RequestStream,
 )
 from splitserve.engine.kv_transfer import KVTransferParams
@@ -55,9 +56,16 @@ class ApiError(Exception):
     """A request that cannot be served; ``status`` and ``body()`` form the HTTP answer."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, type_: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -210,8 +218,9 @@ class OpenAIServing:
                 what,
             )
         remaining = max_model_len - num_prompt
-        if requested is None:
-            return remaining if default is None else min(default, remaining)
+        if requested is None:  # the request's own default, within --max-tokens-limit and the context left
+            limits = [n for n in (default, self.max_tokens_limit) if n is not None]
+            return min([remaining, *limits])
         if requested < 1:
             raise ApiError(400, f"max_tokens must be at least 1, got {requested}", "max_tokens")
         if self.max_tokens_limit is not None and requested > self.max_tokens_limit:
@@ -232,6 +241,9 @@ class OpenAIServing:
             return await self.engine.submit(engine_input.prompt_token_ids, engine_input.params, engine_input.request_id)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+        except QueueFullError as exc:
+            raise ApiError(429, f"the worker is full: {exc}; retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"}) from exc  # fmt: skip
         except (EngineNotReadyError, EngineDeadError):
             self._ready_engine()  # raises the matching 503
             raise
