@@ -486,10 +486,15 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-def sum_samples(text: str, name: str) -> float:
-    """The sum of every sample named exactly ``name`` (any labels) in a Prometheus text page.
+def sum_samples(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample named exactly ``name`` whose labels include ``labels``, in a Prometheus text page.
 
     ``name`` is the sample's full name: ``..._total`` for a counter, ``..._sum`` or ``..._count`` of a histogram.
     Every reader of ``/metrics`` (supervisor, benchmarks) goes through here, never through substring matches.
     """
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )

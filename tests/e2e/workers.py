@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.metrics import sum_samples
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -44,13 +45,7 @@ class WorkerProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples named ``name`` whose labels include ``labels``."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
+        return sum_samples(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")

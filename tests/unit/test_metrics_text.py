@@ -24,3 +24,5 @@ def test_samples_are_matched_by_their_whole_name_across_labels() -> None:
     assert sum_samples(PAGE, "splitserve:prefill_time_seconds_count") == 3.0
     assert sum_samples(PAGE, "splitserve:prefill_time_seconds_sum") == 1.5
     assert sum_samples(PAGE, "vllm:num_requests_waiting") == 0.0
+    assert sum_samples(PAGE, "vllm:num_requests_running", engine="1") == 1.0
+    assert sum_samples(PAGE, "vllm:num_requests_running", engine="2") == 0.0

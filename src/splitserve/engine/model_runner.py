@@ -85,8 +85,10 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Flatten the step's tokens: decodes (one new token) first, then prefill chunks."""
-        decodes = [s for s in sched.scheduled if _is_decode(s)]
-        prefills = [s for s in sched.scheduled if not _is_decode(s)]
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for s in sched.scheduled:
+            (decodes if _is_decode(s) else prefills).append(s)
         token_ids: list[int] = []
         positions: list[int] = []
         for s in decodes + prefills:

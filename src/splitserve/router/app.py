@@ -38,7 +38,7 @@ from splitserve.config import RouterConfig
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
 from splitserve.router.disagg import Disaggregator
-from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url, normalize_url
+from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
 from splitserve.router.health import HealthChecker, worker_breaker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
@@ -398,9 +398,8 @@ class Router:
             if is_split != bool(lists[WorkerRole.DECODE]) or (not is_split and not lists[WorkerRole.BACKEND]):
                 return RouterError(400, "the router's mode (backends, or prefill and decode) cannot change").response()
             self.pool.update(
-                Worker(normalize_url(url), role, worker_breaker(self.config.breaker_failure_threshold,
-                                                                self.config.breaker_cooldown_s))
-                for role, urls in lists.items() for url in urls
+                Worker(url, role, worker_breaker(self.config.breaker_failure_threshold, self.config.breaker_cooldown_s))
+                for role, urls in lists.items() for url in urls  # each url came through checked_worker_url
             )  # fmt: skip
             logger.info("workers updated: %s", ", ".join(f"{w.role.value} {w.url}" for w in self.pool))
         states = [
