@@ -206,6 +206,14 @@ def worker_command(
             rich_help_panel=_SERVER,
         ),
     ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM the worker drains: it takes no new requests and lets those in flight finish, "
+            "for at most this many seconds.",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 30.0,
     cluster_secret_file: Annotated[
         str | None,
         typer.Option(
@@ -300,6 +308,7 @@ def worker_command(
         cluster_secret=secret,
         max_tokens_limit=max_tokens_limit,
         max_queued_requests=max_queued_requests,
+        shutdown_timeout_s=shutdown_timeout,
     )
     try:
         engine_config.validate()
@@ -387,6 +396,25 @@ def router_command(
     breaker_cooldown: Annotated[
         float, typer.Option(help="Seconds before a tripped breaker lets a trial through.", rich_help_panel=_FAULTS)
     ] = 5.0,
+    stream_migration: Annotated[
+        bool,
+        typer.Option(help="Resume a stream whose worker fails mid-answer on another worker.", rich_help_panel=_FAULTS),
+    ] = True,
+    max_concurrent_requests: Annotated[
+        int | None,
+        typer.Option(
+            help="Client requests handled at once; as many more wait for a slot, the rest get a 429 "
+            "(default: no bound).",
+            rich_help_panel=_FAULTS,
+        ),
+    ] = None,
+    queue_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request past --max-concurrent-requests waits for a slot before its 429.",
+            rich_help_panel=_FAULTS,
+        ),
+    ] = 10.0,
     api_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -439,6 +467,9 @@ def router_command(
         max_retries=max_retries,
         breaker_failure_threshold=breaker_failure_threshold,
         breaker_cooldown_s=breaker_cooldown,
+        stream_migration=stream_migration,
+        max_concurrent_requests=max_concurrent_requests,
+        queue_timeout_s=queue_timeout,
     )
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
         _fail(f"--log-level must be one of debug, info, warning, error; got {log_level!r}")

@@ -244,6 +244,7 @@ class ServerConfig:
     max_request_body_bytes: int = 16 << 20
     max_tokens_limit: int | None = None  # cap on max_tokens, and the default when none is set; None: the context
     max_queued_requests: int | None = None  # requests waiting for their first token before a 429; None: no bound
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long requests in flight may run on before they are cut
     kv_events_url: str | None = None  # where KV events go (the router's /kv/events); None: not sent
     worker_id: str | None = None  # None: host:port
     advertise_url: str | None = None  # how others reach this worker; None: http://host:port
@@ -262,6 +263,8 @@ class ServerConfig:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"--shutdown-timeout must be at least 0, got {self.shutdown_timeout_s}")
 
     @property
     def url(self) -> str:
@@ -315,6 +318,9 @@ class RouterConfig:
     retry_backoff_s: float = 0.05  # base of the jittered exponential back-off between attempts
     breaker_failure_threshold: int = 3  # consecutive request failures that open a worker's breaker
     breaker_cooldown_s: float = 5.0  # open -> half-open after this (doubles while trials fail, up to 60 s)
+    stream_migration: bool = True  # resume a stream whose worker fails mid-answer on another worker
+    max_concurrent_requests: int | None = None  # client requests at once; as many more wait; None: no bound
+    queue_timeout_s: float = 10.0  # how long a request past max_concurrent_requests waits for a slot
     max_request_body_bytes: int = 16 << 20
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
     cluster_secret: str | None = field(default=None, repr=False)  # sent to workers instead of the client's key
@@ -349,3 +355,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.routing_threshold < 1:
             raise ValueError(f"--routing-threshold must be positive, got {self.routing_threshold}")
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
+        if not self.queue_timeout_s >= 0:
+            raise ValueError(f"--queue-timeout must be at least 0, got {self.queue_timeout_s}")

@@ -355,6 +355,7 @@ ROUTER_REQUESTS_TOTAL = "splitserve:router_requests_total"
 ROUTER_REQUESTS_IN_FLIGHT = "splitserve:router_requests_in_flight"
 ROUTER_ROUTING_DECISIONS_TOTAL = "splitserve:router_routing_decisions_total"
 ROUTER_RETRIES_TOTAL = "splitserve:router_retries_total"
+ROUTER_STREAM_MIGRATIONS_TOTAL = "splitserve:router_stream_migrations_total"
 ROUTER_CIRCUIT_BREAKER_STATE = "splitserve:router_circuit_breaker_state"
 ROUTER_WORKER_HEALTHY = "splitserve:router_worker_healthy"
 ROUTER_INDEX_ENTRIES = "splitserve:router_index_entries"
@@ -423,6 +424,11 @@ class RouterMetrics:
         self.retries = Counter(
             _counter_base(ROUTER_RETRIES_TOTAL), "Requests sent again to another worker, by reason.",
             ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.migrations = Counter(
+            _counter_base(ROUTER_STREAM_MIGRATIONS_TOTAL),
+            "Streams whose worker failed mid-answer, by outcome: resumed on another worker, or ended with an error.",
+            [OUTCOME_LABEL], registry=self.registry,
         )  # fmt: skip
         self.index_hit_tokens = Counter(
             _counter_base(ROUTER_INDEX_HIT_TOKENS_TOTAL), "Prompt tokens the index found on the chosen worker.",

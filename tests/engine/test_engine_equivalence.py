@@ -91,3 +91,16 @@ def test_seeded_sampling_is_independent_of_batch(make_engine: EngineFactory) -> 
     engine = make_engine()
     single = run_to_completion(engine, {"r2": prompts["r2"]}, params)
     assert tokens_of(single["r2"]) == tokens_of(together["r2"])
+
+
+def test_seeded_request_resumed_from_its_output_draws_the_same_tokens(make_engine: EngineFactory) -> None:
+    """A seeded token depends on the seed and its position only, so a request resumed elsewhere with its
+    output so far appended to the prompt (a router's stream migration) goes on as if never cut."""
+    prompt = random_prompts(1, 30, 30, seed=5)["r0"]
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=99)
+    whole = tokens_of(run_to_completion(make_engine(), {"a": prompt}, params)["a"])
+    rest = SamplingParams(max_tokens=12, temperature=1.0, seed=99)
+    resumed = tokens_of(run_to_completion(make_engine(), {"b": prompt + whole[:8]}, rest)["b"])
+    assert resumed == whole[8:]
+    other_seed = SamplingParams(max_tokens=20, temperature=1.0, seed=100)
+    assert tokens_of(run_to_completion(make_engine(), {"c": prompt}, other_seed)["c"]) != whole

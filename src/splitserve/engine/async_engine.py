@@ -199,6 +199,16 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error!r}") from self._error
 
+    def join(self, timeout_s: float | None = None) -> None:
+        """Block until the engine thread ended (shut down or died)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def was_ready(self) -> bool:
+        """True once the engine had loaded, even if it died since."""
+        return self._engine is not None
+
     def wait_settled(self, timeout_s: float | None = None) -> bool:
         """Block until the engine loaded or the thread died (check ``error``); False on timeout."""
         return self._settled.wait(timeout_s)

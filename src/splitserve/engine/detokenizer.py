@@ -2,7 +2,9 @@
 
 Text is produced from output tokens a few at a time: decoding ``ids[prefix_offset:]`` and subtracting the
 text of ``ids[prefix_offset:read_offset]`` gives the new characters, with a token boundary as context so
-that byte-level BPE spaces and multi-byte characters come out right; an incomplete character
+that byte-level BPE spaces and multi-byte characters come out right. The prompt's last few tokens are that
+context for the first output token (as in vLLM), so a SentencePiece "▁word" that opens the output keeps its
+space, and a request resumed from its prompt plus earlier output continues its text exactly; an incomplete character
 (U+FFFD at the end) is held back until the next token completes it. When stop strings are set, the last
 ``max(len(stop)) - 1`` characters are held back too, so a stop string split across tokens is never
 partly emitted.
@@ -17,16 +19,24 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (vLLM's initial detokenization offset)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...], include_stop_str: bool) -> None:
+    def __init__(
+        self, tokenizer: Decoder, stop: tuple[str, ...], include_stop_str: bool, prompt_tail: list[int] | None = None
+    ) -> None:
+        """``prompt_tail``: the prompt's last tokens, context for the first output token's text."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all text decoded so far
         self.num_emitted_chars = 0
+        self._ids = list(prompt_tail or ())[-PROMPT_CONTEXT_TOKENS:]  # that context, then the output so far
+        self._num_context = len(self._ids)
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = self._num_context
 
     def update(self, output_ids: list[int]) -> str | None:
         """Take the request's whole output token list; returns the matched stop string, if any.
@@ -52,7 +62,9 @@ class IncrementalDetokenizer:
         self.num_emitted_chars = end
         return new
 
-    def _decode_new(self, ids: list[int]) -> str:
+    def _decode_new(self, output_ids: list[int]) -> str:
+        ids = self._ids
+        ids.extend(output_ids[len(ids) - self._num_context :])
         prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset])
         full = self.tokenizer.decode(ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -119,7 +119,7 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_ids)
         if self.tokenizer is not None:
             stop, include = params.stop, params.include_stop_str_in_output
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, stop, include)
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, stop, include, prompt_token_ids)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -256,7 +256,6 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         """A request ended: drop what the engine kept for it besides the request itself."""
         self._detokenizers.pop(request_id, None)
-        self.runner.sampler.forget(request_id)
 
     @staticmethod
     def _stop_by_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:

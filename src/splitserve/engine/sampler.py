@@ -1,9 +1,11 @@
 """Turn logits into tokens: greedy, or temperature / top-k / top-p sampling with optional per-request seeds.
 
-Greedy rows share one argmax. Sampled rows are drawn one by one, each from its request's own
-``torch.Generator`` when it has a seed, so a seeded request gives the same tokens whatever else is in the
-batch. The sampler keeps those generators (``forget`` drops one). A disaggregated decode request's first
-token is the one its prefill worker already sent (``kv_transfer.first_token_id``), whatever the logits say.
+Greedy rows share one argmax. Sampled rows are drawn one by one. A request with a seed draws the token at
+sequence position ``p`` from a generator seeded with ``mix(seed, p)``: its tokens depend on nothing but the
+seed, the position and the logits, so they are the same whatever else is in the batch, and a request
+resumed elsewhere with its tokens so far as the prompt (stream migration, a disaggregated decode) draws
+the tokens the uninterrupted request would have. A disaggregated decode request's first token is the one
+its prefill worker already sent (``kv_transfer.first_token_id``), whatever the logits say.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from splitserve.engine.request import Request
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}  # request id -> its own generator (requests with a seed)
+        self._seeded = torch.Generator()  # re-seeded for each draw of a request with a seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [N, vocab] float32 on any device, row i for ``requests[i]``; returns N token ids."""
@@ -30,10 +32,6 @@ class Sampler:
             elif not request.params.is_greedy:
                 tokens[i] = self._sample_row(logits[i], request)
         return tokens
-
-    def forget(self, request_id: str) -> None:
-        """The request ended: drop its generator."""
-        self._seeded.pop(request_id, None)
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:  # row: [vocab]
         params = request.params
@@ -53,10 +51,19 @@ class Sampler:
         seed = request.params.seed
         if seed is None:
             return self._generator
-        generator = self._seeded.get(request.request_id)
-        if generator is None:
-            generator = self._seeded[request.request_id] = torch.Generator().manual_seed(seed)
-        return generator
+        return self._seeded.manual_seed(position_seed(seed, request.num_tokens))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for the draw at sequence ``position`` of a request seeded with ``seed`` (SplitMix64's
+    finalizer over both; the same in every process, unlike ``hash()``)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def _forced_first_token(request: Request) -> int | None:

@@ -4,7 +4,9 @@ Per request: read the body once, ask the policy for a worker among the routable 
 unchanged, and pass the answer through. Failures before anything reached the client are retried on another
 worker (connect errors, timeouts, 429/5xx answers, a worker dying before its first streamed byte or before
 a non-streamed answer is complete), with jittered exponential back-off, at most ``max_retries`` times; the
-worker's breaker counts them. A worker dying mid-stream ends that stream with an error event and
+worker's breaker counts them (a 429, or a 503 ``draining``, is no fault: the second takes the worker out of
+rotation until its ``/health`` answers 200 again). A worker dying mid-stream has its stream resumed on
+another worker (``router/migrate.py``); a stream that cannot be resumed ends with an error event and
 ``[DONE]``. When no worker can take a request the answer is a 503 with OpenAI's error body. A client's
 mistake (invalid JSON, 4xx from the worker) is passed back as such, never retried.
 
@@ -15,6 +17,7 @@ Also: ``/v1/models`` (merged over the workers), ``/health`` (200 while some work
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -27,6 +30,7 @@ from typing import Any
 
 import aiohttp
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -41,6 +45,15 @@ from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
 from splitserve.router.health import HealthChecker, worker_breaker
 from splitserve.router.kv_index import KVIndex
+from splitserve.router.migrate import (
+    PROMPT_CONTEXT_TOKENS,
+    SSEBuffer,
+    StreamTracker,
+    WorkerStreamFailed,
+    held_back_text,
+    is_migratable,
+    resume_body,
+)
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
 
 logger = logging.getLogger("splitserve.router")
@@ -83,6 +96,7 @@ class Call:
     routing: RoutingRequest
     start_s: float
     observe_ttft: bool = True  # False when the client already got its first token (disaggregated streams)
+    tracker: StreamTracker | None = None  # a stream the router can resume on another worker
 
 
 class _Attempt:
@@ -128,6 +142,9 @@ class Router:
             success_threshold=config.health_success_threshold,
         )
         self._rng = random.Random()
+        self._limiter = (
+            _Limiter(config.max_concurrent_requests, config.queue_timeout_s) if config.max_concurrent_requests else None
+        )
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -165,16 +182,35 @@ class Router:
     # -- the proxy ----------------------------------------------------------------------------------------
 
     async def proxy(self, request: Request) -> Response:
+        """One client request, within ``--max-concurrent-requests`` when set: past it a request waits up to
+        ``--queue-timeout`` for a slot (as many may wait as run), else gets a 429 with ``Retry-After``."""
+        limiter = self._limiter
+        if limiter is None:
+            return await self._proxy(request)
+        if not await limiter.acquire():
+            self.metrics.decision("overloaded")
+            error = RouterError(429, "the router is at its concurrency limit; retry shortly", "router_overloaded")
+            refused = error.response()
+            refused.headers["Retry-After"] = "1"
+            return refused
+        try:
+            response = await self._proxy(request)
+        except BaseException:
+            limiter.release()
+            raise
+        if isinstance(response, StreamingResponse):  # the slot is held until the stream ends
+            response.background = _chain_tasks(response.background, limiter.release)
+        else:
+            limiter.release()
+        return response
+
+    async def _proxy(self, request: Request) -> Response:
         start_s = time.perf_counter()
         path = request.url.path
-        raw = await request.body()
-        if len(raw) > self.config.max_request_body_bytes:
-            limit = self.config.max_request_body_bytes
-            return RouterError(413, f"the request body exceeds the limit of {limit} bytes").response()
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return RouterError(400, f"the request body is not valid JSON: {exc}").response()
+            body, raw = await self._json_body(request)
+        except RouterError as exc:
+            return exc.response()
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object").response()
         routing = await self._routing_request(request, path, body)
@@ -182,7 +218,42 @@ class Router:
                     body.get("stream") is True, routing, start_s)  # fmt: skip
         if self.disagg is not None:
             return await self.disagg.proxy(call)
+        if self.config.stream_migration and is_migratable(path, body):
+            self._track(call)
         return await self.forward(call, self._routing_pool)
+
+    async def _json_body(self, request: Request) -> tuple[Any, bytes]:
+        """The request's JSON and bytes; a :class:`RouterError` 413 as soon as the body passes the limit
+        (declared or sent, never buffered past it), 400 when it is not JSON or nests too deep."""
+        limit = self.config.max_request_body_bytes
+        too_large = RouterError(413, f"the request body exceeds the limit of {limit} bytes", "body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        parts: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_large
+            parts.append(part)
+        raw = b"".join(parts)
+        try:
+            return json.loads(raw), raw
+        except ValueError as exc:
+            raise RouterError(400, f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise RouterError(400, "the request body nests too deeply") from exc
+
+    def _track(self, call: Call) -> None:
+        """Follow ``call``'s stream so that it can be resumed elsewhere: ask the worker for token ids."""
+        body = call.body
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        wants_ids = body.get("return_token_ids") is True
+        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage)
+        if not wants_ids:
+            call.raw = json.dumps(body | {"return_token_ids": True}).encode()
 
     async def forward(self, call: Call, pool: Callable[[], list[Worker]], first: Decision | None = None) -> Response:
         """Send ``call`` to a worker of ``pool`` chosen by the policy (``first``, when given, is the first
@@ -241,11 +312,14 @@ class Router:
                 return attempt
             if upstream.status in RETRYABLE_STATUS:
                 content = await _read_quietly(upstream)
-                if upstream.status != 429:
-                    self._failed(worker, attempt, f"status: {upstream.status}")
-                else:  # alive but full: try another worker, but it is no fault of this one
+                if upstream.status == 429:  # alive but full: try another worker, but it is no fault of this one
                     worker.breaker.record_success()
                     attempt.failure = "status: 429"
+                elif upstream.status == 503 and _error_code(content) == "draining":
+                    self._draining(worker)
+                    attempt.failure = "status: draining"
+                else:
+                    self._failed(worker, attempt, f"status: {upstream.status}")
                 attempt.response = Response(content, upstream.status, media_type="application/json")
                 return attempt
             media_type = upstream.headers.get("content-type", "application/json")
@@ -272,26 +346,26 @@ class Router:
             if call.observe_ttft:
                 self.metrics.ttft_s.observe(time.perf_counter() - start_s)
             self.policy.on_routed(routing, worker)
-            attempt.response = StreamingResponse(
-                self._relay(worker, upstream, first, chunks, start_s),
-                media_type=media_type,
-                headers={"Cache-Control": "no-cache"},
+            lease = _Lease(worker, upstream)  # released by the relay, or after the response if it never ran
+            relay = (
+                self._relay(lease, first, chunks, start_s)
+                if call.tracker is None
+                else self._relay_tracked(lease, _prepend(first, chunks), call)
             )
-            handed_over = True  # _relay now owns in_flight and the upstream response
+            headers = {"Cache-Control": "no-cache"}
+            background = BackgroundTask(lease.release)
+            attempt.response = StreamingResponse(relay, media_type=media_type, headers=headers, background=background)
+            handed_over = True  # the lease now owns in_flight and the upstream response
             return attempt
         finally:
             if not handed_over:
                 worker.in_flight -= 1
 
     async def _relay(
-        self,
-        worker: Worker,
-        upstream: aiohttp.ClientResponse,
-        first: bytes,
-        chunks: AsyncIterator[bytes],
-        start_s: float,
+        self, lease: _Lease, first: bytes, chunks: AsyncIterator[bytes], start_s: float
     ) -> AsyncIterator[bytes]:
         status = "200"
+        worker = lease.worker
         try:
             yield first
             last_s = time.perf_counter()
@@ -309,10 +383,142 @@ class Router:
                 error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            worker.in_flight -= 1
-            upstream.close()  # a client that left early also drops the worker's connection: the worker aborts
+            lease.release()  # a client that left early also drops the worker's connection: the worker aborts
             self.metrics.requests.labels(worker.url, status).inc()
             self.metrics.e2e_s.observe(time.perf_counter() - start_s)
+
+    def _draining(self, worker: Worker) -> None:
+        """The worker is shutting down: no new requests until its /health says it is back."""
+        if worker.healthy is not False:
+            logger.info("worker %s is draining: no new requests go to it", worker.name)
+        worker.healthy = False
+
+    async def _relay_tracked(self, lease: _Lease, pieces: AsyncIterator[bytes], call: Call) -> AsyncIterator[bytes]:
+        """Relay a followed stream event by event; when its worker fails before the answer finished, resume it
+        on another worker (at most ``max_retries`` times) and go on relaying that one."""
+        tracker = call.tracker
+        assert tracker is not None
+        status = "200"
+        worker = lease.worker
+        tried = {worker.url}
+        last_s = time.perf_counter()
+        try:
+            while True:
+                buffer = SSEBuffer()
+                failure = None
+                try:
+                    async for piece in pieces:
+                        for data in buffer.feed(piece):
+                            out = tracker.on_event(data)
+                            if out:
+                                now_s = time.perf_counter()
+                                self.metrics.itl_s.observe(now_s - last_s)
+                                last_s = now_s
+                                yield out
+                        if tracker.done:
+                            break
+                    if not tracker.done:
+                        failure = "the stream ended before [DONE]"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    failure = f"{type(exc).__name__}: {exc}"
+                except WorkerStreamFailed as exc:
+                    failure = f"error event: {exc}"
+                if failure is None:
+                    return
+                lease.release()
+                worker.breaker.record_failure()
+                self.metrics.requests.labels(worker.url, "stream_error").inc()
+                logger.warning("worker %s failed mid-stream: %s", worker.name, failure)
+                if tracker.finished:  # only [DONE] was lost
+                    yield b"data: [DONE]\n\n"
+                    return
+                resumed = await self._resume(call, tried, lease) if tracker.can_resume else None
+                if resumed is None:
+                    status = "stream_error"
+                    self.metrics.migrations.labels("failed").inc()
+                    message = f"the worker failed mid-stream ({failure}) and no other worker could resume it"
+                    error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                    return
+                pieces, catch_up = resumed
+                worker = lease.worker
+                self.metrics.migrations.labels("resumed").inc()
+                logger.info(
+                    "stream %s resumed on worker %s after %d tokens", tracker.id, worker.name, len(tracker.output_ids)
+                )
+                if catch_up:
+                    yield _sse(tracker.chunk(catch_up))
+        finally:
+            lease.release()
+            self.metrics.requests.labels(worker.url, status).inc()
+            self.metrics.e2e_s.observe(time.perf_counter() - call.start_s)
+
+    async def _resume(self, call: Call, tried: set[str], lease: _Lease) -> tuple[AsyncIterator[bytes], str] | None:
+        """Open the rest of ``call``'s answer on a worker not in ``tried`` (``lease`` then holds it): its
+        stream and the text the failed worker held back; None when no worker could take it."""
+        tracker = call.tracker
+        assert tracker is not None and tracker.prompt_ids is not None
+        body = resume_body(tracker, call.body)
+        if body is None or tracker.num_migrations >= self.config.max_retries + 1:
+            return None
+        raw = json.dumps(body).encode()
+        for attempt in range(self.config.max_retries + 1):
+            candidates = [w for w in self._routing_pool() if w.is_routable and w.url not in tried]
+            if not candidates:
+                return None
+            if attempt:
+                await asyncio.sleep(self._backoff_s(attempt))
+            worker = self.policy.select(call.routing, candidates).worker
+            tried.add(worker.url)
+            worker.in_flight += 1
+            worker.breaker.on_attempt()
+            try:
+                upstream = await self.session.post(worker.url + "/v1/completions", data=raw, headers=call.headers)
+                if upstream.status != 200:
+                    content = await _read_quietly(upstream)
+                    reason = _error_code(content) or str(upstream.status)
+                    raise _Refused(f"status {upstream.status} ({reason})", upstream.status)
+                chunks = upstream.content.iter_any()
+                try:
+                    first = await anext(chunks)
+                except BaseException:
+                    upstream.close()
+                    raise
+            except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, _Refused) as exc:
+                worker.in_flight -= 1
+                if not isinstance(exc, _Refused) or exc.status >= 500:
+                    worker.breaker.record_failure()
+                logger.warning("resuming a stream on worker %s failed: %s", worker.name, exc)
+                if isinstance(exc, _Refused) and 400 <= exc.status < 500 and exc.status != 429:
+                    return None  # the worker refuses the request itself: another would too
+                continue
+            worker.breaker.record_success()
+            lease.hold(worker, upstream)
+            catch_up = await self._held_back_text(worker, tracker)
+            tracker.resume()
+            return _prepend(first, chunks), catch_up
+        return None
+
+    async def _held_back_text(self, worker: Worker, tracker: StreamTracker) -> str:
+        """Text of the tokens generated so far that the failed worker had not sent (see migrate.py)."""
+        assert tracker.prompt_ids is not None
+        tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
+        model = tracker.model
+        context, full = await asyncio.gather(
+            self._detokenize(worker, tail, model), self._detokenize(worker, tail + tracker.output_ids, model)
+        )
+        return "" if context is None or full is None else held_back_text(tracker, context, full)
+
+    async def _detokenize(self, worker: Worker, ids: list[int], model: str | None) -> str | None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+            body = {"tokens": ids} | ({"model": model} if model else {})
+            async with self.session.post(f"{worker.url}/detokenize", json=body, timeout=timeout) as response:
+                answer = await response.json() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        text = answer.get("prompt") if isinstance(answer, dict) else None
+        return text if isinstance(text, str) else None
 
     def _failed(self, worker: Worker, attempt: _Attempt, reason: str) -> None:
         attempt.failure = reason
@@ -372,9 +578,11 @@ class Router:
 
     async def kv_events(self, request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
+            body, _ = await self._json_body(request)
             worker_id, worker_url, reset, events = parse_batch(body)
             url = checked_worker_url(worker_url)
+        except RouterError as exc:
+            return exc.response()
         except ValueError as exc:
             return RouterError(400, f"invalid KV events: {exc}").response()
         if reset and not self.kv_index.is_registered(url) and self.kv_index.num_workers >= MAX_WORKERS:
@@ -391,7 +599,9 @@ class Router:
         cluster watch's discovery feed); workers that stay keep their health, breaker and load."""
         if request.method == "PUT":
             try:
-                lists = _worker_lists(json.loads(await request.body()))
+                lists = _worker_lists((await self._json_body(request))[0])
+            except RouterError as exc:
+                return exc.response()
             except ValueError as exc:
                 return RouterError(400, f"invalid worker list: {exc}").response()
             is_split = bool(self.config.decode)
@@ -436,6 +646,101 @@ def _worker_lists(body: Any) -> dict[WorkerRole, list[str]]:
     if sum(len(urls) for urls in lists.values()) > MAX_WORKERS:
         raise ValueError(f"at most {MAX_WORKERS} workers")
     return {role: [checked_worker_url(url) for url in urls] for role, urls in lists.items()}
+
+
+class _Limiter:
+    """At most ``limit`` requests at once; as many more wait, each up to ``timeout_s``."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self.limit = limit
+        self.timeout_s = timeout_s
+        self.running = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> bool:
+        if self.running < self.limit and not self._waiters:
+            self.running += 1
+            return True
+        if len(self._waiters) >= self.limit:
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self.timeout_s)
+            return True  # release() handed its slot over
+        except TimeoutError:
+            if waiter.done():  # handed over just as the wait ran out: keep it
+                return True
+            self._waiters.remove(waiter)
+            waiter.cancel()
+            return False
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes to the oldest waiter
+                return
+        self.running -= 1
+
+
+def _chain_tasks(first: BackgroundTask | None, then: Callable[[], None]) -> BackgroundTask:
+    if first is None:
+        return BackgroundTask(then)
+
+    async def both() -> None:
+        try:
+            await first()
+        finally:
+            then()
+
+    return BackgroundTask(both)
+
+
+class _Lease:
+    """A worker's in-flight count and its open response, released once: by the relay, or after the response
+    when the client left before the relay ran."""
+
+    def __init__(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:
+        self.worker = worker
+        self._upstream: aiohttp.ClientResponse | None = upstream
+
+    def hold(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:
+        """Take over another worker's (already counted) request, after this one was released."""
+        self.release()
+        self.worker, self._upstream = worker, upstream
+
+    def release(self) -> None:
+        if self._upstream is not None:
+            self.worker.in_flight -= 1
+            self._upstream.close()
+            self._upstream = None
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error_code(content: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI error body, if it is one."""
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code is not None else None
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for piece in rest:
+        yield piece
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:

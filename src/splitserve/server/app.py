@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -24,7 +25,13 @@ from splitserve.auth import AuthMiddleware
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.model.kernels import describe_cpu
-from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest, KVLookupRequest
+from splitserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    KVLookupRequest,
+    TokenizeRequest,
+)
 from splitserve.server.serving import ApiError, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -32,10 +39,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The worker app. Its lifespan starts ``engine`` (unless already started) and shuts it down."""
+def build_app(
+    engine: AsyncEngine, config: ServerConfig | None = None, draining: threading.Event | None = None
+) -> FastAPI:
+    """The worker app. Its lifespan starts ``engine`` (unless already started) and shuts it down. Once
+    ``draining`` is set (SIGTERM), ``/health`` and new requests answer 503 ``draining``."""
     config = config or ServerConfig()
-    serving = OpenAIServing(engine, config.max_tokens_limit)
+    draining = draining or threading.Event()
+    serving = OpenAIServing(engine, config.max_tokens_limit, draining)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +66,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     @app.get("/health")
     async def health() -> Response:
+        if draining.is_set():
+            return _error(ApiError(503, "the worker is draining", code="draining"))
         if engine.is_healthy:
             return Response(status_code=200)
         reason = "the engine failed" if engine.error is not None else "the model is loading"
@@ -80,6 +93,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.post("/kv/lookup")
     async def kv_lookup(body: KVLookupRequest) -> Response:
         return _json((await serving.kv_lookup(body)).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _json((await serving.tokenize(body)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _json((await serving.detokenize(body)).model_dump())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -73,6 +73,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool | None = False  # vLLM's: token ids beside the text (a router's stream migration uses them)
     # Prefill/decode disaggregation; accepted and ignored until the PD issue lands.
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -207,6 +208,26 @@ class KVLookupRequest(_Strict):
         return [{"role": m.role, "content": m.text()} for m in self.messages or []]
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): one of ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # accepted; the prompt is encoded as /v1/completions encodes it
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses -----------------------------------------------------------------------------------------
 
 
@@ -231,6 +252,9 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # return_token_ids: the prompt's (first chunk only, when streaming) and the output's, as vLLM puts them
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
 
 
 class CompletionResponse(BaseModel):
@@ -254,6 +278,7 @@ class ChatChoice(BaseModel):
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -263,6 +288,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
     kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)  # prefill role: the push
 
 
@@ -278,6 +304,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -287,6 +314,17 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids, first chunk
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class KVLookupResponse(BaseModel):

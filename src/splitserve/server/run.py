@@ -1,14 +1,22 @@
 """Run one worker: log its config, bind the HTTP server at once, load the engine in the background.
 
-``/health`` answers 503 while the model loads and 200 once it is ready. If loading fails the process exits
-with status 1 (a supervisor restarts it). Ctrl-C / SIGTERM stop uvicorn, whose shutdown stops the engine.
+``/health`` answers 503 while the model loads and 200 once it is ready. If loading fails, or the engine
+thread dies later, the process exits with status 1 (a supervisor restarts it).
+
+SIGTERM drains: ``/health`` answers 503 ``draining``, new requests get a 503 ``draining`` (a router sends them
+elsewhere), and requests in flight run to their end, for at most ``--shutdown-timeout`` seconds; then the
+server stops, cutting what is left (a router resumes those streams on another worker). A second SIGTERM, or
+Ctrl-C, stops at once.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
+import time
 from dataclasses import asdict
+from types import FrameType
 
 import uvicorn
 
@@ -56,18 +64,19 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
     load = lambda: _load_engine(engine_config, server_config.role, events)  # noqa: E731
     engine = AsyncEngine(load, metrics, max_queued=server_config.max_queued_requests)
-    app = build_app(engine, server_config)
+    draining = threading.Event()
+    app = build_app(engine, server_config, draining)
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         log_level=log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=FLUSH_S,
         access_log=log_level == "debug",
     )
-    server = uvicorn.Server(uv_config)
+    server = DrainingServer(uv_config, engine, draining, server_config.shutdown_timeout_s)
     failed = threading.Event()
-    threading.Thread(target=_exit_if_load_fails, args=(engine, server, failed), daemon=True).start()
+    threading.Thread(target=_exit_when_engine_stops, args=(engine, server, failed), daemon=True).start()
     if events is not None:
         events.start()
     try:
@@ -101,10 +110,49 @@ def _load_engine(config: EngineConfig, role: Role, events: KVEventPublisher | No
     return build_engine(config, role, events)
 
 
-def _exit_if_load_fails(engine: AsyncEngine, server: uvicorn.Server, failed: threading.Event) -> None:
-    """Wait for the engine to load; if it failed instead, stop the server so the process exits."""
+FLUSH_S = 2  # after the drain, for the last bytes of finished answers to go out
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that the first SIGTERM drains (see the module's doc) before it stops."""
+
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, draining: threading.Event, timeout_s: float
+    ) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.draining = draining
+        self.timeout_s = timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self.draining.is_set() or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self.draining.set()
+        logger.info(
+            "SIGTERM: draining; %d requests in flight, at most %.0f s", self.engine.num_in_flight, self.timeout_s
+        )
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.engine.num_in_flight and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        if self.engine.num_in_flight:
+            logger.warning("drain deadline passed: cutting %d requests in flight", self.engine.num_in_flight)
+        else:
+            logger.info("drained: no request in flight; stopping")
+        self.should_exit = True
+
+
+def _exit_when_engine_stops(engine: AsyncEngine, server: uvicorn.Server, failed: threading.Event) -> None:
+    """Wait for the engine to load, then for its thread to end; if it failed (to load, or later) while the
+    server was not stopping anyway, stop the server so the process exits with status 1."""
     engine.wait_settled()
+    if engine.error is None:
+        engine.join()
     if engine.error is not None and not server.should_exit:
-        logger.error("the engine failed to start; exiting: %s", engine.error.__cause__ or engine.error)
+        what = "failed to start" if not engine.was_ready else "thread died"
+        logger.error("the engine %s; exiting: %s", what, engine.error.__cause__ or engine.error)
         failed.set()
         server.should_exit = True

@@ -8,6 +8,7 @@ block the event loop and the tokenizer is never used by two threads of ours at o
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,12 +39,16 @@ from splitserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     KVLookupRequest,
     KVLookupResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     now_s,
     random_id,
@@ -89,14 +94,18 @@ class EngineInput:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    return_token_ids: bool = False  # vLLM's option: token ids beside the text
 
 
 class OpenAIServing:
     """Turns validated OpenAI requests into engine calls and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine, max_tokens_limit: int | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, max_tokens_limit: int | None = None, draining: threading.Event | None = None
+    ) -> None:
         self.engine = engine
         self.max_tokens_limit = max_tokens_limit
+        self.draining = draining or threading.Event()
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     def close(self) -> None:
@@ -135,21 +144,17 @@ class OpenAIServing:
         max_tokens = self._resolve_max_tokens(
             request.max_tokens, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
         )
-        return EngineInput(random_id("cmpl"), prompt_ids, _sampling_params(request, max_tokens))
+        params = _sampling_params(request, max_tokens)
+        return EngineInput(random_id("cmpl"), prompt_ids, params, bool(request.return_token_ids))
 
     async def chat_input(self, request: ChatCompletionRequest) -> EngineInput:
         self._check_common(request)
-        tokenizer = self._tokenizer()
-        messages = request.message_dicts()
-        add_prompt = request.add_generation_prompt
-        try:
-            prompt_ids = await self._off_loop(tokenizer.apply_chat_template, messages, add_prompt)
-        except ValueError as exc:
-            raise ApiError(400, f"invalid messages: {exc}", "messages") from exc
+        prompt_ids = await self._chat_prompt_ids(request.message_dicts(), request.add_generation_prompt)
         if not prompt_ids:
             raise ApiError(400, "the messages produced an empty prompt", "messages")
         max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
-        return EngineInput(random_id("chatcmpl"), prompt_ids, _sampling_params(request, max_tokens))
+        params = _sampling_params(request, max_tokens)
+        return EngineInput(random_id("chatcmpl"), prompt_ids, params, bool(request.return_token_ids))
 
     def kv_transfer_info(self) -> dict[str, Any]:
         """Decode role: the KV receiver's address and PD buffer; a 404 on other roles."""
@@ -165,11 +170,7 @@ class OpenAIServing:
         if len(given) != 1:
             raise ApiError(400, "give exactly one of 'prompt', 'token_ids' or 'messages'", given[1] if given else None)
         if request.messages is not None:
-            messages, add_prompt = request.message_dicts(), request.add_generation_prompt
-            try:
-                ids = await self._off_loop(self._tokenizer().apply_chat_template, messages, add_prompt)
-            except ValueError as exc:
-                raise ApiError(400, f"invalid messages: {exc}", "messages") from exc
+            ids = await self._chat_prompt_ids(request.message_dicts(), request.add_generation_prompt)
         elif request.prompt is not None:
             ids = await self._completion_prompt_ids(request.prompt)
         else:
@@ -180,12 +181,38 @@ class OpenAIServing:
         matched = await asyncio.to_thread(engine.lookup_prefix, ids)
         return KVLookupResponse(num_tokens=len(ids), num_matched_tokens=sum(matched.values()), matched_tokens=matched)
 
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """The prompt's (or the chat template's) token ids, as a completion of it would see them."""
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        if request.messages is not None:
+            ids = await self._chat_prompt_ids(request.message_dicts(), request.add_generation_prompt)
+        else:
+            ids = await self._off_loop(self._tokenizer().encode, request.prompt) if request.prompt else []
+        return TokenizeResponse(count=len(ids), max_model_len=self._ready_engine().max_model_len, tokens=ids)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        tokenizer, vocab_size = self._tokenizer(), self._ready_engine().vocab_size
+        if not all(0 <= t < vocab_size for t in request.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=await self._off_loop(tokenizer.decode, request.tokens))
+
     def _check_common(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         self.check_model(request.model)
         reason = request.unsupported_reason()
         if reason is not None:
             param, message = reason
             raise ApiError(400, message, param)
+
+    async def _chat_prompt_ids(self, messages: list[dict[str, Any]], add_prompt: bool) -> list[int]:
+        """The chat template's token ids (on the tokenizer thread); a 400 for messages it cannot render."""
+        try:
+            ids: list[int] = await self._off_loop(self._tokenizer().apply_chat_template, messages, add_prompt)
+        except ValueError as exc:
+            raise ApiError(400, f"invalid messages: {exc}", "messages") from exc
+        return ids
 
     async def _completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -237,6 +264,8 @@ class OpenAIServing:
 
     async def submit(self, engine_input: EngineInput) -> RequestStream:
         """Hand the request to the engine; its ``ValueError`` is the client's mistake (400)."""
+        if self.draining.is_set():
+            raise ApiError(503, "the worker is draining: send the request to another worker", code="draining")
         try:
             return await self.engine.submit(engine_input.prompt_token_ids, engine_input.params, engine_input.request_id)
         except ValueError as exc:
@@ -251,10 +280,12 @@ class OpenAIServing:
     # ---- engine outputs -> responses ------------------------------------------------------------------
 
     async def complete(self, engine_input: EngineInput, stream: RequestStream) -> CompletionResponse:
-        text, first_token, last = await _collect(stream)
+        text, token_ids, last = await _collect(stream)
         choice = CompletionChoice(text=text, finish_reason=_reason(last), stop_reason=last.stop_reason)
+        if engine_input.return_token_ids:
+            choice.prompt_token_ids, choice.token_ids = engine_input.prompt_token_ids, token_ids
         usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
-        transfer = await _transfer_report(last, first_token)
+        transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
         return CompletionResponse(
             id=engine_input.request_id,
             model=self.model_name,
@@ -264,24 +295,29 @@ class OpenAIServing:
         )
 
     async def chat(self, engine_input: EngineInput, stream: RequestStream) -> ChatCompletionResponse:
-        text, first_token, last = await _collect(stream)
+        text, token_ids, last = await _collect(stream)
         message = AssistantMessage(content=text)
         choice = ChatChoice(message=message, finish_reason=_reason(last), stop_reason=last.stop_reason)
         usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
-        transfer = await _transfer_report(last, first_token)
-        return ChatCompletionResponse(
+        transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
+        response = ChatCompletionResponse(
             id=engine_input.request_id,
             model=self.model_name,
             choices=[choice],
             usage=usage,
             kv_transfer_params=transfer,
         )
+        if engine_input.return_token_ids:
+            response.prompt_token_ids, choice.token_ids = engine_input.prompt_token_ids, token_ids
+        return response
 
     async def stream_completion(
         self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
     ) -> AsyncIterator[str]:
         """SSE events: one chunk per piece of text, the finishing chunk, optional usage, ``[DONE]``."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
+        with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
+        prompt_ids: list[int] | None = engine_input.prompt_token_ids if with_ids else None
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return sse(CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage))
@@ -291,30 +327,45 @@ class OpenAIServing:
                 yield chunk([], event)
             elif isinstance(event, str):
                 yield event
-            elif event.new_text or event.finished:
-                yield chunk([CompletionChoice(text=event.new_text, finish_reason=_reason(event))])
+            elif event.new_text or event.finished or with_ids:
+                choice = CompletionChoice(text=event.new_text, finish_reason=_reason(event))
+                if with_ids:
+                    choice.prompt_token_ids, choice.token_ids, prompt_ids = prompt_ids, event.new_token_ids, None
+                yield chunk([choice])
 
     async def stream_chat(
         self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
     ) -> AsyncIterator[str]:
         """SSE events: a role chunk, content chunks, a finishing chunk, optional usage, ``[DONE]``."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
+        with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
 
-        def chunk(delta: DeltaMessage | None, finish: str | None = None, usage: UsageInfo | None = None) -> str:
-            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+        def chunk(
+            delta: DeltaMessage | None,
+            finish: str | None = None,
+            usage: UsageInfo | None = None,
+            token_ids: list[int] | None = None,
+        ) -> str:
+            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish, token_ids=token_ids)]
             return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
+        role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
+        first = ChatCompletionChunk(id=rid, created=created, model=model, choices=[role])
+        if with_ids:
+            first.prompt_token_ids = engine_input.prompt_token_ids
+        yield sse(first)
         async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
             if isinstance(event, UsageInfo):
                 yield chunk(None, usage=event)
             elif isinstance(event, str):
                 yield event
             else:
-                if event.new_text:
-                    yield chunk(DeltaMessage(content=event.new_text))
+                token_ids = event.new_token_ids if with_ids else None
+                if event.new_text or (with_ids and not event.finished):
+                    yield chunk(DeltaMessage(content=event.new_text), token_ids=token_ids)
+                    token_ids = None
                 if event.finished:
-                    yield chunk(DeltaMessage(), _reason(event))
+                    yield chunk(DeltaMessage(), _reason(event), token_ids=token_ids)
 
 
 async def _stream_events(
@@ -339,16 +390,15 @@ async def _stream_events(
     yield "data: [DONE]\n\n"
 
 
-async def _collect(stream: RequestStream) -> tuple[str, int | None, RequestOutput]:
-    """A request's text and first token id; its last output carries the finish reason and token counts."""
+async def _collect(stream: RequestStream) -> tuple[str, list[int], RequestOutput]:
+    """A request's text and token ids; its last output carries the finish reason and token counts."""
     parts: list[str] = []
     last: RequestOutput | None = None
-    first_token: int | None = None
+    token_ids: list[int] = []
     try:
         async for output in stream:
             parts.append(output.new_text)
-            if first_token is None and output.new_token_ids:
-                first_token = output.new_token_ids[0]
+            token_ids.extend(output.new_token_ids)
             last = output
     except EngineDeadError as exc:
         raise ApiError(503, f"the engine stopped: {exc}", code="engine_dead") from exc
@@ -356,7 +406,7 @@ async def _collect(stream: RequestStream) -> tuple[str, int | None, RequestOutpu
         stream.close()
     if last is None:
         raise ApiError(503, "the request ended without output", code="engine_dead")
-    return "".join(parts), first_token, last
+    return "".join(parts), token_ids, last
 
 
 TRANSFER_WAIT_S = 60.0

