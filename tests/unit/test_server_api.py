@@ -440,3 +440,82 @@ def test_max_tokens_limit_caps_requests_and_is_the_default() -> None:
         assert unset.status_code == 200 and unset.json()["usage"]["completion_tokens"] == 3
         over = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
         assert over.status_code == 400 and "at most 3" in over.json()["error"]["message"]
+
+
+class TestTokenIds:
+    """vLLM's ``return_token_ids``: the prompt's ids once, then every token's id (a router follows them)."""
+
+    def test_streamed_completion_and_chat_carry_every_token_id(self, http: httpx.Client) -> None:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True, "return_token_ids": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            events = sse_events(r)
+        choices = [e["choices"][0] for e in events[:-1]]
+        assert choices[0]["prompt_token_ids"] == [ord("H"), ord("i")]
+        assert all("prompt_token_ids" not in c for c in choices[1:])
+        assert [t for c in choices for t in c["token_ids"]] == [ord(c) for c in REPLY[:4]]
+        with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=3, stream=True,
+                                                                        return_token_ids=True)) as r:  # fmt: skip
+            chat = sse_events(r)
+        assert chat[0]["prompt_token_ids"] and "prompt_token_ids" not in chat[1]
+        assert [t for e in chat[1:-1] for c in e["choices"] for t in c.get("token_ids") or []] == [80, 97, 114]
+
+    def test_whole_answers_carry_them_and_nothing_changes_without_the_option(self, http: httpx.Client) -> None:
+        answer = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "return_token_ids": True}).json()
+        assert answer["choices"][0]["prompt_token_ids"] == [72, 105] and answer["choices"][0]["token_ids"] == [80, 97]
+        chat = http.post("/v1/chat/completions", json=chat_body(max_tokens=2, return_token_ids=True)).json()
+        assert chat["prompt_token_ids"] and chat["choices"][0]["token_ids"] == [80, 97]
+        plain = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+        assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+    def test_tokenize_and_detokenize(self, http: httpx.Client) -> None:
+        tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()
+        assert tokens == {"count": 2, "max_model_len": 128, "tokens": [72, 105]}
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+        assert chat["count"] == len("<user>x\n<assistant>")
+        assert http.post("/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
+        assert http.post("/detokenize", json={"tokens": [999]}).status_code == 400
+        assert (
+            http.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]}).status_code
+            == 400
+        )
+
+
+def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> None:
+    draining = threading.Event()
+    engine = AsyncEngine(lambda: FakeEngine(step_delay_s=0.02), WorkerMetrics(MODEL))
+    with (
+        ServerThread(build_app(engine, ServerConfig(), draining)) as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as http,
+    ):
+        wait_until(lambda: http.get("/health").status_code == 200)
+        with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 10, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            draining.set()
+            health = http.get("/health")
+            refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+
+
+def test_the_worker_stops_with_status_1_when_its_engine_thread_dies() -> None:
+    from types import SimpleNamespace
+
+    from splitserve.server.run import _exit_when_engine_stops
+
+    fake = FakeEngine(step_delay_s=0.01)
+    engine = AsyncEngine(lambda: fake, WorkerMetrics(MODEL))
+    server = SimpleNamespace(should_exit=False)
+    failed = threading.Event()
+    with ServerThread(build_app(engine)) as srv, httpx.Client(base_url=srv.url, timeout=10) as http:
+        wait_until(lambda: http.get("/health").status_code == 200)
+        watcher = threading.Thread(target=_exit_when_engine_stops, args=(engine, server, failed), daemon=True)
+        watcher.start()
+        http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 50, "ignore_eos": True, "stream": True})
+        assert not failed.is_set()
+        fake.fail_on_step = True
+        http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5})
+        watcher.join(10)
+        assert failed.is_set() and server.should_exit

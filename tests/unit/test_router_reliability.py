@@ -1,0 +1,227 @@
+"""The router under hostile bodies, overload and workers that die mid-stream (fake-engine workers, real HTTP)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
+from tests.unit.fake_engine import REPLY
+from tests.unit.test_router_app import MODEL, FakeWorker, start_router
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[FakeWorker]]:
+    with ExitStack() as stack:
+        yield [FakeWorker(stack), FakeWorker(stack)]
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+# ---- hostile bodies ----------------------------------------------------------------------------------------
+
+
+def test_bodies_over_the_limit_are_413_declared_or_streamed(workers: list[FakeWorker], stack: ExitStack) -> None:
+    _, client = start_router(stack, [workers[0].url], max_request_body_bytes=1000)
+    declared = client.post("/v1/completions", content=b"x" * 2000, headers={"content-type": "application/json"})
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "body_too_large"
+
+    def endless() -> Iterator[bytes]:  # no content-length: chunked, and more than the limit
+        for _ in range(100):
+            yield b'{"pad": "' + b"x" * 500 + b'"}'
+
+    streamed = client.post("/v1/completions", content=endless(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+    for path, method in (("/kv/events", "POST"), ("/admin/workers", "PUT")):
+        assert client.request(method, path, content=b"[" * 5000).status_code == 413
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/kv/events"])
+def test_deeply_nested_json_is_a_400_not_a_500(workers: list[FakeWorker], stack: ExitStack, path: str) -> None:
+    _, client = start_router(stack, [workers[0].url])
+    r = client.post(path, content=b"[" * 200_000 + b"]" * 200_000, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
+    nested_put = client.put("/admin/workers", content=b'{"backend": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert nested_put.status_code == 400
+
+
+# ---- overload ------------------------------------------------------------------------------------------------
+
+
+def test_past_max_concurrent_requests_a_request_waits_then_gets_a_429(stack: ExitStack) -> None:
+    slow = FakeWorker(stack)
+    slow.engine.step_delay_s = 0.1  # 8 tokens: about 0.8 s
+    _, client = start_router(stack, [slow.url], max_concurrent_requests=1, queue_timeout_s=0.3)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 8}
+
+    def send(delay_s: float) -> httpx.Response:
+        time.sleep(delay_s)
+        return client.post("/v1/completions", json=body)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(send, (0.0, 0.1, 0.2)))
+    statuses = [a.status_code for a in answers]
+    assert statuses[0] == 200 and statuses[1:] == [429, 429], statuses
+    refused = answers[1]
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "router_overloaded"
+    # a wait long enough gets the slot when the running request ends; a stream holds it to its end
+    _, patient = start_router(stack, [slow.url], max_concurrent_requests=1, queue_timeout_s=5)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(lambda: patient.post("/v1/completions", json=body | {"stream": True}))
+        time.sleep(0.1)
+        waiting = pool.submit(lambda: patient.post("/v1/completions", json=body))
+        assert stream.result().status_code == 200 and waiting.result().status_code == 200
+
+
+# ---- stream migration ----------------------------------------------------------------------------------------
+
+
+class DyingWorker:
+    """Streams ``events`` (SSE data strings) to any POST, then drops the connection; answers /health."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.bodies: list[dict[str, Any]] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            request = conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            if head.startswith(b"GET /health"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                return
+            self.bodies.append(json.loads(body))
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            conn.sendall(head)
+            for data in self.events:
+                event = f"data: {data}\n\n".encode()
+                conn.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            time.sleep(0.1)  # then the connection drops, without the last chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _dying(stack: ExitStack, events: list[dict[str, Any]]) -> DyingWorker:
+    worker = DyingWorker([json.dumps(e) for e in events])
+    stack.callback(worker.close)
+    return worker
+
+
+def _stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in r.iter_lines() if line]
+
+
+def test_a_completion_stream_resumes_on_another_worker(workers: list[FakeWorker], stack: ExitStack) -> None:
+    first = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": MODEL,
+             "choices": [{"index": 0, "text": "Pa", "prompt_token_ids": [72, 105], "token_ids": [80, 97],
+                          "finish_reason": None}]}  # fmt: skip
+    dying = _dying(stack, [first])
+    router, client = start_router(stack, [dying.url, workers[1].url], health_interval_s=60)
+    before = len(workers[1].engine.seen_prompts)
+    events = _stream(client, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True})
+    assert dying.bodies[0]["return_token_ids"] is True  # the router asked for ids
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Pa" + REPLY[:3]  # the fake restarts its reply
+    assert {c["id"] for c in chunks} == {"cmpl-1"} and {c["created"] for c in chunks} == {7}
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    assert workers[1].engine.seen_prompts[before:] == [[72, 105, 80, 97]]  # prompt + generated, 3 tokens left
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
+def test_a_chat_stream_resumes_as_chat_with_held_back_text_and_whole_usage(
+    workers: list[FakeWorker], stack: ExitStack
+) -> None:
+    common = {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 3, "model": MODEL}
+    role = common | {
+        "prompt_token_ids": [60, 117, 62],
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+    }
+    # three tokens generated, "r" held back (as for a possible stop string) when the worker died
+    token = common | {"choices": [{"index": 0, "delta": {"content": "Pa"}, "token_ids": [80, 97, 114],
+                                   "finish_reason": None}]}  # fmt: skip
+    dying = _dying(stack, [role, token])
+    _, client = start_router(stack, [dying.url, workers[0].url], health_interval_s=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "u"}], "max_tokens": 6, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    events = _stream(client, "/v1/chat/completions", body)
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {"chatcmpl-9"}
+    text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
+    assert text == "Par" + REPLY[:3]
+    assert chunks[0]["prompt_token_ids"] == [60, 117, 62]  # the client asked for ids: they stay
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def test_a_stream_no_worker_can_resume_ends_with_an_error_event(stack: ExitStack) -> None:
+    first = {"id": "c", "choices": [{"index": 0, "text": "Pa", "prompt_token_ids": [1], "token_ids": [80, 97]}]}
+    dying = _dying(stack, [first])
+    _, client = start_router(stack, [dying.url], health_interval_s=60)
+    events = _stream(client, "/v1/completions", {"prompt": "x", "max_tokens": 9, "stream": True})
+    assert events[0]["choices"][0]["text"] == "Pa"
+    assert events[1]["error"]["code"] == 502 and "no other worker" in events[1]["error"]["message"]
+    assert events[-1] == "[DONE]"
+
+
+# ---- the pieces ---------------------------------------------------------------------------------------------
+
+
+def test_sse_buffer_yields_whole_events_only() -> None:
+    buffer = SSEBuffer()
+    assert buffer.feed(b'data: {"a"') == []
+    assert buffer.feed(b": 1}\n\ndata: [DO") == ['{"a": 1}']
+    assert buffer.feed(b"NE]\r\n\r\n: comment\n\n") == ["[DONE]"]
+
+
+def test_resume_body_carries_sampling_and_what_is_left() -> None:
+    tracker = StreamTracker(is_chat=True, client_wants_ids=False, client_wants_usage=False)
+    tracker.prompt_ids, tracker.output_ids = [1, 2], [3, 4, 5]
+    original = {"model": "m", "messages": [], "max_completion_tokens": 10, "temperature": 0.5, "seed": 7,
+                "stop": ["\n"], "min_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": False}}  # fmt: skip
+    body = resume_body(tracker, original)
+    assert body == {"model": "m", "prompt": [1, 2, 3, 4, 5], "max_tokens": 7, "min_tokens": 1, "temperature": 0.5,
+                    "seed": 7, "stop": ["\n"], "stream": True, "return_token_ids": True}  # fmt: skip
+    assert resume_body(tracker, original | {"max_completion_tokens": 3}) is None  # nothing left to generate
+    completion = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=True)
+    completion.prompt_ids = [9]
+    resumed = resume_body(completion, {"prompt": "x"})
+    assert resumed is not None and resumed["max_tokens"] == 16 and resumed["stream_options"] == {"include_usage": True}
+
+
+def test_held_back_text_is_what_the_client_lacks() -> None:
+    tracker = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=False)
+    tracker.text = " Hello wor"
+    assert held_back_text(tracker, "ctx", "ctx Hello world") == "ld"
+    assert held_back_text(tracker, "ctx", "ctx Hello wor") == ""
+    assert held_back_text(tracker, "ctx", "other") == ""
+    assert held_back_text(tracker, "ctx", "ctx Hello world\ufffd") == ""  # an incomplete character: wait
