@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -152,42 +148,6 @@ def test_an_overloaded_worker_answer_is_retried_elsewhere(workers: list[FakeWork
     _, only_busy = start_router(stack, [busy.url])
     r = completion(only_busy)
     assert r.status_code == 503 and r.json()["error"]["message"] == "busy"  # the worker's own answer
-
-
-class DyingStreamServer:
-    """Answers any request with the headers and first chunk of an SSE stream, then drops the connection."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                event = b'data: {"choices": [{"text": "Pa"}]}\n\n'
-                head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                conn.sendall(head + f"{len(event):x}\r\n".encode() + event + b"\r\n")
-                time.sleep(0.2)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(stack: ExitStack) -> None:
-    dying = DyingStreamServer()
-    stack.callback(dying.close)
-    _, client = start_router(stack, [dying.url], health_interval_s=60)
-    with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[0] == 'data: {"choices": [{"text": "Pa"}]}'
-    assert json.loads(lines[1].removeprefix("data: "))["error"]["code"] == 502
-    assert lines[-1] == "data: [DONE]"
 
 
 def test_kv_events_register_workers_and_kvaware_follows_them(workers: list[FakeWorker], stack: ExitStack) -> None:
