@@ -64,7 +64,8 @@ class Up:
         return state(self.home, self.name)
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGINT)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
         self.process.wait(60)
         self.log.close()
 
@@ -76,11 +77,11 @@ def chat(url: str, content: str = "What is the capital of France?", max_tokens: 
 
 
 def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped by whoever adopted it, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
-    return True
 
 
 @pytest.mark.parametrize("example", ["colocated", "dpd", "dpd-redis", "kvaware", "reference"])
@@ -126,6 +127,15 @@ def test_a_killed_worker_is_restarted_and_traffic_recovers(colocated: Up) -> Non
     wait_until(lambda: chat(colocated.url).status_code == 200, timeout_s=30, interval_s=1)
     listing = run(colocated.home, "get", colocated.name)
     assert worker["name"] in listing.stdout and "Running   1" in listing.stdout
+
+
+def test_a_sigkilled_supervisor_leaves_no_pod_behind(colocated: Up) -> None:
+    pids = [pod["pid"] for pod in state(colocated.home, colocated.name)["pods"] if pod["pid"]]
+    assert len(pids) >= 2 and all(pid_alive(pid) for pid in pids)
+    colocated.process.send_signal(signal.SIGKILL)
+    colocated.process.wait(10)
+    wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout_s=60, interval_s=0.2)
+    assert run(colocated.home, "get", colocated.name).stdout.count("Stopped") == 1  # and no live supervisor
 
 
 def test_the_supervisor_closes_the_internal_routes_with_a_secret_of_its_own(colocated: Up) -> None:

@@ -74,7 +74,7 @@ def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Pa
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGHUP, on_reload)
-    (run_dir / "supervisor.pid").write_text(str(os.getpid()))  # after the handlers: SIGHUP must not kill us
+    _write_pid_file(run_dir / "supervisor.pid")  # after the handlers: SIGHUP must not kill us
     try:
         supervisor.apply(config, revision_of(path))
         _report(supervisor, stop)
@@ -165,9 +165,12 @@ def get(name: str | None = None, *, root: Path | None = None) -> int:
             return 1
         alive = _supervisor_pid(run_dir_for(endpoint, root)) is not None
         condition = state["condition"]
-        status = condition["message"] if condition["status"] else "NotReady" if alive else "Stopped"
+        status = "Stopped" if not alive else condition["message"] if condition["status"] else "NotReady"
+        pods = state["pods"]
+        if not alive:  # its supervisor was killed: nothing keeps these rows current (and its pods died with it)
+            pods = [pod | {"ready": False, "status": "Unknown"} for pod in pods]
         print(f"ENDPOINT {endpoint}   ROUTER {state['router_url']}   {status}")
-        print(format_pods(state["pods"]))
+        print(format_pods(pods))
         print()
     return 0
 
@@ -199,12 +202,34 @@ def delete(name: str, *, root: Path | None = None, timeout_s: float = 60.0) -> i
     return 0
 
 
+def _write_pid_file(path: Path) -> None:
+    """``<pid> <start time>``: a later reader signals this process only, never one that reused its pid."""
+    pid = os.getpid()
+    path.write_text(f"{pid} {_start_time(pid) or ''}".strip())
+
+
 def _supervisor_pid(run_dir: Path) -> int | None:
+    """The pid of the endpoint's running supervisor; None when none runs (or the file names a process that
+    has since ended, its pid maybe reused by another)."""
     try:
-        pid = int((run_dir / "supervisor.pid").read_text())
-    except (OSError, ValueError):
+        fields = (run_dir / "supervisor.pid").read_text().split()
+        pid = int(fields[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return pid if _is_alive(pid) else None
+    if not _is_alive(pid):
+        return None
+    if len(fields) > 1 and fields[1] != _start_time(pid):
+        return None  # another process now has that pid
+    return pid
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22); None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields after the name, which may hold spaces and ")"
 
 
 def _is_alive(pid: int) -> bool:

@@ -5,10 +5,17 @@ readiness probe (an HTTP ``/health``, or a Redis ``PING``). :class:`PodSet` keep
 is restarted after a back-off that doubles up to ``MAX_BACKOFF_S`` (shown as ``CrashLoopBackOff`` meanwhile,
 counted in ``RESTARTS``) and that resets once it has stayed up ``STABLE_AFTER_S``. Status rows look like
 ``kubectl get pods``. Nothing here knows about endpoints; ``supervisor`` decides which pods should exist.
+
+Like a kubelet's liveness probe, a ready pod is probed every ``LIVENESS_PERIOD_S``: an answer other than 200
+makes it not ready (until it answers 200 again), and ``LIVENESS_FAILURES`` probes in a row without any answer
+get it killed and restarted. Pods die with the supervisor, even a SIGKILLed one: each gets SIGTERM when its
+parent dies (Linux's ``PR_SET_PDEATHSIG``), and drains.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -28,6 +35,10 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0
 STOP_TIMEOUT_S = 20.0
+LIVENESS_PERIOD_S = 5.0
+LIVENESS_FAILURES = 3  # probes in a row without an answer before a ready pod is killed and restarted
+PROBE_TIMEOUT_S = 2.0
+PR_SET_PDEATHSIG = 1
 
 
 SECRET_FLAGS = frozenset({"--api-key"})  # flags whose value must never reach a log
@@ -81,6 +92,8 @@ class Pod:
     restart_at: float | None = None  # set while waiting out a back-off
     backoff_s: float = FIRST_BACKOFF_S
     is_stopping: bool = False
+    probed_at: float = 0.0  # last liveness probe
+    num_unanswered: int = 0  # liveness probes in a row that got no answer
 
     @property
     def status(self) -> str:
@@ -96,10 +109,12 @@ class Pod:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         cpus = self.spec.cpus
+        parent = os.getpid()
 
         def pin() -> None:  # in the child, before exec
             if cpus and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cpus)
+            _die_with_parent(parent)
 
         self.process = subprocess.Popen(
             self.spec.command,
@@ -113,6 +128,7 @@ class Pod:
         self.started_at = time.time()
         self.is_ready = False
         self.restart_at = None
+        self.num_unanswered = 0
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM the process group, SIGKILL after ``timeout_s``."""
@@ -130,14 +146,27 @@ class Pod:
             pass
 
     def probe(self) -> bool:
+        """Readiness: the process answers its probe with 200 (Redis: PONG)."""
+        return self.check() == 200
+
+    def check(self) -> int | None:
+        """The probe's HTTP status (200 for a Redis PONG), or None when the process did not answer at all."""
         if self.process is None or self.process.poll() is not None:
-            return False
+            return None
         if self.spec.health_path is None:
-            return _redis_ping(self.spec.port)
+            return 200 if _redis_ping(self.spec.port) else None
         try:
-            return httpx.get(self.spec.url + self.spec.health_path, timeout=1.0, trust_env=False).status_code == 200
+            return httpx.get(
+                self.spec.url + self.spec.health_path, timeout=PROBE_TIMEOUT_S, trust_env=False
+            ).status_code
         except httpx.HTTPError:
-            return False
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL the process group (the pod is then restarted like one that exited)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def state(self) -> dict[str, Any]:
         """What ``state.json`` keeps of the pod."""
@@ -154,6 +183,17 @@ class Pod:
             "pid": self.process.pid if self.process is not None else None,
             "cpus": list(self.spec.cpus),
         }
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a child before exec: get SIGTERM when the parent dies (Linux); exit now if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: pods outlive a killed supervisor
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _redis_ping(port: int) -> bool:
@@ -219,11 +259,33 @@ class PodSet:
                 changed = True
             elif pod.restart_at is None and not pod.is_ready and pod.probe():
                 pod.is_ready = True
+                pod.probed_at, pod.num_unanswered = now, 0
                 logger.info("pod %s is ready at %s", pod.name, pod.spec.url)
                 changed = True
+            elif pod.restart_at is None and pod.is_ready and now - pod.probed_at >= LIVENESS_PERIOD_S:
+                changed = self._check_live(pod, now) or changed
         if changed:
             self._on_change()
         return changed
+
+    def _check_live(self, pod: Pod, now: float) -> bool:
+        """Liveness of a ready pod; True if its state changed."""
+        pod.probed_at = now
+        status = pod.check()
+        if status is not None:
+            pod.num_unanswered = 0
+            if status != 200:
+                logger.warning("pod %s is not ready: its probe answered %d", pod.name, status)
+                pod.is_ready = False
+                return True
+            return False
+        pod.num_unanswered += 1
+        if pod.num_unanswered < LIVENESS_FAILURES or pod.process is None or pod.process.poll() is not None:
+            return False
+        logger.warning("pod %s did not answer %d liveness probes; killing it", pod.name, pod.num_unanswered)
+        pod.kill()
+        pod.is_ready = False
+        return True
 
     def wait_ready(self, pods: Sequence[Pod], timeout_s: float, poll_s: float = 0.3) -> bool:
         deadline = time.time() + timeout_s
