@@ -396,6 +396,14 @@ def router_command(
     breaker_cooldown: Annotated[
         float, typer.Option(help="Seconds before a tripped breaker lets a trial through.", rich_help_panel=_FAULTS)
     ] = 5.0,
+    shutdown_timeout: Annotated[
+        int,
+        typer.Option(
+            help="On SIGTERM the router takes no new connections and lets streams in flight finish, for at most "
+            "this many seconds.",
+            rich_help_panel=_FAULTS,
+        ),
+    ] = 30,
     stream_migration: Annotated[
         bool,
         typer.Option(help="Resume a stream whose worker fails mid-answer on another worker.", rich_help_panel=_FAULTS),
@@ -470,6 +478,7 @@ def router_command(
         stream_migration=stream_migration,
         max_concurrent_requests=max_concurrent_requests,
         queue_timeout_s=queue_timeout,
+        shutdown_timeout_s=shutdown_timeout,
     )
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
         _fail(f"--log-level must be one of debug, info, warning, error; got {log_level!r}")

@@ -321,6 +321,7 @@ class RouterConfig:
     stream_migration: bool = True  # resume a stream whose worker fails mid-answer on another worker
     max_concurrent_requests: int | None = None  # client requests at once; as many more wait; None: no bound
     queue_timeout_s: float = 10.0  # how long a request past max_concurrent_requests waits for a slot
+    shutdown_timeout_s: int = 30  # SIGTERM: how long streams in flight may run on before they are cut
     max_request_body_bytes: int = 16 << 20
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
     cluster_secret: str | None = field(default=None, repr=False)  # sent to workers instead of the client's key

@@ -382,11 +382,23 @@ def test_the_router_runs_the_plans_flags_with_the_worker_services_until_discover
         "0.0.0.0",
         "--port",
         str(ROUTER_PORT),
+        "--shutdown-timeout",
+        "30",
         "--prefill",
         "http://prefill-dpd.default.svc:8000",
         "--decode",
         "http://decode-dpd.default.svc:8000",
     ]
+
+
+def test_workers_and_the_router_drain_within_their_grace_period() -> None:
+    manifests = render(example("dpd"))
+    for name, kind in (("prefill-dpd", "worker"), ("decode-dpd", "worker"), ("dpd-router", "router")):
+        pod = find(manifests, "Deployment", name)["spec"]["template"]["spec"]
+        main = container(find(manifests, "Deployment", name), kind)
+        drain_s = int(value_after(main["args"], "--shutdown-timeout"))
+        pause_s = int(main["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert pod["terminationGracePeriodSeconds"] > pause_s + drain_s  # SIGKILL only after the drain
 
 
 def test_the_discovery_sidecar_lists_this_endpoints_worker_pods_with_its_own_service_account() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from splitserve.router import app as router_app
 from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
 from tests.unit.fake_engine import REPLY
 from tests.unit.test_router_app import MODEL, FakeWorker, start_router
@@ -48,6 +49,21 @@ def test_bodies_over_the_limit_are_413_declared_or_streamed(workers: list[FakeWo
     for path, method in (("/kv/events", "POST"), ("/admin/workers", "PUT")):
         assert client.request(method, path, content=b"[" * 5000).status_code == 413
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_body_that_trickles_in_is_cut_off_with_a_408(
+    workers: list[FakeWorker], stack: ExitStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router_app, "BODY_TIMEOUT_S", 0.3)
+    _, client = start_router(stack, [workers[0].url])
+
+    def slowly() -> Iterator[bytes]:
+        yield b'{"prompt": '
+        time.sleep(1.0)
+        yield b'"Hi"}'
+
+    r = client.post("/v1/completions", content=slowly(), headers={"content-type": "application/json"})
+    assert r.status_code == 408 and "took over" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/kv/events"])

@@ -66,6 +66,12 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}
 DISCOVERY_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}}
 REDIS_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
 STARTUP_PROBE_S = 600  # a worker may take this long to load its model before liveness counts
+# Pod termination: the preStop pause lets the Service endpoints and the router's pod watch drop the pod
+# before SIGTERM; then the worker drains (--shutdown-timeout) and the router lets its streams finish; the
+# grace period covers both with room to spare before Kubernetes' SIGKILL.
+PRE_STOP_S = 5
+SHUTDOWN_TIMEOUT_S = 30
+TERMINATION_GRACE_S = PRE_STOP_S + SHUTDOWN_TIMEOUT_S + 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +164,12 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
         "env": _downward_env() + [{"name": k, "value": v} for k, v in role.env.items()],
         "resources": _resources(role.resources.requests, role.resources.limits),
         **_worker_probes(ep.config.spec.load_balancer.health_check_path, _port_name(ep)),
+        "lifecycle": _pre_stop(),
         "volumeMounts": _worker_mounts(ep),
     }
     volumes = _model_volumes(ep) + ([_l2_volume()] if ep.plan.l2_path is not None else [])
-    pod_spec = {"containers": [_pruned(container)], "volumes": volumes, "enableServiceLinks": False}
+    pod_spec = {"containers": [_pruned(container)], "volumes": volumes, "enableServiceLinks": False,
+                "terminationGracePeriodSeconds": TERMINATION_GRACE_S}  # fmt: skip
     pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": _pruned(pod_spec)}
     return _deployment(ep, role.name, COMPONENTS[role.role], role.replicas, pod)
 
@@ -171,7 +179,7 @@ def _worker_args(ep: _Endpoint, role: RolePlan) -> list[str]:
     port = role.container_port
     host = f"$({POD_IP_ENV})" if role.role == Role.DECODE else "0.0.0.0"  # the KV receiver advertises its bind
     args = [*role.flags, "--host", host, "--port", str(port), "--worker-id", f"$({POD_NAME_ENV})"]
-    args += ["--advertise-url", f"http://$({POD_IP_ENV}):{port}"]
+    args += ["--advertise-url", f"http://$({POD_IP_ENV}):{port}", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if role.role == Role.DECODE:
         args += ["--kv-transfer-port", str(kv_transfer_port(port))]
     if ep.plan.router.kv_events:
@@ -202,6 +210,10 @@ def _worker_probes(path: str, port: str) -> Manifest:
         "readinessProbe": {**probe(5, 3), "timeoutSeconds": 2},
         "livenessProbe": {**probe(15, 4), "timeoutSeconds": 5},
     }
+
+
+def _pre_stop() -> Manifest:
+    return {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}}
 
 
 def _worker_mounts(ep: _Endpoint) -> list[Manifest]:
@@ -247,12 +259,22 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
         "image": ep.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["splitserve", "router"],
-        "args": [*router.flags, "--host", "0.0.0.0", "--port", str(ROUTER_PORT), *bootstrap],
+        "args": [
+            *router.flags,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(ROUTER_PORT),
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT_S),
+            *bootstrap,
+        ],
         "ports": [_port(HTTP_PORT_NAME, ROUTER_PORT)],
         "resources": ROUTER_RESOURCES,
         # /health is 503 until a worker is healthy: right for readiness, wrong for liveness
         "readinessProbe": {"httpGet": {"path": router.health_check_path, "port": HTTP_PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": HTTP_PORT_NAME}, "periodSeconds": 15, "failureThreshold": 4},
+        "lifecycle": _pre_stop(),
         "volumeMounts": _model_mounts(ep),
     }
     discovery = {
@@ -268,6 +290,7 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
         "containers": [_pruned(container), discovery],
         "volumes": _model_volumes(ep),
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
     pod = {"metadata": _pod_metadata(ep, _labels(ep, "router"), ROUTER_PORT), "spec": _pruned(pod_spec)}
     return _deployment(ep, router.name, "router", 1, pod)

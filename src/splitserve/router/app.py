@@ -58,6 +58,8 @@ from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, 
 
 logger = logging.getLogger("splitserve.router")
 
+BODY_TIMEOUT_S = 30.0  # a client sending its body slower than this is cut off (408)
+LIMIT_CONCURRENCY = 4096  # connections and requests at once; past it uvicorn answers 503 (file descriptors)
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # not forwarded to workers: hop-by-hop headers, and the client's key (the router sends its own credential)
 NOT_FORWARDED = frozenset(
@@ -232,11 +234,19 @@ class Router:
             raise too_large
         parts: list[bytes] = []
         size = 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_large
-            parts.append(part)
+
+        async def read() -> None:
+            nonlocal size
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_large
+                parts.append(part)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise RouterError(408, f"the request body took over {BODY_TIMEOUT_S:.0f} s to arrive") from exc
         raw = b"".join(parts)
         try:
             return json.loads(raw), raw

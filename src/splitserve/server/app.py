@@ -37,6 +37,8 @@ from splitserve.server.serving import ApiError, OpenAIServing
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+BODY_TIMEOUT_S = 30.0  # a client sending its body slower than this is cut off (408)
+LIMIT_CONCURRENCY = 4096  # connections and requests at once; past it uvicorn answers 503 (file descriptors)
 
 
 def build_app(
@@ -211,7 +213,12 @@ class BodySizeLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._reject(scope, receive, send)
             return
-        body = await self._read_body(receive)
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), BODY_TIMEOUT_S)
+        except TimeoutError:
+            error = ApiError(408, f"the request body took over {BODY_TIMEOUT_S:.0f} s to arrive")
+            await _error(error)(scope, receive, send)
+            return
         if body is None:
             await self._reject(scope, receive, send)
             return

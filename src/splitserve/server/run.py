@@ -26,7 +26,7 @@ from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.kv_events import KVEventPublisher
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import loaded_cpu_info
-from splitserve.server.app import build_app
+from splitserve.server.app import LIMIT_CONCURRENCY, build_app
 
 logger = logging.getLogger("splitserve.worker")
 
@@ -72,6 +72,8 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         port=server_config.port,
         log_level=log_level,
         timeout_graceful_shutdown=FLUSH_S,
+        limit_concurrency=LIMIT_CONCURRENCY,
+        timeout_keep_alive=5,  # idle client connections close after this
         access_log=log_level == "debug",
     )
     server = DrainingServer(uv_config, engine, draining, server_config.shutdown_timeout_s)
