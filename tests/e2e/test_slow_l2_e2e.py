@@ -1,20 +1,20 @@
 """A slow L2 leaves decode steps alone: a real worker (smollm2, float32) streams 8 requests while a long prompt
 whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
-Redis call held 500 ms by a delaying proxy. No gap between two tokens of a stream may grow by the delay.
+piece of Redis traffic held 500 ms each way by the fault proxy (``tests/faults.py``). No gap between two
+tokens of a stream may grow by the delay, and the ITL p99 stays within 1.5x of the fast run's.
 
 Both runs admit the same kind of prompt (loading ~1,800 tokens of KV and computing the rest in float, which
 costs a few decode steps' time), so comparing them isolates what L2's latency adds. The connector reads L2 on
 its own prefetch thread (``kvcache/connector.py``); before, the engine thread ran the lookups and the MGET
-inside ``schedule()``, and every stream got one gap of 1.4 s. The test prints the ITL p99 of both runs (the
-issue's figure, recorded in docs/benchmarks.md) but does not assert on it: the p99 does not see that stall (8
-of 1,272 gaps), and on a shared 2-core machine it moves by 30% between two identical runs."""
+inside ``schedule()``, and every stream got one gap of 1.4 s. The max gap is the sharp check: the p99 does
+not see such a stall (8 of 1,272 gaps), and on a shared 2-core machine it moves by 30% between two identical
+runs (0.87x to 1.34x measured), so its bound of 1.5x (the reliability issue's) is the loose one."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import shutil
-import socket
 import statistics
 import threading
 import time
@@ -26,6 +26,7 @@ import redis
 
 from tests.e2e.test_kv_tiers_e2e import TierWorker, long_prompt
 from tests.e2e.workers import WorkerProcess
+from tests.faults import FaultProxy
 from tests.integration.test_redis_tier import RedisServer
 
 pytestmark = [
@@ -38,44 +39,6 @@ pytestmark = [
 DELAY_S = 0.5
 NUM_STREAMS = 8
 STREAM_TOKENS = 160  # 8 x 159 gaps: one slow step moves 8 of them, not the p99
-
-
-class DelayProxy:
-    """A TCP proxy to ``port`` that holds every chunk a client sends for ``delay_s`` (a slow Redis)."""
-
-    def __init__(self, port: int, delay_s: float) -> None:
-        self._target = ("127.0.0.1", port)
-        self.delay_s = delay_s
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
-        self.num_delayed = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self._target)
-            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket, delayed: bool) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                if delayed and self.delay_s:
-                    self.num_delayed += 1
-                    time.sleep(self.delay_s)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                sock.close()
 
 
 def stream_gaps(url: str, prompt: str, gaps: list[float]) -> None:
@@ -140,20 +103,21 @@ def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: Redis
     finally:
         writer.stop()
 
-    proxy = DelayProxy(redis_server.port, 0.0)
-    worker = TierWorker(tmp_path / "worker.log", proxy.url, max_num_seqs=16, kv_cache="512MiB")
+    proxy = FaultProxy(redis_server.port)
+    worker = TierWorker(tmp_path / "worker.log", f"redis://127.0.0.1:{proxy.port}/0", max_num_seqs=16,
+                        kv_cache="512MiB")  # fmt: skip
     try:
         worker.wait_healthy()
         streams_with(worker.url, None)  # warm-up: kernels, allocator, the streams' own L2 writes
         fast, fast_answer = long_prompt_during_streams(worker, prompts[0])
         hits = worker.metric("lmcache:num_vllm_hit_tokens_total")
-        proxy.delay_s = DELAY_S
+        proxy.latency_s = DELAY_S
         slow, slow_answer = long_prompt_during_streams(worker, prompts[1])
         for answer, expected in ((fast_answer, cold[0]), (slow_answer, cold[1])):
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
         assert hits >= 1500 and worker.metric("lmcache:num_vllm_hit_tokens_total") >= hits + 1500  # both from L2
-        assert proxy.num_delayed > 0  # the slow run's calls went through the delay
+        assert proxy.num_connections > 0  # the worker's Redis calls went through the proxy
         ratio = p99(slow) / p99(fast)
         print(
             f"\nITL p99 with the long prompt from a fast L2 {p99(fast) * 1000:.1f} ms, from a {DELAY_S * 1000:.0f} ms "
@@ -162,6 +126,7 @@ def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: Redis
         # no step waited for Redis: a call in schedule() would add DELAY_S (three calls: 1.5 s) to the admission
         # step, whose own compute is in both runs (about 0.25 s here, more on a slower CPU)
         assert max(slow) < max(fast) + DELAY_S
+        assert ratio < 1.5
     finally:
         worker.stop()
         proxy.close()

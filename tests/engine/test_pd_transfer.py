@@ -4,6 +4,7 @@ engine's, also when the push fails, the buffer is too small, or the KV belongs t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -24,7 +25,9 @@ from splitserve.model.llama import LlamaForCausalLM
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
+from splitserve.pd.wire import parse_addr, recv_msg, send_msg
 from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
+from tests.waiting import wait_until
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -175,5 +178,48 @@ def test_a_corrupted_push_is_refused_and_frees_its_room(layout: str) -> None:
         result = push(receiver.addr, "t-6", bytes(record), 8, 0, layout, deadline_s=0.5)
         assert not result.ok and "invalid record" in result.reason
         assert receiver.buffer.peek("t-6") is None and receiver.buffer.stats().used_bytes == 0
+    finally:
+        receiver.close()
+
+
+def _open_transfer(receiver: KVReceiver, transfer_id: str, record: bytes, layout: str) -> socket.socket:
+    """Ask ``receiver`` for room for ``record`` as a sender would, and leave the connection open."""
+    sock = socket.create_connection(parse_addr(receiver.addr), timeout=5)
+    header = {"transfer_id": transfer_id, "nbytes": len(record), "num_tokens": 8, "tokens_hash": 0, "layout": layout}
+    send_msg(sock, header)
+    return sock
+
+
+def test_no_peer_can_hold_the_receiver(layout: str) -> None:
+    """A trickling sender misses its deadline, a peer's open reservations are capped, and so are connections."""
+    record = serde.encode(torch.ones(2, 2, 8, 1, 8), 8, layout)
+    receiver = KVReceiver(PDBuffer(len(record) * 3), layout)
+    receiver.transfer_deadline_s = 0.5
+    receiver.start()
+    try:
+        trickle = _open_transfer(receiver, "slow", record, layout)
+        assert recv_msg(trickle)["ok"]
+        with contextlib.suppress(OSError):  # the receiver hangs up on it
+            for i in range(10):  # a byte every 0.1 s: never idle long, but never done
+                trickle.sendall(record[i : i + 1])
+                time.sleep(0.1)
+        wait_until(lambda: receiver.buffer.stats().used_bytes == 0, timeout_s=5)  # dropped, its room freed
+        trickle.close()
+        # one peer may fill at most half the buffer at once: the second reservation is refused ("full")
+        first = _open_transfer(receiver, "a", record, layout)
+        assert recv_msg(first)["ok"]
+        second = _open_transfer(receiver, "b", record, layout)
+        assert recv_msg(second) == {"ok": False, "reason": "full"}
+        first.close()
+        second.close()
+        receiver.max_peer_connections = 1
+        idle = socket.create_connection(parse_addr(receiver.addr), timeout=5)
+        wait_until(lambda: sum(receiver._connections.values()) == 1, timeout_s=5)
+        refused = socket.create_connection(parse_addr(receiver.addr), timeout=5)
+        assert refused.recv(1) == b""  # closed at once
+        idle.close()
+        refused.close()
+        wait_until(lambda: not receiver._connections, timeout_s=25)
+        assert push(receiver.addr, "t-7", record, 8, 0, layout, deadline_s=2).ok  # an honest push still works
     finally:
         receiver.close()

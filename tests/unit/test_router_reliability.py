@@ -16,6 +16,7 @@ import pytest
 
 from splitserve.router import app as router_app
 from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
+from tests.faults import FaultProxy
 from tests.unit.fake_engine import REPLY
 from tests.unit.test_router_app import MODEL, FakeWorker, start_router
 
@@ -241,3 +242,68 @@ def test_held_back_text_is_what_the_client_lacks() -> None:
     assert held_back_text(tracker, "ctx", "ctx Hello wor") == ""
     assert held_back_text(tracker, "ctx", "other") == ""
     assert held_back_text(tracker, "ctx", "ctx Hello world\ufffd") == ""  # an incomplete character: wait
+
+
+# ---- faults between the router and a worker (tests/faults.py) ------------------------------------------------
+
+
+@pytest.fixture
+def proxied(stack: ExitStack) -> tuple[FakeWorker, FaultProxy]:
+    """A slow fake worker (20 ms a token) behind a fault proxy."""
+    worker = FakeWorker(stack)
+    worker.engine.step_delay_s = 0.02
+    proxy = FaultProxy(int(worker.url.rsplit(":", 1)[1]))
+    stack.callback(proxy.close)
+    return worker, proxy
+
+
+STREAM = {"model": MODEL, "prompt": "Hi", "max_tokens": 20, "stream": True}
+
+
+def test_bytes_sliced_to_one_at_a_time_change_nothing(
+    workers: list[FakeWorker], proxied: tuple[FakeWorker, FaultProxy], stack: ExitStack
+) -> None:
+    _, proxy = proxied
+    proxy.slice_bytes, proxy.latency_s = 1, 0.001
+    _, client = start_router(stack, [proxy.url], health_interval_s=60)
+    events = _stream(client, "/v1/completions", STREAM)
+    assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == REPLY[:20]
+    assert events[-1] == "[DONE]"
+
+
+def test_a_connection_reset_mid_stream_is_resumed_on_the_other_worker(
+    workers: list[FakeWorker], proxied: tuple[FakeWorker, FaultProxy], stack: ExitStack
+) -> None:
+    _, proxy = proxied
+    router, client = start_router(stack, [proxy.url, workers[1].url], health_interval_s=60)
+    before = len(workers[1].engine.seen_prompts)
+    with client.stream("POST", "/v1/completions", json=STREAM) as r:
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(5)]  # "data: ..." and blank lines: a few tokens
+        proxy.reset()
+        received += list(lines)
+    received = [line for line in received if line]
+    events = [json.loads(line[6:]) for line in received if line.startswith("data: {")]
+    assert not any("error" in e for e in events) and received[-1] == "data: [DONE]"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    resumed_prompt = workers[1].engine.seen_prompts[before]
+    assert resumed_prompt[:2] == [72, 105] and len(resumed_prompt) > 2  # "Hi" and the tokens generated
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
+def test_a_stalled_worker_is_left_for_another_before_and_during_a_stream(
+    workers: list[FakeWorker], proxied: tuple[FakeWorker, FaultProxy], stack: ExitStack
+) -> None:
+    _, proxy = proxied
+    router, client = start_router(stack, [proxy.url, workers[1].url], health_interval_s=60, read_timeout_s=0.5)
+    with client.stream("POST", "/v1/completions", json=STREAM) as r:
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(3)]
+        proxy.blackhole = True  # silent from now on: the router's read timeout fires
+        received += list(lines)
+    received = [line for line in received if line]
+    assert received[-1] == "data: [DONE]" and not any('"error"' in line for line in received)
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+    # a whole request to the stalled worker times out and goes to the other one
+    answer = client.post("/v1/completions", json=STREAM | {"stream": False})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == REPLY[:20]

@@ -2,7 +2,11 @@
 
 :class:`KVReceiver` serves ``--kv-transfer-port``: one connection per transfer (see ``wire``). A reservation
 that does not fit is refused (logged as ``Failed to allocate memory object, retrying...``: the sender retries);
-a payload that fails its checksum or has another layout is dropped. :class:`PDReceiverConnector` implements
+a payload that fails its checksum or has another layout is dropped. No peer can hold the receiver: at most
+``MAX_CONNECTIONS`` transfers at once (``MAX_PEER_CONNECTIONS`` from one address), a peer's reservations still
+being filled may hold at most ``PEER_RESERVATION_SHARE`` of the buffer, and a transfer must be whole within
+``TRANSFER_DEADLINE_S`` of its connection (besides ``RECEIVE_TIMEOUT_S`` between two pieces), else it is
+dropped and its room freed. :class:`PDReceiverConnector` implements
 ``KVConnectorBase``: at admission a request whose ``kv_transfer_params`` name a transfer takes that KV from the
 buffer, after checking it belongs to the request's own prompt tokens and the engine's layout, and logs
 ``Retrieved N out of N required tokens (from T total tokens). size: X gb, cost Y ms, throughput: Z GB/s``, or
@@ -34,6 +38,10 @@ logger = logging.getLogger(__name__)
 PD_SOURCE = "pd"
 SOCKET_BUFFER_BYTES = 4 << 20
 RECEIVE_TIMEOUT_S = 20.0
+TRANSFER_DEADLINE_S = 60.0  # a whole transfer, however it trickles in
+MAX_CONNECTIONS = 64
+MAX_PEER_CONNECTIONS = 16
+PEER_RESERVATION_SHARE = 0.5  # of the buffer, in reservations one address is still filling
 RECEIVER_NICE = 10  # receiving yields the CPU to the engine thread: decode latency first, transfer speed second
 
 
@@ -46,6 +54,11 @@ class KVReceiver:
         self.buffer = buffer
         self.layout = layout
         self.advertise_host = advertise_host
+        self.max_connections, self.max_peer_connections = MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
+        self.transfer_deadline_s = TRANSFER_DEADLINE_S
+        self._lock = threading.Lock()
+        self._connections: dict[str, int] = {}  # peer address -> open connections
+        self._filling: dict[str, int] = {}  # peer address -> bytes of its reservations being filled
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -76,6 +89,24 @@ class KVReceiver:
         self._server.server_close()
 
     def _serve(self, sock: socket.socket) -> None:
+        peer = _peer_of(sock)
+        with self._lock:
+            total = sum(self._connections.values())
+            admitted = total < self.max_connections and self._connections.get(peer, 0) < self.max_peer_connections
+            if admitted:
+                self._connections[peer] = self._connections.get(peer, 0) + 1
+        if not admitted:
+            logger.warning("KV receiver: refused a connection from %s (too many transfers at once)", peer)
+            return  # closing it: the sender's push fails, and decode computes the prompt itself
+        try:
+            self._transfer(sock, peer, time.monotonic() + self.transfer_deadline_s)
+        finally:
+            with self._lock:
+                self._connections[peer] -= 1
+                if not self._connections[peer]:
+                    del self._connections[peer]
+
+    def _transfer(self, sock: socket.socket, peer: str, deadline: float) -> None:
         _lower_thread_priority(RECEIVER_NICE)
         sock.settimeout(RECEIVE_TIMEOUT_S)  # a sender that vanished must not hold its reservation forever
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -98,15 +129,26 @@ class KVReceiver:
             if not 0 < num_bytes <= self.buffer.capacity_bytes:
                 send_msg(sock, {"ok": False, "reason": f"{num_bytes} bytes can never fit the PD buffer"})
                 return
-            room = self.buffer.reserve(transfer_id, num_bytes)
+            quota = int(self.buffer.capacity_bytes * PEER_RESERVATION_SHARE)
+            with self._lock:
+                held = self._filling.get(peer, 0)
+                room = self.buffer.reserve(transfer_id, num_bytes) if held + num_bytes <= quota else None
+                if room is not None:
+                    self._filling[peer] = held + num_bytes
             if room is None:
                 logger.info(
                     "Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes
                 )
                 send_msg(sock, {"ok": False, "reason": "full"})
                 return
-            send_msg(sock, {"ok": True})
-            _receive_record(sock, room, layout)
+            try:
+                send_msg(sock, {"ok": True})
+                _receive_record(sock, room, layout, deadline)
+            finally:
+                with self._lock:
+                    self._filling[peer] -= num_bytes
+                    if not self._filling[peer]:
+                        del self._filling[peer]
         except serde.RecordError as exc:
             self.buffer.abort(transfer_id)
             logger.warning("KV receiver: transfer %s dropped: %s", transfer_id, exc)
@@ -126,18 +168,36 @@ def _lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
-def _receive_record(sock: socket.socket, room: memoryview, layout: str) -> None:
-    """Receive a record into ``room``, checksumming the payload as it arrives; RecordError if it is bad."""
+def _peer_of(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except (OSError, IndexError):
+        return "?"
+
+
+def _receive_record(sock: socket.socket, room: memoryview, layout: str, deadline: float) -> None:
+    """Receive a record into ``room``, checksumming the payload as it arrives; RecordError if it is bad,
+    WireError once ``deadline`` (monotonic) has passed."""
+
+    def in_time(_: memoryview) -> None:
+        if time.monotonic() > deadline:
+            raise WireError("the transfer missed its deadline")
+
     fixed = serde.FIXED_HEADER_BYTES
     if len(room) < fixed:
         raise serde.RecordError(serde.RecordFault.TRUNCATED, f"{len(room)} bytes is shorter than a header")
-    recv_exact_into(sock, room[:fixed])
+    recv_exact_into(sock, room[:fixed], in_time)
     offset = serde.payload_offset(room[:fixed])
     if offset > len(room):
         raise serde.RecordError(serde.RecordFault.TRUNCATED, f"a {offset}-byte header in {len(room)} bytes")
-    recv_exact_into(sock, room[fixed:offset])
+    recv_exact_into(sock, room[fixed:offset], in_time)
     hasher = xxhash.xxh3_64()
-    recv_exact_into(sock, room[offset:], hasher.update)
+
+    def checked(piece: memoryview) -> None:
+        in_time(piece)
+        hasher.update(piece)
+
+    recv_exact_into(sock, room[offset:], checked)
     serde.verify_with_checksum(room, layout, hasher.intdigest())
 
 

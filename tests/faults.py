@@ -1,0 +1,110 @@
+"""A fault-injecting TCP proxy for tests: put it between two processes (router and worker, worker and Redis,
+prefill and decode) and change what it does to the bytes while they talk.
+
+Faults, settable at any time (they apply to the data forwarded from then on):
+- ``latency_s``: every piece of data, either way, waits this long before it is forwarded;
+- ``slice_bytes``: data is forwarded in pieces of at most this many bytes, each flushed on its own;
+- ``blackhole``: nothing more is forwarded either way; connections stay open and silent (a stalled peer);
+- ``reset()``: every open connection is closed at once (a crashed peer, or a cut network); new ones work.
+- ``refuse``: new connections are closed as soon as they are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FaultProxy:
+    target_port: int
+    target_host: str = "127.0.0.1"
+    latency_s: float = 0.0
+    slice_bytes: int = 0
+    blackhole: bool = False
+    refuse: bool = False
+    port: int = 0
+    num_connections: int = 0
+    _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop, repr=False)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), name="fault-proxy", daemon=True).start()
+        ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", self.port))
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+        server.close()
+        self._loop.close()
+
+    def reset(self) -> None:
+        """Close every open connection now (both sides see a reset or an early end)."""
+        done = threading.Event()
+
+        def close_all() -> None:
+            for writer in list(self._writers):
+                with contextlib.suppress(Exception):
+                    writer.transport.abort()
+            done.set()
+
+        self._loop.call_soon_threadsafe(close_all)
+        done.wait(5)
+
+    def close(self) -> None:
+        """Cut every connection, stop listening and end the proxy's thread."""
+
+        async def shut() -> None:
+            for writer in list(self._writers):
+                writer.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if self.refuse:
+            client_writer.transport.abort()
+            return
+        try:
+            server_reader, server_writer = await asyncio.open_connection(self.target_host, self.target_port)
+        except OSError:
+            client_writer.transport.abort()
+            return
+        self.num_connections += 1
+        self._writers |= {client_writer, server_writer}
+        try:
+            pipes = self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer)
+            await asyncio.gather(*pipes, return_exceptions=True)
+        finally:
+            for writer in (client_writer, server_writer):
+                self._writers.discard(writer)
+                writer.close()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                while self.blackhole:
+                    await asyncio.sleep(0.05)
+                if self.latency_s:
+                    await asyncio.sleep(self.latency_s)
+                step = self.slice_bytes or len(data)
+                for start in range(0, len(data), step):
+                    writer.write(data[start : start + step])
+                    await writer.drain()
+        finally:
+            with contextlib.suppress(Exception):
+                writer.write_eof()
