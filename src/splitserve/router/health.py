@@ -65,6 +65,9 @@ class HealthChecker:
         results = await asyncio.gather(*(self._probe(w) for w in workers))
         for worker, (ok, reason) in zip(workers, results, strict=True):
             self._record(worker, ok, reason)
+        current = {w.url for w in workers}
+        for url in [url for url in self._streaks if url not in current]:  # workers since removed
+            del self._streaks[url]
 
     async def _probe(self, worker: Worker) -> tuple[bool, str]:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
