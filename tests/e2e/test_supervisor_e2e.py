@@ -129,6 +129,27 @@ def test_a_killed_worker_is_restarted_and_traffic_recovers(colocated: Up) -> Non
     assert worker["name"] in listing.stdout and "Running   1" in listing.stdout
 
 
+def test_every_pod_comes_back_from_sigterm_and_sigkill_and_sigterm_stops_them_all(colocated: Up) -> None:
+    """The signal matrix: the router and the worker, each SIGTERMed and SIGKILLed, are restarted and serve
+    again; SIGTERM to the supervisor then stops every pod (none left running)."""
+    for role, sig in (("router", signal.SIGTERM), ("router", signal.SIGKILL), ("colocated", signal.SIGTERM),
+                      ("colocated", signal.SIGKILL)):  # fmt: skip
+        pod = next(p for p in state(colocated.home, colocated.name)["pods"] if p["role"] == role)
+        os.kill(pod["pid"], sig)
+
+        def back(pod: dict[str, Any] = pod) -> bool:
+            now = next(p for p in state(colocated.home, colocated.name)["pods"] if p["name"] == pod["name"])
+            return bool(now["restarts"] == pod["restarts"] + 1 and now["ready"])
+
+        wait_until(back, timeout_s=READY_S, interval_s=0.3)
+        wait_until(lambda: chat(colocated.url).status_code == 200, timeout_s=60, interval_s=0.5)
+        assert not pid_alive(pod["pid"])
+    pids = [p["pid"] for p in state(colocated.home, colocated.name)["pods"]]
+    colocated.process.send_signal(signal.SIGTERM)
+    assert colocated.process.wait(60) == 0
+    assert not any(pid_alive(pid) for pid in pids)
+
+
 def test_a_sigkilled_supervisor_leaves_no_pod_behind(colocated: Up) -> None:
     pids = [pod["pid"] for pod in state(colocated.home, colocated.name)["pods"] if pod["pid"]]
     assert len(pids) >= 2 and all(pid_alive(pid) for pid in pids)
