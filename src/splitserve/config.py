@@ -334,8 +334,7 @@ class RouterConfig:
         if self.backends and (self.prefill or self.decode):
             raise ValueError("give either --backend (colocated workers) or --prefill and --decode, not both")
         for url in (*self.backends, *self.prefill, *self.decode):
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URLs must start with http:// or https://, got {url!r}")
+            checked_worker_url(url)
         if self.block_size < 1 or self.kv_chunk_size < self.block_size or self.kv_chunk_size % self.block_size:
             raise ValueError(
                 f"--kv-chunk-size ({self.kv_chunk_size}) must be a positive multiple of --block-size "
@@ -360,3 +359,26 @@ class RouterConfig:
             raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
         if not self.queue_timeout_s >= 0:
             raise ValueError(f"--queue-timeout must be at least 0, got {self.queue_timeout_s}")
+
+
+def checked_worker_url(url: object) -> str:
+    """A worker's base URL as ``http(s)://host[:port]``, normalized; ``ValueError`` for anything else.
+
+    No credentials, path, query or fragment: a URL from an admin update or a KV event is where the router sends
+    clients' prompts, so nothing may ride along with it.
+    """
+    if not isinstance(url, str):
+        raise ValueError("a worker URL must be a string")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} must be http(s)://host[:port]")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError(f"{url!r} must not carry credentials")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or url.rstrip("/").endswith(("?", "#")):
+        raise ValueError(f"{url!r} must be a bare http(s)://host[:port], with no path, query or fragment")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")

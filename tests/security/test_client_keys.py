@@ -206,6 +206,17 @@ def test_worker_urls_are_normalized() -> None:
     assert checked_worker_url("https://[::1]:8443") == "https://[::1]:8443"
 
 
+def test_flag_urls_are_checked_and_normalized_as_updates_are() -> None:
+    from splitserve.config import RouterConfig
+    from splitserve.router.discovery import WorkerPool
+
+    pool = WorkerPool.from_urls(["http://Worker-0.svc:8000/"])
+    assert [w.url for w in pool] == ["http://worker-0.svc:8000"]
+    assert pool.get("http://worker-0.svc:8000") is pool.get("HTTP://WORKER-0.svc:8000/")
+    with pytest.raises(ValueError, match="no path"):
+        RouterConfig(backends=("http://10.0.0.1:8000/v1",)).validate()
+
+
 def test_admin_updates_and_events_refuse_bad_urls_and_too_many_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(router_app, "MAX_WORKERS", 2)
     secret = {"Authorization": f"Bearer {SECRET}"}

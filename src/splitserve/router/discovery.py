@@ -1,9 +1,10 @@
 """The workers the router knows, their per-worker state, and where that list comes from.
 
 The list starts from the ``--backend``/``--prefill``/``--decode`` flags. After that, :class:`WorkerPool.update`
-takes the lists that the supervisor or the Kubernetes discovery sidecar sends through ``PUT /admin/workers``
-(``checked_worker_url`` checks each URL): workers that stay keep their state (health, breaker, load), new ones
-start unprobed, and removed ones are forgotten.
+takes the lists that the supervisor or the Kubernetes discovery sidecar sends through ``PUT /admin/workers``.
+``checked_worker_url`` checks and normalizes every URL, from a flag or an update, the same way (lower-case
+host, no trailing slash), so one worker is one entry. Workers that stay keep their state (health, breaker,
+load), new ones start unprobed, and removed ones are forgotten.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from urllib.parse import urlsplit
 
 from splitserve.breaker import CircuitBreaker
+from splitserve.config import checked_worker_url
 from splitserve.router.health import worker_breaker
 
 
@@ -48,30 +49,11 @@ MAX_WORKERS = 1024  # workers a router takes from an admin update, and workers i
 
 
 def normalize_url(url: str) -> str:
-    return url.rstrip("/")
-
-
-def checked_worker_url(url: object) -> str:
-    """A worker's base URL as ``http(s)://host[:port]``, normalized; ``ValueError`` for anything else.
-
-    No credentials, path, query or fragment: a URL from an admin update or a KV event is where the router sends
-    clients' prompts, so nothing may ride along with it.
-    """
-    if not isinstance(url, str):
-        raise ValueError("a worker URL must be a string")
+    """``url`` as the pool keys it: checked and normalized where it is a bare worker URL, else as given."""
     try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not a URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} must be http(s)://host[:port]")
-    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
-        raise ValueError(f"{url!r} must not carry credentials")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or url.rstrip("/").endswith(("?", "#")):
-        raise ValueError(f"{url!r} must be a bare http(s)://host[:port], with no path, query or fragment")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+        return checked_worker_url(url)
+    except ValueError:
+        return url.rstrip("/")
 
 
 class WorkerPool:
@@ -87,7 +69,7 @@ class WorkerPool:
     ) -> WorkerPool:
         by_role = ((WorkerRole.BACKEND, backends), (WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode))
         workers = [
-            Worker(normalize_url(url), role, worker_breaker(**breaker))  # type: ignore[arg-type]
+            Worker(checked_worker_url(url), role, worker_breaker(**breaker))  # type: ignore[arg-type]
             for role, urls in by_role
             for url in urls
         ]
