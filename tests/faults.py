@@ -41,6 +41,12 @@ class FaultProxy:
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
+
+        def quiet(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+            if not isinstance(context.get("exception"), asyncio.CancelledError):  # connections cut at close()
+                loop.default_exception_handler(context)
+
+        self._loop.set_exception_handler(quiet)
         server = self._loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", self.port))
         self.port = server.sockets[0].getsockname()[1]
         ready.set()

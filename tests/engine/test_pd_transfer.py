@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -27,6 +28,7 @@ from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
 from splitserve.pd.wire import parse_addr, recv_msg, send_msg
 from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
+from tests.faults import FaultProxy
 from tests.waiting import wait_until
 
 BLOCK = 16
@@ -222,4 +224,35 @@ def test_no_peer_can_hold_the_receiver(layout: str) -> None:
         wait_until(lambda: not receiver._connections, timeout_s=25)
         assert push(receiver.addr, "t-7", record, 8, 0, layout, deadline_s=2).ok  # an honest push still works
     finally:
+        receiver.close()
+
+
+def test_a_push_through_a_faulty_network_arrives_whole_or_not_at_all(layout: str) -> None:
+    """The fault proxy between prefill and decode: bytes in tiny slices arrive bit-identical; a connection
+    reset mid-push fails the push (decode then computes the prompt) and frees the receiver's room."""
+    receiver = KVReceiver(PDBuffer(8 << 20), layout)
+    receiver.start()
+    proxy = FaultProxy(receiver.port)
+    try:
+        kv = torch.arange(2 * 2 * 64 * 1 * 8, dtype=torch.float32).reshape(2, 2, 64, 1, 8)
+        record = serde.encode(kv, 64, layout)
+        proxy.slice_bytes = 7
+        assert push(f"127.0.0.1:{proxy.port}", "sliced", record, 64, 0, layout, deadline_s=5).ok
+        entry = receiver.buffer.claim("sliced")
+        assert entry is not None and torch.equal(serde.decode(entry.record, layout), kv)
+        receiver.buffer.release("sliced")
+        big = serde.encode(torch.ones(2, 2, 2048, 1, 8), 2048, layout)  # 512 KiB, in 64 KiB pieces 0.1 s apart
+        proxy.slice_bytes, proxy.latency_s = 1 << 16, 0.1
+
+        def cut() -> None:  # mid-push, for good: retries find the network down too
+            proxy.refuse = True
+            proxy.reset()
+
+        threading.Timer(0.3, cut).start()
+        result = push(f"127.0.0.1:{proxy.port}", "cut", big, 2048, 0, layout, deadline_s=0.5)
+        assert not result.ok
+        wait_until(lambda: receiver.buffer.stats().used_bytes == 0, timeout_s=10)
+        assert receiver.buffer.peek("cut") is None
+    finally:
+        proxy.close()
         receiver.close()
