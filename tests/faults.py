@@ -2,7 +2,9 @@
 prefill and decode) and change what it does to the bytes while they talk.
 
 Faults, settable at any time (they apply to the data forwarded from then on):
-- ``latency_s``: every piece of data, either way, waits this long before it is forwarded;
+- ``latency_s``: every piece of data, either way, is forwarded this long after it arrived (pieces are not
+  held back behind each other: a latency, not a bandwidth limit);
+- ``bytes_per_s``: a bandwidth limit on each direction of each connection;
 - ``slice_bytes``: data is forwarded in pieces of at most this many bytes, each flushed on its own;
 - ``blackhole``: nothing more is forwarded either way; connections stay open and silent (a stalled peer);
 - ``reset()``: every open connection is closed at once (a crashed peer, or a cut network); new ones work.
@@ -22,6 +24,7 @@ class FaultProxy:
     target_port: int
     target_host: str = "127.0.0.1"
     latency_s: float = 0.0
+    bytes_per_s: float = 0.0
     slice_bytes: int = 0
     blackhole: bool = False
     refuse: bool = False
@@ -101,16 +104,29 @@ class FaultProxy:
                 writer.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
+        loop = asyncio.get_running_loop()
+        pending: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def forward() -> None:
+            while (item := await pending.get()) is not None:
+                due, data = item
                 while self.blackhole:
                     await asyncio.sleep(0.05)
-                if self.latency_s:
-                    await asyncio.sleep(self.latency_s)
+                if (wait_s := due - loop.time()) > 0:
+                    await asyncio.sleep(wait_s)
                 step = self.slice_bytes or len(data)
                 for start in range(0, len(data), step):
                     writer.write(data[start : start + step])
                     await writer.drain()
+                    if self.bytes_per_s:
+                        await asyncio.sleep(min(step, len(data) - start) / self.bytes_per_s)
+
+        forwarder = asyncio.create_task(forward())
+        try:
+            while data := await reader.read(1 << 16):
+                pending.put_nowait((loop.time() + self.latency_s, data))
         finally:
+            pending.put_nowait(None)
             with contextlib.suppress(Exception):
+                await forwarder
                 writer.write_eof()

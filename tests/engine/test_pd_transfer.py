@@ -241,8 +241,8 @@ def test_a_push_through_a_faulty_network_arrives_whole_or_not_at_all(layout: str
         entry = receiver.buffer.claim("sliced")
         assert entry is not None and torch.equal(serde.decode(entry.record, layout), kv)
         receiver.buffer.release("sliced")
-        big = serde.encode(torch.ones(2, 2, 2048, 1, 8), 2048, layout)  # 512 KiB, in 64 KiB pieces 0.1 s apart
-        proxy.slice_bytes, proxy.latency_s = 1 << 16, 0.1
+        big = serde.encode(torch.ones(2, 2, 2048, 1, 8), 2048, layout)  # 256 KiB or more, at 256 KiB/s
+        proxy.slice_bytes, proxy.bytes_per_s = 1 << 12, float(1 << 18)
 
         def cut() -> None:  # mid-push, for good: retries find the network down too
             proxy.refuse = True
