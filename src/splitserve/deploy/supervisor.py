@@ -33,6 +33,7 @@ from splitserve.auth import bearer_header
 from splitserve.config import Role
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
+from splitserve.deploy.render import REDIS_MAX_MEMORY
 from splitserve.endpoint import InferenceEndpointConfig
 from splitserve.metrics import sum_samples
 
@@ -251,8 +252,10 @@ class Supervisor:
             if binary is None:
                 raise RuntimeError("the resource asks for a Redis L2 without a URL, and redis-server is not installed")
             port = free_port()
+            # an L2 is a cache: bounded, least recently used chunks evicted (as on Kubernetes)
             command = (binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                       "--protected-mode", "yes")  # fmt: skip
+                       "--protected-mode", "yes", "--maxmemory", REDIS_MAX_MEMORY,
+                       "--maxmemory-policy", "allkeys-lru")  # fmt: skip
             name = pod_name("redis", config.metadata.name)
             self._redis = self.pods.add(PodSpec("redis", command, port, health_path=None), name)
             self.pods.wait_ready([self._redis], 30)
