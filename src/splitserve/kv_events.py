@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Any, Protocol
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.1
 MAX_BACKOFF_S = 5.0
-MAX_PENDING_HASHES = 200_000  # past this the buffer is dropped and the next batch is a snapshot
+MAX_PENDING_HASHES = 200_000  # hashes of history kept; a reader further behind gets a snapshot
 MAX_L2_HASHES = 200_000  # L2 holdings remembered for snapshots (the L2 tier evicts on its own)
 
 
@@ -55,67 +56,30 @@ class KVEventSink(Protocol):
     def removed(self, tier: Tier, hashes: Iterable[int]) -> None: ...
 
 
-class KVEventPublisher:
-    """Buffers KV events and sends them in batches to the router; implements :class:`KVEventSink`.
+class KVEventLog:
+    """What a worker holds, per tier, and the events since: the one source for the push (:class:`KVEventPublisher`)
+    and the pull (the worker's ``GET /kv/events``, which a router subscribes to). Implements :class:`KVEventSink`.
 
-    Args:
-        url: the router's events endpoint, e.g. ``http://127.0.0.1:8080/kv/events``.
-        worker_id: a stable name for this worker (the router logs ``Worker registered: <worker_id>``).
-        worker_url: the base URL the router reaches this worker at (it must match a router backend).
-        meta: sent with every snapshot (model, block size, chunk size, KV layout, role).
-        interval_s: how often a batch is sent while events arrive.
-        transport: replaces the network (tests).
-        headers: sent with every batch (the cluster secret, ``splitserve.auth.bearer_header``).
+    Each event gets the next sequence number. :meth:`batch_after` answers with the events after a given number,
+    or with a snapshot (``reset``) when the caller has none, or asks about events the log no longer keeps (it
+    keeps at most ``MAX_PENDING_HASHES`` hashes of history), or about a number it never gave (the worker
+    restarted). Thread-safe; recording never blocks for long.
     """
 
-    def __init__(
-        self,
-        url: str,
-        worker_id: str,
-        worker_url: str,
-        meta: Mapping[str, Any] | None = None,
-        *,
-        interval_s: float = DEFAULT_INTERVAL_S,
-        transport: httpx.BaseTransport | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        self.url = url
+    def __init__(self, worker_id: str, worker_url: str, meta: Mapping[str, Any] | None = None) -> None:
         self.worker_id = worker_id
         self.worker_url = worker_url
         self.meta = dict(meta or {})
-        self.interval_s = interval_s
-        self._client = httpx.Client(
-            transport=transport, timeout=httpx.Timeout(5.0), trust_env=False, headers=dict(headers or {})
-        )
+        self.epoch = f"{time.time_ns():x}"  # changes when the worker restarts: a subscriber's numbers are void
         self._lock = threading.Condition()
         self._held: dict[Tier, OrderedDict[int, None]] = {tier: OrderedDict() for tier in Tier}
-        self._pending: list[dict[str, Any]] = []
-        self._num_pending = 0
-        self._needs_reset = True
+        self._log: deque[tuple[int, Tier, EventKind, list[int]]] = deque()
+        self._num_logged = 0  # hashes in the log
         self._seq = 0
-        self._is_closed = False
-        self._is_registered = False
-        self._num_failures = 0
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is buffered (best effort, bounded) and stop."""
-        with self._lock:
-            self._is_closed = True
-            self._lock.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        self._client.close()
 
     @property
-    def is_registered(self) -> bool:
-        """True once the router accepted a snapshot, until a send fails."""
-        return self._is_registered
-
-    # -- the sink -----------------------------------------------------------------------------------------
+    def seq(self) -> int:
+        return self._seq
 
     def stored(self, tier: Tier, hashes: Iterable[int]) -> None:
         self._record(tier, EventKind.STORED, hashes)
@@ -138,67 +102,117 @@ class KVEventPublisher:
             if tier == Tier.L2:
                 while len(held) > MAX_L2_HASHES:
                     held.popitem(last=False)
-            if self._needs_reset:
-                return  # the next snapshot carries it
-            last = self._pending[-1] if self._pending else None
-            if last is not None and last["tier"] == tier and last["kind"] == kind:
-                last["hashes"].extend(hashes)
-            else:
-                self._pending.append({"tier": tier.value, "kind": kind.value, "hashes": hashes})
-            self._num_pending += len(hashes)
-            if self._num_pending > MAX_PENDING_HASHES:
-                self._needs_reset = True
-                self._pending, self._num_pending = [], 0
-            self._lock.notify()
+            self._seq += 1
+            self._log.append((self._seq, tier, kind, hashes))
+            self._num_logged += len(hashes)
+            while self._num_logged > MAX_PENDING_HASHES and len(self._log) > 1:
+                self._num_logged -= len(self._log.popleft()[3])
+            self._lock.notify_all()
 
-    # -- sending ------------------------------------------------------------------------------------------
+    def wait_after(self, seq: int, timeout_s: float) -> bool:
+        """Block until there is an event after ``seq`` (True), or ``timeout_s`` passed (False)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._seq > seq, timeout_s)
+
+    def batch_after(self, seq: int | None, epoch: str | None = None) -> dict[str, Any]:
+        """The batch that brings a reader who has seen everything up to ``seq`` (of ``epoch``) up to date."""
+        with self._lock:
+            oldest = self._log[0][0] if self._log else self._seq + 1
+            is_reset = seq is None or epoch not in (None, self.epoch) or seq > self._seq or seq < oldest - 1
+            body: dict[str, Any] = {"worker_id": self.worker_id, "worker_url": self.worker_url, "seq": self._seq,
+                                    "epoch": self.epoch, "reset": is_reset}  # fmt: skip
+            if is_reset:
+                body["meta"] = self.meta
+                body["events"] = [
+                    {"tier": tier.value, "kind": EventKind.STORED.value, "hashes": list(held)}
+                    for tier, held in self._held.items()
+                    if held
+                ]
+                return body
+            events: list[dict[str, Any]] = []
+            for number, tier, kind, hashes in self._log:
+                if number <= seq:  # type: ignore[operator]  # not None: a reset otherwise
+                    continue
+                last = events[-1] if events else None
+                if last is not None and last["tier"] == tier.value and last["kind"] == kind.value:
+                    last["hashes"] = [*last["hashes"], *hashes]
+                else:
+                    events.append({"tier": tier.value, "kind": kind.value, "hashes": hashes})
+            body["events"] = events
+            return body
+
+
+class KVEventPublisher:
+    """Sends a :class:`KVEventLog`'s events in batches to ``url`` (the router's ``/kv/events``): a snapshot
+    first, and again after any failed send, then what happened since the last batch that was accepted.
+
+    Args:
+        url: the router's events endpoint, e.g. ``http://127.0.0.1:8080/kv/events``.
+        log: the worker's events.
+        interval_s: how often a batch is sent while events arrive.
+        transport: replaces the network (tests).
+        headers: sent with every batch (the cluster secret, ``splitserve.auth.bearer_header``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        log: KVEventLog,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        transport: httpx.BaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.url = url
+        self.log = log
+        self.interval_s = interval_s
+        self._client = httpx.Client(
+            transport=transport, timeout=httpx.Timeout(5.0), trust_env=False, headers=dict(headers or {})
+        )
+        self._closed = threading.Event()
+        self._sent: int | None = None  # the log's number up to which the router has everything; None: resend all
+        self._is_registered = False
+        self._num_failures = 0
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    @property
+    def worker_id(self) -> str:
+        return self.log.worker_id
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is buffered (best effort, bounded) and stop."""
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._client.close()
+
+    @property
+    def is_registered(self) -> bool:
+        """True once the router accepted a snapshot, until a send fails."""
+        return self._is_registered
 
     def _run(self) -> None:
         """The sender thread: a batch per ``interval_s`` while events arrive; back-off while sends fail."""
         delay_s = 0.0
         while True:
-            with self._lock:
-                if delay_s:
-                    self._lock.wait_for(lambda: self._is_closed, delay_s)  # pacing, cut short by close()
-                self._lock.wait_for(lambda: self._is_closed or bool(self._pending) or self._needs_reset)
-                is_closing = self._is_closed
-                batch = None if is_closing and self._needs_reset else self._take_batch()
-            if batch is None:
+            if delay_s and self._closed.wait(delay_s) and self._sent is None:
                 return  # closing, and nothing worth sending
+            if self._sent is not None:
+                while not self.log.wait_after(self._sent, 0.1):
+                    if self._closed.is_set():
+                        return
+            batch = self.log.batch_after(self._sent)
             if self._send(batch):
+                self._sent = batch["seq"]
                 delay_s = self.interval_s
                 continue
-            with self._lock:
-                self._needs_reset = True
-                self._pending, self._num_pending = [], 0
-            if is_closing:
+            self._sent = None
+            if self._closed.is_set():
                 return
             delay_s = min(max(delay_s * 2, 0.25), MAX_BACKOFF_S)
-
-    def _take_batch(self) -> dict[str, Any] | None:
-        """The next body to send (caller holds the lock), or None when there is nothing to say."""
-        is_reset = self._needs_reset
-        if not is_reset and not self._pending:
-            return None
-        self._seq += 1
-        body: dict[str, Any] = {
-            "worker_id": self.worker_id,
-            "worker_url": self.worker_url,
-            "seq": self._seq,
-            "reset": is_reset,
-        }
-        if is_reset:
-            body["meta"] = self.meta
-            body["events"] = [
-                {"tier": tier.value, "kind": EventKind.STORED.value, "hashes": list(held)}
-                for tier, held in self._held.items()
-                if held
-            ]
-            self._needs_reset = False
-        else:
-            body["events"] = self._pending
-        self._pending, self._num_pending = [], 0
-        return body
 
     def _send(self, body: dict[str, Any]) -> bool:
         try:
@@ -210,7 +224,7 @@ class KVEventPublisher:
             self._failed(f"HTTP {response.status_code}: {response.text[:200]}")
             return False
         if body["reset"]:
-            logger.info("KV events: registered with %s as %s (%s)", self.url, self.worker_id, self.worker_url)
+            logger.info("KV events: registered with %s as %s (%s)", self.url, self.worker_id, self.log.worker_url)
         elif self._num_failures:
             logger.info("KV events: %s reachable again", self.url)
         self._is_registered = True

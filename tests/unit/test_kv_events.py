@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from splitserve.kv_events import EventKind, KVEventPublisher, Tier, parse_batch
+from splitserve import kv_events
+from splitserve.kv_events import EventKind, KVEventLog, KVEventPublisher, Tier, parse_batch
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.store import TieredStore
 
@@ -45,10 +46,13 @@ def router() -> FakeRouter:
 
 
 @pytest.fixture
-def publisher(router: FakeRouter) -> Any:
-    pub = KVEventPublisher(
-        URL, "w1", "http://w1:8000", {"block_size": 16}, interval_s=0.01, transport=httpx.MockTransport(router.handle)
-    )
+def log() -> KVEventLog:
+    return KVEventLog("w1", "http://w1:8000", {"block_size": 16})
+
+
+@pytest.fixture
+def publisher(router: FakeRouter, log: KVEventLog) -> Any:
+    pub = KVEventPublisher(URL, log, interval_s=0.01, transport=httpx.MockTransport(router.handle))
     yield pub
     pub.close()
 
@@ -58,17 +62,17 @@ def held(body: dict[str, Any], tier: str) -> set[int]:
 
 
 def test_first_batch_registers_with_a_snapshot_then_events_follow(
-    publisher: KVEventPublisher, router: FakeRouter
+    publisher: KVEventPublisher, log: KVEventLog, router: FakeRouter
 ) -> None:
-    publisher.stored(Tier.ENGINE, [1, 2, 3])
+    log.stored(Tier.ENGINE, [1, 2, 3])
     publisher.start()
     router.wait_for(lambda b: len(b) >= 1)
     first = router.bodies[0]
     assert first["reset"] and first["meta"] == {"block_size": 16} and first["worker_url"] == "http://w1:8000"
     assert held(first, "engine") == {1, 2, 3}
     time.sleep(0.2)  # the sender is idle now: new events must wake it
-    publisher.removed(Tier.ENGINE, [2])
-    publisher.stored(Tier.L2, [9])
+    log.removed(Tier.ENGINE, [2])
+    log.stored(Tier.L2, [9])
     router.wait_for(lambda b: any(not x["reset"] for x in b))
     later = [e for b in router.bodies[1:] for e in b["events"]]
     assert {"tier": "engine", "kind": "removed", "hashes": [2]} in later
@@ -76,12 +80,14 @@ def test_first_batch_registers_with_a_snapshot_then_events_follow(
     assert publisher.is_registered
 
 
-def test_an_unknown_worker_answer_triggers_a_full_snapshot(publisher: KVEventPublisher, router: FakeRouter) -> None:
+def test_an_unknown_worker_answer_triggers_a_full_snapshot(
+    publisher: KVEventPublisher, log: KVEventLog, router: FakeRouter
+) -> None:
     publisher.start()
     router.wait_for(lambda b: len(b) >= 1)
     router.status = lambda body: 200 if body["reset"] else 409  # the router restarted and forgot us
-    publisher.stored(Tier.L1, [5, 6])
-    publisher.removed(Tier.L1, [5])
+    log.stored(Tier.L1, [5, 6])
+    log.removed(Tier.L1, [5])
     router.wait_for(lambda b: len(b) >= 3 and b[-1]["reset"])
     assert held(router.bodies[-1], "l1") == {6}
 
@@ -93,11 +99,12 @@ def test_a_dead_router_is_retried_with_backoff_and_resynchronised(router: FakeRo
         calls.append(time.monotonic())
         raise httpx.ConnectError("refused", request=request)
 
-    pub = KVEventPublisher(URL, "w1", "http://w1", interval_s=0.01, transport=httpx.MockTransport(refuse))
+    log = KVEventLog("w1", "http://w1")
+    pub = KVEventPublisher(URL, log, interval_s=0.01, transport=httpx.MockTransport(refuse))
     pub.start()
     try:
         time.sleep(1.0)
-        pub.stored(Tier.ENGINE, [7])
+        log.stored(Tier.ENGINE, [7])
         assert not pub.is_registered
         gaps = [b - a for a, b in itertools.pairwise(calls)]
         assert 2 <= len(calls) < 10 and gaps[-1] > gaps[0]  # backs off instead of spinning
@@ -105,10 +112,12 @@ def test_a_dead_router_is_retried_with_backoff_and_resynchronised(router: FakeRo
         pub.close()
 
 
-def test_store_reports_l1_and_confirmed_l2_writes(publisher: KVEventPublisher, router: FakeRouter) -> None:
+def test_store_reports_l1_and_confirmed_l2_writes(
+    publisher: KVEventPublisher, log: KVEventLog, router: FakeRouter
+) -> None:
     key = "splitserve:v1:m:layout:00000000000000ff"
-    l1 = CPUTier(100, on_evict=lambda k: publisher.removed(Tier.L1, [int(k.rsplit(":", 1)[1], 16)]))
-    store = TieredStore(l1, CPUTier(1000, name="l2"), events=publisher)
+    l1 = CPUTier(100, on_evict=lambda k: log.removed(Tier.L1, [int(k.rsplit(":", 1)[1], 16)]))
+    store = TieredStore(l1, CPUTier(1000, name="l2"), events=log)
     store.put(key, b"x" * 60)
     assert store.flush(5.0)
     store.put(key.replace("ff", "fe"), b"y" * 60)  # evicts the first from L1, not from L2
@@ -118,6 +127,29 @@ def test_store_reports_l1_and_confirmed_l2_writes(publisher: KVEventPublisher, r
     router.wait_for(lambda b: len(b) >= 1)
     snapshot = router.bodies[0]
     assert held(snapshot, "l1") == {0xFE} and held(snapshot, "l2") == {0xFF, 0xFE}
+
+
+def test_the_log_answers_a_reader_with_what_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = KVEventLog("w1", "http://w1", {"block_size": 16})
+    log.stored(Tier.ENGINE, [1, 2])
+    first = log.batch_after(None)
+    assert first["reset"] and held(first, "engine") == {1, 2} and first["meta"] == {"block_size": 16}
+    log.stored(Tier.ENGINE, [3])
+    log.stored(Tier.ENGINE, [4])
+    log.removed(Tier.ENGINE, [1])
+    since = log.batch_after(first["seq"], first["epoch"])
+    assert not since["reset"] and since["seq"] == first["seq"] + 3
+    assert since["events"] == [{"tier": "engine", "kind": "stored", "hashes": [3, 4]},
+                               {"tier": "engine", "kind": "removed", "hashes": [1]}]  # fmt: skip
+    assert log.batch_after(since["seq"], since["epoch"])["events"] == []  # up to date
+    assert log.batch_after(since["seq"], "another-epoch")["reset"]  # the worker restarted since
+    assert log.batch_after(since["seq"] + 5, since["epoch"])["reset"]  # a number it never gave
+    monkeypatch.setattr(kv_events, "MAX_PENDING_HASHES", 3)
+    log.stored(Tier.L1, [7, 8])
+    log.stored(Tier.L1, [9, 10])  # the log keeps 3 hashes of history: the events after `since` are gone
+    behind = log.batch_after(since["seq"], since["epoch"])
+    assert behind["reset"] and held(behind, "engine") == {2, 3, 4} and held(behind, "l1") == {7, 8, 9, 10}
+    assert not log.wait_after(behind["seq"], 0.05)
 
 
 @pytest.mark.parametrize(

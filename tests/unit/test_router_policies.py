@@ -389,7 +389,7 @@ class TestKVIndex:
 class TestKVAware:
     @staticmethod
     def policy(index: KVIndex, l2_weight: float = 0.5) -> KVAwarePolicy:
-        return KVAwarePolicy(index, guard(), l2_weight)
+        return KVAwarePolicy(index, guard(), l2_weight, PrefixIndex(1000))
 
     def test_chooses_the_worker_holding_more_in_engine_or_l1(self) -> None:
         index, ids = kv_index(), prompt(8)

@@ -14,11 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from splitserve.router import app as router_app
+from splitserve import httpserver
 from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
 from tests.faults import FaultProxy
-from tests.unit.fake_engine import REPLY
+from tests.unit.fake_engine import REPLY, free_port
 from tests.unit.test_router_app import MODEL, FakeWorker, start_router
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_bodies_over_the_limit_are_413_declared_or_streamed(workers: list[FakeWo
 def test_a_body_that_trickles_in_is_cut_off_with_a_408(
     workers: list[FakeWorker], stack: ExitStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(router_app, "BODY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(httpserver, "BODY_TIMEOUT_S", 0.3)
     _, client = start_router(stack, [workers[0].url])
 
     def slowly() -> Iterator[bytes]:
@@ -65,6 +66,42 @@ def test_a_body_that_trickles_in_is_cut_off_with_a_408(
 
     r = client.post("/v1/completions", content=slowly(), headers={"content-type": "application/json"})
     assert r.status_code == 408 and "took over" in r.json()["error"]["message"]
+
+
+def test_a_client_that_sends_its_headers_slowly_is_cut_off(
+    workers: list[FakeWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slowloris: the server closes a connection whose request headers are not in after HEADER_TIMEOUT_S."""
+    import uvicorn
+
+    from splitserve.config import RouterConfig
+    from splitserve.router.app import Router, build_router_app
+
+    monkeypatch.setattr(httpserver, "HEADER_TIMEOUT_S", 0.5)
+    router = Router(RouterConfig(model=MODEL, backends=(workers[0].url,)))
+    port = free_port()
+    config = uvicorn.Config(build_router_app(router, probe=False), port=port, log_level="warning",
+                            **httpserver.uvicorn_options())  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, timeout_s=10)
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        slow.settimeout(5)
+        began = time.monotonic()
+        assert slow.recv(1024) == b""  # closed by the server
+        assert 0.3 < time.monotonic() - began < 3
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10).status_code == 200
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:  # keep-alive: fresh timers
+            for _ in range(2):
+                assert client.get("/metrics").status_code == 200
+                time.sleep(0.6)
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/kv/events"])

@@ -37,12 +37,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from splitserve import httpserver
 from splitserve.auth import AuthMiddleware, bearer_header
-from splitserve.config import RouterConfig
+from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
 from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
+from splitserve.router.events import EventSubscriber
 from splitserve.router.health import HealthChecker, worker_breaker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.migrate import (
@@ -58,8 +60,6 @@ from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, 
 
 logger = logging.getLogger("splitserve.router")
 
-BODY_TIMEOUT_S = 30.0  # a client sending its body slower than this is cut off (408)
-LIMIT_CONCURRENCY = 4096  # connections and requests at once; past it uvicorn answers 503 (file descriptors)
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # not forwarded to workers: hop-by-hop headers, and the client's key (the router sends its own credential)
 NOT_FORWARDED = frozenset(
@@ -144,6 +144,12 @@ class Router:
             success_threshold=config.health_success_threshold,
         )
         self._rng = random.Random()
+        # kvaware: the router pulls every worker's KV events itself (workers may also push them)
+        self.events = (
+            EventSubscriber(self.kv_index, lambda: self.session, self._register)
+            if config.routing_strategy == RoutingStrategy.KVAWARE
+            else None
+        )
         self._limiter = (
             _Limiter(config.max_concurrent_requests, config.queue_timeout_s) if config.max_concurrent_requests else None
         )
@@ -175,6 +181,9 @@ class Router:
         index = getattr(self.policy, "index", None)
         if index is not None and index is not self.kv_index:
             sizes["prefix"] = len(index)
+        prefix = getattr(self.policy, "prefix", None)  # kvaware's own prefix index
+        if prefix is not None:
+            sizes["prefix"] = len(prefix.index)
         return sizes
 
     def _routing_pool(self) -> list[Worker]:
@@ -244,9 +253,9 @@ class Router:
                 parts.append(part)
 
         try:
-            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+            await asyncio.wait_for(read(), httpserver.BODY_TIMEOUT_S)
         except TimeoutError as exc:
-            raise RouterError(408, f"the request body took over {BODY_TIMEOUT_S:.0f} s to arrive") from exc
+            raise RouterError(408, f"the request body took over {httpserver.BODY_TIMEOUT_S:.0f} s to arrive") from exc
         raw = b"".join(parts)
         try:
             return json.loads(raw), raw
@@ -622,6 +631,8 @@ class Router:
                 for role, urls in lists.items() for url in urls  # each url came through checked_worker_url
             )  # fmt: skip
             logger.info("workers updated: %s", ", ".join(f"{w.role.value} {w.url}" for w in self.pool))
+            if self.events is not None:
+                self.events.sync(self.pool)
         states = [
             {"url": w.url, "role": w.role.value, "healthy": w.healthy, "in_flight": w.in_flight,
              "breaker": w.breaker.state.name.lower(), "worker_id": w.worker_id}
@@ -642,6 +653,8 @@ class Router:
                 )
 
     async def aclose(self) -> None:
+        if self.events is not None:
+            await self.events.aclose()
         if self._session is not None:
             await self._session.close()
 
@@ -771,6 +784,8 @@ def build_router_app(router: Router, *, probe: bool = True) -> Starlette:
         if probe:
             await router.health.probe_all()
             task = asyncio.create_task(router.health.run())
+        if router.events is not None:
+            router.events.sync(router.pool)
         try:
             yield
         finally:

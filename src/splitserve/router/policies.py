@@ -14,7 +14,7 @@ import bisect
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import xxhash
@@ -50,7 +50,7 @@ class RoutingRequest:
 @dataclass(frozen=True)
 class Decision:
     worker: Worker
-    outcome: str  # for metrics and logs: roundrobin, session, matched, fallback, load_guard, least_loaded
+    outcome: str  # for metrics and logs: roundrobin, session, matched, prefix_index, fallback, load_guard, ...
     matched_tokens: int = 0
 
 
@@ -177,28 +177,32 @@ class PrefixAwarePolicy:
 
 class KVAwarePolicy:
     """The worker holding the most of the prompt's KV by the workers' own events: engine cache and L1 count
-    in full, the shared L2 at ``l2_weight`` (it helps every worker alike, so it mostly breaks ties)."""
+    in full, the shared L2 at ``l2_weight`` (it helps every worker alike, so it mostly breaks ties). Where no
+    worker's events show any of the prompt (a new prompt, or workers whose events are not coming), the
+    router's own prefix index decides, as ``prefixaware`` would."""
 
     name = RoutingStrategy.KVAWARE.value
     needs_tokens = True
 
-    def __init__(self, index: KVIndex, guard: LoadGuard, l2_weight: float) -> None:
+    def __init__(self, index: KVIndex, guard: LoadGuard, l2_weight: float, prefix: PrefixIndex) -> None:
         self.index = index
         self._guard = guard
         self.l2_weight = l2_weight
+        self.prefix = PrefixAwarePolicy(prefix, guard)
 
     def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         hashes = request.block_hashes
         matches = [(self._score(m := self.index.match(hashes, w.url)), m, w) for w in candidates]
         best_score = max(score for score, _, _ in matches)
         if best_score <= 0:
-            return Decision(self._guard.least_loaded(candidates), "fallback")
+            decision = self.prefix.select(request, candidates)
+            return decision if decision.outcome == "fallback" else replace(decision, outcome="prefix_index")
         best = [(m, w) for score, m, w in matches if score == best_score]
         match, chosen = min(best, key=lambda mw: mw[1].in_flight)
         return self._guard.check(chosen, request, candidates, match.total, best_score)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
-        pass  # the worker's own events will say what it now holds
+        self.prefix.on_routed(request, worker)  # the worker's own events will say exactly what it now holds
 
     def _score(self, match: TierMatch) -> float:
         return match.engine + match.l1 + self.l2_weight * match.l2
@@ -220,7 +224,9 @@ POLICIES: dict[RoutingStrategy, Callable[[PolicyContext], RoutingPolicy]] = {
     RoutingStrategy.PREFIXAWARE: lambda ctx: PrefixAwarePolicy(
         PrefixIndex(ctx.config.prefix_index_max_blocks), ctx.guard
     ),
-    RoutingStrategy.KVAWARE: lambda ctx: KVAwarePolicy(ctx.kv_index, ctx.guard, ctx.config.l2_weight),
+    RoutingStrategy.KVAWARE: lambda ctx: KVAwarePolicy(
+        ctx.kv_index, ctx.guard, ctx.config.l2_weight, PrefixIndex(ctx.config.prefix_index_max_blocks)
+    ),
 }
 
 

@@ -9,7 +9,8 @@ import uvicorn
 
 from splitserve.auth import CLUSTER_SECRET_ENV, warn_if_open
 from splitserve.config import RouterConfig, RoutingStrategy
-from splitserve.router.app import LIMIT_CONCURRENCY, Router, build_router_app
+from splitserve.httpserver import uvicorn_options
+from splitserve.router.app import Router, build_router_app
 from splitserve.router.tokens import prompt_token_ids
 
 logger = logging.getLogger("splitserve.router")
@@ -47,8 +48,6 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
         access_log=False,
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # SIGTERM: no new connections, streams run on
         loop="uvloop",
-        limit_concurrency=LIMIT_CONCURRENCY,
-        timeout_keep_alive=5,  # idle client connections close after this
-        http="httptools",
+        **uvicorn_options(),  # limits against slow and greedy clients
     )
     return 0

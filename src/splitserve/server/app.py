@@ -20,10 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve import __version__
+from splitserve import __version__, httpserver
 from splitserve.auth import AuthMiddleware
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.kv_events import KVEventLog
 from splitserve.model.kernels import describe_cpu
 from splitserve.server.protocol import (
     ChatCompletionRequest,
@@ -37,15 +38,19 @@ from splitserve.server.serving import ApiError, OpenAIServing
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-BODY_TIMEOUT_S = 30.0  # a client sending its body slower than this is cut off (408)
-LIMIT_CONCURRENCY = 4096  # connections and requests at once; past it uvicorn answers 503 (file descriptors)
+MAX_EVENTS_WAIT_S = 30.0  # a subscriber's long poll on GET /kv/events
+EVENTS_POLL_S = 0.05
 
 
 def build_app(
-    engine: AsyncEngine, config: ServerConfig | None = None, draining: threading.Event | None = None
+    engine: AsyncEngine,
+    config: ServerConfig | None = None,
+    draining: threading.Event | None = None,
+    events: KVEventLog | None = None,
 ) -> FastAPI:
     """The worker app. Its lifespan starts ``engine`` (unless already started) and shuts it down. Once
-    ``draining`` is set (SIGTERM), ``/health`` and new requests answer 503 ``draining``."""
+    ``draining`` is set (SIGTERM), ``/health`` and new requests answer 503 ``draining``. ``events`` (what the
+    caches hold) is served at ``GET /kv/events``; without it that route is a 404."""
     config = config or ServerConfig()
     draining = draining or threading.Event()
     serving = OpenAIServing(engine, config.max_tokens_limit, draining)
@@ -91,6 +96,22 @@ def build_app(
     @app.get("/kv/transfer")
     async def kv_transfer() -> Response:
         return _json(serving.kv_transfer_info())
+
+    @app.get("/kv/events")
+    async def kv_events(
+        raw: Request, after: int | None = None, epoch: str | None = None, wait: float = 0.0
+    ) -> Response:
+        """The events after ``after`` (of ``epoch``), waiting up to ``wait`` seconds for one; a snapshot when the
+        caller has nothing, or has fallen behind what the log keeps (``kv_events.KVEventLog``)."""
+        if events is None:
+            raise ApiError(404, "this worker publishes no KV events", code="not_found")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(wait, 0.0), MAX_EVENTS_WAIT_S)
+        while after is not None and events.seq <= after and epoch in (None, events.epoch) and loop.time() < deadline:
+            if draining.is_set() or await raw.is_disconnected():
+                break
+            await asyncio.sleep(EVENTS_POLL_S)
+        return _json(events.batch_after(after, epoch))
 
     @app.post("/kv/lookup")
     async def kv_lookup(body: KVLookupRequest) -> Response:
@@ -214,9 +235,9 @@ class BodySizeLimitMiddleware:
             await self._reject(scope, receive, send)
             return
         try:
-            body = await asyncio.wait_for(self._read_body(receive), BODY_TIMEOUT_S)
+            body = await asyncio.wait_for(self._read_body(receive), httpserver.BODY_TIMEOUT_S)
         except TimeoutError:
-            error = ApiError(408, f"the request body took over {BODY_TIMEOUT_S:.0f} s to arrive")
+            error = ApiError(408, f"the request body took over {httpserver.BODY_TIMEOUT_S:.0f} s to arrive")
             await _error(error)(scope, receive, send)
             return
         if body is None:

@@ -23,10 +23,11 @@ import uvicorn
 from splitserve.auth import bearer_header, warn_if_open
 from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
-from splitserve.kv_events import KVEventPublisher
+from splitserve.httpserver import uvicorn_options
+from splitserve.kv_events import KVEventLog, KVEventPublisher
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import loaded_cpu_info
-from splitserve.server.app import LIMIT_CONCURRENCY, build_app
+from splitserve.server.app import build_app
 
 logger = logging.getLogger("splitserve.worker")
 
@@ -60,39 +61,41 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
     warn_if_open("worker", server_config.api_keys, server_config.cluster_secret)
-    events = _event_publisher(engine_config, server_config)
+    events = _event_log(engine_config, server_config)  # pulled from GET /kv/events; pushed with --kv-events-url
+    publisher = None
+    if server_config.kv_events_url is not None:
+        headers = bearer_header(server_config.cluster_secret)
+        publisher = KVEventPublisher(server_config.kv_events_url, events, headers=headers)
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
     load = lambda: _load_engine(engine_config, server_config.role, events)  # noqa: E731
     engine = AsyncEngine(load, metrics, max_queued=server_config.max_queued_requests)
     draining = threading.Event()
-    app = build_app(engine, server_config, draining)
+    app = build_app(engine, server_config, draining, events)
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         log_level=log_level,
         timeout_graceful_shutdown=FLUSH_S,
-        limit_concurrency=LIMIT_CONCURRENCY,
-        timeout_keep_alive=5,  # idle client connections close after this
+        **uvicorn_options(),  # limits against slow and greedy clients
         access_log=log_level == "debug",
     )
     server = DrainingServer(uv_config, engine, draining, server_config.shutdown_timeout_s)
     failed = threading.Event()
     threading.Thread(target=_exit_when_engine_stops, args=(engine, server, failed), daemon=True).start()
-    if events is not None:
-        events.start()
+    if publisher is not None:
+        publisher.start()
     try:
         server.run()
     finally:
-        if events is not None:
-            events.close()
+        if publisher is not None:
+            publisher.close()
     return 1 if failed.is_set() else 0
 
 
-def _event_publisher(engine_config: EngineConfig, server_config: ServerConfig) -> KVEventPublisher | None:
-    """The KV event publisher ``--kv-events-url`` asks for; it registers the worker as soon as it starts."""
-    if server_config.kv_events_url is None:
-        return None
+def _event_log(engine_config: EngineConfig, server_config: ServerConfig) -> KVEventLog:
+    """What the worker's caches hold, for routers: they pull it (``GET /kv/events``), or it is pushed to
+    ``--kv-events-url``."""
     meta = {
         "model": served_model_name(engine_config),
         "role": server_config.role.value,
@@ -102,11 +105,10 @@ def _event_publisher(engine_config: EngineConfig, server_config: ServerConfig) -
         "l1_cache": engine_config.kv_tiers.l1_cache,
         "l2_backend": engine_config.kv_tiers.l2_backend.value,
     }
-    url, name = server_config.kv_events_url, server_config.name
-    return KVEventPublisher(url, name, server_config.url, meta, headers=bearer_header(server_config.cluster_secret))
+    return KVEventLog(server_config.name, server_config.url, meta)
 
 
-def _load_engine(config: EngineConfig, role: Role, events: KVEventPublisher | None) -> EngineCore:
+def _load_engine(config: EngineConfig, role: Role, events: KVEventLog) -> EngineCore:
     from splitserve.worker.build import build_engine  # torch: imported on the engine thread, after binding
 
     return build_engine(config, role, events)

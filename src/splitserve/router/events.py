@@ -1,0 +1,126 @@
+"""KV events without wiring: the router pulls them from every worker it knows.
+
+For each worker (from the flags, admin updates or Kubernetes discovery) a task long-polls the worker's
+``GET /kv/events?after=<seq>&epoch=<e>&wait=<s>``: the first answer is a snapshot of what the worker's caches
+hold, each later one the events since (``kv_events.KVEventLog``). Batches go into the router's
+:class:`KVIndex`, as pushed ones do (a worker may also push with ``--kv-events-url``; both are idempotent).
+A worker that has no such route (an older splitserve, vLLM without a matching event source) or stops
+answering gets one warning; meanwhile ``kvaware`` routes it by the router's own prefix index
+(``policies.KVAwarePolicy``), and the subscription keeps retrying with back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+
+from splitserve.kv_events import parse_batch
+from splitserve.router.discovery import Worker
+from splitserve.router.kv_index import KVIndex
+
+logger = logging.getLogger("splitserve.router")
+
+WAIT_S = 10.0  # the long poll
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+SILENT_AFTER_S = 30.0  # a worker without events this long gets its warning
+
+
+class EventSubscriber:
+    """One long-poll task per worker, feeding ``index``; :meth:`sync` follows the worker list."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        session: Callable[[], aiohttp.ClientSession],
+        on_register: Callable[[str, str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.index = index
+        self._session = session
+        self._on_register = on_register or (lambda url, worker_id, meta: None)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.last_batch_at: dict[str, float] = {}  # worker url -> monotonic time of its last batch
+
+    def sync(self, workers: Iterable[Worker]) -> None:
+        """Subscribe to workers new to the list and drop those that left it (call on the event loop)."""
+        urls = {w.url for w in workers}
+        for url in [u for u in self._tasks if u not in urls]:
+            self._tasks.pop(url).cancel()
+            self.last_batch_at.pop(url, None)
+        for url in urls - self._tasks.keys():
+            self._tasks[url] = asyncio.create_task(self._follow(url), name=f"kv-events {url}")
+
+    async def aclose(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def has_events(self, url: str) -> bool:
+        """True while ``url``'s events are current (a batch within the last long poll and a half)."""
+        at = self.last_batch_at.get(url)
+        return at is not None and time.monotonic() - at < WAIT_S * 1.5
+
+    async def _follow(self, url: str) -> None:
+        seq: int | None = None
+        epoch: str | None = None
+        backoff_s = FIRST_BACKOFF_S
+        silent_since = time.monotonic()
+        warned = False
+        while True:
+            try:
+                batch = await self._poll(url, seq, epoch)
+            except _NoEvents as exc:
+                batch, reason = None, str(exc)
+            if batch is not None:
+                worker_id, _, reset, events = parse_batch(batch)
+                meta = batch.get("meta") if isinstance(batch.get("meta"), dict) else None
+                self.index.apply(url, worker_id, reset, events, meta)
+                if reset:
+                    self._on_register(url, worker_id, meta or {})
+                seq, epoch = int(batch["seq"]), str(batch.get("epoch") or "")
+                self.last_batch_at[url] = silent_since = time.monotonic()
+                if warned:
+                    logger.info("KV events from %s again", url)
+                warned, backoff_s = False, FIRST_BACKOFF_S
+                continue
+            seq = epoch = None  # the next answer must be a snapshot
+            if not warned and time.monotonic() - silent_since >= SILENT_AFTER_S:
+                logger.warning(
+                    "no KV events from worker %s for %.0f s (%s): kvaware routes it by the router's prefix index",
+                    url, time.monotonic() - silent_since, reason,
+                )  # fmt: skip
+                warned = True
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+    async def _poll(self, url: str, seq: int | None, epoch: str | None) -> dict[str, Any]:
+        params = {"wait": str(WAIT_S)} | ({"after": str(seq), "epoch": epoch or ""} if seq is not None else {})
+        timeout = aiohttp.ClientTimeout(total=WAIT_S + 10)
+        try:
+            async with self._session().get(f"{url}/kv/events", params=params, timeout=timeout) as response:
+                if response.status != 200:
+                    raise _NoEvents(f"HTTP {response.status}")
+                batch = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise _NoEvents(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+        if not isinstance(batch, dict) or not isinstance(batch.get("seq"), int):
+            raise _NoEvents("an answer that is not a KV event batch")
+        try:
+            parse_batch(batch)
+        except ValueError as exc:
+            raise _NoEvents(f"an invalid batch: {exc}") from None
+        return batch
+
+
+class _NoEvents(Exception):
+    pass

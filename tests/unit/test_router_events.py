@@ -1,0 +1,100 @@
+"""kvaware without wiring: the router pulls KV events from plain workers (no ``--kv-events-url``), follows them
+as they change, survives a worker restart, and routes a worker without events by its own prefix index."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from splitserve.config import RoutingStrategy
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.keys import hash_blocks
+from splitserve.kv_events import KVEventLog, Tier
+from splitserve.metrics import WorkerMetrics
+from splitserve.router import events as router_events
+from splitserve.server.app import build_app
+from tests.unit.fake_engine import FakeEngine, ServerThread
+from tests.unit.test_router_app import MODEL, completion, start_router
+from tests.waiting import wait_until
+
+PROMPT = list(range(1, 70))  # 4 full blocks of 16
+DECISIONS = "splitserve:router_routing_decisions_total"
+
+
+class EventfulWorker:
+    """A fake-engine worker serving ``GET /kv/events`` from its own log (as every splitserve worker does)."""
+
+    def __init__(self, stack: ExitStack, name: str) -> None:
+        self.engine = FakeEngine()
+        self.log = KVEventLog(name, "unused", {"block_size": 16})
+        app = build_app(AsyncEngine(lambda: self.engine, WorkerMetrics(MODEL)), events=self.log)
+        self.server = stack.enter_context(ServerThread(app))
+        self.url = self.server.url
+        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.engine.added_ids)
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+def served(workers: list[EventfulWorker], before: list[int]) -> list[int]:
+    return [w.num_requests - b for w, b in zip(workers, before, strict=True)]
+
+
+def test_kvaware_over_plain_workers_routes_by_the_events_it_pulls(stack: ExitStack) -> None:
+    workers = [EventfulWorker(stack, "a"), EventfulWorker(stack, "b")]
+    router, client = start_router(stack, [w.url for w in workers], routing_strategy=RoutingStrategy.KVAWARE)
+    wait_until(lambda: all(router.kv_index.is_registered(w.url) for w in workers), timeout_s=10)
+    assert router.pool.get(workers[1].url).worker_id == "b"  # type: ignore[union-attr]
+    workers[1].log.stored(Tier.ENGINE, hash_blocks(PROMPT, 16))  # b's cache now holds the prompt
+    wait_until(lambda: router.kv_index.match(hash_blocks(PROMPT, 16), workers[1].url).engine == 64, timeout_s=5)
+    before = [w.num_requests for w in workers]
+    for _ in range(3):
+        assert completion(client, prompt=[*PROMPT, 99]).status_code == 200
+    assert served(workers, before) == [0, 3]
+    workers[1].log.removed(Tier.ENGINE, hash_blocks(PROMPT, 16))  # evicted: the router hears it too
+    wait_until(lambda: router.kv_index.match(hash_blocks(PROMPT, 16), workers[1].url).engine == 0, timeout_s=5)
+
+
+def test_a_restarted_worker_is_resynchronised_with_a_snapshot(stack: ExitStack) -> None:
+    worker = EventfulWorker(stack, "a")
+    router, _ = start_router(stack, [worker.url], routing_strategy=RoutingStrategy.KVAWARE)
+    wait_until(lambda: router.kv_index.is_registered(worker.url), timeout_s=10)
+    worker.log.stored(Tier.ENGINE, hash_blocks(PROMPT, 16))
+    wait_until(lambda: router.kv_index.match(hash_blocks(PROMPT, 16), worker.url).engine == 64, timeout_s=5)
+    fresh = KVEventLog("a", "unused")  # the worker restarted: a new epoch, an empty cache, numbering from 0
+    fresh.stored(Tier.ENGINE, hash_blocks(PROMPT[:33], 16))
+    worker.log.__dict__.update(fresh.__dict__)
+    wait_until(lambda: router.kv_index.match(hash_blocks(PROMPT, 16), worker.url).engine == 32, timeout_s=15)
+
+
+def test_a_worker_without_events_gets_one_warning_and_the_prefix_index(
+    stack: ExitStack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(router_events, "SILENT_AFTER_S", 0.3)
+    monkeypatch.setattr(router_events, "FIRST_BACKOFF_S", 0.05)
+    plain = []
+    for _ in range(2):  # workers whose /kv/events is a 404 (as an older worker's, or vLLM's)
+        engine = FakeEngine()
+        server = stack.enter_context(ServerThread(build_app(AsyncEngine(lambda e=engine: e, WorkerMetrics(MODEL)))))
+        plain.append((server.url, engine))
+    with caplog.at_level(logging.WARNING, logger="splitserve.router"):
+        router, client = start_router(stack, [url for url, _ in plain], routing_strategy=RoutingStrategy.KVAWARE)
+        wait_until(lambda: caplog.text.count("no KV events from worker") == 2, timeout_s=10)
+    for _ in range(4):
+        assert completion(client, prompt=[*PROMPT, 99]).status_code == 200
+    counts = sorted(len(engine.added_ids) for _, engine in plain)
+    assert counts == [0, 4]  # the first went to the least loaded, the rest followed it by the prefix index
+    assert f'{DECISIONS}{{outcome="prefix_index",strategy="kvaware"}} 3.0' in client.get("/metrics").text
+    assert caplog.text.count("no KV events from worker") == 2  # once each, not once per retry
+    assert router.events is not None and not router.events.has_events(plain[0][0])
