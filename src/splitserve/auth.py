@@ -13,16 +13,23 @@ use among themselves.
   take the cluster secret and nothing else; client keys get a 401 there. Workers send it with their KV events.
 
 Keys are compared in constant time. They never appear in logs.
+
+The cluster secret also signs what crosses the cluster outside HTTP or through a client's hands
+(:func:`sign`, :func:`verified`): every KV push from a prefill worker (its control message, which names the
+payload's BLAKE2b digest), and the ``kv_transfer_params`` the router puts in the requests it sends, which a
+worker with a secret accepts from no one else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -55,6 +62,21 @@ def cluster_secret(path: str | None) -> str | None:
             raise ValueError(f"--cluster-secret-file {path} is empty")
         return secret
     return os.environ.get(CLUSTER_SECRET_ENV, "").strip() or None
+
+
+MAC_FIELD = "mac"
+
+
+def sign(secret: str, message: Mapping[str, Any]) -> str:
+    """HMAC-SHA256 (hex) of ``message`` in canonical JSON (sorted keys), its own ``mac`` field left out."""
+    canonical = json.dumps({k: v for k, v in message.items() if k != MAC_FIELD}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret.encode(), canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def verified(secret: str, message: Mapping[str, Any]) -> bool:
+    """True when ``message`` carries the ``mac`` :func:`sign` gives it with ``secret`` (constant time)."""
+    mac = message.get(MAC_FIELD)
+    return isinstance(mac, str) and hmac.compare_digest(mac, sign(secret, message))
 
 
 def bearer_header(secret: str | None) -> dict[str, str]:

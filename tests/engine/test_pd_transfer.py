@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from splitserve.auth import sign
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
@@ -26,7 +27,7 @@ from splitserve.model.llama import LlamaForCausalLM
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
-from splitserve.pd.wire import parse_addr, recv_msg, send_msg
+from splitserve.pd.wire import parse_addr, payload_digest, recv_msg, send_msg
 from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
 from tests.faults import FaultProxy
 from tests.waiting import wait_until
@@ -205,7 +206,7 @@ def test_no_peer_can_hold_the_receiver(layout: str) -> None:
             for i in range(10):  # a byte every 0.1 s: never idle long, but never done
                 trickle.sendall(record[i : i + 1])
                 time.sleep(0.1)
-        wait_until(lambda: receiver.buffer.stats().used_bytes == 0, timeout_s=5)  # dropped, its room freed
+        wait_until(lambda: receiver.buffer.stats().used_bytes == 0, timeout_s=25)  # dropped, its room freed
         trickle.close()
         # one peer may fill at most half the buffer at once: the second reservation is refused ("full")
         first = _open_transfer(receiver, "a", record, layout)
@@ -215,8 +216,9 @@ def test_no_peer_can_hold_the_receiver(layout: str) -> None:
         first.close()
         second.close()
         receiver.max_peer_connections = 1
+        wait_until(lambda: not receiver._connections, timeout_s=25)  # (its threads run niced: slow on a busy CPU)
         idle = socket.create_connection(parse_addr(receiver.addr), timeout=5)
-        wait_until(lambda: sum(receiver._connections.values()) == 1, timeout_s=5)
+        wait_until(lambda: sum(receiver._connections.values()) == 1, timeout_s=25)
         refused = socket.create_connection(parse_addr(receiver.addr), timeout=5)
         assert refused.recv(1) == b""  # closed at once
         idle.close()
@@ -255,4 +257,32 @@ def test_a_push_through_a_faulty_network_arrives_whole_or_not_at_all(layout: str
         assert receiver.buffer.peek("cut") is None
     finally:
         proxy.close()
+        receiver.close()
+
+
+def test_with_a_cluster_secret_only_signed_pushes_get_room(layout: str, caplog: pytest.LogCaptureFixture) -> None:
+    receiver = KVReceiver(PDBuffer(1 << 20), layout, secret="cluster-secret")
+    receiver.start()
+    try:
+        record = serde.encode(torch.ones(2, 2, 8, 1, 8), 8, layout)
+        signed = push(receiver.addr, "signed", record, 8, 0, layout, deadline_s=1, secret="cluster-secret")
+        assert signed.ok and receiver.buffer.peek("signed") is not None
+        with caplog.at_level(logging.WARNING, logger="splitserve.pd.receiver"):
+            for secret in (None, "another-secret"):
+                refused = push(receiver.addr, f"t-{secret}", record, 8, 0, layout, deadline_s=0.2, secret=secret)
+                assert not refused.ok and "unauthenticated" in refused.reason
+        assert receiver.buffer.stats().num_reservations == 0  # an unauthenticated peer never got room
+        # a signed request whose payload is swapped on the way: the digest the request names does not match
+        sock = socket.create_connection(parse_addr(receiver.addr), timeout=5)
+        header = {"op": "reserve", "transfer_id": "swapped", "nbytes": len(record), "num_tokens": 8,
+                  "tokens_hash": 0, "layout": layout, "ts": time.time(),
+                  "payload_digest": payload_digest(b"something else")}  # fmt: skip
+        send_msg(sock, header | {"mac": sign("cluster-secret", header)})
+        assert recv_msg(sock)["ok"]
+        sock.sendall(record)
+        answer = recv_msg(sock)
+        assert not answer["ok"] and "not the one the push signed" in answer["reason"]
+        sock.close()
+        assert receiver.buffer.peek("swapped") is None
+    finally:
         receiver.close()

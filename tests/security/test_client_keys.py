@@ -237,3 +237,41 @@ def test_admin_updates_and_events_refuse_bad_urls_and_too_many_workers(monkeypat
             assert httpx.post(f"{url}/kv/events", json=batch, headers=secret).status_code == status
         batch = {"worker_id": "w", "worker_url": "http://u:p@10.0.0.9:8000", "reset": True, "events": []}
         assert httpx.post(f"{url}/kv/events", json=batch, headers=secret).status_code == 400
+
+
+def test_kv_transfer_params_come_from_the_router_only() -> None:
+    """A client cannot steer a KV push (issue 13, item 3): the router strips ``kv_transfer_params`` from client
+    bodies, and a worker with the cluster secret takes them only signed with it."""
+    from splitserve.config import ServerConfig
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.metrics import WorkerMetrics
+    from splitserve.server.app import build_app
+    from tests.unit.fake_engine import FakeEngine
+
+    seen: list[dict[str, object]] = []
+
+    async def completions(request: Request) -> JSONResponse:
+        seen.append(await request.json())
+        return JSONResponse({"id": "x", "object": "text_completion", "choices": [{"text": "ok", "index": 0}]})
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    backend = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/health", health)])
+    params = {"transfer_id": "xfer-1", "decode_kv_addr": "attacker.example:9000"}
+    with ExitStack() as stack:
+        recorder = stack.enter_context(ServerThread(backend))
+        router = stack.enter_context(ServerThread(build_router_app(Router(RouterConfig(backends=(recorder.url,))))))
+        body = {"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": params}
+        assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=10).status_code == 200
+        assert "kv_transfer_params" not in seen[-1]
+        engine = AsyncEngine(lambda: FakeEngine(), WorkerMetrics("fake-model"))
+        worker = stack.enter_context(ServerThread(build_app(engine, ServerConfig(cluster_secret=SECRET))))
+        wait_until(lambda: httpx.get(f"{worker.url}/health").status_code == 200)
+        headers = auth.bearer_header(SECRET)
+        for forged in (params, params | {"mac": auth.sign("another-secret", params)}):
+            refused = httpx.post(f"{worker.url}/v1/completions", json=body | {"kv_transfer_params": forged},
+                                 headers=headers, timeout=10)  # fmt: skip
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
+        signed = body | {"kv_transfer_params": params | {"mac": auth.sign(SECRET, params)}}
+        assert httpx.post(f"{worker.url}/v1/completions", json=signed, headers=headers, timeout=10).status_code == 200

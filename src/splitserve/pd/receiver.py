@@ -6,9 +6,12 @@ a payload that fails its checksum or has another layout is dropped. No peer can 
 ``MAX_CONNECTIONS`` transfers at once (``MAX_PEER_CONNECTIONS`` from one address), a peer's reservations still
 being filled may hold at most ``PEER_RESERVATION_SHARE`` of the buffer, and a transfer must be whole within
 ``TRANSFER_DEADLINE_S`` of its connection (besides ``RECEIVE_TIMEOUT_S`` between two pieces), else it is
-dropped and its room freed. :class:`PDReceiverConnector` implements
-``KVConnectorBase``: at admission a request whose ``kv_transfer_params`` name a transfer takes that KV from the
-buffer, after checking it belongs to the request's own prompt tokens and the engine's layout, and logs
+dropped and its room freed. With the cluster secret, a push must be signed (``auth.sign``: its control
+message, stamped within ``MAX_CLOCK_SKEW_S``, names the payload's BLAKE2b digest): an unsigned or badly signed
+one gets no reservation, and a payload whose digest differs from the signed one is dropped.
+:class:`PDReceiverConnector` implements ``KVConnectorBase``: at admission a request whose ``kv_transfer_params``
+name a transfer takes that KV from the buffer, after checking it belongs to the request's own prompt tokens and
+the engine's layout, and logs
 ``Retrieved N out of N required tokens (from T total tokens). size: X gb, cost Y ms, throughput: Z GB/s``, or
 ``Retrieved 0 out of N ...`` when nothing usable arrived, and the engine computes the prompt itself.
 """
@@ -16,6 +19,7 @@ buffer, after checking it belongs to the request's own prompt tokens and the eng
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -26,12 +30,13 @@ import time
 import torch
 import xxhash
 
+from splitserve.auth import verified
 from splitserve.engine.connector import LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.buffer import BufferEntry, PDBuffer
-from splitserve.pd.wire import WireError, recv_exact_into, recv_msg, send_msg
+from splitserve.pd.wire import WireError, digester, recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ TRANSFER_DEADLINE_S = 60.0  # a whole transfer, however it trickles in
 MAX_CONNECTIONS = 64
 MAX_PEER_CONNECTIONS = 16
 PEER_RESERVATION_SHARE = 0.5  # of the buffer, in reservations one address is still filling
+MAX_CLOCK_SKEW_S = 120.0  # a signed push stamped further from now is refused (a replay, or a broken clock)
 RECEIVER_NICE = 10  # receiving yields the CPU to the engine thread: decode latency first, transfer speed second
 
 
@@ -49,10 +55,18 @@ class KVReceiver:
     """A threaded TCP server storing pushed KV records in ``buffer``; ``layout`` is the engine's KV layout."""
 
     def __init__(
-        self, buffer: PDBuffer, layout: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+        self,
+        buffer: PDBuffer,
+        layout: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        secret: str | None = None,
     ) -> None:
+        """``secret``: the cluster secret; with it, only signed pushes are taken."""
         self.buffer = buffer
         self.layout = layout
+        self.secret = secret
         self.advertise_host = advertise_host
         self.max_connections, self.max_peer_connections = MAX_CONNECTIONS, MAX_PEER_CONNECTIONS
         self.transfer_deadline_s = TRANSFER_DEADLINE_S
@@ -122,7 +136,13 @@ class KVReceiver:
         except (WireError, OSError, KeyError, TypeError, ValueError) as exc:
             logger.warning("KV receiver: bad transfer request: %s", exc)
             return
+        digest = header.get("payload_digest") if self.secret is not None else None
         try:
+            refusal = self._refusal(header)
+            if refusal is not None:
+                logger.warning("KV receiver: refused transfer %s from %s: %s", transfer_id, peer, refusal)
+                send_msg(sock, {"ok": False, "reason": refusal})
+                return
             if layout != self.layout:
                 send_msg(sock, {"ok": False, "reason": f"layout {layout} is not this engine's {self.layout}"})
                 return
@@ -143,7 +163,7 @@ class KVReceiver:
                 return
             try:
                 send_msg(sock, {"ok": True})
-                _receive_record(sock, room, layout, deadline)
+                _receive_record(sock, room, layout, deadline, digest if isinstance(digest, str) else None)
             finally:
                 with self._lock:
                     self._filling[peer] -= num_bytes
@@ -161,6 +181,17 @@ class KVReceiver:
         ok = self.buffer.commit(transfer_id, num_tokens, tokens_hash, layout)
         send_msg(sock, {"ok": ok, "reason": "" if ok else "reservation expired"})
 
+    def _refusal(self, header: dict[str, object]) -> str | None:
+        """Why a push must not get a reservation (with a cluster secret: unsigned, forged or stale); None if fine."""
+        if self.secret is None:
+            return None
+        if not verified(self.secret, header) or not isinstance(header.get("payload_digest"), str):
+            return "unauthenticated: the push is not signed with this cluster's secret"
+        stamped = header.get("ts")
+        if not isinstance(stamped, int | float) or abs(time.time() - stamped) > MAX_CLOCK_SKEW_S:
+            return "unauthenticated: the push's time stamp is too far from now"
+        return None
+
 
 def _lower_thread_priority(nice: int) -> None:
     """Raise this thread's nice value (Linux: per thread), so it takes the CPU only when the engine does not."""
@@ -175,9 +206,12 @@ def _peer_of(sock: socket.socket) -> str:
         return "?"
 
 
-def _receive_record(sock: socket.socket, room: memoryview, layout: str, deadline: float) -> None:
-    """Receive a record into ``room``, checksumming the payload as it arrives; RecordError if it is bad,
-    WireError once ``deadline`` (monotonic) has passed."""
+def _receive_record(
+    sock: socket.socket, room: memoryview, layout: str, deadline: float, signed_digest: str | None = None
+) -> None:
+    """Receive a record into ``room``, checksumming the payload as it arrives; RecordError if it is bad (or,
+    with ``signed_digest``, if the whole record's BLAKE2b digest is another), WireError once ``deadline``
+    (monotonic) has passed."""
 
     def in_time(_: memoryview) -> None:
         if time.monotonic() > deadline:
@@ -198,6 +232,11 @@ def _receive_record(sock: socket.socket, room: memoryview, layout: str, deadline
         hasher.update(piece)
 
     recv_exact_into(sock, room[offset:], checked)
+    if signed_digest is not None:
+        whole = digester()
+        whole.update(room)
+        if not hmac.compare_digest(whole.hexdigest(), signed_digest):
+            raise serde.RecordError(serde.RecordFault.CHECKSUM, "the payload is not the one the push signed")
     serde.verify_with_checksum(room, layout, hasher.intdigest())
 
 

@@ -17,12 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from splitserve.auth import sign
 from splitserve.engine.connector import LoadedTokens, token_slots
 from splitserve.engine.kv_transfer import KVTransferResult
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
-from splitserve.pd.wire import WireError, parse_addr, recv_msg, send_msg
+from splitserve.pd.wire import WireError, parse_addr, payload_digest, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,19 @@ def push(
     tokens_hash: int,
     layout: str,
     deadline_s: float = DEFAULT_DEADLINE_S,
+    secret: str | None = None,
 ) -> KVTransferResult:
     """Reserve ``len(record)`` bytes at the receiver ``addr`` and send ``record``; retried while it is full or
-    unreachable, up to ``deadline_s``. Never raises: the result says whether the KV arrived, and why not."""
+    unreachable, up to ``deadline_s``. Never raises: the result says whether the KV arrived, and why not.
+
+    With the cluster ``secret``, the request carries the record's BLAKE2b digest and a MAC over both (see
+    ``receiver``): a receiver with the same secret reserves nothing for a push without it."""
     began = time.perf_counter()
-    header = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record), "num_tokens": num_tokens,
-              "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
+    header: dict[str, object] = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record),
+                                 "num_tokens": num_tokens, "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
+    if secret is not None:
+        header |= {"ts": time.time(), "payload_digest": payload_digest(record)}
+        header["mac"] = sign(secret, header)
     backoff_s, num_full = FIRST_BACKOFF_S, 0
     reason = ""
     while True:
@@ -79,9 +87,12 @@ def push(
 class PDSenderConnector:
     """``KVConnectorBase`` for the prefill role: sends each transfer request's prompt KV once it is computed."""
 
-    def __init__(self, layout: str, *, deadline_s: float = DEFAULT_DEADLINE_S, num_threads: int = 2) -> None:
+    def __init__(
+        self, layout: str, *, deadline_s: float = DEFAULT_DEADLINE_S, num_threads: int = 2, secret: str | None = None
+    ) -> None:
         self.layout = layout
         self.deadline_s = deadline_s
+        self.secret = secret  # signs every push (the cluster secret)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-sender")
         self._kv_cache: torch.Tensor | None = None
         self._block_size = 0
@@ -123,7 +134,7 @@ class PDSenderConnector:
         self, addr: str, transfer_id: str, kv: torch.Tensor, num_tokens: int, tokens_hash: int
     ) -> KVTransferResult:
         record = serde.encode(kv, num_tokens, self.layout)
-        result = push(addr, transfer_id, record, num_tokens, tokens_hash, self.layout, self.deadline_s)
+        result = push(addr, transfer_id, record, num_tokens, tokens_hash, self.layout, self.deadline_s, self.secret)
         if result.ok:
             logger.info(
                 "KV transfer %s: %d tokens, %.1f MB to %s in %.1f ms (%.2f GB/s)",

@@ -7,6 +7,7 @@ receiver answers ``{"ok": true}`` or ``{"ok": false, "reason": "full"}``; on yes
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import struct
@@ -15,6 +16,17 @@ from typing import Any
 
 MAX_CONTROL_BYTES = 64 * 1024
 _LEN = struct.Struct("<I")
+
+
+def payload_digest(data: bytes | memoryview) -> str:
+    """What a signed push names its payload by: BLAKE2b-256, hex (``digester`` for the incremental form)."""
+    hasher = digester()
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def digester() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=32)
 
 
 class WireError(ConnectionError):

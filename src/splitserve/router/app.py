@@ -224,6 +224,9 @@ class Router:
             return exc.response()
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object").response()
+        if "kv_transfer_params" in body:  # the router's to set (signed), never a client's
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            raw = json.dumps(body).encode()
         routing = await self._routing_request(request, path, body)
         call = Call(path, body, raw, {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED},
                     body.get("stream") is True, routing, start_s)  # fmt: skip

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from starlette.responses import Response, StreamingResponse
 
+from splitserve.auth import sign
 from splitserve.router.discovery import Worker, WorkerRole
 from splitserve.router.policies import Decision, build_policy
 
@@ -94,7 +95,9 @@ class Disaggregator:
         router.metrics.observe_transfer(report)
         router.metrics.pd_path("disaggregated")
         first_token = report.get("first_token_id")
-        params = {"transfer_id": transfer_id, "first_token_id": first_token, "skip_first_token": call.is_stream}
+        params = self._signed(
+            {"transfer_id": transfer_id, "first_token_id": first_token, "skip_first_token": call.is_stream}
+        )
         decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
         decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
         if not call.is_stream or first_token is None:
@@ -120,8 +123,8 @@ class Disaggregator:
     async def _prefill(self, worker: Worker, call: Call, transfer_id: str, addr: str) -> tuple[int, bytes] | None:
         """P's status and body for the prefill request, or None when P could not be reached."""
         body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
-        body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"transfer_id": transfer_id,
-                                                                          "decode_kv_addr": addr}}  # fmt: skip
+        params = self._signed({"transfer_id": transfer_id, "decode_kv_addr": addr})
+        body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
         router = self.router
         worker.in_flight += 1
         worker.breaker.on_attempt()
@@ -150,6 +153,11 @@ class Disaggregator:
             if worker.kv_transfer_addr is None:
                 logger.warning("decode worker %s reports no KV receiver (is it --role decode?)", worker.name)
         return worker.kv_transfer_addr
+
+    def _signed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``kv_transfer_params`` as workers with the cluster secret accept them: signed by the router."""
+        secret = self.router.config.cluster_secret
+        return params if secret is None else params | {"mac": sign(secret, params)}
 
     def _estimated_tokens(self, call: Call) -> int:
         if call.routing.token_ids is not None:

@@ -53,7 +53,7 @@ def build_app(
     caches hold) is served at ``GET /kv/events``; without it that route is a 404."""
     config = config or ServerConfig()
     draining = draining or threading.Event()
-    serving = OpenAIServing(engine, config.max_tokens_limit, draining)
+    serving = OpenAIServing(engine, config.max_tokens_limit, draining, config.cluster_secret)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

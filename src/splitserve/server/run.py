@@ -67,7 +67,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         headers = bearer_header(server_config.cluster_secret)
         publisher = KVEventPublisher(server_config.kv_events_url, events, headers=headers)
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
-    load = lambda: _load_engine(engine_config, server_config.role, events)  # noqa: E731
+    load = lambda: _load_engine(engine_config, server_config.role, events, server_config.cluster_secret)  # noqa: E731
     engine = AsyncEngine(load, metrics, max_queued=server_config.max_queued_requests)
     draining = threading.Event()
     app = build_app(engine, server_config, draining, events)
@@ -108,10 +108,10 @@ def _event_log(engine_config: EngineConfig, server_config: ServerConfig) -> KVEv
     return KVEventLog(server_config.name, server_config.url, meta)
 
 
-def _load_engine(config: EngineConfig, role: Role, events: KVEventLog) -> EngineCore:
+def _load_engine(config: EngineConfig, role: Role, events: KVEventLog, secret: str | None) -> EngineCore:
     from splitserve.worker.build import build_engine  # torch: imported on the engine thread, after binding
 
-    return build_engine(config, role, events)
+    return build_engine(config, role, events, secret)
 
 
 FLUSH_S = 2  # after the drain, for the last bytes of finished answers to go out

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from splitserve.auth import verified
 from splitserve.engine.async_engine import (
     AsyncEngine,
     EngineCore,
@@ -101,11 +102,16 @@ class OpenAIServing:
     """Turns validated OpenAI requests into engine calls and engine outputs into OpenAI responses."""
 
     def __init__(
-        self, engine: AsyncEngine, max_tokens_limit: int | None = None, draining: threading.Event | None = None
+        self,
+        engine: AsyncEngine,
+        max_tokens_limit: int | None = None,
+        draining: threading.Event | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
         self.engine = engine
         self.max_tokens_limit = max_tokens_limit
         self.draining = draining or threading.Event()
+        self.cluster_secret = cluster_secret  # with it, kv_transfer_params must be signed by the router
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     def close(self) -> None:
@@ -201,6 +207,12 @@ class OpenAIServing:
 
     def _check_common(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         self.check_model(request.model)
+        params = request.kv_transfer_params
+        if params is not None and self.cluster_secret is not None and not verified(self.cluster_secret, params):
+            raise ApiError(
+                400, "kv_transfer_params are taken from the router only, signed with the cluster secret",
+                "kv_transfer_params",
+            )  # fmt: skip
         reason = request.unsupported_reason()
         if reason is not None:
             param, message = reason

@@ -22,7 +22,12 @@ from splitserve.model.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig, role: Role = Role.COLOCATED, events: KVEventSink | None = None) -> LLMEngine:
+def build_engine(
+    config: EngineConfig,
+    role: Role = Role.COLOCATED,
+    events: KVEventSink | None = None,
+    cluster_secret: str | None = None,
+) -> LLMEngine:
     """Load the model and tokenizer named by ``config.model`` and build an engine for ``role`` (blocking, seconds).
 
     - decode role: a KV receiver (started here) and its connector, which hands pushed KV to the scheduler;
@@ -30,7 +35,8 @@ def build_engine(config: EngineConfig, role: Role = Role.COLOCATED, events: KVEv
     - ``config.kv_tiers`` enabled: a connector over L1/L2 (``role`` decides what it saves: the decode role
       saves nothing unless ``save_decode_cache``).
 
-    ``events`` hears what the engine's prefix cache and the tiers hold.
+    ``events`` hears what the engine's prefix cache and the tiers hold. ``cluster_secret`` signs the prefill
+    role's KV pushes, and the decode role's receiver takes signed ones only.
     """
     set_cpu_threads(config.model.num_threads)
     device = resolve_device(config.model.device)
@@ -52,12 +58,14 @@ def build_engine(config: EngineConfig, role: Role = Role.COLOCATED, events: KVEv
 
         buffer = PDBuffer(config.pd.pd_buffer_size)
         pd = config.pd
-        receiver = KVReceiver(buffer, layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_advertise_host)
+        receiver = KVReceiver(
+            buffer, layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_advertise_host, cluster_secret
+        )
         connectors.append(PDReceiverConnector(buffer, layout))
     elif role == Role.PREFILL:
         from splitserve.pd.sender import PDSenderConnector
 
-        connectors.append(PDSenderConnector(layout, deadline_s=config.pd.transfer_deadline_s))
+        connectors.append(PDSenderConnector(layout, deadline_s=config.pd.transfer_deadline_s, secret=cluster_secret))
     if config.kv_tiers.is_enabled:
         from splitserve.kvcache.connector import build_connector
 
