@@ -27,7 +27,7 @@ from splitserve.model.llama import LlamaForCausalLM
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
-from splitserve.pd.wire import parse_addr, payload_digest, recv_msg, send_msg
+from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
 from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
 from tests.faults import FaultProxy
 from tests.waiting import wait_until
@@ -272,17 +272,24 @@ def test_with_a_cluster_secret_only_signed_pushes_get_room(layout: str, caplog: 
                 refused = push(receiver.addr, f"t-{secret}", record, 8, 0, layout, deadline_s=0.2, secret=secret)
                 assert not refused.ok and "unauthenticated" in refused.reason
         assert receiver.buffer.stats().num_reservations == 0  # an unauthenticated peer never got room
-        # a signed request whose payload is swapped on the way: the digest the request names does not match
-        sock = socket.create_connection(parse_addr(receiver.addr), timeout=5)
-        header = {"op": "reserve", "transfer_id": "swapped", "nbytes": len(record), "num_tokens": 8,
-                  "tokens_hash": 0, "layout": layout, "ts": time.time(),
-                  "payload_digest": payload_digest(b"something else")}  # fmt: skip
-        send_msg(sock, header | {"mac": sign("cluster-secret", header)})
-        assert recv_msg(sock)["ok"]
-        sock.sendall(record)
-        answer = recv_msg(sock)
-        assert not answer["ok"] and "not the one the push signed" in answer["reason"]
-        sock.close()
-        assert receiver.buffer.peek("swapped") is None
+        # a signed request whose payload was swapped on the way (its trailer MACs the other payload), and a
+        # trailer made up without the secret
+        for forged_mac in ("mac-of-another-payload", "0" * 64):
+            sock = socket.create_connection(parse_addr(receiver.addr), timeout=5)
+            header = {"op": "reserve", "transfer_id": f"swapped-{forged_mac[:4]}", "nbytes": len(record),
+                      "num_tokens": 8, "tokens_hash": 0, "layout": layout, "ts": time.time()}  # fmt: skip
+            header["mac"] = sign("cluster-secret", header)
+            send_msg(sock, header)
+            assert recv_msg(sock)["ok"]
+            sock.sendall(record)
+            if forged_mac == "mac-of-another-payload":
+                other = payload_mac("cluster-secret", header["mac"])
+                other.update(b"x" * len(record))
+                forged_mac = other.hexdigest()
+            send_msg(sock, {"mac": forged_mac})
+            answer = recv_msg(sock)
+            assert not answer["ok"] and "not the one the push signed" in answer["reason"]
+            sock.close()
+        assert receiver.buffer.stats().used_bytes == len(record)  # the signed push's entry only
     finally:
         receiver.close()

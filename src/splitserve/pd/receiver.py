@@ -6,9 +6,10 @@ a payload that fails its checksum or has another layout is dropped. No peer can 
 ``MAX_CONNECTIONS`` transfers at once (``MAX_PEER_CONNECTIONS`` from one address), a peer's reservations still
 being filled may hold at most ``PEER_RESERVATION_SHARE`` of the buffer, and a transfer must be whole within
 ``TRANSFER_DEADLINE_S`` of its connection (besides ``RECEIVE_TIMEOUT_S`` between two pieces), else it is
-dropped and its room freed. With the cluster secret, a push must be signed (``auth.sign``: its control
-message, stamped within ``MAX_CLOCK_SKEW_S``, names the payload's BLAKE2b digest): an unsigned or badly signed
-one gets no reservation, and a payload whose digest differs from the signed one is dropped.
+dropped and its room freed. With the cluster secret, a push must be signed (``auth.sign``): its reservation
+request carries a MAC and a time stamp within ``MAX_CLOCK_SKEW_S`` of now, else it gets no room; its payload
+is followed by a trailer with a keyed MAC over the request's MAC and the payload (``wire.payload_mac``), which
+the receiver computes as the bytes arrive, else the record is dropped.
 :class:`PDReceiverConnector` implements ``KVConnectorBase``: at admission a request whose ``kv_transfer_params``
 name a transfer takes that KV from the buffer, after checking it belongs to the request's own prompt tokens and
 the engine's layout, and logs
@@ -27,6 +28,7 @@ import socketserver
 import threading
 import time
 
+import blake3
 import torch
 import xxhash
 
@@ -36,7 +38,7 @@ from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.buffer import BufferEntry, PDBuffer
-from splitserve.pd.wire import WireError, digester, recv_exact_into, recv_msg, send_msg
+from splitserve.pd.wire import WireError, payload_mac, recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +138,6 @@ class KVReceiver:
         except (WireError, OSError, KeyError, TypeError, ValueError) as exc:
             logger.warning("KV receiver: bad transfer request: %s", exc)
             return
-        digest = header.get("payload_digest") if self.secret is not None else None
         try:
             refusal = self._refusal(header)
             if refusal is not None:
@@ -163,7 +164,10 @@ class KVReceiver:
                 return
             try:
                 send_msg(sock, {"ok": True})
-                _receive_record(sock, room, layout, deadline, digest if isinstance(digest, str) else None)
+                mac = payload_mac(self.secret, str(header["mac"])) if self.secret is not None else None
+                _receive_record(sock, room, layout, deadline, mac)
+                if mac is not None:
+                    _check_trailer(recv_msg(sock), mac.hexdigest())
             finally:
                 with self._lock:
                     self._filling[peer] -= num_bytes
@@ -185,12 +189,19 @@ class KVReceiver:
         """Why a push must not get a reservation (with a cluster secret: unsigned, forged or stale); None if fine."""
         if self.secret is None:
             return None
-        if not verified(self.secret, header) or not isinstance(header.get("payload_digest"), str):
+        if not verified(self.secret, header):
             return "unauthenticated: the push is not signed with this cluster's secret"
         stamped = header.get("ts")
         if not isinstance(stamped, int | float) or abs(time.time() - stamped) > MAX_CLOCK_SKEW_S:
             return "unauthenticated: the push's time stamp is too far from now"
         return None
+
+
+def _check_trailer(trailer: dict[str, object], mac: str) -> None:
+    """RecordError unless ``trailer`` carries the MAC of the payload that arrived."""
+    claimed = trailer.get("mac")
+    if not isinstance(claimed, str) or not hmac.compare_digest(claimed, mac):
+        raise serde.RecordError(serde.RecordFault.CHECKSUM, "the payload is not the one the push signed")
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -207,15 +218,16 @@ def _peer_of(sock: socket.socket) -> str:
 
 
 def _receive_record(
-    sock: socket.socket, room: memoryview, layout: str, deadline: float, signed_digest: str | None = None
+    sock: socket.socket, room: memoryview, layout: str, deadline: float, mac: blake3.blake3 | None = None
 ) -> None:
-    """Receive a record into ``room``, checksumming the payload as it arrives; RecordError if it is bad (or,
-    with ``signed_digest``, if the whole record's BLAKE2b digest is another), WireError once ``deadline``
-    (monotonic) has passed."""
+    """Receive a record into ``room``, checksumming the payload as it arrives (and feeding ``mac`` every byte);
+    RecordError if it is bad, WireError once ``deadline`` (monotonic) has passed."""
 
-    def in_time(_: memoryview) -> None:
+    def in_time(piece: memoryview) -> None:
         if time.monotonic() > deadline:
             raise WireError("the transfer missed its deadline")
+        if mac is not None:
+            mac.update(piece)
 
     fixed = serde.FIXED_HEADER_BYTES
     if len(room) < fixed:
@@ -232,11 +244,6 @@ def _receive_record(
         hasher.update(piece)
 
     recv_exact_into(sock, room[offset:], checked)
-    if signed_digest is not None:
-        whole = digester()
-        whole.update(room)
-        if not hmac.compare_digest(whole.hexdigest(), signed_digest):
-            raise serde.RecordError(serde.RecordFault.CHECKSUM, "the payload is not the one the push signed")
     serde.verify_with_checksum(room, layout, hasher.intdigest())
 
 

@@ -23,7 +23,7 @@ from splitserve.engine.kv_transfer import KVTransferResult
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
-from splitserve.pd.wire import WireError, parse_addr, payload_digest, recv_msg, send_msg
+from splitserve.pd.wire import WireError, parse_addr, payload_mac, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,14 @@ def push(
     """Reserve ``len(record)`` bytes at the receiver ``addr`` and send ``record``; retried while it is full or
     unreachable, up to ``deadline_s``. Never raises: the result says whether the KV arrived, and why not.
 
-    With the cluster ``secret``, the request carries the record's BLAKE2b digest and a MAC over both (see
-    ``receiver``): a receiver with the same secret reserves nothing for a push without it."""
+    With the cluster ``secret``, the reservation request carries a MAC (a receiver with the same secret
+    reserves nothing without it), and the payload is followed by a trailer with its keyed MAC, computed while
+    the bytes go out (``wire.payload_mac``)."""
     began = time.perf_counter()
     header: dict[str, object] = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record),
                                  "num_tokens": num_tokens, "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
     if secret is not None:
-        header |= {"ts": time.time(), "payload_digest": payload_digest(record)}
+        header["ts"] = time.time()
         header["mac"] = sign(secret, header)
     backoff_s, num_full = FIRST_BACKOFF_S, 0
     reason = ""
@@ -65,7 +66,10 @@ def push(
                 send_msg(sock, header)
                 reply = recv_msg(sock)
                 if reply.get("ok"):
-                    sock.sendall(record)
+                    if secret is None:
+                        sock.sendall(record)
+                    else:
+                        send_signed(sock, record, str(header["mac"]), secret)
                     done = recv_msg(sock)
                     elapsed_s = time.perf_counter() - began
                     if done.get("ok"):
@@ -82,6 +86,20 @@ def push(
             return KVTransferResult(transfer_id, False, 0, 0, time.perf_counter() - began, f"gave up: {what}")
         time.sleep(backoff_s)
         backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+SIGNED_PIECE_BYTES = 1 << 20
+
+
+def send_signed(sock: socket.socket, record: bytes, header_mac: str, secret: str) -> None:
+    """Send ``record``, MAC-ing it piece by piece as it goes, then the trailer carrying that MAC."""
+    mac = payload_mac(secret, header_mac)
+    view = memoryview(record)
+    for start in range(0, len(view), SIGNED_PIECE_BYTES):
+        piece = view[start : start + SIGNED_PIECE_BYTES]
+        sock.sendall(piece)
+        mac.update(piece)
+    send_msg(sock, {"mac": mac.hexdigest()})
 
 
 class PDSenderConnector:
