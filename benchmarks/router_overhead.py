@@ -8,6 +8,8 @@ router adds is most of what there is to see. Targets, each measured against the 
 
 - direct: straight to the stub.
 - splitserve: ``splitserve router --routing-strategy roundrobin`` with the stub as its one backend.
+- splitserve-no-migration: the same with ``--no-stream-migration``: what following each stream event by event
+  (to resume it elsewhere should its worker fail) costs.
 - splitserve-keys: the same with a client key (``--api-key``) and a cluster secret: what checking the key and
   sending the router's own credential instead of the client's costs.
 - vllm-router: the Rust router from PyPI (``pip install vllm-router`` into a separate environment, never a
@@ -65,6 +67,7 @@ class TargetName(StrEnum):
     DIRECT = "direct"
     SPLITSERVE = "splitserve"
     SPLITSERVE_KEYS = "splitserve-keys"
+    SPLITSERVE_NO_MIGRATION = "splitserve-no-migration"
     VLLM_ROUTER = "vllm-router"
 
 
@@ -344,12 +347,14 @@ def check_target(port: int) -> None:
 def router_command(
     name: TargetName, port: int, backend_url: str, vllm_router_bin: Path | None, logs: Path
 ) -> list[str]:
-    if name in (TargetName.SPLITSERVE, TargetName.SPLITSERVE_KEYS):
+    if name in (TargetName.SPLITSERVE, TargetName.SPLITSERVE_KEYS, TargetName.SPLITSERVE_NO_MIGRATION):
         args = ["router", "--model", MODEL, "--host", HOST, "--port", str(port), "--backend", backend_url]
         if name is TargetName.SPLITSERVE_KEYS:
             secret = logs / "router-overhead-cluster-secret"
             secret.write_text("bench-cluster-secret\n")
             args += ["--api-key", API_KEY, "--cluster-secret-file", str(secret)]
+        if name is TargetName.SPLITSERVE_NO_MIGRATION:
+            args.append("--no-stream-migration")  # streams relayed byte for byte, not followed event by event
         return [*SPLITSERVE, *args, "--routing-strategy", "roundrobin"]
     assert vllm_router_bin is not None  # main() skips vllm-router without it
     # the environment's Python runs the same launcher as its ``vllm-router`` script

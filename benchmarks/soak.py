@@ -8,8 +8,8 @@ is SIGKILLed every ``--kill-every`` seconds (alternately; the supervisor restart
 ``--redis-restart-at``.
 
 It reports requests lost (anything but a complete 200 stream: target 0), errors by kind, TTFT and ITL p99
-per minute, and each pod process's RSS over time with its slope (MB/hour, after a warm-up; target: flat),
-as JSON and a plot.
+per minute, and each pod process's RSS over time with its slope (MB/hour over the second half of the
+process's life, once its caches have filled; target: flat), as JSON and a plot.
 
     .venv/bin/python benchmarks/soak.py                      # 30 minutes
     .venv/bin/python benchmarks/soak.py --duration 180 --kill-every 60 --redis-restart-at 90   # a short check
@@ -69,7 +69,8 @@ WORDS = [
 PREAMBLE = "You are a careful assistant. Facts: " + " ".join(
     f"item {i} is {WORDS[i % len(WORDS)]} and {WORDS[(i * 7) % len(WORDS)]}." for i in range(120)
 )
-WARMUP_S = 120.0  # RSS slopes start after this (model load, allocator and caches settling)
+SETTLED_AFTER = 0.5  # an RSS slope is taken over the second half of a process's life (caches fill first)
+MIN_SLOPE_S = 240.0  # ...of at least this many seconds
 
 
 @dataclass
@@ -243,11 +244,14 @@ def summarize(run: dict[str, Any], rate: float, capacity: float) -> dict[str, An
     for s in run["rss"]:
         by_process.setdefault((s["pod"], s["pid"]), []).append((s["t_s"], s["rss_mb"]))
     for (pod, pid), points in by_process.items():
-        settled = [(t, r) for t, r in points if t - points[0][0] >= WARMUP_S]
-        if len(settled) >= 6:
+        began, ended = points[0][0], points[-1][0]
+        settled = [(t, r) for t, r in points if t >= began + (ended - began) * SETTLED_AFTER]
+        if len(settled) >= 6 and settled[-1][0] - settled[0][0] >= MIN_SLOPE_S:
             xs, ys = [t / 3600 for t, _ in settled], [r for _, r in settled]
             slope = statistics.linear_regression(xs, ys).slope
             slopes[f"{pod} (pid {pid})"] = {"mb_per_hour": round(slope, 1), "minutes": round((xs[-1] - xs[0]) * 60, 1),
+                                            "lived_minutes": round((ended - began) / 60, 1),
+                                            "rss_mb_max": round(max(r for _, r in points), 1),
                                             "rss_mb_last": round(ys[-1], 1)}  # fmt: skip
     all_ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     all_itl = [i for o in outcomes for i in o.itls_s]
@@ -263,7 +267,8 @@ def summarize(run: dict[str, Any], rate: float, capacity: float) -> dict[str, An
         "by_kind": {k: sum(o.kind == k for o in outcomes) for k in ("short", "medium", "long")},
         "events": run["events"],
         "minutes": minutes,
-        "rss_slopes": slopes,
+        "rss_slopes": slopes,  # over the second half of each process's life
+        "rss": run["rss"],
     }
 
 
@@ -335,7 +340,7 @@ def main() -> None:
         up.wait(120)
         log.close()
     summary = summarize(run, rate, capacity)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("minutes",)}, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("minutes", "rss")}, indent=2))
     write_result(
         args.out, "soak", args, summary | {"outcomes": [asdict(o) | {"itls_s": None} for o in run["outcomes"]]}
     )
