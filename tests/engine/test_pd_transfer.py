@@ -208,7 +208,7 @@ def test_no_peer_can_hold_the_receiver(layout: str) -> None:
                 time.sleep(0.1)
         wait_until(lambda: receiver.buffer.stats().used_bytes == 0, timeout_s=25)  # dropped, its room freed
         trickle.close()
-        # one peer may fill at most half the buffer at once: the second reservation is refused ("full")
+        # beside its first transfer, a peer may fill at most half the buffer: the second is refused ("full")
         first = _open_transfer(receiver, "a", record, layout)
         assert recv_msg(first)["ok"]
         second = _open_transfer(receiver, "b", record, layout)

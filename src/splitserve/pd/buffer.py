@@ -80,6 +80,11 @@ class PDBuffer:
             self._used += num_bytes
             return self._arena[offset : offset + num_bytes]
 
+    def count_refusal(self) -> None:
+        """A reservation refused before it reached the buffer (a peer over its quota): counted as one."""
+        with self._lock:
+            self._stats.num_refused += 1
+
     def commit(self, transfer_id: str, num_tokens: int, tokens_hash: int, layout: str) -> bool:
         """The reserved bytes are filled and verified: make them an entry. False (and the room freed) if the
         reservation was abandoned meanwhile."""

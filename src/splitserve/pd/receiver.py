@@ -3,13 +3,16 @@
 :class:`KVReceiver` serves ``--kv-transfer-port``: one connection per transfer (see ``wire``). A reservation
 that does not fit is refused (logged as ``Failed to allocate memory object, retrying...``: the sender retries);
 a payload that fails its checksum or has another layout is dropped. No peer can hold the receiver: at most
-``MAX_CONNECTIONS`` transfers at once (``MAX_PEER_CONNECTIONS`` from one address), a peer's reservations still
-being filled may hold at most ``PEER_RESERVATION_SHARE`` of the buffer, and a transfer must be whole within
-``TRANSFER_DEADLINE_S`` of its connection (besides ``RECEIVE_TIMEOUT_S`` between two pieces), else it is
-dropped and its room freed. With the cluster secret, a push must be signed (``auth.sign``): its reservation
-request carries a MAC and a time stamp within ``MAX_CLOCK_SKEW_S`` of now, else it gets no room; its payload
-is followed by a trailer with a keyed MAC over the request's MAC and the payload (``wire.payload_mac``), which
-the receiver computes as the bytes arrive, else the record is dropped.
+``MAX_CONNECTIONS`` transfers at once (``MAX_PEER_CONNECTIONS`` from one address); beside its first transfer in
+flight, which may take the whole buffer, a peer's reservations still being filled may hold at most
+``PEER_RESERVATION_SHARE`` of it; and a transfer must be whole within ``TRANSFER_DEADLINE_S`` of its
+connection (besides ``RECEIVE_TIMEOUT_S`` between two pieces), else it is dropped and its room freed.
+
+With the cluster secret, a push must be signed (``auth.sign``): its reservation request carries a MAC and a
+time stamp within ``MAX_CLOCK_SKEW_S`` of now, else it gets no room; its payload is followed by a trailer with
+a keyed MAC over the request's MAC and the payload (``wire.payload_mac``), which the receiver computes as the
+bytes arrive, else the record is dropped.
+
 :class:`PDReceiverConnector` implements ``KVConnectorBase``: at admission a request whose ``kv_transfer_params``
 name a transfer takes that KV from the buffer, after checking it belongs to the request's own prompt tokens and
 the engine's layout, and logs
@@ -152,8 +155,12 @@ class KVReceiver:
                 return
             quota = int(self.buffer.capacity_bytes * PEER_RESERVATION_SHARE)
             with self._lock:
-                held = self._filling.get(peer, 0)
-                room = self.buffer.reserve(transfer_id, num_bytes) if held + num_bytes <= quota else None
+                held = self._filling.get(peer, 0)  # a peer's first transfer in flight may take the whole buffer
+                if held and held + num_bytes > quota:
+                    room = None
+                    self.buffer.count_refusal()
+                else:
+                    room = self.buffer.reserve(transfer_id, num_bytes)
                 if room is not None:
                     self._filling[peer] = held + num_bytes
             if room is None:
