@@ -25,6 +25,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, closing connections whose request headers arrive too slowly."""
 
     _header_timer: asyncio.TimerHandle | None = None
+    _in_headers = False  # a request's headers have begun and are not complete (a pipelined one, too)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -32,16 +33,19 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._in_headers = True
         if self._header_timer is None:
             self._arm()
 
     def on_headers_complete(self) -> None:
+        self._in_headers = False
         self._disarm()
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._disarm()  # an idle keep-alive connection is uvicorn's keep-alive timeout's to close
+        if not self._in_headers:  # an idle keep-alive connection is uvicorn's keep-alive timeout's to close
+            self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

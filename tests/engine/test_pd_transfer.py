@@ -24,6 +24,7 @@ from splitserve.engine.kv_transfer import KVTransferParams, KVTransferResult
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvcache import serde
 from splitserve.model.llama import LlamaForCausalLM
+from splitserve.pd import receiver as receiver_module
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
@@ -193,11 +194,12 @@ def _open_transfer(receiver: KVReceiver, transfer_id: str, record: bytes, layout
     return sock
 
 
-def test_no_peer_can_hold_the_receiver(layout: str) -> None:
+def test_no_peer_can_hold_the_receiver(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A trickling sender misses its deadline, a peer's open reservations are capped, and so are connections."""
     record = serde.encode(torch.ones(2, 2, 8, 1, 8), 8, layout)
     receiver = KVReceiver(PDBuffer(len(record) * 3), layout)
     receiver.transfer_deadline_s = 0.5
+    monkeypatch.setattr(receiver_module, "REQUEST_TIMEOUT_S", 0.5)
     receiver.start()
     try:
         trickle = _open_transfer(receiver, "slow", record, layout)
@@ -217,6 +219,10 @@ def test_no_peer_can_hold_the_receiver(layout: str) -> None:
         second.close()
         receiver.max_peer_connections = 1
         wait_until(lambda: not receiver._connections, timeout_s=25)  # (its threads run niced: slow on a busy CPU)
+        silent = socket.create_connection(parse_addr(receiver.addr), timeout=5)  # sends no request at all
+        assert silent.recv(1) == b""  # dropped after REQUEST_TIMEOUT_S (0.5 s here)
+        silent.close()
+        wait_until(lambda: not receiver._connections, timeout_s=25)
         idle = socket.create_connection(parse_addr(receiver.addr), timeout=5)
         wait_until(lambda: sum(receiver._connections.values()) == 1, timeout_s=25)
         refused = socket.create_connection(parse_addr(receiver.addr), timeout=5)

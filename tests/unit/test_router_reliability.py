@@ -266,6 +266,10 @@ def test_resume_body_carries_sampling_and_what_is_left() -> None:
     assert body == {"model": "m", "prompt": [1, 2, 3, 4, 5], "max_tokens": 7, "min_tokens": 1, "temperature": 0.5,
                     "seed": 7, "stop": ["\n"], "stream": True, "return_token_ids": True}  # fmt: skip
     assert resume_body(tracker, original | {"max_completion_tokens": 3}) is None  # nothing left to generate
+    unbounded: dict[str, Any] = {"model": "m", "messages": [], "max_completion_tokens": None, "stream": True}
+    assert (resume_body(tracker, unbounded | {"max_tokens": 9}) or {})["max_tokens"] == 6
+    # a chat without a budget had the context left: the new worker's context, less the prompt and what is done
+    assert (resume_body(tracker, unbounded, max_model_len=100) or {})["max_tokens"] == 100 - 2 - 3
     completion = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=True)
     completion.prompt_ids = [9]
     resumed = resume_body(completion, {"prompt": "x"})

@@ -481,10 +481,12 @@ class TestTokenIds:
 
 
 def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> None:
+    from splitserve.kv_events import KVEventLog
+
     draining = threading.Event()
     engine = AsyncEngine(lambda: FakeEngine(step_delay_s=0.02), WorkerMetrics(MODEL))
     with (
-        ServerThread(build_app(engine, ServerConfig(), draining)) as srv,
+        ServerThread(build_app(engine, ServerConfig(), draining, KVEventLog("w", "http://w"))) as srv,
         httpx.Client(base_url=srv.url, timeout=10) as http,
     ):
         wait_until(lambda: http.get("/health").status_code == 200)
@@ -498,6 +500,8 @@ def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> Non
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
         assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        events = http.get("/kv/events", params={"after": 0, "wait": 5})  # subscribers back off, no busy loop
+        assert events.status_code == 503 and events.json()["error"]["code"] == "draining"
 
 
 def test_the_worker_stops_with_status_1_when_its_engine_thread_dies() -> None:

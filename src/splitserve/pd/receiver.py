@@ -49,6 +49,7 @@ PD_SOURCE = "pd"
 SOCKET_BUFFER_BYTES = 4 << 20
 RECEIVE_TIMEOUT_S = 20.0
 TRANSFER_DEADLINE_S = 60.0  # a whole transfer, however it trickles in
+REQUEST_TIMEOUT_S = 5.0  # its reservation request, from the connection on
 MAX_CONNECTIONS = 64
 MAX_PEER_CONNECTIONS = 16
 PEER_RESERVATION_SHARE = 0.5  # of the buffer, in reservations one address is still filling
@@ -127,11 +128,12 @@ class KVReceiver:
 
     def _transfer(self, sock: socket.socket, peer: str, deadline: float) -> None:
         _lower_thread_priority(RECEIVER_NICE)
-        sock.settimeout(RECEIVE_TIMEOUT_S)  # a sender that vanished must not hold its reservation forever
+        sock.settimeout(REQUEST_TIMEOUT_S)  # the request first, quickly: an idle peer holds a connection slot
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         try:
-            header = recv_msg(sock)
+            header = recv_msg(sock, min(deadline, time.monotonic() + REQUEST_TIMEOUT_S))
+            sock.settimeout(RECEIVE_TIMEOUT_S)  # a sender that vanished must not hold its reservation forever
             transfer_id, num_bytes = str(header["transfer_id"]), int(header["nbytes"])
             num_tokens, tokens_hash, layout = (
                 int(header["num_tokens"]),
@@ -141,6 +143,7 @@ class KVReceiver:
         except (WireError, OSError, KeyError, TypeError, ValueError) as exc:
             logger.warning("KV receiver: bad transfer request: %s", exc)
             return
+        reserved = False
         try:
             refusal = self._refusal(header)
             if refusal is not None:
@@ -169,24 +172,26 @@ class KVReceiver:
                 )
                 send_msg(sock, {"ok": False, "reason": "full"})
                 return
+            reserved = True  # from here on, this connection's reservation is the one to free on failure
             try:
                 send_msg(sock, {"ok": True})
                 mac = payload_mac(self.secret, str(header["mac"])) if self.secret is not None else None
                 _receive_record(sock, room, layout, deadline, mac)
                 if mac is not None:
-                    _check_trailer(recv_msg(sock), mac.hexdigest())
+                    _check_trailer(recv_msg(sock, deadline), mac.hexdigest())
             finally:
                 with self._lock:
                     self._filling[peer] -= num_bytes
                     if not self._filling[peer]:
                         del self._filling[peer]
         except serde.RecordError as exc:
-            self.buffer.abort(transfer_id)
+            self.buffer.abort(transfer_id)  # (raised only once this connection reserved)
             logger.warning("KV receiver: transfer %s dropped: %s", transfer_id, exc)
             send_msg(sock, {"ok": False, "reason": f"invalid record: {exc}"})
             return
         except (WireError, OSError) as exc:
-            self.buffer.abort(transfer_id)
+            if reserved:  # never another connection's reservation under the same id
+                self.buffer.abort(transfer_id)
             logger.warning("KV receiver: transfer %s broke off: %s", transfer_id, exc)
             return
         ok = self.buffer.commit(transfer_id, num_tokens, tokens_hash, layout)

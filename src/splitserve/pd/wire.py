@@ -11,6 +11,7 @@ import hashlib
 import json
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,12 +39,13 @@ def send_msg(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+def recv_msg(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
+    """One control message; ``WireError`` when malformed, or not whole by ``deadline`` (``time.monotonic``)."""
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
     if length > MAX_CONTROL_BYTES:
         raise WireError(f"control message of {length} bytes")
     try:
-        message = json.loads(recv_exact(sock, length))
+        message = json.loads(recv_exact(sock, length, deadline))
     except ValueError as exc:
         raise WireError(f"control message is not JSON: {exc}") from exc
     if not isinstance(message, dict):
@@ -51,9 +53,14 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     return message
 
 
-def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+def recv_exact(sock: socket.socket, num_bytes: int, deadline: float | None = None) -> bytes:
     buffer = bytearray(num_bytes)
-    recv_exact_into(sock, memoryview(buffer))
+
+    def in_time(_: memoryview) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise WireError("the peer is too slow")
+
+    recv_exact_into(sock, memoryview(buffer), in_time)
     return bytes(buffer)
 
 

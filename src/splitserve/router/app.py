@@ -60,6 +60,7 @@ from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, 
 
 logger = logging.getLogger("splitserve.router")
 
+MAX_PARTIAL_CHARACTER_TOKENS = 4  # a UTF-8 character spans at most 4 byte-level tokens
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # not forwarded to workers: hop-by-hop headers, and the client's key (the router sends its own credential)
 NOT_FORWARDED = frozenset(
@@ -445,6 +446,8 @@ class Router:
                     failure = f"{type(exc).__name__}: {exc}"
                 except WorkerStreamFailed as exc:
                     failure = f"error event: {exc}"
+                except (KeyError, TypeError, AttributeError, ValueError) as exc:  # an event of another shape
+                    failure = f"a malformed event: {type(exc).__name__}: {exc}"
                 if failure is None:
                     return
                 lease.release()
@@ -468,7 +471,7 @@ class Router:
                 logger.info(
                     "stream %s resumed on worker %s after %d tokens", tracker.id, worker.name, len(tracker.output_ids)
                 )
-                if catch_up:
+                if catch_up:  # already in tracker.text
                     yield _sse(tracker.chunk(catch_up))
         finally:
             lease.release()
@@ -480,10 +483,8 @@ class Router:
         stream and the text the failed worker held back; None when no worker could take it."""
         tracker = call.tracker
         assert tracker is not None and tracker.prompt_ids is not None
-        body = resume_body(tracker, call.body)
-        if body is None or tracker.num_migrations >= self.config.max_retries + 1:
+        if tracker.num_migrations >= self.config.max_retries + 1:
             return None
-        raw = json.dumps(body).encode()
         for attempt in range(self.config.max_retries + 1):
             candidates = [w for w in self._routing_pool() if w.is_routable and w.url not in tried]
             if not candidates:
@@ -492,44 +493,67 @@ class Router:
                 await asyncio.sleep(self._backoff_s(attempt))
             worker = self.policy.select(call.routing, candidates).worker
             tried.add(worker.url)
+            catch_up = await self._held_back_text(worker, tracker)  # may drop a half character's tokens
+            body = resume_body(tracker, call.body, await self._max_model_len(worker))
+            if body is None:
+                return None
             worker.in_flight += 1
             worker.breaker.on_attempt()
+            upstream: aiohttp.ClientResponse | None = None
+            handed_over = False
             try:
-                upstream = await self.session.post(worker.url + "/v1/completions", data=raw, headers=call.headers)
+                upstream = await self.session.post(
+                    worker.url + "/v1/completions", data=json.dumps(body).encode(), headers=call.headers
+                )
                 if upstream.status != 200:
-                    content = await _read_quietly(upstream)
-                    reason = _error_code(content) or str(upstream.status)
+                    reason = _error_code(await _read_quietly(upstream)) or str(upstream.status)
                     raise _Refused(f"status {upstream.status} ({reason})", upstream.status)
                 chunks = upstream.content.iter_any()
-                try:
-                    first = await anext(chunks)
-                except BaseException:
-                    upstream.close()
-                    raise
+                first = await anext(chunks)
+                worker.breaker.record_success()
+                lease.hold(worker, upstream)
+                handed_over = True
             except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, _Refused) as exc:
-                worker.in_flight -= 1
                 if not isinstance(exc, _Refused) or exc.status >= 500:
                     worker.breaker.record_failure()
                 logger.warning("resuming a stream on worker %s failed: %s", worker.name, exc)
                 if isinstance(exc, _Refused) and 400 <= exc.status < 500 and exc.status != 429:
                     return None  # the worker refuses the request itself: another would too
                 continue
-            worker.breaker.record_success()
-            lease.hold(worker, upstream)
-            catch_up = await self._held_back_text(worker, tracker)
+            finally:
+                if not handed_over:  # failed, or cancelled (the client left): undo the count, drop the answer
+                    worker.in_flight -= 1
+                    if upstream is not None:
+                        upstream.close()
             tracker.resume()
+            if catch_up:
+                tracker.text += catch_up
             return _prepend(first, chunks), catch_up
         return None
 
     async def _held_back_text(self, worker: Worker, tracker: StreamTracker) -> str:
-        """Text of the tokens generated so far that the failed worker had not sent (see migrate.py)."""
+        """Text of the tokens generated so far that the failed worker had not sent (see migrate.py). Tokens that
+        end in half a character are dropped from ``tracker.output_ids`` first: the new worker generates them
+        again, and the character comes out whole."""
         assert tracker.prompt_ids is not None
         tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
         model = tracker.model
-        context, full = await asyncio.gather(
-            self._detokenize(worker, tail, model), self._detokenize(worker, tail + tracker.output_ids, model)
-        )
-        return "" if context is None or full is None else held_back_text(tracker, context, full)
+        context = await self._detokenize(worker, tail, model)
+        for _ in range(MAX_PARTIAL_CHARACTER_TOKENS + 1):
+            full = await self._detokenize(worker, tail + tracker.output_ids, model)
+            if context is None or full is None:
+                return ""
+            if not full.endswith("\ufffd") or not tracker.output_ids:
+                return held_back_text(tracker, context, full)
+            tracker.output_ids.pop()
+        return ""
+
+    async def _max_model_len(self, worker: Worker) -> int | None:
+        """The worker's context length, from its ``/v1/models`` card (splitserve's and vLLM's carry it)."""
+        answer = await self.get_json(f"{worker.url}/v1/models")
+        cards = answer.get("data") if isinstance(answer, dict) else None
+        lengths = [c.get("max_model_len") for c in cards or [] if isinstance(c, dict)]
+        return next((n for n in lengths if isinstance(n, int) and n > 0), None)
 
     async def _detokenize(self, worker: Worker, ids: list[int], model: str | None) -> str | None:
         try:
@@ -610,6 +634,8 @@ class Router:
         if reset and not self.kv_index.is_registered(url) and self.kv_index.num_workers >= MAX_WORKERS:
             return RouterError(429, f"the KV index already tracks {MAX_WORKERS} workers", "too_many_workers").response()
         meta = body.get("meta") if isinstance(body.get("meta"), dict) else None
+        if self.events is not None and self.events.has_events(url):
+            return Response(status_code=200)  # the router pulls this worker's events: a push could only lag them
         if not self.kv_index.apply(url, worker_id, reset, events, meta):
             return RouterError(409, f"worker {worker_id} is not registered; send a reset", "unknown_worker").response()
         if reset:
@@ -700,6 +726,14 @@ class _Limiter:
             self._waiters.remove(waiter)
             waiter.cancel()
             return False
+        except asyncio.CancelledError:  # the client left while waiting: give back what it may have been handed
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+                waiter.cancel()
+            raise
 
     def release(self) -> None:
         while self._waiters:

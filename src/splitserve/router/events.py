@@ -3,7 +3,9 @@
 For each worker (from the flags, admin updates or Kubernetes discovery) a task long-polls the worker's
 ``GET /kv/events?after=<seq>&epoch=<e>&wait=<s>``: the first answer is a snapshot of what the worker's caches
 hold, each later one the events since (``kv_events.KVEventLog``). Batches go into the router's
-:class:`KVIndex`, as pushed ones do (a worker may also push with ``--kv-events-url``; both are idempotent).
+:class:`KVIndex`, as pushed ones do. A worker may also push them (``--kv-events-url``); while its pulled
+events are current, the router acknowledges its pushes and drops them, since a push in flight could only
+take the index back to an older state.
 A worker that has no such route (an older splitserve, vLLM without a matching event source) or stops
 answering gets one warning; meanwhile ``kvaware`` routes it by the router's own prefix index
 (``policies.KVAwarePolicy``), and the subscription keeps retrying with back-off.

@@ -17,9 +17,9 @@ What it guarantees:
   ``--quantization none --dtype float32`` gives);
 - seeded sampling on splitserve workers: the same tokens too (a seeded draw depends on the seed and the
   token's position only, see ``engine/sampler.py``); unseeded sampling goes on from a fresh draw;
-- text: the same characters. Text a worker held back when it died (a possible stop string, half of a
-  multi-byte character) is recovered from the new worker's ``/detokenize``; a stop string that straddles the
-  cut is not seen.
+- text: the same characters. Text a worker held back when it died (a possible stop string) is recovered from
+  the new worker's ``/detokenize``; tokens that end in half of a multi-byte character are generated again by
+  the new worker, so the character comes out whole. A stop string that straddles the cut is not seen.
 - the prompt's KV: where the workers share an L2 tier, the new worker loads the prompt's chunks from it and
   computes only the tokens generated since.
 
@@ -91,7 +91,8 @@ class StreamTracker:
         if "error" in chunk:
             if self.finished:
                 return _event(chunk)  # after the end: pass it on
-            raise WorkerStreamFailed(str((chunk.get("error") or {}).get("message", "an error event")))
+            error = chunk.get("error")
+            raise WorkerStreamFailed(str(error.get("message", error) if isinstance(error, dict) else error))
         if self.resumed_at is not None:
             out = self._reframe(chunk)
             return b"" if out is None else _event(out)
@@ -178,15 +179,24 @@ class StreamTracker:
         return common | {"object": kind, "choices": [out_choice]}
 
 
-def resume_body(tracker: StreamTracker, original: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``/v1/completions`` body that goes on with ``tracker``'s answer; None when no token is left."""
+def resume_body(
+    tracker: StreamTracker, original: dict[str, Any], max_model_len: int | None = None
+) -> dict[str, Any] | None:
+    """The ``/v1/completions`` body that goes on with ``tracker``'s answer; None when no token is left.
+
+    A chat request without a budget had the context left; ``max_model_len`` (the new worker's) says how much
+    that is now. Without it, the resumed part gets the completions default, 16 tokens."""
     assert tracker.prompt_ids is not None
     done = len(tracker.output_ids)
     body: dict[str, Any] = {key: original[key] for key in CARRIED_FIELDS if key in original}
     if tracker.is_chat:
-        requested = original.get("max_completion_tokens", original.get("max_tokens"))
+        requested = original.get("max_completion_tokens")
+        requested = original.get("max_tokens") if requested is None else requested
+        if requested is None and max_model_len is not None:
+            requested = max_model_len - len(tracker.prompt_ids)
     else:
-        requested = original.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        requested = original.get("max_tokens")
+        requested = DEFAULT_COMPLETION_MAX_TOKENS if requested is None else requested
     if requested is not None:
         if not isinstance(requested, int) or requested - done < 1:
             return None

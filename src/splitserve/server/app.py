@@ -105,11 +105,13 @@ def build_app(
         caller has nothing, or has fallen behind what the log keeps (``kv_events.KVEventLog``)."""
         if events is None:
             raise ApiError(404, "this worker publishes no KV events", code="not_found")
+        if draining.is_set():  # subscribers back off, rather than poll a worker on its way out
+            raise ApiError(503, "the worker is draining", code="draining")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), MAX_EVENTS_WAIT_S)
         while after is not None and events.seq <= after and epoch in (None, events.epoch) and loop.time() < deadline:
             if draining.is_set() or await raw.is_disconnected():
-                break
+                raise ApiError(503, "the worker is draining", code="draining")
             await asyncio.sleep(EVENTS_POLL_S)
         return _json(events.batch_after(after, epoch))
 
