@@ -55,6 +55,8 @@ from splitserve.router.migrate import (
     held_back_text,
     is_migratable,
     resume_body,
+    sse_event,
+    stream_error_end,
 )
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
 
@@ -402,9 +404,7 @@ class Router:
                 status = "stream_error"
                 worker.breaker.record_failure()
                 logger.warning("worker %s failed mid-stream: %s: %s", worker.name, type(exc).__name__, exc)
-                message = f"the worker failed mid-stream ({type(exc).__name__})"
-                error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
-                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                yield stream_error_end(f"the worker failed mid-stream ({type(exc).__name__})")
         finally:
             lease.release()  # a client that left early also drops the worker's connection: the worker aborts
             self.metrics.requests.labels(worker.url, status).inc()
@@ -461,9 +461,9 @@ class Router:
                 if resumed is None:
                     status = "stream_error"
                     self.metrics.migrations.labels("failed").inc()
-                    message = f"the worker failed mid-stream ({failure}) and no other worker could resume it"
-                    error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
-                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                    yield stream_error_end(
+                        f"the worker failed mid-stream ({failure}) and no other worker could resume it"
+                    )
                     return
                 pieces, catch_up = resumed
                 worker = lease.worker
@@ -472,7 +472,7 @@ class Router:
                     "stream %s resumed on worker %s after %d tokens", tracker.id, worker.name, len(tracker.output_ids)
                 )
                 if catch_up:  # already in tracker.text
-                    yield _sse(tracker.chunk(catch_up))
+                    yield sse_event(tracker.chunk(catch_up))
         finally:
             lease.release()
             self.metrics.requests.labels(worker.url, status).inc()
@@ -797,10 +797,6 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
     yield first
     async for piece in rest:
         yield piece
-
-
-def _sse(chunk: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:

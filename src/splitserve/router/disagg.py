@@ -31,6 +31,7 @@ from starlette.responses import Response, StreamingResponse
 
 from splitserve.auth import sign
 from splitserve.router.discovery import Worker, WorkerRole
+from splitserve.router.migrate import stream_error_end
 from splitserve.router.policies import Decision, build_policy
 
 if TYPE_CHECKING:
@@ -116,9 +117,7 @@ class Disaggregator:
                 yield chunk if isinstance(chunk, bytes) else str(chunk).encode()
             return
         error = bytes(response.body) if response.status_code != 200 else b""  # decode failed before streaming
-        message = error.decode(errors="replace") or "no decode worker answered"
-        body = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
-        yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+        yield stream_error_end(error.decode(errors="replace") or "no decode worker answered")
 
     async def _prefill(self, worker: Worker, call: Call, transfer_id: str, addr: str) -> tuple[int, bytes] | None:
         """P's status and body for the prefill request, or None when P could not be reached."""

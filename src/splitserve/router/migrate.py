@@ -90,16 +90,16 @@ class StreamTracker:
             raise WorkerStreamFailed("an event that is not a JSON object")
         if "error" in chunk:
             if self.finished:
-                return _event(chunk)  # after the end: pass it on
+                return sse_event(chunk)  # after the end: pass it on
             error = chunk.get("error")
             raise WorkerStreamFailed(str(error.get("message", error) if isinstance(error, dict) else error))
         if self.resumed_at is not None:
             out = self._reframe(chunk)
-            return b"" if out is None else _event(out)
+            return b"" if out is None else sse_event(out)
         if self.id is None:
             self.id, self.created, self.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
         changed = self._follow(chunk, chunk.get("choices") or [])
-        return _event(chunk) if changed else f"data: {data}\n\n".encode()
+        return sse_event(chunk) if changed else f"data: {data}\n\n".encode()
 
     def _follow(self, chunk: dict[str, Any], choices: list[Any]) -> bool:
         """Take the chunk's ids, text and finish; strips the ids the client did not ask for (True if so)."""
@@ -242,7 +242,13 @@ class SSEBuffer:
         return out
 
 
-def _event(chunk: dict[str, Any]) -> bytes:
+def stream_error_end(message: str) -> bytes:
+    """How a stream that cannot go on ends: an error event (OpenAI's error body, code 502), then ``[DONE]``."""
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+def sse_event(chunk: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
