@@ -12,7 +12,8 @@ use among themselves.
   its internal routes (``/admin/*``, ``/kv/*``: worker lists, KV events, KV transfer addresses and lookups)
   take the cluster secret and nothing else; client keys get a 401 there. Workers send it with their KV events.
 
-Keys are compared in constant time. They never appear in logs.
+Keys are compared in constant time. They never appear in logs. The key a client used is left in the request's
+state (:func:`client_key_of`), so that ``--salt-per-api-key`` can make each key a tenant (:func:`tenant_salt`).
 
 The cluster secret also signs what crosses the cluster outside HTTP or through a client's hands
 (:func:`sign`, :func:`verified`): every KV push from a prefill worker (its control message, which names the
@@ -79,6 +80,22 @@ def verified(secret: str, message: Mapping[str, Any]) -> bool:
     return isinstance(mac, str) and hmac.compare_digest(mac, sign(secret, message))
 
 
+CLIENT_KEY_STATE = "client_key"  # where AuthMiddleware leaves the client key a request used (``request.state``)
+
+
+def tenant_salt(client_key: str, cache_salt: str | None) -> str:
+    """The ``cache_salt`` of a request under ``--salt-per-api-key``: a digest of the client's key (every key a
+    tenant of its own), then the client's own salt, if any, which splits the tenant further."""
+    tenant = "t-" + hashlib.sha256(b"splitserve tenant\0" + client_key.encode()).hexdigest()[:32]
+    return f"{tenant}/{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}" if cache_salt else tenant
+
+
+def client_key_of(scope_state: Mapping[str, Any]) -> str | None:
+    """The client key a request authenticated with; None for the cluster secret or an open route."""
+    key = scope_state.get(CLIENT_KEY_STATE)
+    return key if isinstance(key, str) else None
+
+
 def bearer_header(secret: str | None) -> dict[str, str]:
     """The ``Authorization`` header carrying ``secret``, or no header."""
     return {"Authorization": f"Bearer {secret}"} if secret else {}
@@ -112,7 +129,8 @@ class AuthMiddleware:
     ) -> None:
         self.app = app
         secret = [cluster_secret.encode()] if cluster_secret else []
-        self._client = [key.encode() for key in keys]
+        self._keys = [key.encode() for key in keys]
+        self._client = list(self._keys)
         if self._client and secret_opens_client_routes:
             self._client += secret
         self._internal = secret
@@ -128,6 +146,8 @@ class AuthMiddleware:
                 if token is None or not _matches(token, accepted):
                     await _unauthorized(send, token is None, accepted is self._internal)
                     return
+                if accepted is self._client and _matches(token, self._keys):  # a client's key, not the cluster's
+                    scope.setdefault("state", {})[CLIENT_KEY_STATE] = token.decode()
         await self.app(scope, receive, send)
 
 

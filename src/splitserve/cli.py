@@ -6,6 +6,7 @@ Heavy imports (torch, the engine) happen inside the subcommands that need them, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 import typer
 
 from splitserve.bench.cli import bench_app
-from splitserve.config import L2Backend, Role, RoutingStrategy
+from splitserve.config import REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV, L2Backend, Role, RoutingStrategy
 
 app = typer.Typer(
     name="splitserve",
@@ -114,6 +115,15 @@ def worker_command(
         str | None,
         typer.Option(help="Redis URL, redis://host:port/db.", envvar="SPLITSERVE_L2_URL", rich_help_panel=_TIERS),
     ] = None,
+    l2_key_prefix: Annotated[
+        str,
+        typer.Option(
+            help="Prefix of every Redis key (endpoints sharing one Redis stay apart). The Redis password and ACL "
+            "user come from the URL or SPLITSERVE_REDIS_PASSWORD / SPLITSERVE_REDIS_USERNAME, never a flag.",
+            envvar="SPLITSERVE_L2_KEY_PREFIX",
+            rich_help_panel=_TIERS,
+        ),
+    ] = "",
     l2_path: Annotated[
         str | None,
         typer.Option(help="Directory of the tieredstorage tier.", envvar="SPLITSERVE_L2_PATH", rich_help_panel=_TIERS),
@@ -190,6 +200,15 @@ def worker_command(
             rich_help_panel=_SERVER,
         ),
     ] = None,
+    salt_per_api_key: Annotated[
+        bool,
+        typer.Option(
+            help="Make each client key a cache tenant: its requests share cached prefixes with no other key's "
+            "(a cache_salt derived from the key, then the request's own cache_salt).",
+            envvar="SPLITSERVE_SALT_PER_API_KEY",
+            rich_help_panel=_SERVER,
+        ),
+    ] = False,
     max_tokens_limit: Annotated[
         int | None,
         typer.Option(
@@ -250,6 +269,9 @@ def worker_command(
             l1_cache_bytes=parse_bytes(l1_cache_bytes),
             l2_backend=l2_backend,
             l2_url=l2_url,
+            l2_username=os.environ.get(REDIS_USERNAME_ENV) or None,
+            l2_password=os.environ.get(REDIS_PASSWORD_ENV) or None,
+            l2_key_prefix=l2_key_prefix,
             l2_path=l2_path,
             l2_max_bytes=parse_bytes(l2_max_bytes),
             kv_chunk_size=kv_chunk_size,
@@ -305,6 +327,7 @@ def worker_command(
         worker_id=worker_id,
         advertise_url=advertise_url,
         api_keys=api_keys,
+        salt_per_api_key=salt_per_api_key,
         cluster_secret=secret,
         max_tokens_limit=max_tokens_limit,
         max_queued_requests=max_queued_requests,
@@ -340,6 +363,12 @@ def router_command(
     model: Annotated[str, typer.Option(help="Model whose tokenizer and chat template routing uses.")] = "smollm2",
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8080,
+    admin_host: Annotated[
+        str, typer.Option(help="Interface of the admin listener (/admin/*: the worker lists).")
+    ] = "127.0.0.1",
+    admin_port: Annotated[
+        int | None, typer.Option(help="Port of the admin listener (default: --port + 1).", show_default=False)
+    ] = None,
     routing_strategy: Annotated[
         RoutingStrategy,
         typer.Option(help="roundrobin, session, prefixaware or kvaware.", rich_help_panel=_ROUTING),
@@ -430,6 +459,14 @@ def router_command(
             "SPLITSERVE_API_KEY. Without one, /v1/* is open."
         ),
     ] = None,
+    salt_per_api_key: Annotated[
+        bool,
+        typer.Option(
+            help="Make each client key a cache tenant: the router sets each request's cache_salt from its key "
+            "(then the request's own cache_salt), so no key shares cached prefixes with another.",
+            envvar="SPLITSERVE_SALT_PER_API_KEY",
+        ),
+    ] = False,
     cluster_secret_file: Annotated[
         str | None,
         typer.Option(
@@ -450,10 +487,13 @@ def router_command(
         _fail(str(exc))
     config = RouterConfig(
         api_keys=api_keys,
+        salt_per_api_key=salt_per_api_key,
         cluster_secret=secret,
         model=model,
         host=host,
         port=port,
+        admin_host=admin_host,
+        admin_port=admin_port,
         backends=tuple(backend or ()),
         prefill=tuple(prefill or ()),
         decode=tuple(decode or ()),
@@ -579,6 +619,12 @@ def render_command(
     operator_namespace: Annotated[
         str, typer.Option(help="--operator: the namespace the operator runs in (must exist).")
     ] = "splitserve-system",
+    cluster_wide: Annotated[
+        bool,
+        typer.Option(
+            help="--operator: watch every namespace with a ClusterRole (default: its own namespace, with a Role)."
+        ),
+    ] = False,
 ) -> None:
     """Print the Kubernetes manifests of an endpoint (pipe them to kubectl apply -f -)."""
     import yaml
@@ -590,7 +636,7 @@ def render_command(
         from splitserve.deploy.operator import install_manifests
 
         if operator:
-            manifests = install_manifests(operator_namespace, image or DEFAULT_IMAGE)
+            manifests = install_manifests(operator_namespace, image or DEFAULT_IMAGE, cluster_wide=cluster_wide)
             typer.echo(yaml.safe_dump_all(manifests, sort_keys=False, width=4096), nl=False)
         else:
             typer.echo(crd_yaml(), nl=False)
@@ -609,8 +655,11 @@ def render_command(
 @app.command("operator")
 def operator_command(
     namespace: Annotated[
-        list[str] | None, typer.Option(help="Namespace to watch (repeatable; default: every namespace).")
+        list[str] | None, typer.Option(help="Namespace to watch (repeatable; default: the operator's own).")
     ] = None,
+    all_namespaces: Annotated[
+        bool, typer.Option(help="Watch every namespace (its RBAC must then be cluster-wide).")
+    ] = False,
     api_server: Annotated[
         str | None,
         typer.Option(help="API server URL, e.g. kubectl proxy's http://127.0.0.1:8001 (default: in-cluster)."),
@@ -628,12 +677,13 @@ def operator_command(
     try:
         code = run_operator(
             namespaces=tuple(namespace or ()),
+            all_namespaces=all_namespaces,
             api_server=api_server,
             interval_s=interval,
             default_image=image or DEFAULT_IMAGE,
             liveness_port=liveness_port,
         )
-    except RuntimeError as exc:  # no kopf, or no API server
+    except RuntimeError as exc:  # no kopf, no API server, or no namespace to watch
         _fail(str(exc))
     raise typer.Exit(code)
 
@@ -642,7 +692,9 @@ def operator_command(
 def k8s_discovery_command(
     selector: Annotated[str, typer.Option(help="Label selector of the worker pods.", rich_help_panel=_K8S)],
     port: Annotated[int, typer.Option(help="The workers' HTTP container port.", rich_help_panel=_K8S)],
-    router: Annotated[str, typer.Option(help="The router's base URL.")] = "http://127.0.0.1:8080",
+    router: Annotated[
+        str, typer.Option(help="The router's admin listener (its --admin-host/--admin-port).")
+    ] = "http://127.0.0.1:8081",
     namespace: Annotated[
         str, typer.Option(help="Namespace of the pods.", envvar="SPLITSERVE_POD_NAMESPACE", rich_help_panel=_K8S)
     ] = "default",

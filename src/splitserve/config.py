@@ -145,6 +145,8 @@ class L2Backend(StrEnum):
 
 
 _REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_PASSWORD_ENV = "SPLITSERVE_REDIS_PASSWORD"
+REDIS_USERNAME_ENV = "SPLITSERVE_REDIS_USERNAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +160,10 @@ class KVTierConfig:
     l1_cache: bool = False  # keep saved chunks in this process's memory (LRU)
     l1_cache_bytes: int = 1 << 30  # L1 budget in bytes
     l2_backend: L2Backend = L2Backend.NONE
-    l2_url: str | None = None  # redis://host:port/db, for the redis backend
+    l2_url: str | None = None  # redis://host:port/db (or rediss:// for TLS), for the redis backend
+    l2_username: str | None = None  # Redis ACL user, when the URL names none (SPLITSERVE_REDIS_USERNAME)
+    l2_password: str | None = field(default=None, repr=False)  # when the URL has none (SPLITSERVE_REDIS_PASSWORD)
+    l2_key_prefix: str = ""  # put before every Redis key, so endpoints can share one Redis apart
     l2_path: str | None = None  # a directory, for the tieredstorage backend
     l2_max_bytes: int = 10 << 30  # tieredstorage: byte budget of the directory (this worker's view)
     kv_chunk_size: int = 256  # tokens per stored chunk; a multiple of the block size
@@ -249,6 +254,7 @@ class ServerConfig:
     worker_id: str | None = None  # None: host:port
     advertise_url: str | None = None  # how others reach this worker; None: http://host:port
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
+    salt_per_api_key: bool = False  # every client key a cache tenant (auth.tenant_salt)
     cluster_secret: str | None = field(default=None, repr=False)  # the router's credential; accepted like a key
 
     def validate(self) -> None:
@@ -294,6 +300,8 @@ class RouterConfig:
     model: str = "smollm2"  # names the tokenizer and chat template only
     host: str = "127.0.0.1"
     port: int = 8080
+    admin_host: str = "127.0.0.1"  # the admin listener (/admin/*): loopback unless asked otherwise
+    admin_port: int | None = None  # None: ``port`` + 1
     backends: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()  # disaggregated endpoints: prefill pool (the DPD issue)
     decode: tuple[str, ...] = ()  # disaggregated endpoints: decode pool
@@ -324,11 +332,21 @@ class RouterConfig:
     shutdown_timeout_s: int = 30  # SIGTERM: how long streams in flight may run on before they are cut
     max_request_body_bytes: int = 16 << 20
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
+    salt_per_api_key: bool = False  # every client key a cache tenant (auth.tenant_salt)
     cluster_secret: str | None = field(default=None, repr=False)  # sent to workers instead of the client's key
+
+    @property
+    def admin_listen_port(self) -> int:
+        """Where ``/admin/*`` is served: ``admin_port``, else the port after ``port`` (any free one if 0)."""
+        if self.admin_port is not None:
+            return self.admin_port
+        return self.port + 1 if self.port else 0
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.admin_listen_port < 65536 or (self.port and self.admin_listen_port == self.port):
+            raise ValueError(f"--admin-port must be in [0, 65535] and differ from --port, got {self.admin_listen_port}")
         if not self.backends and not (self.prefill and self.decode):
             raise ValueError("give at least one --backend, or both --prefill and --decode")
         if self.backends and (self.prefill or self.decode):

@@ -2,7 +2,8 @@
 
 Tokens are grouped in blocks of ``block_size`` tokens. A block's hash is xxh3-64, seeded with
 ``KEY_SEED``, over (parent block hash as 8 little-endian bytes, the block's token ids as little-endian
-uint32, extra key bytes). The first block's parent is ``ROOT_HASH``. Only full blocks are hashed. A chunk
+uint32, extra key bytes). The first block's parent is ``ROOT_HASH``, or for a request with a ``cache_salt``
+a hash of the salt (:func:`salt_root`). Only full blocks are hashed. A chunk
 (``chunk_size`` tokens, a multiple of ``block_size``) is named by the hash of its last block, and so is a
 shorter stored run of blocks that starts at a chunk boundary (a prompt's tail): a name always covers the
 tokens from the chunk boundary at or before its block to the end of that block.
@@ -20,6 +21,22 @@ import xxhash
 KEY_SEED = 0x5B117_5E7E  # fixed project constant; changing it invalidates every stored key
 ROOT_HASH = 0
 KEY_FORMAT_VERSION = "v1"
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The parent hash of a prompt's first block: ``ROOT_HASH``, or one derived from ``cache_salt``.
+
+    vLLM's ``cache_salt`` semantics: the salt is mixed into the first block's hash, so every block hash of a
+    salted prompt differs from the same prompt's under another salt (or none). Prompts that share a salt share
+    their cached prefixes as before; across salts nothing is shared: engine prefix cache, L1/L2 keys, the
+    router's indexes and ``/kv/lookup`` all build on these hashes.
+    """
+    if not cache_salt:
+        return ROOT_HASH
+    return xxhash.xxh3_64_intdigest(b"splitserve cache salt\0" + cache_salt.encode(), seed=KEY_SEED)
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra_key: bytes = b"") -> int:

@@ -56,11 +56,11 @@ class Pair:
         wait_until(lambda: self.in_flight_by_worker()[old.url] == 0 and self._all_healthy(), timeout_s=30)
 
     def in_flight_by_worker(self) -> dict[str, int]:
-        states = httpx.get(f"{self.router.url}/admin/workers", timeout=5).json()["workers"]
+        states = httpx.get(f"{self.router.admin_url}/admin/workers", timeout=5).json()["workers"]
         return {state["url"]: state["in_flight"] for state in states}
 
     def _all_healthy(self) -> bool:
-        states = httpx.get(f"{self.router.url}/admin/workers", timeout=5).json()["workers"]
+        states = httpx.get(f"{self.router.admin_url}/admin/workers", timeout=5).json()["workers"]
         return all(state["healthy"] is True for state in states)
 
     def stop(self) -> None:

@@ -164,9 +164,12 @@ def test_the_supervisor_closes_the_internal_routes_with_a_secret_of_its_own(colo
     assert secret_file.stat().st_mode & 0o777 == 0o600 and secret_file.parent.stat().st_mode & 0o077 == 0
     secret = secret_file.read_text().strip()
     attack = {"backends": ["http://attacker.example:80"]}
-    refused = httpx.put(f"{colocated.url}/admin/workers", json=attack, timeout=10)
+    admin_url = state(colocated.home, colocated.name)["admin_url"]
+    refused = httpx.put(f"{admin_url}/admin/workers", json=attack, timeout=10)
     assert refused.status_code == 401, refused.text
-    listing = httpx.get(f"{colocated.url}/admin/workers", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    public = httpx.get(f"{colocated.url}/admin/workers", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    assert public.status_code == 404  # not on the public listener at all
+    listing = httpx.get(f"{admin_url}/admin/workers", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
     assert listing.status_code == 200 and all("attacker" not in w["url"] for w in listing.json()["workers"])
     assert chat(colocated.url).status_code == 200  # clients are unaffected: no client key was set
     pids = [pod["pid"] for pod in state(colocated.home, colocated.name)["pods"] if pod["pid"]]

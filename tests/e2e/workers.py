@@ -78,6 +78,12 @@ class WorkerProcess:
 
 
 class RouterProcess(WorkerProcess):
-    """``splitserve router --model smollm2 --port <port> <args>`` (healthy once some worker is)."""
+    """``splitserve router --model smollm2 --port <port> --admin-port <free port> <args>`` (healthy once some
+    worker is); ``admin_url`` is its admin listener (``/admin/*``)."""
 
     subcommand = "router"
+
+    def __init__(self, log_path: Path, args: Sequence[str], port: int | None = None) -> None:
+        self.admin_port = free_port()
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        super().__init__(log_path, ["--admin-port", str(self.admin_port), *args], port)

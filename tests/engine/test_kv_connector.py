@@ -52,7 +52,7 @@ def make_store(layout: str, l2: KVTier | None, l1: bool = True, max_pending: int
     return TieredStore(
         CPUTier(64 << 20) if l1 else NullTier(),
         l2,
-        validate=lambda v: serde.verify(v, layout),
+        validate=serde.RecordSigner.for_secret(None, MODEL_ID, layout).verify,
         max_pending_write_bytes=max_pending,
     )
 

@@ -183,7 +183,7 @@ def test_a_dead_redis_at_start_is_degraded_mode(server: RedisServer) -> None:
 def test_a_chunk_stored_by_one_worker_is_served_to_another(server: RedisServer) -> None:
     """Two stores (two workers) share one Redis: B finds A's chunks in L2, validates and promotes them."""
 
-    def validate(value: bytes) -> None:
+    def validate(_key: str, value: bytes) -> None:
         serde.verify(value, LAYOUT)
 
     worker_a = TieredStore(CPUTier(10**7), RedisTier(server.url), validate=validate)

@@ -93,8 +93,8 @@ def test_every_client_route_wants_a_key_on_the_worker_and_the_router(
 INTERNAL = [
     ("worker", "POST", "/kv/lookup", {"prompt": "Hello"}),
     ("worker", "GET", "/kv/transfer", None),
-    ("router", "GET", "/admin/workers", None),
-    ("router", "PUT", "/admin/workers", {"backends": ["http://attacker.example:80"]}),
+    ("admin", "GET", "/admin/workers", None),
+    ("admin", "PUT", "/admin/workers", {"backends": ["http://attacker.example:80"]}),
     ("router", "POST", "/kv/events", {"worker_id": "x", "worker_url": "http://attacker.example:80", "events": []}),
 ]
 
@@ -104,7 +104,7 @@ def test_internal_routes_take_the_cluster_secret_and_nothing_else(
     processes: tuple[WorkerProcess, RouterProcess], process: str, method: str, path: str, body: object
 ) -> None:
     worker, router = processes
-    url = worker.url if process == "worker" else router.url
+    url = {"worker": worker.url, "router": router.url, "admin": router.admin_url}[process]
     for key in (None, WORKER_KEY, ROUTER_KEY, SECRET[:-1]):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         response = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
@@ -121,10 +121,32 @@ def test_workers_send_their_kv_events_with_the_cluster_secret(processes: tuple[W
     secret = {"Authorization": f"Bearer {SECRET}"}
 
     def registered() -> bool:
-        workers = httpx.get(router.url + "/admin/workers", headers=secret, timeout=10).json()["workers"]
+        workers = httpx.get(router.admin_url + "/admin/workers", headers=secret, timeout=10).json()["workers"]
         return any(w["worker_id"] == "keyed-worker" for w in workers)
 
     wait_until(registered, timeout_s=30)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local IPv4 addresses a TCP socket listens on at ``port`` (from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
+
+
+def test_the_admin_routes_listen_on_loopback_only_and_not_on_the_public_port(
+    processes: tuple[WorkerProcess, RouterProcess],
+) -> None:
+    _, router = processes
+    secret = {"Authorization": f"Bearer {SECRET}"}
+    assert httpx.get(router.url + "/admin/workers", headers=secret, timeout=10).status_code == 404
+    assert httpx.put(router.url + "/admin/workers", json={"backend": []}, headers=secret).status_code in (404, 405)
+    assert httpx.get(router.admin_url + "/admin/workers", headers=secret, timeout=10).status_code == 200
+    assert listening_addresses(router.admin_port) == {"127.0.0.1"}
 
 
 def test_health_and_metrics_stay_open(processes: tuple[WorkerProcess, RouterProcess]) -> None:

@@ -150,7 +150,7 @@ class FakeEngine:
             num_prompt_tokens=self.num_prompt_tokens,
         )
 
-    def lookup_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
+    def lookup_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
         """Pretends the 4-token blocks of any earlier prompt this one extends are cached (not the last token)."""
         seen = max((len(ids) for ids in self.seen_prompts if prompt_token_ids[: len(ids)] == ids), default=0)
         return {"engine": min(seen, len(prompt_token_ids) - 1) // 4 * 4, "l1": 0, "l2": 0}

@@ -6,10 +6,11 @@ import struct
 
 import pytest
 import torch
+import xxhash
 
-from splitserve.keys import kv_layout
+from splitserve.keys import cache_key, kv_layout
 from splitserve.kvcache import serde
-from splitserve.kvcache.serde import RecordError, RecordFault, decode, encode, read_header, verify
+from splitserve.kvcache.serde import RecordError, RecordFault, RecordSigner, decode, encode, read_header, verify
 
 torch.set_num_threads(1)
 
@@ -138,3 +139,68 @@ class TestEveryCorruptionIsARecordError:
         assert verify(record, self.layout).num_tokens == NUM_TOKENS
         with pytest.raises(RecordError):
             verify(damaged(record, len(record) - 1, bytes([record[-1] ^ 0x80])), self.layout)
+
+
+class TestSignedRecords:
+    """A shared tier serves a record only under the key it was signed for, by a holder of the same secret."""
+
+    LAYOUT = layout_for(torch.float32)
+    KEY = cache_key("model-a", layout_for(torch.float32), 0x1234ABCD)
+
+    def signer(self, secret: str | None = "s3cret", model_id: str = "model-a") -> RecordSigner:
+        return RecordSigner.for_secret(secret, model_id, self.LAYOUT)
+
+    def signed(self, secret: str | None = "s3cret") -> bytes:
+        return self.signer(secret).encode(make_kv(torch.float32), NUM_TOKENS, self.KEY)
+
+    def fault_of(self, record: bytes, key: str | None = None, reader: RecordSigner | None = None) -> RecordFault:
+        with pytest.raises(RecordError) as info:
+            (reader or self.signer()).verify(key or self.KEY, record)
+        return info.value.fault
+
+    def test_a_signed_record_verifies_and_names_its_identity(self) -> None:
+        header = self.signer().verify(self.KEY, self.signed())
+        assert (header.model_id, header.token_hash, header.layout) == ("model-a", 0x1234ABCD, self.LAYOUT)
+        assert torch.equal(decode(self.signed(), self.LAYOUT), make_kv(torch.float32))
+
+    def test_copied_under_another_key_is_an_identity_miss(self) -> None:
+        other = cache_key("model-a", self.LAYOUT, 0x1234ABCE)
+        assert self.fault_of(self.signed(), key=other) == RecordFault.IDENTITY
+
+    def test_another_model_is_an_identity_miss(self) -> None:
+        assert self.fault_of(self.signed(), reader=self.signer(model_id="model-b")) == RecordFault.IDENTITY
+
+    def test_another_secret_or_none_is_a_mac_miss(self) -> None:
+        assert self.fault_of(self.signed("other")) == RecordFault.MAC
+        assert self.fault_of(self.signed(None)) == RecordFault.MAC
+
+    def test_without_a_secret_the_public_key_still_catches_damage(self) -> None:
+        record = bytearray(self.signed(None))
+        self.signer(None).verify(self.KEY, bytes(record))
+        record[-1] ^= 1
+        assert self.fault_of(bytes(record), reader=self.signer(None)) == RecordFault.MAC
+
+    def test_an_unsigned_record_is_a_mac_miss(self) -> None:
+        unsigned = encode(make_kv(torch.float32), NUM_TOKENS, self.LAYOUT, model_id="model-a", key=self.KEY)
+        assert self.fault_of(unsigned) == RecordFault.MAC
+
+    @pytest.mark.parametrize("where", ["payload", "checksum", "token_count_field", "shape"])
+    def test_any_changed_byte_is_a_miss(self, where: str) -> None:
+        record = bytearray(self.signed())
+        offset = {"payload": len(record) - 1, "checksum": 24, "token_count_field": 8, "shape": 72}[where]
+        record[offset] ^= 0x01
+        with pytest.raises(RecordError):
+            self.signer().verify(self.KEY, bytes(record))
+
+    def test_a_forged_header_with_a_recomputed_checksum_is_still_a_mac_miss(self) -> None:
+        """An attacker without the secret can fix the xxh3 of whatever payload it writes, not the MAC."""
+        record = bytearray(self.signed())
+        offset = read_header(bytes(record)).payload_offset
+        record[offset:] = bytes(len(record) - offset)  # zeroed KV
+        struct.pack_into("<Q", record, 24, xxhash.xxh3_64_intdigest(bytes(record[offset:])))
+        verify(bytes(record), self.LAYOUT)  # the checksum alone is satisfied
+        assert self.fault_of(bytes(record)) == RecordFault.MAC
+
+    def test_signing_needs_the_key(self) -> None:
+        with pytest.raises(ValueError, match="needs the key"):
+            encode(make_kv(torch.float32), NUM_TOKENS, self.LAYOUT, signer=self.signer())

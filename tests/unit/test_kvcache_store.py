@@ -142,7 +142,7 @@ class TestGetPrefix:
         fill(l2, [0, 1])
         l2.put(key(1), b"corrupt")
 
-        def validate(record: bytes) -> None:
+        def validate(_key: str, record: bytes) -> None:
             if record == b"corrupt":
                 raise ValueError("bad checksum")
 

@@ -15,6 +15,8 @@ directory, where ``splitserve get`` and ``logs`` read it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -30,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.auth import bearer_header
-from splitserve.config import Role
+from splitserve.config import REDIS_PASSWORD_ENV, Role
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
 from splitserve.deploy.render import REDIS_MAX_MEMORY
@@ -97,6 +99,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.host = host
         self.router_port = router_port
+        self.admin_port = free_port()
         self.pods = PodSet(run_dir / "logs", on_change=self.write_state)
         self.plan: EndpointPlan | None = None
         self.config: InferenceEndpointConfig | None = None
@@ -115,6 +118,11 @@ class Supervisor:
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """The router's admin listener (loopback), where the worker lists are published."""
+        return f"http://127.0.0.1:{self.admin_port}"
 
     # -- reconcile ----------------------------------------------------------------------------------------
 
@@ -195,6 +203,8 @@ class Supervisor:
         if endpoint.router.kv_events:
             flags += ["--kv-events-url", f"{self.router_url}/kv/events"]
         env = dict(role_plan.env)
+        if self._redis is not None:
+            env[REDIS_PASSWORD_ENV] = self.redis_password
         gpus: tuple[int, ...] = ()
         if template.num_gpus:
             gpus = self._gpus.take(template.num_gpus)
@@ -219,7 +229,8 @@ class Supervisor:
     def _router_command(self, endpoint: EndpointPlan, workers: list[Pod]) -> tuple[str, ...]:
         urls = [f for p in workers for f in (ROLE_URL_FLAG[Role(p.spec.role)], p.spec.url)]
         return splitserve_command(
-            "router", *endpoint.router.flags, "--host", self.host, "--port", str(self.router_port), *urls,
+            "router", *endpoint.router.flags, "--host", self.host, "--port", str(self.router_port),
+            "--admin-port", str(self.admin_port), *urls,
             "--cluster-secret-file", str(self.secret_file),
         )  # fmt: skip
 
@@ -231,7 +242,7 @@ class Supervisor:
         assert self.plan is not None and self._router is not None
         self._router.spec.command = self._router_command(self.plan, workers)  # a restarted router starts current
         try:
-            url, headers = f"{self.router_url}/admin/workers", bearer_header(self._secret)
+            url, headers = f"{self.admin_url}/admin/workers", bearer_header(self._secret)
             response = httpx.put(url, json=lists, headers=headers, timeout=10, trust_env=False)
             response.raise_for_status()
         except httpx.HTTPError as exc:
@@ -252,14 +263,30 @@ class Supervisor:
             if binary is None:
                 raise RuntimeError("the resource asks for a Redis L2 without a URL, and redis-server is not installed")
             port = free_port()
-            # an L2 is a cache: bounded, least recently used chunks evicted (as on Kubernetes)
-            command = (binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                       "--protected-mode", "yes", "--maxmemory", REDIS_MAX_MEMORY,
-                       "--maxmemory-policy", "allkeys-lru")  # fmt: skip
+            command = (binary, str(self._redis_config(port)))
             name = pod_name("redis", config.metadata.name)
             self._redis = self.pods.add(PodSpec("redis", command, port, health_path=None), name)
             self.pods.wait_ready([self._redis], 30)
         return f"redis://127.0.0.1:{self._redis.spec.port}/0"
+
+    def _redis_config(self, port: int) -> Path:
+        """The local Redis's configuration file (0600): loopback only, a password, no persistence, and, as an L2
+        is a cache, bounded with least recently used chunks evicted (as on Kubernetes). The password stays out
+        of argv; workers get it in their environment."""
+        path = self.run_dir / "redis.conf"
+        lines = [
+            f"port {port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.redis_password}", 'save ""',
+            "appendonly no", f"maxmemory {REDIS_MAX_MEMORY}", "maxmemory-policy allkeys-lru",
+        ]  # fmt: skip
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write("\n".join(lines) + "\n")
+        return path
+
+    @property
+    def redis_password(self) -> str:
+        """The local Redis's password, derived from the cluster secret (so it outlives a restarted supervisor)."""
+        return hmac.new(self._secret.encode(), b"splitserve local redis", hashlib.sha256).hexdigest()
 
     # -- state --------------------------------------------------------------------------------------------
 
@@ -268,6 +295,7 @@ class Supervisor:
         state = {
             "endpoint": self.plan.name if self.plan is not None else None,
             "router_url": self.router_url,
+            "admin_url": self.admin_url,
             "supervisor_pid": os.getpid(),
             "revision": self.revision,
             "condition": {"type": "Ready", "status": self.is_ready,

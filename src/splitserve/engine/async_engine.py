@@ -57,7 +57,9 @@ class EngineCore(Protocol):
 
     def get_stats(self) -> EngineStatsLike: ...
 
-    def lookup_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]: ...  # any thread; a snapshot
+    def lookup_prefix(
+        self, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> dict[str, int]: ...  # any thread
 
     def kv_transfer_info(self) -> dict[str, Any] | None: ...  # decode role: the KV receiver; any thread
 

@@ -143,13 +143,15 @@ class LLMEngine:
         sampled = self.runner.execute(sched)
         return self._update(sched, sampled)
 
-    def lookup_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
+    def lookup_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
         """Tokens of this prompt that admission would take from each source instead of computing them.
 
-        ``{"engine": n, "l1": n, "l2": n}``, as the scheduler would see it now (never the last token). Reads
+        ``{"engine": n, "l1": n, "l2": n}`` for a request with ``cache_salt``, as the scheduler would see it now
+        (never the last token). Reads
         without locking the engine, so it may run on another thread; the answer is a snapshot.
         """
-        request = Request("kv-lookup", list(prompt_token_ids), SamplingParams(max_tokens=1), 0.0)
+        params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
+        request = Request("kv-lookup", list(prompt_token_ids), params, 0.0)
         held = {"engine": len(self.kv.find_cached_prefix(request)) * self.kv.block_size, "l1": 0, "l2": 0}
         if self.connector is not None:
             held.update(self.connector.lookup_tokens(request, held["engine"]))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.block_pool import BlockPool, KVBlock
 from splitserve.engine.request import Request
-from splitserve.keys import ROOT_HASH, hash_block
+from splitserve.keys import hash_block
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ class KVCacheManager:
         hashes = request.update_block_hashes(self.block_size)
         if num_tokens - start == self.block_size:
             return self.pool.lookup(hashes[last])
-        parent = hashes[last - 1] if last else ROOT_HASH
+        parent = hashes[last - 1] if last else request.root_hash
         return self.pool.lookup_tail(hash_block(parent, request.all_token_ids[start:num_tokens]))
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -128,7 +128,7 @@ class KVCacheManager:
         if num_tail < 2 or last >= len(held):  # one token is recomputed anyway; nothing to gain
             return
         hashes = request.update_block_hashes(self.block_size)
-        parent = hashes[last - 1] if last else ROOT_HASH
+        parent = hashes[last - 1] if last else request.root_hash
         tokens = request.all_token_ids[last * self.block_size : num_prompt]
         self.pool.cache_tail(held[last], hash_block(parent, tokens))
 

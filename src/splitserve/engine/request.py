@@ -11,7 +11,7 @@ from enum import StrEnum
 
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.keys import ROOT_HASH, hash_blocks
+from splitserve.keys import hash_blocks, salt_root
 
 
 class RequestStatus(StrEnum):
@@ -67,9 +67,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    @property
+    def root_hash(self) -> int:
+        """The parent hash of the first block (``keys.salt_root`` of the request's ``cache_salt``)."""
+        return salt_root(self.params.cache_salt)
+
     def update_block_hashes(self, block_size: int) -> list[int]:
         """Extend ``block_hashes`` to every full block of ``all_token_ids``; returns the whole list."""
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
         self.block_hashes.extend(
             hash_blocks(self.all_token_ids, block_size, parent, start_block=len(self.block_hashes))
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.kv_transfer import KVTransferParams
+from splitserve.keys import MAX_CACHE_SALT_CHARS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -32,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     kv_transfer: KVTransferParams | None = None  # disaggregated prefill/decode (see ``kv_transfer``)
+    cache_salt: str | None = None  # isolates this request's cached prefixes from other salts' (``keys.salt_root``)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,5 +63,7 @@ class SamplingParams:
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r}")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")

@@ -44,7 +44,7 @@ from splitserve.kv_events import KVEventSink, Tier
 from splitserve.kvcache import serde
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
-from splitserve.kvcache.redis import RedisTier
+from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
 
@@ -109,6 +109,8 @@ class KVConnector:
         layout: the engine's ``keys.kv_layout``; ``register_kv_cache`` checks the cache against it.
         chunk_size: tokens per chunk, a multiple of the engine's block size.
         save_prompt / save_decode: what ``save_completed_chunks`` stores (see the module docstring).
+        signer: signs the records saved (default: no cluster secret); the store's L2 validator should be its
+            ``verify``.
     """
 
     def __init__(
@@ -120,12 +122,14 @@ class KVConnector:
         chunk_size: int = 256,
         save_prompt: bool = True,
         save_decode: bool = False,
+        signer: serde.RecordSigner | None = None,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.store = store
         self.model_id = model_id
         self.layout = layout
+        self.signer = signer or serde.RecordSigner.for_secret(None, model_id, layout)
         self.chunk_size = chunk_size
         self.save_prompt = save_prompt or save_decode
         self.save_decode = save_decode
@@ -249,7 +253,8 @@ class KVConnector:
     def _decode(self, record: _Record, value: bytes) -> torch.Tensor | None:
         """A record's KV, or None (discarded, to be recomputed) when it does not decode."""
         try:
-            return serde.decode(value, self.layout, self._record_shape(record.end - record.start))
+            # L2 values passed the store's MAC and identity check; the xxh3 (~20 GB/s) also guards L1's memory
+            return serde.decode(value, self.layout, self._record_shape(record.end - record.start), self._kv_dtype())
         except serde.RecordError as exc:
             logger.warning("KV connector: %s is a miss, recomputing from token %d: %s", record.key, record.start, exc)
             self.store.discard(record.key)
@@ -293,7 +298,13 @@ class KVConnector:
                 self._stats.num_invalid_records += 1
                 break
             lo, hi = max(start_token, record.start), min(end_token, record.end)  # the engine may hold the head
-            self._write_slots(block_ids, lo, hi, kv[:, :, lo - record.start : hi - record.start])
+            try:
+                self._write_slots(block_ids, lo, hi, kv[:, :, lo - record.start : hi - record.start])
+            except RuntimeError as exc:  # a record that does not fit the cache is a miss, never a dead engine
+                logger.warning("KV connector: %s does not fit the KV cache, recomputing: %s", record.key, exc)
+                self.store.discard(record.key)
+                self._stats.num_invalid_records += 1
+                break
             num_loaded, saved_end = hi - start_token, record.end
             if hi == end_token:
                 break
@@ -324,7 +335,7 @@ class KVConnector:
         records = self._records_to_save(request, self._num_saved_tokens.get(request.request_id, 0))
         for record in records:
             kv = self._read_slots(block_ids, record.start, record.end)
-            self.store.put(record.key, serde.encode(kv, record.end - record.start, self.layout))
+            self.store.put(record.key, self.signer.encode(kv, record.end - record.start, record.key))
         if records:
             self._stats.num_saved_chunks += len(records)
             self._num_saved_tokens[request.request_id] = records[-1].end
@@ -383,6 +394,10 @@ class KVConnector:
         start = last_block * self._block_size // self.chunk_size * self.chunk_size
         return _Record(cache_key(self.model_id, self.layout, hashes[last_block]), start, end)
 
+    def _kv_dtype(self) -> torch.dtype:
+        assert self._kv_cache is not None
+        return self._kv_cache.dtype
+
     def _record_shape(self, num_tokens: int) -> tuple[int, ...]:
         """``[layers, 2, num_tokens, kv_heads, head_dim]`` of a record in the engine's layout."""
         assert self._kv_cache is not None
@@ -411,15 +426,18 @@ def build_connector(
     layout: str,
     role: Role = Role.COLOCATED,
     events: KVEventSink | None = None,
+    cluster_secret: str | None = None,
 ) -> KVConnector:
     """The connector and tiers ``config`` asks for; logs the outcome (degraded mode when Redis is down).
 
-    ``events`` hears what L1 stores and evicts and what reached L2.
+    ``events`` hears what L1 stores and evicts and what reached L2. ``cluster_secret`` keys the records' MACs:
+    a shared tier's record is served only if it was signed with the same secret (``serde.RecordSigner``).
     """
     on_evict = None if events is None else lambda key: events.removed(Tier.L1, (hash_of_key(key),))
     l1: KVTier = CPUTier(config.l1_cache_bytes, on_evict) if config.l1_cache else NullTier()
     l2 = _build_l2(config)
-    store = TieredStore(l1, l2, validate=lambda value: serde.verify(value, layout), events=events)
+    signer = serde.RecordSigner.for_secret(cluster_secret, model_id, layout)
+    store = TieredStore(l1, l2, validate=signer.verify, events=events)
     connector = KVConnector(
         store,
         model_id,
@@ -427,6 +445,7 @@ def build_connector(
         chunk_size=config.kv_chunk_size,
         save_prompt=role != Role.DECODE,
         save_decode=config.save_decode_cache,
+        signer=signer,
     )
     _log_startup(config, l2, layout)
     return connector
@@ -435,7 +454,8 @@ def build_connector(
 def _build_l2(config: KVTierConfig) -> KVTier | None:
     if config.l2_backend == L2Backend.REDIS:
         assert config.l2_url is not None  # validated
-        return RedisTier(config.l2_url)
+        client = connect(config.l2_url, username=config.l2_username, password=config.l2_password)
+        return RedisTier(client, key_prefix=config.l2_key_prefix, owns_client=True)
     if config.l2_backend == L2Backend.TIEREDSTORAGE:
         assert config.l2_path is not None  # validated
         return DiskTier(config.l2_path, config.l2_max_bytes)

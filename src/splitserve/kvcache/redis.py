@@ -35,14 +35,23 @@ def connect(
     url: str,
     socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    *,
+    username: str | None = None,
+    password: str | None = None,
 ) -> redis.Redis:
-    """A client for ``redis://host:port/db`` with timeouts and no hidden retries. Does not connect yet."""
+    """A client for ``redis://host:port/db`` (``rediss://`` for TLS, with redis-py's ``ssl_*`` query parameters,
+    e.g. ``?ssl_ca_certs=/etc/ca.pem``) with timeouts and no hidden retries. Does not connect yet.
+
+    ``username``/``password`` authenticate (ACL user, or ``requirepass``) when the URL carries none.
+    """
     return redis.Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
         retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again, not redis-py
         retry_on_timeout=False,
+        username=username,
+        password=password,
     )
 
 
@@ -55,6 +64,8 @@ class RedisTier:
         ttl_s: expire each record this long after it is written; None keeps records until Redis evicts them.
         breaker: the circuit breaker (default: open after 3 consecutive errors, back-off 0.5 s doubling to 30 s).
         max_keys_per_mget: keys per MGET command within one pipelined round trip.
+        key_prefix: put before every key in Redis (the records' own keys, and so their MACs, stay the same).
+        owns_client: close a given client in :meth:`close` (a URL's client is always closed).
     """
 
     def __init__(
@@ -65,13 +76,16 @@ class RedisTier:
         breaker: CircuitBreaker | None = None,
         max_keys_per_mget: int = DEFAULT_MAX_KEYS_PER_MGET,
         name: str = "redis",
+        key_prefix: str = "",
+        owns_client: bool = False,
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
         if max_keys_per_mget < 1:
             raise ValueError(f"max_keys_per_mget must be >= 1, got {max_keys_per_mget}")
         self.name = name
-        self._owns_client = isinstance(client, str)
+        self.key_prefix = key_prefix
+        self._owns_client = owns_client or isinstance(client, str)
         self._client = connect(client) if isinstance(client, str) else client
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self.breaker = breaker or CircuitBreaker()
@@ -93,7 +107,7 @@ class RedisTier:
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        values = self._call("MGET", lambda: self._mget(keys), None)
+        values = self._call("MGET", lambda: self._mget(self._keys(keys)), None)
         if values is None:
             values = [None] * len(keys)
         num_hits = sum(v is not None for v in values)
@@ -105,16 +119,16 @@ class RedisTier:
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        return self._call("EXISTS", lambda: self._exists(keys), [False] * len(keys))
+        return self._call("EXISTS", lambda: self._exists(self._keys(keys)), [False] * len(keys))
 
     def put(self, key: str, value: bytes) -> None:
-        if self._call("SET", lambda: bool(self._client.set(key, value, px=self._ttl_ms)), False):
+        if self._call("SET", lambda: bool(self._client.set(self.key_prefix + key, value, px=self._ttl_ms)), False):
             with self._lock:
                 self._stats.num_puts += 1
                 self._stats.written_bytes += len(value)
 
     def delete(self, key: str) -> None:
-        self._call("DEL", lambda: bool(self._client.delete(key)), False)
+        self._call("DEL", lambda: bool(self._client.delete(self.key_prefix + key)), False)
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -125,6 +139,9 @@ class RedisTier:
             self._client.close()
 
     # -- Redis commands ---------------------------------------------------------------------------------
+
+    def _keys(self, keys: Sequence[str]) -> Sequence[str]:
+        return [self.key_prefix + key for key in keys] if self.key_prefix else keys
 
     def _mget(self, keys: Sequence[str]) -> list[bytes | None]:
         pipe = self._client.pipeline(transaction=False)

@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_WRITE_BYTES = 256 * 1024 * 1024
 
-RecordValidator = Callable[[bytes], object]
-"""Raises ValueError (e.g. ``serde.RecordError``) for a record that must not be served."""
+RecordValidator = Callable[[str, bytes], object]
+"""Given the key a value was read under and the value: raises ValueError (e.g. ``serde.RecordError``) for a
+record that must not be served."""
 
 
 class PrefixHit(NamedTuple):
@@ -53,8 +54,8 @@ class TieredStore:
     Args:
         l1: the fast local tier (normally ``CPUTier``); values in it are trusted (written by this process).
         l2: the shared tier (``RedisTier`` or ``DiskTier``), or None for L1 only.
-        validate: run on every value read from L2 before it is served or promoted; a ValueError makes it a
-            miss, deletes it from L2 and counts it. Typically ``lambda v: serde.verify(v, layout)``.
+        validate: run on every value read from L2 (with its key) before it is served or promoted; a ValueError
+            makes it a miss, deletes it from L2 and counts it. Typically ``serde.RecordSigner.verify``.
         max_pending_write_bytes: bound on the bytes waiting to be written to L2.
         events: told what L1 stores and drops, and what L2 confirmed it holds after a write (for the
             router's KV index). L1 evictions reach it only through the L1 tier's own ``on_evict``.
@@ -195,7 +196,7 @@ class TieredStore:
         if value is None or self._validate is None:
             return value
         try:
-            self._validate(value)
+            self._validate(key, value)
         except ValueError as exc:
             logger.warning("KV store: dropping invalid record %s from %s: %s", key, tier.name, exc)
             with self._cond:

@@ -317,10 +317,10 @@ class PDReceiverConnector:
         device = self._kv_cache.device
         slots = torch.tensor(token_slots(block_ids, range(start_token, end_token), self._block_size), device=device)
         try:  # verified when it arrived, and in this process's memory since
-            kv = serde.decode(entry.record, self.layout, shape, verify_checksum=False)
+            kv = serde.decode(entry.record, self.layout, shape, self._kv_cache.dtype, verify_checksum=False)
             with torch.no_grad():
                 self._kv_cache.index_copy_(2, slots, kv[:, :, start_token:end_token].to(device))
-        except serde.RecordError as exc:
+        except (serde.RecordError, RuntimeError) as exc:  # a record that does not fit is a miss, never a dead engine
             logger.warning("PD: transfer %s is unusable (%s); recomputing", params.transfer_id, exc)
             return LoadedTokens()
         finally:

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve import httpserver
-from splitserve.auth import AuthMiddleware, bearer_header
+from splitserve.auth import AuthMiddleware, bearer_header, client_key_of, tenant_salt
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
@@ -230,6 +230,11 @@ class Router:
         if "kv_transfer_params" in body:  # the router's to set (signed), never a client's
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             raw = json.dumps(body).encode()
+        key = client_key_of(request.scope.get("state", {})) if self.config.salt_per_api_key else None
+        if key is not None:  # each key a tenant: the workers see the cluster secret and take this salt as given
+            salt = body.get("cache_salt")
+            body = body | {"cache_salt": tenant_salt(key, salt if isinstance(salt, str) else None)}
+            raw = json.dumps(body).encode()
         routing = await self._routing_request(request, path, body)
         call = Call(path, body, raw, {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED},
                     body.get("stream") is True, routing, start_s)  # fmt: skip
@@ -307,7 +312,9 @@ class Router:
 
     async def _routing_request(self, request: Request, path: str, body: dict[str, Any]) -> RoutingRequest:
         session = request.headers.get(self.config.session_key) or body.get("user")
-        routing = RoutingRequest(path, str(session) if session else None, block_size=self.config.block_size)
+        salt = body.get("cache_salt")
+        routing = RoutingRequest(path, str(session) if session else None, block_size=self.config.block_size,
+                                 cache_salt=salt if isinstance(salt, str) else None)  # fmt: skip
         if (self.policy.needs_tokens or self.disagg is not None) and self._tokenize is not None:
             routing.token_ids = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, path, body)
         return routing
@@ -808,8 +815,12 @@ async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
         response.release()
 
 
-def build_router_app(router: Router, *, probe: bool = True) -> Starlette:
-    """The Starlette app over ``router``; its lifespan runs the health checker (unless ``probe`` is off)."""
+def build_router_app(router: Router, *, probe: bool = True, with_admin: bool = True) -> Starlette:
+    """The Starlette app over ``router``; its lifespan runs the health checker (unless ``probe`` is off).
+
+    ``with_admin`` serves ``/admin/*`` here too (tests, embedding); ``splitserve router`` serves them on a
+    separate loopback listener instead (:func:`build_admin_app`).
+    """
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -835,13 +846,31 @@ def build_router_app(router: Router, *, probe: bool = True) -> Starlette:
         Route("/health", router.health_endpoint, methods=["GET"]),
         Route("/metrics", router.render_metrics, methods=["GET"]),
         Route("/kv/events", router.kv_events, methods=["POST"]),
-        Route("/admin/workers", router.workers_endpoint, methods=["GET", "PUT"]),
     ]
+    if with_admin:
+        routes += admin_routes(router)
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS, middleware=[_keys(router)]
+    )
+
+
+def admin_routes(router: Router) -> list[Route]:
+    """The routes that change where traffic goes (``/admin/*``): the cluster secret's only."""
+    return [Route("/admin/workers", router.workers_endpoint, methods=["GET", "PUT"])]
+
+
+def build_admin_app(router: Router) -> Starlette:
+    """The admin listener's app (``--admin-host``/``--admin-port``, loopback by default): ``/admin/*`` and
+    ``/health``. It shares ``router`` with the public app, whose lifespan starts and stops it."""
+    routes = [*admin_routes(router), Route("/health", router.health_endpoint, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers=_EXCEPTION_HANDLERS, middleware=[_keys(router)])
+
+
+def _keys(router: Router) -> Middleware:
     config = router.config
-    keys = Middleware(
+    return Middleware(
         AuthMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret, secret_opens_client_routes=False
     )
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS, middleware=[keys])
 
 
 async def _on_http_error(_: Request, exc: Exception) -> Response:

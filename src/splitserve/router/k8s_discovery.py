@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from splitserve.auth import bearer_header, cluster_secret
 from splitserve.router.discovery import WorkerRole
 
 logger = logging.getLogger("splitserve.k8s_discovery")
@@ -251,10 +252,14 @@ def run_discovery(
     *, namespace: str, selector: str, port: int, router_url: str, interval_s: float = DEFAULT_INTERVAL_S,
     api_server: str | None = None, log_level: str = "info",
 ) -> int:  # fmt: skip
-    """``splitserve k8s-discovery``: sync the router at ``router_url`` with the pods until killed."""
+    """``splitserve k8s-discovery``: sync the router's admin listener at ``router_url`` with the pods until killed.
+
+    It authenticates with the cluster secret from ``SPLITSERVE_CLUSTER_SECRET``, as the router expects.
+    """
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     pods = default_pod_lister(api_server)
-    with httpx.Client(base_url=router_url, timeout=HTTP_TIMEOUT_S, trust_env=False) as router:
+    headers = bearer_header(cluster_secret(None))
+    with httpx.Client(base_url=router_url, timeout=HTTP_TIMEOUT_S, trust_env=False, headers=headers) as router:
         discovery = KubernetesDiscovery(
             pods, router, namespace=namespace, selector=selector, port=port, interval_s=interval_s
         )

@@ -37,7 +37,7 @@ from typing import Any
 CARRIED_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "user", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias",
+    "repetition_penalty", "logit_bias", "cache_salt",
 )  # fmt: skip
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover held-back text

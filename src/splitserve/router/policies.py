@@ -20,7 +20,7 @@ from typing import Protocol
 import xxhash
 
 from splitserve.config import RouterConfig, RoutingStrategy
-from splitserve.keys import hash_blocks
+from splitserve.keys import hash_blocks, salt_root
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex, PrefixIndex, TierMatch
 
@@ -38,12 +38,14 @@ class RoutingRequest:
     session_id: str | None = None
     token_ids: list[int] | None = None
     block_size: int = 16
+    cache_salt: str | None = None  # the request's tenant: its hashes are the workers' (``keys.salt_root``)
     _block_hashes: list[int] | None = field(default=None, repr=False)
 
     @property
     def block_hashes(self) -> list[int]:
         if self._block_hashes is None:
-            self._block_hashes = hash_blocks(self.token_ids or [], self.block_size)
+            root = salt_root(self.cache_salt)
+            self._block_hashes = hash_blocks(self.token_ids or [], self.block_size, parent_hash=root)
         return self._block_hashes
 
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import uvicorn
+import uvloop
 
 from splitserve.auth import CLUSTER_SECRET_ENV, warn_if_open
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.httpserver import uvicorn_options
-from splitserve.router.app import Router, build_router_app
+from splitserve.router.app import Router, build_admin_app, build_router_app
 from splitserve.router.tokens import prompt_token_ids
 
 logger = logging.getLogger("splitserve.router")
@@ -39,15 +43,46 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
         config.host, config.port, config.routing_strategy.value,
         ", ".join(w.url for w in router.pool),
     )  # fmt: skip
-    app = build_router_app(router)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=config.shutdown_timeout_s,  # SIGTERM: no new connections, streams run on
-        loop="uvloop",
-        **uvicorn_options(),  # limits against slow and greedy clients
+    logger.info("admin routes (/admin/*) on %s:%d", config.admin_host, config.admin_listen_port)
+    public = uvicorn.Server(
+        uvicorn.Config(
+            build_router_app(router, with_admin=False),
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=config.shutdown_timeout_s,  # SIGTERM: no new connections, streams run on
+            **uvicorn_options(),  # limits against slow and greedy clients
+        )
     )
+    admin = _FollowerServer(
+        uvicorn.Config(
+            build_admin_app(router),
+            host=config.admin_host,
+            port=config.admin_listen_port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="off",
+            **uvicorn_options(),
+        )
+    )
+    uvloop.run(_serve_both(public, admin))
     return 0
+
+
+class _FollowerServer(uvicorn.Server):
+    """A server that leaves the signals to another one (two ``capture_signals`` would override each other)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _serve_both(public: uvicorn.Server, admin: _FollowerServer) -> None:
+    """Serve the public and the admin listener; the admin one stops when the public one has (SIGTERM, SIGINT)."""
+    admin_task = asyncio.create_task(admin.serve())
+    try:
+        await public.serve()
+    finally:
+        admin.should_exit = True
+        await admin_task

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve import __version__, httpserver
-from splitserve.auth import AuthMiddleware
+from splitserve.auth import AuthMiddleware, client_key_of, tenant_salt
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.kv_events import KVEventLog
@@ -38,8 +38,16 @@ from splitserve.server.serving import ApiError, OpenAIServing
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
 MAX_EVENTS_WAIT_S = 30.0  # a subscriber's long poll on GET /kv/events
 EVENTS_POLL_S = 0.05
+
+
+def _salted(body: B, raw: Request, per_key: bool) -> B:
+    """``body`` with its tenant's ``cache_salt`` under ``--salt-per-api-key`` when a client key opened it (the
+    router's requests carry the cluster secret and the salt the router set)."""
+    key = client_key_of(raw.scope.get("state", {})) if per_key else None
+    return body if key is None else body.model_copy(update={"cache_salt": tenant_salt(key, body.cache_salt)})
 
 
 def build_app(
@@ -129,6 +137,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        body = _salted(body, raw, config.salt_per_api_key)
         engine_input = await serving.completion_input(body)
         stream = await serving.submit(engine_input)
         if body.stream:
@@ -138,6 +147,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        body = _salted(body, raw, config.salt_per_api_key)
         engine_input = await serving.chat_input(body)
         stream = await serving.submit(engine_input)
         if body.stream:

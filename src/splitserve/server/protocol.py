@@ -2,9 +2,9 @@
 
 Requests accept every field the official ``openai`` client sends for completions and chat completions, plus
 vLLM's extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``) and ``kv_transfer_params`` (disaggregated prefill/decode). Unknown fields are a
-validation error naming the field. Fields that are accepted but unsupported with a non-default value
-(``n`` > 1, logprobs, echo, penalties, JSON response formats, tools, ...) are refused by
+``include_stop_str_in_output``, ``cache_salt``) and ``kv_transfer_params`` (disaggregated prefill/decode).
+Unknown fields are a validation error naming the field. Fields that are accepted but unsupported with a
+non-default value (``n`` > 1, logprobs, echo, penalties, JSON response formats, tools, ...) are refused by
 ``unsupported_reason()`` with a message the server returns as a 400.
 """
 
@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.keys import MAX_CACHE_SALT_CHARS
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -23,6 +25,9 @@ def random_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
+
+
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class _Strict(BaseModel):
@@ -74,6 +79,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     return_token_ids: bool | None = False  # vLLM's: token ids beside the text (a router's stream migration uses them)
+    cache_salt: CacheSalt | None = None  # vLLM's: cached prefixes are shared only among requests with the same salt
     # Prefill/decode disaggregation; accepted and ignored until the PD issue lands.
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -203,6 +209,7 @@ class KVLookupRequest(_Strict):
     token_ids: list[int] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
+    cache_salt: CacheSalt | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages or []]

@@ -184,7 +184,7 @@ class OpenAIServing:
         engine = self._ready_engine()
         if not ids or not all(0 <= t < engine.vocab_size for t in ids):
             raise ApiError(400, "the prompt must be a non-empty list of valid token ids", given[0])
-        matched = await asyncio.to_thread(engine.lookup_prefix, ids)
+        matched = await asyncio.to_thread(engine.lookup_prefix, ids, request.cache_salt)
         return KVLookupResponse(num_tokens=len(ids), num_matched_tokens=sum(matched.values()), matched_tokens=matched)
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
@@ -465,6 +465,7 @@ def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tok
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             kv_transfer=KVTransferParams.from_api(request.kv_transfer_params) if request.kv_transfer_params else None,
+            cache_salt=request.cache_salt,
         )
     except ValueError as exc:
         message = str(exc)

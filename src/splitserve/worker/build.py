@@ -36,7 +36,7 @@ def build_engine(
       saves nothing unless ``save_decode_cache``).
 
     ``events`` hears what the engine's prefix cache and the tiers hold. ``cluster_secret`` signs the prefill
-    role's KV pushes, and the decode role's receiver takes signed ones only.
+    role's KV pushes (the decode role's receiver takes signed ones only) and keys the MACs of the tiers' records.
     """
     set_cpu_threads(config.model.num_threads)
     device = resolve_device(config.model.device)
@@ -69,7 +69,7 @@ def build_engine(
     if config.kv_tiers.is_enabled:
         from splitserve.kvcache.connector import build_connector
 
-        connectors.append(build_connector(config.kv_tiers, source.model_id, layout, role, events))
+        connectors.append(build_connector(config.kv_tiers, source.model_id, layout, role, events, cluster_secret))
     connector = connectors[0] if len(connectors) == 1 else MultiConnector(connectors) if connectors else None
     engine = LLMEngine(config, model, tokenizer, name, device, connector, events, receiver)
     if receiver is not None:
