@@ -9,9 +9,9 @@ flight, which may take the whole buffer, a peer's reservations still being fille
 connection (besides ``RECEIVE_TIMEOUT_S`` between two pieces), else it is dropped and its room freed.
 
 With the cluster secret, a push must be signed (``auth.sign``): its reservation request carries a MAC and a
-time stamp within ``MAX_CLOCK_SKEW_S`` of now, else it gets no room; its payload is followed by a trailer with
-a keyed MAC over the request's MAC and the payload (``wire.payload_mac``), which the receiver computes as the
-bytes arrive, else the record is dropped.
+time stamp within ``MAX_CLOCK_SKEW_S`` of now, and is taken once (a replay is refused), else it gets no room;
+its payload is followed by a trailer with a keyed MAC over the request's MAC and the payload
+(``wire.payload_mac``), which the receiver computes as the bytes arrive, else the record is dropped.
 
 :class:`PDReceiverConnector` implements ``KVConnectorBase``: at admission a request whose ``kv_transfer_params``
 name a transfer takes that KV from the buffer, after checking it belongs to the request's own prompt tokens and
@@ -79,6 +79,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._connections: dict[str, int] = {}  # peer address -> open connections
         self._filling: dict[str, int] = {}  # peer address -> bytes of its reservations being filled
+        self._seen_macs: dict[str, float] = {}  # signed requests taken within the skew window -> when they expire
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -204,8 +205,14 @@ class KVReceiver:
         if not verified(self.secret, header):
             return "unauthenticated: the push is not signed with this cluster's secret"
         stamped = header.get("ts")
-        if not isinstance(stamped, int | float) or abs(time.time() - stamped) > MAX_CLOCK_SKEW_S:
+        now = time.time()
+        if not isinstance(stamped, int | float) or abs(now - stamped) > MAX_CLOCK_SKEW_S:
             return "unauthenticated: the push's time stamp is too far from now"
+        with self._lock:  # a signed request is good once: a replay within the window is refused too
+            self._seen_macs = {mac: until for mac, until in self._seen_macs.items() if until > now}
+            if str(header["mac"]) in self._seen_macs:
+                return "unauthenticated: the push replays one already taken"
+            self._seen_macs[str(header["mac"])] = stamped + MAX_CLOCK_SKEW_S
         return None
 
 
