@@ -11,14 +11,18 @@ the one ``load_endpoint`` is given. It imports pydantic and yaml only, never tor
 
 Where the seeds are silent, the choices are made here and documented at the code that makes them:
 colocated replicas come from ``spec.replicas`` (the reference's own field); ``spec.kvCacheSpec.l2CacheSpec``
-gains ``l2CachePath`` (the tieredstorage directory, DEFAULT_L2_PATH when unset); a Redis L2 without a URL is
-valid (a local run starts its own redis-server).
+gains ``l2CachePath`` (the tieredstorage directory; unset: :func:`local_l2_path` for a local run,
+KUBERNETES_L2_PATH in a pod); a Redis L2 without a URL is valid (a local run starts its own redis-server);
+``environmentVariables`` take Kubernetes' ``valueFrom.secretKeyRef`` (and nothing else as a source), and
+secrets (SECRET_ENV_NAMES: client keys, Redis' password) only from there: a literal in the resource is readable
+by whoever reads the resource. The cluster secret is splitserve's to set (CLUSTER_SECRET_ENV), never the resource's.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import types
 from collections.abc import Mapping, Sequence
@@ -36,7 +40,11 @@ from splitserve.config import L2Backend, RoutingStrategy
 API_VERSION = "splitserve.io/v1alpha1"
 REFERENCE_API_VERSION = "inference.sagemaker.aws.amazon.com/v1"  # the seeds' manifests load unchanged
 KIND = "InferenceEndpointConfig"
-DEFAULT_L2_PATH = "/tmp/splitserve/{namespace}/{name}/l2"  # tieredstorage without spec...l2CachePath
+KUBERNETES_L2_PATH = "/var/lib/splitserve/l2"  # tieredstorage in a pod without l2CachePath: the pod's own volume
+# The environment variables of auth.py (not imported: this module imports pydantic and yaml only).
+CLUSTER_SECRET_ENV = "SPLITSERVE_CLUSTER_SECRET"  # set by splitserve itself (a file locally, a Secret in pods)
+# Secrets a resource may hand the processes: from a secretKeyRef, never a literal (client keys, Redis' password).
+SECRET_ENV_NAMES = ("SPLITSERVE_API_KEY", "VLLM_API_KEY", "SPLITSERVE_REDIS_PASSWORD")
 INVOCATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -201,9 +209,34 @@ class ResourceRequirements(_Spec):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
+class SecretKeySelector(_Spec):
+    """One key of a Secret in the endpoint's namespace (Kubernetes' ``secretKeyRef``)."""
+
+    name: str  # the Secret
+    key: str  # the key in its data
+    optional: bool = False  # true: the variable is left unset when the Secret or key is missing
+
+
+class EnvVarSource(_Spec):
+    """``valueFrom``: only ``secretKeyRef`` (Kubernetes only; a local run cannot read a Secret)."""
+
+    secret_key_ref: SecretKeySelector
+
+
 class EnvVar(_Spec):
     name: str
-    value: _Text = ""
+    value: _Text | None = None  # unset (and no valueFrom): the empty string
+    value_from: EnvVarSource | None = None  # instead of value
+
+    def manifest(self) -> dict[str, Any]:
+        """The container ``env`` entry: ``name`` and ``value``, or ``name`` and ``valueFrom.secretKeyRef``."""
+        if self.value_from is None:
+            return {"name": self.name, "value": self.value or ""}
+        ref = self.value_from.secret_key_ref
+        selector: dict[str, Any] = {"name": ref.name, "key": ref.key}
+        if ref.optional:
+            selector["optional"] = True
+        return {"name": self.name, "valueFrom": {"secretKeyRef": selector}}
 
 
 class ModelInvocationPort(_Spec):
@@ -244,7 +277,7 @@ class PDSpec(_Spec):
 class L2CacheSpec(_Spec):
     l2_cache_backend: Literal["redis", "tieredstorage"]
     l2_cache_local_url: str | None = None  # redis only; unset: a local run starts its own redis-server
-    l2_cache_path: str | None = None  # splitserve extension, tieredstorage only; unset: DEFAULT_L2_PATH
+    l2_cache_path: str | None = None  # splitserve extension, tieredstorage only; unset: see local_l2_path
 
 
 class KVCacheSpec(_Spec):
@@ -371,7 +404,9 @@ class InferenceEndpointConfig(_Spec):
 # ---------------------------------------------------------------------------------------------- validation
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -437,13 +472,55 @@ def _cache_errors(kv: KVCacheSpec | None) -> list[str]:
 def _env_errors(env: Sequence[EnvVar]) -> list[str]:
     errors, seen = [], set()
     for i, var in enumerate(env):
-        where = f"spec.worker.environmentVariables[{i}].name"
+        where = f"spec.worker.environmentVariables[{i}]"
         if not _ENV_NAME.fullmatch(var.name):
-            errors.append(f"{where}: {var.name!r} is not a valid environment variable name")
+            errors.append(f"{where}.name: {var.name!r} is not a valid environment variable name")
         elif var.name in seen:
-            errors.append(f"{where}: {var.name!r} is set twice")
+            errors.append(f"{where}.name: {var.name!r} is set twice")
         seen.add(var.name)
+        errors += _env_source_errors(var, where)
     return errors
+
+
+def _env_source_errors(var: EnvVar, where: str) -> list[str]:
+    """value or valueFrom (not both); a well-formed secretKeyRef; no literal secret; not the cluster secret."""
+    if var.name == CLUSTER_SECRET_ENV:
+        return [
+            f"{where}.name: {CLUSTER_SECRET_ENV} is set by splitserve (the endpoint's Secret on Kubernetes, "
+            "its cluster-secret file locally); remove it"
+        ]
+    if var.value_from is None:
+        if var.name in SECRET_ENV_NAMES and var.value:
+            return [
+                f"{where}.value: {var.name} must not be a literal (whoever reads the resource reads it): use "
+                "valueFrom.secretKeyRef on Kubernetes, or set it in the environment of splitserve up locally"
+            ]
+        return []
+    if var.value is not None:
+        return [f"{where}: set value or valueFrom, not both"]
+    ref, errors = var.value_from.secret_key_ref, []
+    if not _DNS_SUBDOMAIN.fullmatch(ref.name):
+        errors.append(f"{where}.valueFrom.secretKeyRef.name: {ref.name!r} is not a Secret name (a DNS subdomain)")
+    if not _SECRET_KEY.fullmatch(ref.key):
+        errors.append(f"{where}.valueFrom.secretKeyRef.key: {ref.key!r} is not a Secret key ([-._a-zA-Z0-9]+)")
+    return errors
+
+
+def secret_refs(config: InferenceEndpointConfig) -> list[str]:
+    """The field paths of every ``valueFrom.secretKeyRef`` in the resource (a local run cannot resolve them)."""
+    env = config.spec.worker.environment_variables
+    return [f"spec.worker.environmentVariables[{i}].valueFrom" for i, var in enumerate(env) if var.value_from]
+
+
+def local_l2_path(namespace: str, name: str) -> str:
+    """The tieredstorage directory of a local run without ``l2CachePath``:
+    ``$XDG_CACHE_HOME/splitserve/l2/<namespace>/<name>`` (``~/.cache`` without XDG_CACHE_HOME).
+
+    In the user's own cache, never under a world-writable ``/tmp`` where another user could create the path
+    first or read the records. Reads the environment (its only I/O).
+    """
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "splitserve", "l2", namespace, name)
 
 
 def args_lists(spec: EndpointSpec) -> list[tuple[str, list[str]]]:

@@ -1,5 +1,6 @@
-"""The Grafana dashboard and Prometheus config under deploy/: they load, and the dashboard's queries name only
-metrics splitserve exposes (and every one of them)."""
+"""The assets under deploy/ and the Dockerfile: the Grafana dashboard and Prometheus config load, and the
+dashboard's queries name only metrics splitserve exposes (and every one of them); the Kubernetes files are what
+the code renders, valid objects; the image runs as the user the manifests name."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from splitserve.metrics import RouterMetrics, WorkerMetrics
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD_PATH = DEPLOY / "grafana" / "splitserve-dashboard.json"
 PROMETHEUS_PATH = DEPLOY / "prometheus" / "prometheus.yml"
+OPERATOR_PATH = DEPLOY / "kubernetes" / "operator.yaml"
+ALLOW_PROMETHEUS_PATH = DEPLOY / "kubernetes" / "allow-prometheus.yaml"
+DOCKERFILE_PATH = DEPLOY.parent / "Dockerfile"
 
 METRIC_RE = re.compile(r"\b(?:vllm|lmcache|splitserve):[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -137,3 +141,44 @@ def test_kubernetes_variant_selects_pods_by_role_labels() -> None:
     }
     assert (("__meta_kubernetes_pod_label_splitserve_io_dpd_role",), "prefill|decode") in keeps
     assert (("__meta_kubernetes_pod_label_app_kubernetes_io_component",), "router") in keeps
+
+
+# ---- Kubernetes -----------------------------------------------------------------------------------------
+
+
+def test_the_operator_manifest_is_what_render_operator_prints() -> None:
+    from splitserve.deploy.operator import install_manifests
+
+    assert list(yaml.safe_load_all(OPERATOR_PATH.read_text())) == install_manifests()
+    kinds = [m["kind"] for m in yaml.safe_load_all(OPERATOR_PATH.read_text())]
+    assert "Role" in kinds and "ClusterRole" not in kinds  # namespaced, as installed by default
+
+
+def test_the_prometheus_policy_example_admits_prometheus_to_the_rendered_workers_port() -> None:
+    from splitserve.deploy.render import render
+    from splitserve.endpoint import load_endpoint
+
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    policy = yaml.safe_load(ALLOW_PROMETHEUS_PATH.read_text())
+    kubernetes_validate.validate(policy, "1.30", strict=True)
+    manifests = render(load_endpoint(DEPLOY.parent / "examples" / "dpd.yaml"))
+    selected = policy["spec"]["podSelector"]
+    (components,) = [e["values"] for e in selected["matchExpressions"] if e["key"] == "app.kubernetes.io/component"]
+    workers = [m for m in manifests if m["kind"] == "Deployment" and not m["metadata"]["name"].endswith("-router")]
+    for deployment in workers:
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selected["matchLabels"].items() <= labels.items() and labels["app.kubernetes.io/component"] in components
+        ports = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert policy["spec"]["ingress"][0]["ports"][0]["port"] in ports
+
+
+def test_the_image_runs_as_the_non_root_user_the_manifests_name() -> None:
+    from splitserve.deploy.render import HOME_DIR, RUN_AS_ID
+
+    lines = [line.strip() for line in DOCKERFILE_PATH.read_text().splitlines()]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users[-1] == f"{RUN_AS_ID}:{RUN_AS_ID}"  # numeric: the kubelet can check runAsNonRoot
+    text = DOCKERFILE_PATH.read_text()
+    assert f"--uid {RUN_AS_ID}" in text and f"--gid {RUN_AS_ID}" in text
+    assert HOME_DIR == "/home/splitserve" and "useradd" in text and "splitserve" in text  # useradd's home
+    assert "SPLITSERVE_CACHE_DIR=" in text  # the built tokenizer is readable with a read-only root filesystem

@@ -15,6 +15,7 @@ import yaml
 
 from splitserve.cli import app
 from splitserve.config import L2Backend, Role, RoutingStrategy
+from splitserve.deploy.crd import openapi_schema
 from splitserve.deploy.plan import (
     IGNORED_VLLM_FLAGS,
     PER_INSTANCE_FLAGS,
@@ -27,7 +28,7 @@ from splitserve.deploy.plan import (
     plan,
 )
 from splitserve.endpoint import (
-    DEFAULT_L2_PATH,
+    KUBERNETES_L2_PATH,
     REFERENCE_API_VERSION,
     EndpointError,
     InferenceEndpointConfig,
@@ -37,10 +38,19 @@ from splitserve.endpoint import (
     parse_endpoint,
     parse_memory_bytes,
     parse_quantity,
+    secret_refs,
 )
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 REDIS_URL = "redis://127.0.0.1:6399/0"
+
+
+def ref(name: str, key: str, **more: Any) -> dict[str, Any]:
+    """A ``valueFrom`` naming ``key`` of the Secret ``name``."""
+    return {"secretKeyRef": {"name": name, "key": key, **more}}
+
+
+SECRET_REF = ref("s", "k")
 
 # The seed's complete DPD manifest (000_70b5143b6a456d66.txt, "Ejemplo completo"), as written.
 SEED_MANIFEST = """
@@ -341,6 +351,15 @@ def test_pd_pods_without_resources_warn_that_worker_resources_are_ignored() -> N
     assert "spec.worker.resources does not apply to PD pods: set spec.pdSpec.prefillSpec.resources" in warnings
 
 
+def test_the_default_disk_l2_is_in_the_users_cache_never_under_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = endpoint({"kvCacheSpec": {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}})
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert plan(disk).l2_path == "/home/someone/.cache/splitserve/l2/default/test"
+    for target in Target:
+        assert not str(plan(disk, target).l2_path).startswith("/tmp")
+
+
 def test_environment_variables_reach_every_worker_in_order() -> None:
     env = [
         {"name": "B", "value": "1"},
@@ -380,13 +399,15 @@ def test_spec_replicas_is_ignored_with_pd_spec() -> None:
     assert any("spec.replicas is ignored" in w for w in plan(endpoint({"replicas": 4, "pdSpec": {}})).warnings)
 
 
-def test_kv_cache_flags() -> None:
+def test_kv_cache_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     l1 = plan(endpoint({"kvCacheSpec": {"enableL1Cache": True}})).roles[0].flags
     assert l1[-1] == "--l1-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     disk = endpoint({"kvCacheSpec": {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}})
     disk_plan = plan(disk)
-    assert disk_plan.l2_path == DEFAULT_L2_PATH.format(namespace="default", name="test")
+    assert disk_plan.l2_path == str(tmp_path / "cache" / "splitserve" / "l2" / "default" / "test")
     assert disk_plan.roles[0].flags[-4:] == ("--l2-backend", "tieredstorage", "--l2-path", disk_plan.l2_path)
+    assert plan(disk, Target.KUBERNETES).l2_path == KUBERNETES_L2_PATH == "/var/lib/splitserve/l2"
     l2 = {"l2CacheBackend": "tieredstorage", "l2CachePath": "/data/kv"}
     assert plan(endpoint({"kvCacheSpec": {"enableL2Cache": True, "l2CacheSpec": l2}})).l2_path == "/data/kv"
     off = endpoint({"kvCacheSpec": {"enableL2Cache": False, "l2CacheSpec": {"l2CacheBackend": "redis"}}})
@@ -596,12 +617,81 @@ def test_bad_envelopes(change: dict[str, Any], message: str) -> None:
             {"worker": {"environmentVariables": [{"name": "A"}, {"name": "A"}]}},
             "spec.worker.environmentVariables[1].name: 'A' is set twice",
         ),
+        (
+            {"worker": {"environmentVariables": [{"name": "A", "value": "x", "valueFrom": SECRET_REF}]}},
+            "spec.worker.environmentVariables[0]: set value or valueFrom, not both",
+        ),
+        (
+            {"worker": {"environmentVariables": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]}},
+            "spec.worker.environmentVariables[0].valueFrom.secretKeyRef.key: required field is missing",
+        ),
+        (
+            {"worker": {"environmentVariables": [{"name": "A", "valueFrom": ref("Bad_Secret", "k")}]}},
+            "spec.worker.environmentVariables[0].valueFrom.secretKeyRef.name: 'Bad_Secret' is not a Secret name",
+        ),
+        (
+            {"worker": {"environmentVariables": [{"name": "A", "valueFrom": ref("s", "a/b")}]}},
+            "spec.worker.environmentVariables[0].valueFrom.secretKeyRef.key: 'a/b' is not a Secret key",
+        ),
+        (
+            {"worker": {"environmentVariables": [{"name": "SPLITSERVE_API_KEY", "value": "sk-literal"}]}},
+            "spec.worker.environmentVariables[0].value: SPLITSERVE_API_KEY must not be a literal",
+        ),
+        (
+            {"worker": {"environmentVariables": [{"name": "SPLITSERVE_CLUSTER_SECRET", "valueFrom": SECRET_REF}]}},
+            "spec.worker.environmentVariables[0].name: SPLITSERVE_CLUSTER_SECRET is set by splitserve",
+        ),
         ({"worker": {"args": ["serve", "--seed", "1"]}}, "spec.worker.args[0]: 'serve': is not a flag"),
         ({"worker": {"args": ["-tp", "8"]}}, "spec.worker.args[0]: '-tp': single-dash flags are not supported"),
     ],
 )
 def test_bad_specs_name_the_field(spec: dict[str, Any], message: str) -> None:
     assert error_of(manifest(spec)).errors[0].startswith(message)
+
+
+def test_secret_key_refs_are_taken_and_kept_out_of_the_plans_literal_env() -> None:
+    env = [
+        {"name": "SPLITSERVE_API_KEY", "valueFrom": ref("keys", "client", optional=True)},
+        {"name": "HF_TOKEN", "valueFrom": ref("hf", "token")},
+        {"name": "A", "value": "1"},
+    ]
+    config = endpoint({"worker": {"environmentVariables": env}})
+    entries = [var.manifest() for var in config.spec.worker.environment_variables]
+    assert entries == [
+        {
+            "name": "SPLITSERVE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "keys", "key": "client", "optional": True}},
+        },
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        {"name": "A", "value": "1"},
+    ]
+    assert secret_refs(config) == [
+        "spec.worker.environmentVariables[0].valueFrom",
+        "spec.worker.environmentVariables[1].valueFrom",
+    ]
+    assert plan(config).roles[0].env == {"A": "1"}  # a reference has no value to hand a local process
+    other_source = {"name": "A", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
+    errors = error_of(manifest({"worker": {"environmentVariables": [other_source]}})).errors
+    assert (
+        "spec.worker.environmentVariables[0].valueFrom.configMapKeyRef: unknown field; allowed: secretKeyRef" in errors
+    )
+    assert parse_endpoint(config.to_manifest()) == config  # the operator's status and the CLI print it
+
+
+def test_the_crd_takes_secret_key_refs_in_the_environment() -> None:
+    schema = openapi_schema()["properties"]["spec"]["properties"]["worker"]["properties"]
+    env_var = schema["environmentVariables"]["items"]
+    selector = env_var["properties"]["valueFrom"]["properties"]["secretKeyRef"]
+    assert selector["required"] == ["name", "key"] and set(selector["properties"]) == {"name", "key", "optional"}
+
+
+def test_the_secret_variable_names_are_auths() -> None:
+    from splitserve import auth
+    from splitserve.config import REDIS_PASSWORD_ENV
+    from splitserve.endpoint import CLUSTER_SECRET_ENV, SECRET_ENV_NAMES
+
+    assert CLUSTER_SECRET_ENV == auth.CLUSTER_SECRET_ENV
+    assert set(SECRET_ENV_NAMES) == {auth.API_KEY_ENV, auth.VLLM_API_KEY_ENV, REDIS_PASSWORD_ENV}
 
 
 def test_every_problem_is_reported_at_once() -> None:

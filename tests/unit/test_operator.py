@@ -64,16 +64,25 @@ class FakeKube:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.applied: list[str] = []
+        self.forced: list[str] = []  # applied with force (taking over fields)
         self.deleted: list[str] = []
         self.fail: str | None = None
 
-    def apply(self, manifest: dict[str, Any]) -> None:
+    def apply(self, manifest: dict[str, Any], *, force: bool = False) -> None:
         self._maybe_fail()
         meta = manifest["metadata"]
         key = (manifest["kind"], meta["namespace"], meta["name"])
         old = self.objects.get(key, {})
         self.objects[key] = {**copy.deepcopy(manifest), "status": old.get("status", {})}
         self.applied.append(f"{manifest['kind']}/{meta['name']}")
+        if force:
+            self.forced.append(f"{manifest['kind']}/{meta['name']}")
+
+    def put(self, kind: str, name: str, **metadata: Any) -> dict[str, Any]:
+        """An object someone else made (no owner reference unless given)."""
+        obj = {"kind": kind, "metadata": {"name": name, "namespace": "default", **metadata}, "spec": {"x": 1}}
+        self.objects[(kind, "default", name)] = obj
+        return obj
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self._maybe_fail()
@@ -201,14 +210,17 @@ def test_toggling_dpd_off_and_on_swaps_the_deployments_and_services() -> None:
     reconcile(without_pd(body("dpd")), kube)
     assert kube.names("Deployment") == {"dpd", "dpd-router"}
     assert kube.names("Service") == {"dpd", "dpd-router"}
-    assert sorted(kube.deleted) == ["Deployment/decode-dpd", "Deployment/prefill-dpd", "Service/decode-dpd",
-                                    "Service/prefill-dpd"]  # fmt: skip
+    assert sorted(kube.deleted) == [
+        "Deployment/decode-dpd", "Deployment/prefill-dpd", "NetworkPolicy/dpd-decode", "NetworkPolicy/dpd-prefill",
+        "Service/decode-dpd", "Service/prefill-dpd",
+    ]  # fmt: skip
+    assert "NetworkPolicy/dpd-worker" in kube.applied
     router = kube.objects[("Deployment", "default", "dpd-router")]["spec"]["template"]["spec"]["containers"][0]
     assert "--backend" in router["args"]
     kube.deleted.clear()
     reconcile(body("dpd"), kube)
     assert kube.names("Deployment") == {"prefill-dpd", "decode-dpd", "dpd-router"}
-    assert sorted(kube.deleted) == ["Deployment/dpd", "Service/dpd"]
+    assert sorted(kube.deleted) == ["Deployment/dpd", "NetworkPolicy/dpd-worker", "Service/dpd"]
 
 
 def test_another_endpoints_objects_are_never_pruned() -> None:
@@ -258,8 +270,9 @@ def test_delete_removes_every_object_of_the_endpoint_even_when_its_spec_is_inval
     reconcile(body("colocated"), kube)
     deleted = teardown(body("dpd-redis", intelligentRoutingSpec={"routingStrategy": "nope"}), kube)
     assert {"Deployment/dpd-redis-redis", "Deployment/prefill-dpd-redis", "RoleBinding/dpd-redis-router",
-            "ServiceAccount/dpd-redis-router"} <= set(deleted)  # fmt: skip
-    assert {name for (_, _, name) in kube.objects} == {"colocated", "colocated-router"}
+            "ServiceAccount/dpd-redis-router", "Secret/dpd-redis-cluster-secret",
+            "NetworkPolicy/dpd-redis-default-deny"} <= set(deleted)  # fmt: skip
+    assert {name for (_, _, name) in kube.objects if not name.startswith("colocated")} == set()
 
 
 # ---------------------------------------------------------------------------------------------- kopf wiring
@@ -345,8 +358,13 @@ def test_the_http_client_applies_server_side_and_treats_missing_objects_as_none(
     request = seen[-1]
     assert (request.method, request.url.path) == ("PATCH", "/apis/apps/v1/namespaces/default/deployments/prefill-dpd")
     assert request.headers["content-type"] == "application/apply-patch+yaml"
-    assert request.url.params["fieldManager"] == "splitserve-operator" and request.url.params["force"] == "true"
+    assert request.url.params["fieldManager"] == "splitserve-operator" and request.url.params["force"] == "false"
     assert json.loads(request.content) == deployment
+    kube.apply(deployment, force=True)  # only ever for the endpoint's own objects
+    assert seen[-1].url.params["force"] == "true"
+    policy = next(m for m in render(parse_endpoint(body("dpd"))) if m["kind"] == "NetworkPolicy")
+    kube.apply(policy)
+    assert seen[-1].url.path == "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/dpd-default-deny"
     assert kube.get("apps/v1", "Deployment", "default", "gone") is None
     assert kube.list("v1", "Service", "default", "a=b") == [{"metadata": {"name": "a"}}]
     assert seen[-1].url.path == "/api/v1/namespaces/default/services" and seen[-1].url.params["labelSelector"] == "a=b"
@@ -364,15 +382,131 @@ def test_the_http_client_raises_api_errors() -> None:
 
 def test_the_operator_install_manifests_are_valid_kubernetes_objects() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    manifests = install_manifests(namespace="ops", image="reg/splitserve:1")
-    for manifest in manifests:
-        kubernetes_validate.validate(manifest, "1.30", strict=True)
-    role = next(m for m in manifests if m["kind"] == "ClusterRole")
+    for cluster_wide in (False, True):
+        for manifest in install_manifests(namespace="ops", image="reg/splitserve:1", cluster_wide=cluster_wide):
+            kubernetes_validate.validate(manifest, "1.30", strict=True)
+
+
+@pytest.mark.parametrize("cluster_wide", [False, True], ids=["namespaced", "cluster-wide"])
+def test_the_operator_may_manage_everything_it_renders(cluster_wide: bool) -> None:
+    manifests = install_manifests(namespace="ops", cluster_wide=cluster_wide)
+    role = next(m for m in manifests if m["kind"] in ("Role", "ClusterRole"))
     granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     for manifest in render(parse_endpoint(body("dpd-redis"))):  # everything it renders, it may manage
         group = manifest["apiVersion"].rpartition("/")[0]
-        assert (group, manifest["kind"].lower() + "s") in granted
+        plural = "networkpolicies" if manifest["kind"] == "NetworkPolicy" else manifest["kind"].lower() + "s"
+        assert (group, plural) in granted
     assert ("", "pods") in granted  # to grant the router's discovery what it holds itself
+
+
+def test_the_operator_is_namespaced_unless_asked_otherwise() -> None:
+    manifests = install_manifests(namespace="ops")
+    kinds = [m["kind"] for m in manifests]
+    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    role, binding = (next(m for m in manifests if m["kind"] == kind) for kind in ("Role", "RoleBinding"))
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ops"
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "splitserve-operator",
+    }
+    granted = {r for rule in role["rules"] for r in rule["resources"]}
+    assert not granted & {"namespaces", "customresourcedefinitions"}  # no cluster-level reads either
+    operator_pod = next(m for m in manifests if m["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert operator_pod["containers"][0]["command"] == ["splitserve", "operator"]  # its own namespace
+    wide = install_manifests(namespace="ops", cluster_wide=True)
+    assert {"ClusterRole", "ClusterRoleBinding"} <= {m["kind"] for m in wide}
+    wide_pod = next(m for m in wide if m["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert wide_pod["containers"][0]["command"] == ["splitserve", "operator", "--all-namespaces"]
+
+
+def test_the_operator_watches_its_own_namespace_by_default() -> None:
+    assert operator.watched_namespaces((), False, own_namespace="ops") == ["ops"]
+    assert operator.watched_namespaces(("a", "b"), False, own_namespace="ops") == ["a", "b"]
+    assert operator.watched_namespaces((), True, own_namespace="ops") is None  # every namespace
+    with pytest.raises(RuntimeError, match="exclude each other"):
+        operator.watched_namespaces(("a",), True)
+    with pytest.raises(RuntimeError, match="give --namespace NAME or --all-namespaces"):
+        operator.watched_namespaces((), False, own_namespace=None)
+
+
+def test_a_namespaced_operator_runs_kopf_on_its_namespace_without_cluster_scanning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_kopf = pytest.importorskip("kopf")
+    runs: list[dict[str, Any]] = []
+    fake = SimpleNamespace(
+        on=SimpleNamespace(**{c: real_kopf.on.create for c in ("create", "update", "resume", "delete")}),
+        timer=real_kopf.timer, OperatorSettings=real_kopf.OperatorSettings, TemporaryError=real_kopf.TemporaryError,
+        run=lambda **kwargs: runs.append(kwargs),
+    )  # fmt: skip
+    monkeypatch.setitem(__import__("sys").modules, "kopf", fake)
+    monkeypatch.setattr(operator, "register", lambda *args, **kwargs: None)
+    monkeypatch.setenv("SPLITSERVE_POD_NAMESPACE", "team-a")
+    assert operator.run_operator(api_server="http://127.0.0.1:1") == 0
+    assert operator.run_operator(api_server="http://127.0.0.1:1", all_namespaces=True) == 0
+    namespaced, wide = runs
+    assert (namespaced["clusterwide"], namespaced["namespaces"]) == (False, ["team-a"])
+    assert namespaced["settings"].scanning.disabled  # no list/watch of namespaces or CRDs: a Role suffices
+    assert (wide["clusterwide"], wide["settings"].scanning.disabled) == (True, False)
+
+
+# ---------------------------------------------------------------------------------------------- ownership
+
+
+def test_the_cluster_secret_is_made_once_not_on_every_reconcile() -> None:
+    kube = FakeKube()
+    reconcile(body("dpd-redis"), kube)
+    secret = kube.objects[("Secret", "default", "dpd-redis-cluster-secret")]
+    template = kube.objects[("Deployment", "default", "decode-dpd-redis")]["spec"]["template"]
+    for _ in range(2):
+        reconcile(body("dpd-redis"), kube)
+    assert kube.objects[("Secret", "default", "dpd-redis-cluster-secret")]["data"] == secret["data"]
+    assert kube.objects[("Deployment", "default", "decode-dpd-redis")]["spec"]["template"] == template  # no roll
+    del kube.objects[("Secret", "default", "dpd-redis-cluster-secret")]  # someone deleted it: a new one, pods roll
+    reconcile(body("dpd-redis"), kube)
+    assert kube.objects[("Secret", "default", "dpd-redis-cluster-secret")]["data"] != secret["data"]
+    rolled = kube.objects[("Deployment", "default", "decode-dpd-redis")]["spec"]["template"]
+    assert rolled["metadata"]["annotations"] != template["metadata"]["annotations"]
+
+
+def test_only_the_endpoints_own_objects_are_applied_with_force() -> None:
+    kube = FakeKube()
+    reconcile(body("dpd"), kube)
+    assert kube.forced == []  # all new: created without taking anything over
+    kube.applied.clear()
+    reconcile(body("dpd"), kube)
+    assert kube.forced == kube.applied  # all its own now
+
+
+def test_an_object_it_does_not_own_is_a_conflict_reported_not_overwritten() -> None:
+    kube = FakeKube()
+    foreign = kube.put("Service", "dpd-router", labels={"app": "someone-elses"})
+    status = reconcile(body("dpd"), kube, now=clock(T0))
+    condition = ready_condition(status)
+    assert (condition["status"], condition["reason"]) == ("False", "Conflict")
+    assert "Service/dpd-router" in condition["message"] and "not this endpoint's" in condition["message"]
+    assert kube.applied == [] and kube.objects == {("Service", "default", "dpd-router"): foreign}
+    resource = {**body("dpd"), "status": status}
+    assert ready_condition(refresh(resource, kube))["reason"] == "Conflict"  # the timer tries again: still taken
+    del kube.objects[("Service", "default", "dpd-router")]
+    assert ready_condition(refresh(resource, kube))["reason"] == "DeploymentsNotReady"  # now applied
+    assert "Deployment/dpd-router" in kube.applied
+
+
+def test_an_object_owned_by_another_resource_is_neither_taken_nor_pruned_nor_deleted() -> None:
+    kube = FakeKube()
+    other = {"apiVersion": "v1", "kind": "Thing", "name": "x", "uid": "uid-other", "controller": True}
+    kube.put("Secret", "dpd-cluster-secret", ownerReferences=[other], labels={})
+    assert ready_condition(reconcile(body("dpd"), kube))["reason"] == "Conflict"
+    assert ("Deployment", "default", "decode-dpd") not in kube.objects  # no pod ever read that Secret
+    labelled = {"app.kubernetes.io/instance": "dpd", "app.kubernetes.io/managed-by": "splitserve"}
+    kube = FakeKube()
+    reconcile(body("dpd"), kube)
+    kube.put("Service", "dpd-extra", labels=labelled)  # looks like ours (a kubectl-applied render), is not
+    reconcile(body("dpd"), kube)
+    teardown(body("dpd"), kube)
+    assert set(kube.objects) == {("Service", "default", "dpd-extra")}
 
 
 # ---------------------------------------------------------------------------------------------- discovery

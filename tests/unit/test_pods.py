@@ -1,5 +1,6 @@
 """Local pods as real (model-free) processes: liveness kills a hung pod, pods die with their supervisor, and a
-stale supervisor PID file never names another process."""
+stale supervisor PID file never names another process. Local runs keep to the user: private run directories,
+logs and disk L2, no secret in a logged command, no Kubernetes Secret reference taken for a value."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
+from splitserve.deploy import local
 from splitserve.deploy import pods as pods_module
-from splitserve.deploy.local import _supervisor_pid, _write_pid_file
-from splitserve.deploy.pods import PodSet, PodSpec
+from splitserve.deploy.local import _supervisor_pid, _write_pid_file, load_for_local_run, private_dir
+from splitserve.deploy.pods import PodSet, PodSpec, redacted
+from splitserve.endpoint import EndpointError, load_endpoint
 from tests.e2e.workers import free_port
 from tests.waiting import wait_until
 
@@ -29,6 +33,13 @@ HEALTH_SERVER = textwrap.dedent("""
         def log_message(self, *args): pass
     http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """)
+
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
 
 
 def alive(pid: int) -> bool:
@@ -95,3 +106,64 @@ def test_a_pid_file_whose_process_is_gone_or_replaced_names_no_supervisor(tmp_pa
     assert _supervisor_pid(tmp_path) is None
     (tmp_path / "supervisor.pid").write_text("garbage")
     assert _supervisor_pid(tmp_path) is None
+
+
+# ---------------------------------------------------------------------------------------------- kept private
+
+
+def test_run_directories_and_their_new_parents_are_the_users_alone(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    run_dir = private_dir(tmp_path / "home" / ".splitserve" / "endpoints" / "dpd")
+    for path in (run_dir, run_dir.parent, run_dir.parent.parent, run_dir.parent.parent.parent):
+        assert mode(path) == 0o700, path
+    assert mode(tmp_path) == 0o755  # an existing parent is left as it is
+    run_dir.chmod(0o755)  # made by an older version
+    assert mode(private_dir(run_dir)) == 0o700
+
+
+def test_pod_logs_are_private(tmp_path: Path) -> None:
+    pod_set = PodSet(tmp_path / "logs")
+    pod = pod_set.add(PodSpec("colocated", (sys.executable, "-c", "print('hi')"), 1, health_path=None), "p")
+    try:
+        assert pod.process is not None
+        pod.process.wait(10)
+    finally:
+        pod_set.stop_all()
+    assert mode(tmp_path / "logs") == 0o700 and mode(tmp_path / "logs" / "p.log") == 0o600
+    assert (tmp_path / "logs" / "p.log").read_text() == "hi\n"
+
+
+def test_logged_commands_hide_keys_and_url_passwords() -> None:
+    command = ["splitserve", "worker", "--api-key", "k1", "--api-key=k2", "--l2-url", "redis://app:pw-9@r:6379/0",
+               "--l2-url=rediss://:pw-8@r:6380", "--model", "http://host/path@v1"]  # fmt: skip
+    shown = " ".join(redacted(command))
+    assert "k1" not in shown and "k2" not in shown and "pw-9" not in shown and "pw-8" not in shown
+    assert "redis://app:***@r:6379/0" in shown and "--l2-url=rediss://:***@r:6380" in shown
+    assert "http://host/path@v1" in shown  # no password: left alone
+
+
+def test_a_secret_key_ref_cannot_run_locally_and_says_what_to_do_instead(tmp_path: Path) -> None:
+    data = yaml.safe_load((EXAMPLES / "colocated.yaml").read_text())
+    ref = {"secretKeyRef": {"name": "client-keys", "key": "main"}}
+    data["spec"]["worker"]["environmentVariables"] = [{"name": "SPLITSERVE_API_KEY", "valueFrom": ref}]
+    path = tmp_path / "endpoint.yaml"
+    path.write_text(yaml.safe_dump(data))
+    load_endpoint(path)  # valid for Kubernetes
+    with pytest.raises(EndpointError) as info:
+        load_for_local_run(path)
+    (line,) = info.value.errors
+    assert line.startswith("spec.worker.environmentVariables[0].valueFrom.secretKeyRef: a local run cannot read")
+    assert "environment of splitserve up or apply" in line
+
+
+def test_the_default_disk_l2_is_made_private_in_the_users_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = yaml.safe_load((EXAMPLES / "colocated.yaml").read_text())
+    data["spec"]["kvCacheSpec"] = {"enableL2Cache": True, "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}}
+    path = tmp_path / "endpoint.yaml"
+    path.write_text(yaml.safe_dump(data))
+    local._private_l2(load_for_local_run(path))
+    l2 = tmp_path / "cache" / "splitserve" / "l2" / "default" / "colocated"
+    assert l2.is_dir() and mode(l2) == 0o700 and mode(tmp_path / "cache" / "splitserve") == 0o700

@@ -19,11 +19,15 @@ from splitserve.deploy.plan import Target, plan
 from splitserve.deploy.render import (
     DEFAULT_IMAGE,
     LABEL_ROLE,
+    ROUTER_ADMIN_PORT,
     ROUTER_PORT,
+    SECRET_HASH_ANNOTATION,
+    decode_secret,
     in_cluster_redis_url,
     kv_transfer_port,
     render,
     render_yaml,
+    secret_name,
     worker_selector,
 )
 from splitserve.endpoint import EndpointError, InferenceEndpointConfig, load_endpoint, parse_endpoint
@@ -72,8 +76,14 @@ def expanded(c: dict[str, Any]) -> list[str]:
     pod = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0", "metadata.namespace": "default"}
     env = {}
     for name, value in env_of(c).items():
-        env[name] = pod[value["fieldRef"]["fieldPath"]] if isinstance(value, dict) else value
+        if isinstance(value, dict) and "fieldRef" in value:
+            env[name] = pod[value["fieldRef"]["fieldPath"]]
+        elif not isinstance(value, dict):
+            env[name] = value
     return [VAR.sub(lambda m: env[m.group(1)], arg) for arg in c["args"]]
+
+
+SECRETS = {"cluster-secret": "s" * 43, "redis-password": "r" * 43}  # fixed values: renders compare equal
 
 
 def cli_command(name: str) -> Any:
@@ -82,7 +92,7 @@ def cli_command(name: str) -> Any:
 
 def rendered_examples() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     for path in EXAMPLES:
-        yield path.stem, render(load_endpoint(path))
+        yield path.stem, render(load_endpoint(path), secret_values=SECRETS)
 
 
 # ---------------------------------------------------------------------------------------------- every example
@@ -146,8 +156,9 @@ def test_every_container_command_is_one_the_real_cli_accepts(path: Path) -> None
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_render_yaml_is_the_manifests_as_multi_document_yaml(path: Path) -> None:
     config = load_endpoint(path)
-    text = render_yaml(config)
-    assert list(yaml.safe_load_all(text)) == render(config)
+    text = render_yaml(config, secret_values=SECRETS)
+    assert list(yaml.safe_load_all(text)) == render(config, secret_values=SECRETS)
+    assert "&id" not in text and "*id" not in text  # no YAML aliases: every object is its own
     for warning in plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config)).warnings:
         assert f"# warning: {warning}\n" in text
 
@@ -158,6 +169,11 @@ def test_render_yaml_is_the_manifests_as_multi_document_yaml(path: Path) -> None
 def test_dpd_renders_prefill_decode_router_and_the_routers_rbac() -> None:
     manifests = render(example("dpd"))
     assert names(manifests) == [
+        "Secret/dpd-cluster-secret",
+        "NetworkPolicy/dpd-default-deny",
+        "NetworkPolicy/dpd-router",
+        "NetworkPolicy/dpd-prefill",
+        "NetworkPolicy/dpd-decode",
         "ServiceAccount/dpd-router",
         "Role/dpd-router",
         "RoleBinding/dpd-router",
@@ -270,14 +286,33 @@ def test_environment_variables_reach_both_roles_after_the_downward_api_ones() ->
             "SPLITSERVE_POD_NAME",
             "SPLITSERVE_POD_IP",
             "SPLITSERVE_POD_NAMESPACE",
+            "HOME",
+            "SPLITSERVE_CLUSTER_SECRET",
             "PD_BUFFER_SIZE",
             "LMCACHE_SAVE_DECODE_CACHE",
         ]
-        assert env[3:] == [
+        assert env[5:] == [
             {"name": "PD_BUFFER_SIZE", "value": "1073741824"},
             {"name": "LMCACHE_SAVE_DECODE_CACHE", "value": "False"},
         ]
-    assert "env" not in container(find(manifests, "Deployment", "dpd-router"), "router")
+    router_env = container(find(manifests, "Deployment", "dpd-router"), "router")["env"]
+    assert [e["name"] for e in router_env] == ["HOME", "SPLITSERVE_CLUSTER_SECRET"]  # worker variables stay there
+
+
+def test_secret_key_refs_in_the_environment_reach_the_pods_as_references() -> None:
+    data = example_data("dpd")
+    data["spec"]["worker"]["environmentVariables"] += [
+        {"name": "SPLITSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "client-keys", "key": "main"}}},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}},
+    ]
+    manifests = render(parse_endpoint(data))
+    api_key = {"secretKeyRef": {"name": "client-keys", "key": "main"}}
+    for name in ("prefill-dpd", "decode-dpd"):
+        env = env_of(container(find(manifests, "Deployment", name)))
+        assert env["SPLITSERVE_API_KEY"] == api_key
+        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}
+    router = env_of(container(find(manifests, "Deployment", "dpd-router"), "router"))
+    assert router["SPLITSERVE_API_KEY"] == api_key and "HF_TOKEN" not in router  # the router checks client keys
 
 
 def test_resources_are_per_role_and_the_top_level_ones_are_not_used_for_pd_pods() -> None:
@@ -316,15 +351,14 @@ def test_the_model_volume_is_mounted_in_workers_and_router() -> None:
     manifests = render(example("reference"))
     for name, c in (("decode-dpd-test", "worker"), ("dpd-test-router", "router")):
         deployment = find(manifests, "Deployment", name)
-        assert container(deployment, c)["volumeMounts"] == [
-            {"name": "model-weights", "mountPath": "/opt/ml/model", "readOnly": True}
-        ]
-        assert deployment["spec"]["template"]["spec"]["volumes"] == [
-            {"name": "model-weights", "persistentVolumeClaim": {"claimName": "model-weights", "readOnly": True}}
-        ]
+        mount = {"name": "model-weights", "mountPath": "/opt/ml/model", "readOnly": True}
+        assert container(deployment, c)["volumeMounts"][0] == mount
+        volume = {"name": "model-weights", "persistentVolumeClaim": {"claimName": "model-weights", "readOnly": True}}
+        assert deployment["spec"]["template"]["spec"]["volumes"][0] == volume
     prefill = container(find(manifests, "Deployment", "prefill-dpd-test"))
     assert value_after(prefill["args"], "--model") == "/opt/ml/model"
-    assert "volumes" not in find(render(example("dpd")), "Deployment", "prefill-dpd")["spec"]["template"]["spec"]
+    volumes = find(render(example("dpd")), "Deployment", "prefill-dpd")["spec"]["template"]["spec"]["volumes"]
+    assert "model-weights" not in {v["name"] for v in volumes}
 
 
 def test_an_s3_model_without_a_volume_is_an_error_not_a_broken_manifest() -> None:
@@ -368,6 +402,70 @@ def test_tieredstorage_gets_a_directory_volume_at_its_path() -> None:
     assert {"name": "l2-cache", "emptyDir": {}} in deployment["spec"]["template"]["spec"]["volumes"]
 
 
+# ---------------------------------------------------------------------------------------------- the Secret
+
+
+def test_each_endpoint_gets_a_secret_of_its_own_made_once_and_kept_when_given() -> None:
+    config = example("dpd")
+    first, second = render(config), render(config)
+    secret = find(first, "Secret", secret_name("dpd"))
+    assert secret["metadata"]["name"] == "dpd-cluster-secret" and secret["type"] == "Opaque"
+    values = decode_secret(secret)
+    assert set(values) == {"cluster-secret"} and len(values["cluster-secret"]) >= 43  # 32 random bytes
+    assert values != decode_secret(find(second, "Secret", "dpd-cluster-secret"))  # random, not derived
+    kept = render(config, secret_values=values)
+    assert decode_secret(find(kept, "Secret", "dpd-cluster-secret")) == values
+    assert kept == render(config, secret_values={**values, "stale": "x"})  # what the endpoint does not use goes
+
+
+def test_pods_roll_when_the_secret_changes_and_only_then() -> None:
+    def hashes(manifests: list[dict[str, Any]]) -> set[str]:
+        pods = [m["spec"]["template"] for m in manifests if m["kind"] == "Deployment"]
+        return {pod["metadata"]["annotations"][SECRET_HASH_ANNOTATION] for pod in pods}
+
+    config = example("dpd-redis")
+    same = hashes(render(config, secret_values=SECRETS))
+    assert len(same) == 1 and same == hashes(render(config, secret_values=dict(SECRETS)))
+    rotated = hashes(render(config, secret_values={**SECRETS, "redis-password": "new"}))
+    assert len(rotated) == 1 and rotated != same
+    assert SECRETS["cluster-secret"] not in str(same)
+
+
+def test_the_endpoints_redis_takes_its_password_from_the_secret_on_stdin() -> None:
+    manifests = render(example("dpd-redis"), secret_values=SECRETS)
+    assert set(decode_secret(find(manifests, "Secret", "dpd-redis-cluster-secret"))) == {
+        "cluster-secret",
+        "redis-password",
+    }
+    redis = container(find(manifests, "Deployment", "dpd-redis-redis"), "redis")
+    assert redis["command"][:2] == ["sh", "-c"] and "requirepass $REDIS_PASSWORD" in redis["command"][2]
+    assert "redis-server" in redis["command"][2] and "$@" in redis["command"][2]  # the args follow
+    ref = {"secretKeyRef": {"name": "dpd-redis-cluster-secret", "key": "redis-password"}}
+    assert env_of(redis) == {"REDIS_PASSWORD": ref}
+    for name in ("prefill-dpd-redis", "decode-dpd-redis"):
+        assert env_of(container(find(manifests, "Deployment", name)))["SPLITSERVE_REDIS_PASSWORD"] == ref
+    assert SECRETS["redis-password"] not in str([m for m in manifests if m["kind"] != "Secret"])
+
+
+def test_the_redis_script_gives_redis_server_the_password_and_the_args(tmp_path: Path) -> None:
+    """The Redis container's shell script, run with a stand-in redis-server that reports what it got."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("sh") is None:
+        pytest.skip("no sh")
+    fake = tmp_path / "redis-server"
+    fake.write_text('#!/bin/sh\necho "argv: $*"\ncat\n')
+    fake.chmod(0o755)
+    redis = container(find(render(example("dpd-redis")), "Deployment", "dpd-redis-redis"), "redis")
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "REDIS_PASSWORD": "pw-123"}
+    out = subprocess.run([*redis["command"], *redis["args"]], env=env, capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"argv: {' '.join(redis['args'])} -", "requirepass pw-123"]
+    assert "pw-123" not in out.stdout.splitlines()[0]  # never in argv
+
+
 # ---------------------------------------------------------------------------------------------- router
 
 
@@ -382,6 +480,8 @@ def test_the_router_runs_the_plans_flags_with_the_worker_services_until_discover
         "0.0.0.0",
         "--port",
         str(ROUTER_PORT),
+        "--admin-port",
+        str(ROUTER_ADMIN_PORT),
         "--shutdown-timeout",
         "30",
         "--prefill",
@@ -412,7 +512,7 @@ def test_the_discovery_sidecar_lists_this_endpoints_worker_pods_with_its_own_ser
         "app.kubernetes.io/name=splitserve,app.kubernetes.io/instance=dpd,"
         "app.kubernetes.io/component in (prefill,decode)"
     )
-    assert value_after(sidecar["args"], "--router") == f"http://127.0.0.1:{ROUTER_PORT}"
+    assert value_after(sidecar["args"], "--router") == f"http://127.0.0.1:{ROUTER_ADMIN_PORT}"  # the admin listener
     assert value_after(sidecar["args"], "--namespace") == "default"
     assert value_after(sidecar["args"], "--port") == "8000"
     assert pod["serviceAccountName"] == "dpd-router"
@@ -437,13 +537,15 @@ def test_metrics_enabled_annotates_pods_for_prometheus() -> None:
     manifests = render(example("kvaware"))
     worker = find(manifests, "Deployment", "kvaware")["spec"]["template"]["metadata"]
     assert worker["annotations"] == {
+        SECRET_HASH_ANNOTATION: worker["annotations"][SECRET_HASH_ANNOTATION],
         "prometheus.io/scrape": "true",
         "prometheus.io/port": "8000",
         "prometheus.io/path": "/metrics",
     }
     router = find(manifests, "Deployment", "kvaware-router")["spec"]["template"]["metadata"]
     assert router["annotations"]["prometheus.io/port"] == "8080"
-    assert "annotations" not in find(render(example("dpd")), "Deployment", "dpd-router")["spec"]["template"]["metadata"]
+    dpd = find(render(example("dpd")), "Deployment", "dpd-router")["spec"]["template"]["metadata"]
+    assert not [key for key in dpd["annotations"] if key.startswith("prometheus.io/")]
 
 
 def test_objects_live_in_the_resources_namespace() -> None:

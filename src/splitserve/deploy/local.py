@@ -1,7 +1,11 @@
 """The local commands: ``splitserve up`` (foreground) and ``apply`` / ``get`` / ``logs`` / ``delete`` (background).
 
 Each endpoint has a run directory, ``$SPLITSERVE_HOME/endpoints/<name>`` (``~/.splitserve`` by default): the
-applied resource (``endpoint.yaml``), the supervisor's pid and log, ``state.json`` and one log per pod. ``up``
+applied resource (``endpoint.yaml``), the supervisor's pid and log, ``state.json``, the cluster secret and one
+log per pod. It is the user's alone (mode 0700, as every directory made on the way; logs 0600), and so is the
+default disk L2 (``endpoint.local_l2_path``, in the user's cache, not ``/tmp``). A local run cannot read a
+Kubernetes Secret: a ``valueFrom.secretKeyRef`` in the resource is an error that says to set the variable in
+the environment of ``splitserve up`` or ``apply`` instead, which every pod inherits. ``up``
 runs the supervisor in this process until Ctrl-C or SIGTERM, then stops every pod. ``apply`` starts the same
 supervisor in the background, or, when one already runs for that endpoint, hands it the new resource (SIGHUP)
 to reconcile. ``get`` and ``logs`` read the run directory; ``delete`` stops the supervisor, which stops its pods.
@@ -23,10 +27,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from splitserve.config import L2Backend
 from splitserve.deploy.plan import local_model
-from splitserve.deploy.pods import format_pods
+from splitserve.deploy.pods import format_pods, open_private_log
 from splitserve.deploy.supervisor import READY_TIMEOUT_S, Supervisor, default_run_root, splitserve_command
-from splitserve.endpoint import InferenceEndpointConfig, load_endpoint
+from splitserve.endpoint import EndpointError, InferenceEndpointConfig, load_endpoint, local_l2_path, secret_refs
 
 logger = logging.getLogger("splitserve.supervisor")
 
@@ -44,10 +49,36 @@ def revision_of(path: Path) -> str:
 
 
 def load_for_local_run(path: Path) -> InferenceEndpointConfig:
-    """The resource, checked for a local run (a model that needs no network). Raises ``EndpointError``."""
+    """The resource, checked for a local run (a model that needs no network, no Secret to read). Raises
+    ``EndpointError``."""
     config = load_endpoint(path)
     local_model(config)
+    refs = secret_refs(config)
+    if refs:
+        why = (
+            "secretKeyRef: a local run cannot read a Kubernetes Secret; remove the variable and set it in the "
+            "environment of splitserve up or apply instead (every pod inherits it)"
+        )
+        raise EndpointError([f"{ref}.{why}" for ref in refs], str(path))
     return config
+
+
+def private_dir(path: Path) -> Path:
+    """``path``, made mode 0700 with every missing parent (existing parents are left as they are)."""
+    for directory in reversed((path, *path.parents)):
+        if not directory.exists():
+            directory.mkdir(mode=0o700, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def _private_l2(config: InferenceEndpointConfig) -> None:
+    """The default disk L2 directory, made private before any worker writes to it."""
+    kv = config.spec.kv_cache_spec
+    if config.l2_backend != L2Backend.TIEREDSTORAGE or kv is None or kv.l2_cache_spec is None:
+        return
+    if not kv.l2_cache_spec.l2_cache_path:
+        private_dir(Path(local_l2_path(config.metadata.namespace, config.metadata.name)))
 
 
 def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Path | None = None) -> int:
@@ -56,8 +87,7 @@ def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Pa
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
     config = load_for_local_run(path)
-    run_dir = run_dir_for(config.metadata.name, root)
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir = private_dir(run_dir_for(config.metadata.name, root))
     applied = run_dir / "endpoint.yaml"  # what SIGHUP re-reads; `splitserve apply -f` replaces it
     if path.resolve() != applied.resolve():
         shutil.copyfile(path, applied)
@@ -76,6 +106,7 @@ def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Pa
     signal.signal(signal.SIGHUP, on_reload)
     _write_pid_file(run_dir / "supervisor.pid")  # after the handlers: SIGHUP must not kill us
     try:
+        _private_l2(config)
         supervisor.apply(config, revision_of(path))
         _report(supervisor, stop)
         while not stop.is_set():
@@ -92,8 +123,6 @@ def up(path: Path, *, router_port: int = 8080, host: str = "127.0.0.1", root: Pa
 
 
 def _reapply(supervisor: Supervisor, path: Path, stop: threading.Event) -> None:
-    from splitserve.endpoint import EndpointError
-
     try:
         config = load_for_local_run(path)
     except EndpointError as exc:
@@ -101,6 +130,7 @@ def _reapply(supervisor: Supervisor, path: Path, stop: threading.Event) -> None:
         return
     logger.info("reconciling %s", config.metadata.name)
     try:
+        _private_l2(config)
         supervisor.apply(config, revision_of(path))
     except (EndpointError, RuntimeError) as exc:  # checked before anything changed: the endpoint keeps running
         logger.error("not applied: %s", exc)
@@ -128,8 +158,7 @@ def _report(supervisor: Supervisor, stop: threading.Event) -> None:
 def apply(path: Path, *, router_port: int = 8080, root: Path | None = None, wait_s: float = 600.0) -> int:
     """Start the endpoint in the background, or reconcile the running one; print its pods when ready."""
     config = load_for_local_run(path)
-    run_dir = run_dir_for(config.metadata.name, root)
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir = private_dir(run_dir_for(config.metadata.name, root))
     target = run_dir / "endpoint.yaml"
     shutil.copyfile(path, target)
     pid = _supervisor_pid(run_dir)
@@ -140,7 +169,7 @@ def apply(path: Path, *, router_port: int = 8080, root: Path | None = None, wait
     else:
         command = [*splitserve_command("up", "-f", str(target), "--port", str(router_port))]
         env = {**os.environ, "SPLITSERVE_HOME": str(run_dir.parent.parent)}
-        with (run_dir / "supervisor.log").open("ab") as log:
+        with open_private_log(run_dir / "supervisor.log") as log:
             subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         print(f"endpoint {config.metadata.name} created")
     state = _wait_state(run_dir, lambda s: bool(s["condition"]["status"]) and s.get("revision") == revision, wait_s)

@@ -6,8 +6,19 @@ kopf. :func:`reconcile` (create, update, resume) parses the body with ``endpoint
 applies every manifest (server-side apply, owned by the resource) and deletes what an earlier render made
 and this one does not (toggling ``pdSpec`` swaps the colocated Deployment for prefill and decode ones).
 :func:`refresh` (a timer) reads the Deployments and sets the ``Ready`` condition; :func:`teardown` (delete)
-removes everything labelled as this endpoint's. A resource that does not validate is never an exception:
-its ``Ready`` condition is False with reason ``InvalidSpec`` and the EndpointError's text.
+removes this endpoint's objects. A resource that does not validate is never an exception: its ``Ready``
+condition is False with reason ``InvalidSpec`` and the EndpointError's text.
+
+The operator never takes over what it does not own. An object is the endpoint's when the resource is its
+controller (an owner reference with the resource's uid). When a rendered object's name is taken by another
+object, nothing is applied: the ``Ready`` condition is False with reason ``Conflict`` and names the objects, and
+the timer tries again. Only the endpoint's own objects are applied with ``force`` (taking back fields another
+manager changed), pruned or deleted. The endpoint's Secret keeps its values: each reconcile renders with the
+live Secret's (``render(secret_values=...)``), so the cluster secret is made once, not on every reconcile.
+
+Namespaced by default: ``splitserve operator`` watches its own namespace (``--namespace`` for others,
+``--all-namespaces`` for every one), and :func:`install_manifests` grants it a Role there; a ClusterRole only
+with ``cluster_wide``.
 
 kopf is imported only by :func:`run_operator` (``splitserve operator``); install it with the ``operator`` extra.
 """
@@ -24,40 +35,51 @@ from typing import Any, Protocol
 import httpx
 
 from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
-from splitserve.deploy.plan import Target, plan
-from splitserve.deploy.render import (
-    DEFAULT_IMAGE,
+from splitserve.deploy.labels import (
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     LABEL_NAME,
     MANAGED_BY,
-    ROUTER_PORT,
-    Manifest,
-    in_cluster_redis_url,
     managed_selector,
+)
+from splitserve.deploy.netpol import API_SERVER_PORTS, DNS_PORT
+from splitserve.deploy.plan import Target, plan
+from splitserve.deploy.render import (
+    DEFAULT_IMAGE,
+    POD_NAMESPACE_ENV,
+    ROUTER_PORT,
+    RUN_AS_ID,
+    Manifest,
+    decode_secret,
+    in_cluster_redis_url,
     render,
+    secret_name,
 )
 from splitserve.endpoint import EndpointError, InferenceEndpointConfig, parse_endpoint
 
 logger = logging.getLogger("splitserve.operator")
 
 READY = "Ready"
+CONFLICT = "Conflict"  # the Ready condition's reason while a rendered object's name is taken by another object
 READY_DPD = "DPD prefill and decode deployments are ready"
 READY_COLOCATED = "Endpoint deployment is ready"
 FIELD_MANAGER = "splitserve-operator"
 DEFAULT_INTERVAL_S = 10.0
 RETRY_DELAY_S = 10.0
-# What render() makes, pruned and deleted in this order (workloads first, their identity last).
+# What render() makes, pruned and deleted in this order (workloads first, their identity and secret last).
 MANAGED_KINDS = (
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("v1", "ServiceAccount"),
+    ("v1", "Secret"),
 )
 _PLURALS = {"Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
-            "Role": "roles", "RoleBinding": "rolebindings"}  # fmt: skip
+            "Role": "roles", "RoleBinding": "rolebindings", "NetworkPolicy": "networkpolicies",
+            "Secret": "secrets"}  # fmt: skip
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 Clock = Callable[[], datetime]
@@ -70,8 +92,9 @@ class ApiError(Exception):
 class KubeClient(Protocol):
     """The four calls the operator makes. Namespaced objects only; errors raise ApiError."""
 
-    def apply(self, manifest: Manifest) -> None:
-        """Create or update ``manifest`` (server-side apply: fields it leaves out are released)."""
+    def apply(self, manifest: Manifest, *, force: bool = False) -> None:
+        """Create or update ``manifest`` (server-side apply: fields it leaves out are released). ``force`` takes
+        over fields another manager set; without it such a conflict is an ApiError."""
         ...
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
@@ -95,27 +118,38 @@ def reconcile(
 ) -> dict[str, Any]:
     """Make the cluster match the resource ``body``; returns the new ``status``.
 
-    Applies every rendered manifest in order, then deletes this endpoint's objects that the render no longer
-    has. An invalid resource touches nothing and gets an ``InvalidSpec`` condition. Raises ApiError.
+    Renders with the live Secret's values, then, unless a rendered name is taken by an object the resource does
+    not own (a ``Conflict`` condition, nothing applied), applies every manifest in order and deletes this
+    endpoint's objects that the render no longer has. An invalid resource touches nothing and gets an
+    ``InvalidSpec`` condition. Raises ApiError.
     """
+    uid = _uid(body)
     try:
         config = parse_endpoint(_plain(body))
-        manifests = render(config, default_image=default_image)
+        manifests = render(config, default_image=default_image, secret_values=_kept_secret(client, config, uid))
     except EndpointError as exc:
         logger.warning("%s is invalid; nothing applied: %s", _source(body), exc)
         return _invalid_status(body, exc, now)
+    live = {_key(m): client.get(m["apiVersion"], m["kind"], _namespace(m), m["metadata"]["name"]) for m in manifests}
+    taken = [f"{kind}/{name}" for (_, kind, name), obj in live.items() if obj is not None and not _is_own(obj, uid)]
+    if taken:
+        logger.warning("%s: not applied, not its own: %s", _source(body), ", ".join(taken))
+        return _conflict_status(body, taken, now)
     owner = _owner_reference(body)
     for manifest in manifests:
-        client.apply(_owned(manifest, owner))
+        client.apply(_owned(manifest, owner), force=live[_key(manifest)] is not None)
     keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
-    _delete_managed(client, config.metadata.namespace, config.metadata.name, keep)
+    _delete_managed(client, config.metadata.namespace, config.metadata.name, keep, uid)
     return _valid_status(body, config, manifests, client, now)
 
 
 def refresh(
     body: Mapping[str, Any], client: KubeClient, *, now: Clock | None = None, default_image: str = DEFAULT_IMAGE
 ) -> dict[str, Any]:
-    """The resource's ``status`` from its Deployments' readiness (the timer); reads only. Raises ApiError."""
+    """The resource's ``status`` from its Deployments' readiness (the timer); reads only, except after a
+    ``Conflict``, which it retries with :func:`reconcile`. Raises ApiError."""
+    if _ready_reason(body) == CONFLICT:
+        return reconcile(body, client, now=now, default_image=default_image)
     try:
         config = parse_endpoint(_plain(body))
         manifests = render(config, default_image=default_image)
@@ -125,12 +159,14 @@ def refresh(
 
 
 def teardown(body: Mapping[str, Any], client: KubeClient) -> list[str]:
-    """Delete every object labelled as this endpoint's (whatever the resource now says, valid or not).
+    """Delete this endpoint's objects (whatever the resource now says, valid or not): those labelled as its,
+    and owned by it when the body has a uid.
 
     Returns ``Kind/name`` of each deleted object. Raises ApiError.
     """
     metadata = body.get("metadata") or {}
-    return _delete_managed(client, metadata.get("namespace", "default"), metadata["name"], keep=set())
+    namespace = metadata.get("namespace", "default")
+    return _delete_managed(client, namespace, metadata["name"], keep=set(), uid=_uid(body))
 
 
 def ready_condition(config: InferenceEndpointConfig, deployments: Mapping[str, Manifest | None]) -> dict[str, str]:
@@ -180,6 +216,19 @@ def _invalid_status(body: Mapping[str, Any], error: EndpointError, now: Clock | 
     return {**_status(body, condition, now), "url": None, "warnings": []}
 
 
+def _conflict_status(body: Mapping[str, Any], taken: Sequence[str], now: Clock | None) -> dict[str, Any]:
+    message = (
+        f"nothing applied: {', '.join(taken)} already exist and are not this endpoint's "
+        "(delete them, or give the endpoint another name)"
+    )
+    condition = {"status": "False", "reason": CONFLICT, "message": message}
+    return {**_status(body, condition, now), "url": None, "warnings": []}
+
+
+def _ready_reason(body: Mapping[str, Any]) -> str | None:
+    return next((c.get("reason") for c in _conditions(body) if c.get("type") == READY), None)
+
+
 def _status(body: Mapping[str, Any], condition: dict[str, str], now: Clock | None) -> dict[str, Any]:
     """``observedGeneration`` and the Ready condition; its ``lastTransitionTime`` moves only when its status does."""
     generation = (body.get("metadata") or {}).get("generation")
@@ -206,17 +255,48 @@ def _utcnow() -> datetime:
 # ---------------------------------------------------------------------------------------------- objects
 
 
-def _delete_managed(client: KubeClient, namespace: str, endpoint: str, keep: set[tuple[str, str]]) -> list[str]:
+def _delete_managed(
+    client: KubeClient, namespace: str, endpoint: str, keep: set[tuple[str, str]], uid: str | None
+) -> list[str]:
+    """Delete the endpoint's objects not in ``keep``: labelled as its, and owned by it (when ``uid`` is known)."""
     deleted = []
     for api_version, kind in MANAGED_KINDS:
         for obj in client.list(api_version, kind, namespace, managed_selector(endpoint)):
             name = obj["metadata"]["name"]
-            if (kind, name) not in keep:
+            if (kind, name) not in keep and (uid is None or _is_own(obj, uid)):
                 client.delete(api_version, kind, namespace, name)
                 deleted.append(f"{kind}/{name}")
     if deleted:
         logger.info("%s/%s: deleted %s", namespace, endpoint, ", ".join(deleted))
     return deleted
+
+
+def _kept_secret(client: KubeClient, config: InferenceEndpointConfig, uid: str | None) -> dict[str, str]:
+    """The values of the endpoint's live Secret when it is the endpoint's own; else none (render makes new ones)."""
+    live = client.get("v1", "Secret", config.metadata.namespace, secret_name(config.metadata.name))
+    return decode_secret(live) if live is not None and _is_own(live, uid) else {}
+
+
+def _is_own(obj: Manifest, uid: str | None) -> bool:
+    """The resource (``uid``) is the object's controller; without a uid (no API server: tests, dry runs), the
+    object carries the managed-by label."""
+    metadata = obj.get("metadata") or {}
+    if uid is None:
+        return (metadata.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGED_BY
+    refs = metadata.get("ownerReferences") or []
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+
+
+def _uid(body: Mapping[str, Any]) -> str | None:
+    return (body.get("metadata") or {}).get("uid") or None
+
+
+def _key(manifest: Manifest) -> tuple[str, str, str]:
+    return manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]
+
+
+def _namespace(manifest: Manifest) -> str:
+    return str(manifest["metadata"]["namespace"])
 
 
 def _owner_reference(body: Mapping[str, Any]) -> Manifest | None:
@@ -280,10 +360,10 @@ class HttpKubeClient:
         )  # fmt: skip
         return cls(client)
 
-    def apply(self, manifest: Manifest) -> None:
+    def apply(self, manifest: Manifest, *, force: bool = False) -> None:
         meta = manifest["metadata"]
         path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
-        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        params = {"fieldManager": FIELD_MANAGER, "force": "true" if force else "false"}
         headers = {"Content-Type": "application/apply-patch+yaml"}
         self._call("PATCH", path, params=params, json=manifest, headers=headers)
 
@@ -355,78 +435,159 @@ def _retrying(kopf: Any, call: Callable[[], Any]) -> Any:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
 
 
-def run_operator(
-    *, namespaces: Sequence[str] = (), api_server: str | None = None, interval_s: float = DEFAULT_INTERVAL_S,
-    default_image: str = DEFAULT_IMAGE, liveness_port: int = 8081,
-) -> int:  # fmt: skip
-    """``splitserve operator``: watch ``namespaces`` (every namespace when empty) until stopped.
+def watched_namespaces(
+    namespaces: Sequence[str], all_namespaces: bool, *, own_namespace: str | None = None
+) -> list[str] | None:
+    """The namespaces ``splitserve operator`` watches: ``namespaces``, else its own (``own_namespace``: the
+    pod's, from the downward API or the service account); None: every namespace (``all_namespaces``).
 
-    Raises RuntimeError before starting when kopf is missing or there is no API server to talk to.
+    Raises RuntimeError when both are given, or neither and the operator's own namespace is unknown.
     """
+    if all_namespaces:
+        if namespaces:
+            raise RuntimeError("--namespace and --all-namespaces exclude each other")
+        return None
+    if namespaces:
+        return list(namespaces)
+    if not own_namespace:
+        raise RuntimeError("not in a pod, so no namespace of its own: give --namespace NAME or --all-namespaces")
+    return [own_namespace]
+
+
+def own_namespace() -> str | None:
+    """The operator pod's namespace: ``SPLITSERVE_POD_NAMESPACE``, else the service account's; None outside a pod."""
+    if namespace := os.environ.get(POD_NAMESPACE_ENV, "").strip():
+        return namespace
+    try:
+        return (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def run_operator(
+    *, namespaces: Sequence[str] = (), all_namespaces: bool = False, api_server: str | None = None,
+    interval_s: float = DEFAULT_INTERVAL_S, default_image: str = DEFAULT_IMAGE, liveness_port: int = 8081,
+) -> int:  # fmt: skip
+    """``splitserve operator``: watch :func:`watched_namespaces` until stopped.
+
+    Namespaced, it neither lists namespaces nor watches CRDs (kopf's scanning is off), so a Role in each
+    watched namespace is all it needs. Raises RuntimeError before starting when kopf is missing, there is no API
+    server to talk to, or no namespace to watch.
+    """
+    watched = watched_namespaces(namespaces, all_namespaces, own_namespace=own_namespace())
     try:
         import kopf
     except ImportError:
         raise RuntimeError("splitserve operator needs kopf: pip install 'splitserve[operator]'") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     register(kopf, HttpKubeClient.connect(api_server), interval_s=interval_s, default_image=default_image)
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = watched is not None
+    logger.info("watching %s", "every namespace" if watched is None else ", ".join(watched))
     kopf.run(
         standalone=True,
-        clusterwide=not namespaces,
-        namespaces=list(namespaces),
+        clusterwide=watched is None,
+        namespaces=watched or [],
+        settings=settings,
         liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz",
     )
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- installing
+
+
+OPERATOR_NAME = "splitserve-operator"
+
+
 def install_manifests(
-    namespace: str = "splitserve-system", image: str = DEFAULT_IMAGE, liveness_port: int = 8081
-) -> list[Manifest]:
-    """The CRD and the operator itself (ServiceAccount, ClusterRole, ClusterRoleBinding, Deployment in
-    ``namespace``, which must exist): ``splitserve render --operator | kubectl apply -f -``."""
-    name = "splitserve-operator"
-    labels = {LABEL_NAME: "splitserve", LABEL_INSTANCE: name, LABEL_COMPONENT: "operator",
+    namespace: str = "splitserve-system", image: str = DEFAULT_IMAGE, liveness_port: int = 8081,
+    *, cluster_wide: bool = False,
+) -> list[Manifest]:  # fmt: skip
+    """The CRD and the operator itself (ServiceAccount, its RBAC, Deployment and NetworkPolicy in ``namespace``,
+    which must exist): ``splitserve render --operator | kubectl apply -f -``.
+
+    Namespaced by default: a Role and RoleBinding in ``namespace``, and the operator watches that namespace
+    only. ``cluster_wide``: a ClusterRole and ClusterRoleBinding, and it watches every namespace.
+    """
+    labels = {LABEL_NAME: "splitserve", LABEL_INSTANCE: OPERATOR_NAME, LABEL_COMPONENT: "operator",
               LABEL_MANAGED_BY: MANAGED_BY}  # fmt: skip
-    meta = {"name": name, "namespace": namespace, "labels": labels}
-    subject = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
-    role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
-    probe = {"httpGet": {"path": "/healthz", "port": liveness_port}, "periodSeconds": 15}
-    container = {
-        "name": "operator", "image": image, "imagePullPolicy": "IfNotPresent",
-        "command": ["splitserve", "operator"], "livenessProbe": probe,
-        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
-    }  # fmt: skip
-    selector = {k: v for k, v in labels.items() if k != LABEL_MANAGED_BY}
-    deployment_spec = {
-        "replicas": 1,  # standalone: one operator (no peering)
-        "strategy": {"type": "Recreate"},
-        "selector": {"matchLabels": selector},
-        "template": {"metadata": {"labels": labels},
-                     "spec": {"serviceAccountName": name, "containers": [container]}},
-    }  # fmt: skip
+    role_kind = "ClusterRole" if cluster_wide else "Role"
+
+    def meta(*, namespaced: bool = True) -> Manifest:  # a copy per object: YAML without aliases
+        return {"name": OPERATOR_NAME, **({"namespace": namespace} if namespaced else {}), "labels": dict(labels)}
+
+    subject = {"kind": "ServiceAccount", "name": OPERATOR_NAME, "namespace": namespace}
+    role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": OPERATOR_NAME}
     return [
         crd(),
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": name, "labels": labels}, "rules": _operator_rules()},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": name, "labels": labels}, "subjects": [subject], "roleRef": role_ref},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": deployment_spec},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": role_kind, "metadata": meta(namespaced=not cluster_wide),
+         "rules": _operator_rules(cluster_wide)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": f"{role_kind}Binding",
+         "metadata": meta(namespaced=not cluster_wide), "subjects": [subject], "roleRef": role_ref},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(),
+         "spec": _operator_deployment_spec(labels, image, liveness_port, cluster_wide)},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(),
+         "spec": _operator_network_policy(labels)},
     ]  # fmt: skip
 
 
-def _operator_rules() -> list[Manifest]:
-    """kopf's needs (watch the resource and CRDs, namespaces, events), what render() makes, and pods: a Role
-    can grant only what its creator holds (the router's discovery lists pods)."""
-    manage = ["get", "list", "watch", "create", "update", "patch", "delete"]
-    read = ["get", "list", "watch"]
-    return [
+def _operator_network_policy(labels: dict[str, str]) -> Manifest:
+    """The operator takes no connection (the kubelet's probes pass anyway) and opens only the API server's and DNS."""
+    api = {"ports": [{"protocol": "TCP", "port": port} for port in API_SERVER_PORTS]}
+    dns = {"ports": [{"protocol": protocol, "port": DNS_PORT} for protocol in ("UDP", "TCP")]}
+    selector = {"matchLabels": {k: v for k, v in labels.items() if k != LABEL_MANAGED_BY}}
+    return {"podSelector": selector, "policyTypes": ["Ingress", "Egress"], "egress": [api, dns]}
+
+
+def _operator_deployment_spec(labels: dict[str, str], image: str, liveness_port: int, cluster_wide: bool) -> Manifest:
+    """One operator (standalone: no peering), restricted like the endpoint's pods; it keeps its token (it talks to
+    the API server) and learns its namespace from the downward API."""
+    namespace_env = {"name": POD_NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+    container = {
+        "name": "operator", "image": image, "imagePullPolicy": "IfNotPresent",
+        "command": ["splitserve", "operator", *(["--all-namespaces"] if cluster_wide else [])],
+        "env": [namespace_env],
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": liveness_port}, "periodSeconds": 15},
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": liveness_port}, "periodSeconds": 15},
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
+        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }  # fmt: skip
+    pod_security = {"runAsNonRoot": True, "runAsUser": RUN_AS_ID, "runAsGroup": RUN_AS_ID,
+                    "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+    pod_spec = {"serviceAccountName": OPERATOR_NAME, "automountServiceAccountToken": True,
+                "securityContext": pod_security, "containers": [container],
+                "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}]}  # fmt: skip
+    return {
+        "replicas": 1,
+        "strategy": {"type": "Recreate"},
+        "selector": {"matchLabels": {k: v for k, v in labels.items() if k != LABEL_MANAGED_BY}},
+        "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+    }
+
+
+def _operator_rules(cluster_wide: bool) -> list[Manifest]:
+    """What the operator needs: the resource and its status, events, what render() makes, and pods (a Role can
+    grant only what its creator holds; the router's discovery lists pods). Cluster-wide, kopf also watches
+    namespaces and CRDs (its scanning, which is off for a namespaced operator)."""
+    manage = ("get", "list", "watch", "create", "update", "patch", "delete")
+    read = ("get", "list", "watch")
+    rules: list[Manifest] = [
         {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": [*read, "patch", "update"]},
         {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
-        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": read},
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": read},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": manage},
-        {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": manage},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": manage},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": list(manage)},
+        {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets"], "verbs": list(manage)},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": list(manage)},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": list(manage)},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": list(read)},
     ]
+    if cluster_wide:
+        rules.append(
+            {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": list(read)}
+        )
+        rules.append({"apiGroups": [""], "resources": ["namespaces"], "verbs": list(read)})
+    return rules

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from splitserve.config import L2Backend, Role, RoutingStrategy
 from splitserve.endpoint import (
-    DEFAULT_L2_PATH,
+    KUBERNETES_L2_PATH,
     EndpointError,
     Flag,
     InferenceEndpointConfig,
@@ -32,6 +32,7 @@ from splitserve.endpoint import (
     args_lists,
     invocation_path,
     last_flag,
+    local_l2_path,
     merge_flags,
     parse_args,
     parse_memory_bytes,
@@ -102,7 +103,7 @@ class RolePlan:
     name: str  # "<endpoint>" (colocated), "prefill-<endpoint>", "decode-<endpoint>": the deployment's name
     replicas: int
     flags: tuple[str, ...]  # `splitserve worker` arguments, without --host, --port and the per-instance flags
-    env: dict[str, str]  # spec.worker.environmentVariables, in order
+    env: dict[str, str]  # spec.worker.environmentVariables with a value, in order (secretKeyRefs: render only)
     resources: ResourcePlan
     container_port: int  # the port a worker listens on in its pod (locally, each instance gets its own)
     num_threads: int | None  # --num-threads in flags (from args, else from the CPU resources); None: all CPUs
@@ -223,7 +224,7 @@ def _role_plan(
         name=part.name,
         replicas=part.replicas,
         flags=tuple(flags),
-        env={var.name: var.value for var in config.spec.worker.environment_variables},
+        env={var.name: var.value or "" for var in config.spec.worker.environment_variables if var.value_from is None},
         resources=resources,
         container_port=config.spec.worker.model_invocation_port.container_port,
         num_threads=num_threads,
@@ -243,7 +244,8 @@ def _cache_flags(
     l2 = kv.l2_cache_spec
     if backend == L2Backend.TIEREDSTORAGE:
         meta = config.metadata
-        path = l2.l2_cache_path or DEFAULT_L2_PATH.format(namespace=meta.namespace, name=meta.name)
+        default = KUBERNETES_L2_PATH if target == Target.KUBERNETES else local_l2_path(meta.namespace, meta.name)
+        path = l2.l2_cache_path or default
         return [*flags, "--l2-backend", backend.value, "--l2-path", path], None, path
     url = l2.l2_cache_local_url or redis_url
     if url is None:

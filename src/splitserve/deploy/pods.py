@@ -10,6 +10,10 @@ Like a kubelet's liveness probe, a ready pod is probed every ``LIVENESS_PERIOD_S
 makes it not ready (until it answers 200 again), and ``LIVENESS_FAILURES`` probes in a row without any answer
 get it killed and restarted. Pods die with the supervisor, even a SIGKILLed one: each gets SIGTERM when its
 parent dies (Linux's ``PR_SET_PDEATHSIG``), and drains.
+
+Logs are the user's alone: a 0700 directory, 0600 files (:func:`open_private_log`). Secrets never reach a log:
+commands are logged :func:`redacted` (the value of ``--api-key``, the password in a URL), and secrets travel
+in files or the environment, never in argv.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -25,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -42,10 +47,12 @@ PR_SET_PDEATHSIG = 1
 
 
 SECRET_FLAGS = frozenset({"--api-key"})  # flags whose value must never reach a log
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^@/\s]+@")  # scheme://user:PASSWORD@
 
 
 def redacted(command: Sequence[str]) -> list[str]:
-    """``command`` with the value of every secret-bearing flag (``--api-key KEY``, ``--api-key=KEY``) hidden."""
+    """``command`` with every secret hidden: the value of a secret-bearing flag (``--api-key KEY``,
+    ``--api-key=KEY``) and the password of a URL (``redis://user:PASSWORD@host``)."""
     out: list[str] = []
     for token in command:
         flag = token.split("=", 1)[0]
@@ -54,8 +61,14 @@ def redacted(command: Sequence[str]) -> list[str]:
         elif flag in SECRET_FLAGS and "=" in token:
             out.append(f"{flag}=***")
         else:
-            out.append(token)
+            out.append(_URL_PASSWORD.sub(r"\g<head>***@", token))
     return out
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """``path`` opened for appending, created 0600 (and its directory 0700) when missing."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 def pod_name(role: str, endpoint: str) -> str:
@@ -106,8 +119,7 @@ class Pod:
         return "Running" if self.is_ready else "ContainerCreating"
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
+        log = open_private_log(self.log_path)
         cpus = self.spec.cpus
         parent = os.getpid()
 
@@ -201,6 +213,8 @@ def _redis_ping(port: int) -> bool:
 
     try:
         return bool(redis.Redis(port=port, socket_timeout=1.0).ping())
+    except redis.AuthenticationError:  # it answers: a password-protected Redis is up
+        return True
     except redis.RedisError:
         return False
 

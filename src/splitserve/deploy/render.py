@@ -1,70 +1,106 @@
 """Kubernetes manifests for an endpoint: the same plan as ``splitserve up``, as Deployments and Services.
 
 :func:`render` turns a validated ``InferenceEndpointConfig`` into plain manifests (dicts); ``splitserve render``
-prints them (:func:`render_yaml`) and the operator applies them. Pure: no I/O, no cluster access.
+prints them (:func:`render_yaml`) and the operator applies them. Pure: no I/O, no cluster access (the one
+random thing is a new Secret's values, which the caller can pass in instead).
 
 What an endpoint becomes (``<name>`` is ``metadata.name``; every object is in ``metadata.namespace``):
 
+- the endpoint's Secret ``<name>-cluster-secret``: the cluster secret (key ``cluster-secret``, 32 random
+  bytes, URL-safe base64) and, with the endpoint's own Redis, that Redis' password (``redis-password``). Every
+  splitserve container gets ``SPLITSERVE_CLUSTER_SECRET`` from it through ``secretKeyRef``, never as a literal.
+  Each pod template carries a digest of the values (``splitserve.io/secret-hash``), so pods roll when the
+  Secret changes and never mix two secrets. The operator keeps an existing Secret's values.
+- NetworkPolicies (``splitserve.deploy.netpol``): a default deny for the endpoint's pods, then clients reach the
+  router only, the router the workers' HTTP port, prefill pods the decode KV port, workers Redis.
 - workers: a Deployment and a Service per role, named as the plan names them: ``<name>`` (colocated), or
   ``prefill-<name>`` and ``decode-<name>`` (with ``pdSpec``). Pods run ``splitserve worker`` with the plan's
   flags plus ``--host 0.0.0.0 --port <containerPort>``, ``--worker-id`` (the pod name) and ``--advertise-url``
   (the pod IP, from the downward API). Decode pods listen on the pod IP instead of 0.0.0.0 and take
   ``--kv-transfer-port <containerPort + 1>`` (container port and Service port ``kv-transfer``): the KV receiver
   advertises the address it binds, and a pod's host name does not resolve in a cluster, its IP does.
-- the router: Deployment and Service ``<name>-router`` (port 8080). Its ``splitserve router`` starts with the
-  worker Services as its workers; a ``discovery`` sidecar (``splitserve k8s-discovery``) lists the ready
-  worker pods by label and replaces that list with the pods' own URLs through ``PUT /admin/workers``, so
-  routing (prefix-aware, KV-aware, PD pairing) sees each pod. ServiceAccount, Role and RoleBinding
-  ``<name>-router`` let the sidecar list pods.
+- the router: Deployment and Service ``<name>-router`` (port 8080), with requests and limits. Its
+  ``splitserve router`` starts with the worker Services as its workers; a ``discovery`` sidecar
+  (``splitserve k8s-discovery``) lists the ready worker pods by label and replaces that list with the pods' own
+  URLs through ``PUT /admin/workers`` on the router's loopback admin listener (``ROUTER_ADMIN_PORT``), so
+  routing (prefix-aware, KV-aware, PD pairing) sees each pod.
+  ServiceAccount, Role and RoleBinding ``<name>-router`` let the sidecar list pods. Only the sidecar mounts the
+  account's token (a projected volume); the router container has none.
 - Redis: with ``l2CacheBackend: redis`` and no ``l2CacheLocalUrl``, a ``<name>-redis`` Deployment and Service
-  (``REDIS_IMAGE``), as ``splitserve up`` starts a redis-server; every worker gets its URL.
-- tieredstorage: an ``emptyDir`` at the L2 path in each worker pod (per pod; mount a ReadWriteMany volume
-  there to share it).
+  (``REDIS_IMAGE``), as ``splitserve up`` starts a redis-server. It reads its password from the Secret on
+  stdin (never argv); every worker gets its URL and ``SPLITSERVE_REDIS_PASSWORD``.
+- tieredstorage: an ``emptyDir`` at the L2 path (``KUBERNETES_L2_PATH`` without ``l2CachePath``) in each
+  worker pod (per pod; mount a ReadWriteMany volume there to share it).
 - model weights: ``spec.worker.modelVolumeMount`` mounts the PersistentVolumeClaim named
   ``modelVolumeMount.name`` (read-only) at ``mountPath`` in workers and router (the router reads the tokenizer);
   create that claim (for s3 or fsx sources, backed by the Mountpoint for S3 or FSx CSI driver).
 
-Labels: ``app.kubernetes.io/name=splitserve``, ``instance=<name>``, ``component=worker|prefill|decode|router|redis``,
-``managed-by=splitserve``; prefill and decode pods also carry ``splitserve.io/dpd-role`` (and the plan's
-role label, which for the reference apiVersion is the seed's). The resource's own labels are copied to every
-object. Image: ``spec.worker.image``, else ``DEFAULT_IMAGE`` (build it from this repository).
+Every pod runs restricted: user and group ``RUN_AS_ID`` (the Dockerfile's), no privilege escalation, every
+capability dropped, seccomp ``RuntimeDefault``, a read-only root filesystem with ``emptyDir`` volumes where a
+process writes (``/tmp``; ``HOME``, where the native kernels and other caches go; Redis' ``/data``), and no
+service-account token (``automountServiceAccountToken: false``) except in the discovery sidecar.
+
+Labels (``splitserve.deploy.labels``): ``app.kubernetes.io/name=splitserve``, ``instance=<name>``,
+``component=worker|prefill|decode|router|redis``, ``managed-by=splitserve``; prefill and decode pods also carry
+``splitserve.io/dpd-role`` (and the plan's role label, which for the reference apiVersion is the seed's). The
+resource's own labels are copied to every object. Image: ``spec.worker.image``, else ``DEFAULT_IMAGE`` (build
+it from this repository).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import base64
+import binascii
+import hashlib
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
-from splitserve.config import Role
+from splitserve.config import REDIS_PASSWORD_ENV, L2Backend, Role
+from splitserve.deploy.labels import (
+    COMPONENTS,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_ROLE,
+    MANAGED_BY,
+    managed_selector,
+    selector_labels,
+)
+from splitserve.deploy.netpol import Network, network_policies
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
-from splitserve.endpoint import InferenceEndpointConfig
+from splitserve.endpoint import CLUSTER_SECRET_ENV, InferenceEndpointConfig
+
+__all__ = [
+    "COMPONENTS", "LABEL_COMPONENT", "LABEL_INSTANCE", "LABEL_MANAGED_BY", "LABEL_NAME", "LABEL_ROLE", "MANAGED_BY",
+    "Manifest", "decode_secret", "in_cluster_redis_url", "kv_transfer_port", "managed_selector", "render",
+    "render_yaml", "secret_name", "selector_labels", "worker_selector",
+]  # fmt: skip
 
 Manifest = dict[str, Any]
 
 DEFAULT_IMAGE = "splitserve:latest"  # the image this repository builds; spec.worker.image overrides it
 ROUTER_PORT = 8080
+ROUTER_ADMIN_PORT = 8081  # the router's admin listener (/admin/*): loopback only, for the discovery sidecar
 REDIS_IMAGE = "redis:7-alpine"
 REDIS_PORT = 6379
 REDIS_MAX_MEMORY = "1536mb"  # evicts least recently used chunks beyond this (an L2 is a cache)
-MANAGED_BY = "splitserve"
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_ROLE = "splitserve.io/dpd-role"  # prefill | decode, whatever the resource's apiVersion
-COMPONENTS = {Role.COLOCATED: "worker", Role.PREFILL: "prefill", Role.DECODE: "decode"}
+# Redis reads its password from stdin (a here-document: a pipe, no file), so it is in no argv; "$@": the args.
+REDIS_SCRIPT = 'exec redis-server "$@" - <<EOF\nrequirepass $REDIS_PASSWORD\nEOF\n'
 
 HTTP_PORT_NAME = "http"  # the router's and Redis' port name (workers use modelInvocationPort.name)
 KV_TRANSFER_PORT_NAME = "kv-transfer"
-L2_VOLUME = "l2-cache"
+L2_VOLUME, TMP_VOLUME, HOME_VOLUME, API_VOLUME, REDIS_DATA_VOLUME = "l2-cache", "tmp", "home", "kube-api", "data"
 POD_NAME_ENV, POD_IP_ENV, POD_NAMESPACE_ENV = "SPLITSERVE_POD_NAME", "SPLITSERVE_POD_IP", "SPLITSERVE_POD_NAMESPACE"
-ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}
-DISCOVERY_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}}
-REDIS_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
+ROUTER_ENV_NAMES = ("SPLITSERVE_API_KEY",)  # the resource's variables the router gets too: it checks client keys
+ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+DISCOVERY_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"cpu": "200m", "memory": "256Mi"}}
+REDIS_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "2Gi"}}
 STARTUP_PROBE_S = 600  # a worker may take this long to load its model before liveness counts
 # Pod termination: the preStop pause lets the Service endpoints and the router's pod watch drop the pod
 # before SIGTERM; then the worker drains (--shutdown-timeout) and the router lets its streams finish; the
@@ -73,14 +109,28 @@ PRE_STOP_S = 5
 SHUTDOWN_TIMEOUT_S = 30
 TERMINATION_GRACE_S = PRE_STOP_S + SHUTDOWN_TIMEOUT_S + 10
 
+# The endpoint's Secret: the cluster secret, and its own Redis' password.
+SECRET_KEY = "cluster-secret"
+REDIS_PASSWORD_KEY = "redis-password"
+SECRET_HASH_ANNOTATION = "splitserve.io/secret-hash"  # a digest of the Secret's values: pods roll when they change
+NUM_SECRET_BYTES = 32
+
+# How every pod runs. RUN_AS_ID is the Dockerfile's splitserve user and group.
+RUN_AS_ID = 10001
+HOME_DIR = "/home/splitserve"  # HOME in every splitserve container: an emptyDir (native kernels, other caches)
+SCRATCH_SIZE = "2Gi"  # the most each writable emptyDir may hold
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where the discovery sidecar finds its token
+TOKEN_EXPIRY_S = 3607  # the projected token's lifetime; the kubelet renews it (the sidecar re-reads the file)
+
 
 @dataclass(frozen=True, slots=True)
 class _Endpoint:
-    """What every manifest builder needs: the resource, its Kubernetes plan and the image."""
+    """What every manifest builder needs: the resource, its Kubernetes plan, the image and the Secret's values."""
 
     config: InferenceEndpointConfig
     plan: EndpointPlan  # for Target.KUBERNETES
     image: str
+    secrets: dict[str, str] = field(repr=False)  # the Secret's keys and values
 
     @property
     def name(self) -> str:
@@ -91,14 +141,23 @@ class _Endpoint:
         return self.config.metadata.namespace
 
 
-def render(config: InferenceEndpointConfig, *, default_image: str = DEFAULT_IMAGE) -> list[Manifest]:
-    """The manifests of ``config``, in apply order: router RBAC, Redis (if any), workers, router.
+def render(
+    config: InferenceEndpointConfig,
+    *,
+    default_image: str = DEFAULT_IMAGE,
+    secret_values: Mapping[str, str] | None = None,
+) -> list[Manifest]:
+    """The manifests of ``config``, in apply order: the Secret, NetworkPolicies, router RBAC, Redis (if any),
+    workers, router.
 
-    Raises EndpointError where :func:`splitserve.deploy.plan.plan` does (e.g. an s3 model without a volume).
+    ``secret_values``: the Secret's values to keep (an existing Secret's, :func:`decode_secret`); a key it lacks
+    gets a new random value. Raises EndpointError where :func:`splitserve.deploy.plan.plan` does (e.g. an s3
+    model without a volume).
     """
     endpoint_plan = plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config))
-    ep = _Endpoint(config, endpoint_plan, config.spec.worker.image or default_image)
-    manifests = _router_rbac(ep)
+    values = _secret_values(config, secret_values or {})
+    ep = _Endpoint(config, endpoint_plan, config.spec.worker.image or default_image, values)
+    manifests = [_secret(ep), *network_policies(_network(ep)), *_router_rbac(ep)]
     if config.needs_local_redis:
         manifests += [_redis_deployment(ep), _service(ep, f"{ep.name}-redis", "redis", _redis_ports())]
     for role in endpoint_plan.roles:
@@ -111,11 +170,17 @@ def render(config: InferenceEndpointConfig, *, default_image: str = DEFAULT_IMAG
     return manifests
 
 
-def render_yaml(config: InferenceEndpointConfig, *, default_image: str = DEFAULT_IMAGE) -> str:
+def render_yaml(
+    config: InferenceEndpointConfig,
+    *,
+    default_image: str = DEFAULT_IMAGE,
+    secret_values: Mapping[str, str] | None = None,
+) -> str:
     """:func:`render` as multi-document YAML; the plan's warnings lead as comments."""
     warnings = plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config)).warnings
     header = "".join(f"# warning: {w}\n" for w in warnings)
-    return header + yaml.safe_dump_all(render(config, default_image=default_image), sort_keys=False, width=4096)
+    manifests = render(config, default_image=default_image, secret_values=secret_values)
+    return header + yaml.safe_dump_all(manifests, sort_keys=False, width=4096)
 
 
 def in_cluster_redis_url(config: InferenceEndpointConfig) -> str | None:
@@ -131,20 +196,54 @@ def kv_transfer_port(container_port: int) -> int:
     return container_port + 1 if container_port < 65535 else container_port - 1
 
 
-def selector_labels(endpoint: str, component: str) -> dict[str, str]:
-    """The labels that select one component's pods (a Deployment's selector; immutable once applied)."""
-    return {LABEL_NAME: "splitserve", LABEL_INSTANCE: endpoint, LABEL_COMPONENT: component}
-
-
 def worker_selector(config: InferenceEndpointConfig) -> str:
     """The label selector of the endpoint's worker pods, as the discovery sidecar passes it to the API."""
     components = "prefill,decode" if config.is_disaggregated else COMPONENTS[Role.COLOCATED]
     return f"{LABEL_NAME}=splitserve,{LABEL_INSTANCE}={config.metadata.name},{LABEL_COMPONENT} in ({components})"
 
 
-def managed_selector(endpoint: str) -> str:
-    """The label selector of every object rendered for ``endpoint`` (the operator prunes with it)."""
-    return f"{LABEL_INSTANCE}={endpoint},{LABEL_MANAGED_BY}={MANAGED_BY}"
+def secret_name(endpoint: str) -> str:
+    """The name of the endpoint's Secret."""
+    return f"{endpoint}-cluster-secret"
+
+
+def decode_secret(secret: Manifest) -> dict[str, str]:
+    """A live Secret's values (``data``, base64-decoded), the keys that do not decode left out."""
+    values = {}
+    for key, encoded in (secret.get("data") or {}).items():
+        try:
+            values[key] = base64.b64decode(str(encoded), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            continue
+    return values
+
+
+# ---------------------------------------------------------------------------------------------- the Secret
+
+
+def _secret_keys(config: InferenceEndpointConfig) -> tuple[str, ...]:
+    return (SECRET_KEY, REDIS_PASSWORD_KEY) if config.needs_local_redis else (SECRET_KEY,)
+
+
+def _secret_values(config: InferenceEndpointConfig, kept: Mapping[str, str]) -> dict[str, str]:
+    """Every key the endpoint needs: ``kept``'s value, else a new random one."""
+    return {key: kept.get(key) or secrets.token_urlsafe(NUM_SECRET_BYTES) for key in _secret_keys(config)}
+
+
+def _secret(ep: _Endpoint) -> Manifest:
+    data = {key: base64.b64encode(value.encode()).decode() for key, value in ep.secrets.items()}
+    metadata = _metadata(ep, secret_name(ep.name), "secret")
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "type": "Opaque", "data": data}
+
+
+def _secret_hash(ep: _Endpoint) -> str:
+    text = "\0".join(f"{key}={value}" for key, value in sorted(ep.secrets.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _secret_env(ep: _Endpoint, name: str, key: str = SECRET_KEY) -> Manifest:
+    """The variable ``name`` from the endpoint's Secret (a reference: the value is in no manifest but the Secret)."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(ep.name), "key": key}}}
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -161,16 +260,16 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
         "command": ["splitserve", "worker"],
         "args": _worker_args(ep, role),
         "ports": _worker_ports(ep, role),
-        "env": _downward_env() + [{"name": k, "value": v} for k, v in role.env.items()],
+        "env": _worker_env(ep),
         "resources": _resources(role.resources.requests, role.resources.limits),
         **_worker_probes(ep.config.spec.load_balancer.health_check_path, _port_name(ep)),
         "lifecycle": _pre_stop(),
+        "securityContext": _container_security(),
         "volumeMounts": _worker_mounts(ep),
     }
-    volumes = _model_volumes(ep) + ([_l2_volume()] if ep.plan.l2_path is not None else [])
-    pod_spec = {"containers": [_pruned(container)], "volumes": volumes, "enableServiceLinks": False,
-                "terminationGracePeriodSeconds": TERMINATION_GRACE_S}  # fmt: skip
-    pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": _pruned(pod_spec)}
+    volumes = _model_volumes(ep) + _scratch_volumes() + ([_l2_volume()] if ep.plan.l2_path is not None else [])
+    pod_spec = _pod_spec([_pruned(container)], volumes, terminationGracePeriodSeconds=TERMINATION_GRACE_S)
+    pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": pod_spec}
     return _deployment(ep, role.name, COMPONENTS[role.role], role.replicas, pod)
 
 
@@ -185,6 +284,14 @@ def _worker_args(ep: _Endpoint, role: RolePlan) -> list[str]:
     if ep.plan.router.kv_events:
         args += ["--kv-events-url", f"{_service_url(ep, ep.plan.router.name, ROUTER_PORT)}/kv/events"]
     return args
+
+
+def _worker_env(ep: _Endpoint) -> list[Manifest]:
+    """The pod's own (downward API), HOME, the secrets (references), then the resource's, in its order."""
+    env = [*_downward_env(), _home_env(), _secret_env(ep, CLUSTER_SECRET_ENV)]
+    if ep.config.needs_local_redis:
+        env.append(_secret_env(ep, REDIS_PASSWORD_ENV, REDIS_PASSWORD_KEY))
+    return env + [var.manifest() for var in ep.config.spec.worker.environment_variables]
 
 
 def _worker_ports(ep: _Endpoint, role: RolePlan) -> list[Manifest]:
@@ -217,7 +324,7 @@ def _pre_stop() -> Manifest:
 
 
 def _worker_mounts(ep: _Endpoint) -> list[Manifest]:
-    mounts = _model_mounts(ep)
+    mounts = _model_mounts(ep) + _scratch_mounts()
     if ep.plan.l2_path is not None:
         mounts.append({"name": L2_VOLUME, "mountPath": ep.plan.l2_path})
     return mounts
@@ -265,35 +372,49 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
             "0.0.0.0",
             "--port",
             str(ROUTER_PORT),
+            "--admin-port",
+            str(ROUTER_ADMIN_PORT),
             "--shutdown-timeout",
             str(SHUTDOWN_TIMEOUT_S),
             *bootstrap,
         ],
         "ports": [_port(HTTP_PORT_NAME, ROUTER_PORT)],
+        "env": _router_env(ep),
         "resources": ROUTER_RESOURCES,
         # /health is 503 until a worker is healthy: right for readiness, wrong for liveness
         "readinessProbe": {"httpGet": {"path": router.health_check_path, "port": HTTP_PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": HTTP_PORT_NAME}, "periodSeconds": 15, "failureThreshold": 4},
         "lifecycle": _pre_stop(),
-        "volumeMounts": _model_mounts(ep),
+        "securityContext": _container_security(),
+        "volumeMounts": _model_mounts(ep) + _scratch_mounts(),
     }
-    discovery = {
+    volumes = _model_volumes(ep) + _scratch_volumes() + [_api_access_volume()]
+    pod_spec = _pod_spec([_pruned(container), _discovery_container(ep)], volumes, serviceAccountName=router.name,
+                         terminationGracePeriodSeconds=TERMINATION_GRACE_S)  # fmt: skip
+    pod = {"metadata": _pod_metadata(ep, _labels(ep, "router"), ROUTER_PORT), "spec": pod_spec}
+    return _deployment(ep, router.name, "router", 1, pod)
+
+
+def _router_env(ep: _Endpoint) -> list[Manifest]:
+    """HOME, the cluster secret, and the client keys the resource sets (the router is where clients come in)."""
+    keys = [var.manifest() for var in ep.config.spec.worker.environment_variables if var.name in ROUTER_ENV_NAMES]
+    return [_home_env(), _secret_env(ep, CLUSTER_SECRET_ENV), *keys]
+
+
+def _discovery_container(ep: _Endpoint) -> Manifest:
+    """The sidecar that lists worker pods: the one container with the service account's token."""
+    token = {"name": API_VOLUME, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}
+    return {
         "name": "discovery",
         "image": ep.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["splitserve", "k8s-discovery"],
         "args": _discovery_args(ep),
+        "env": [_secret_env(ep, CLUSTER_SECRET_ENV)],  # its PUT /admin/workers carries the cluster secret
         "resources": DISCOVERY_RESOURCES,
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, token],
     }
-    pod_spec = {
-        "serviceAccountName": router.name,
-        "containers": [_pruned(container), discovery],
-        "volumes": _model_volumes(ep),
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-    }
-    pod = {"metadata": _pod_metadata(ep, _labels(ep, "router"), ROUTER_PORT), "spec": _pruned(pod_spec)}
-    return _deployment(ep, router.name, "router", 1, pod)
 
 
 def _discovery_args(ep: _Endpoint) -> list[str]:
@@ -302,8 +423,19 @@ def _discovery_args(ep: _Endpoint) -> list[str]:
         "--namespace", ep.namespace,
         "--selector", worker_selector(ep.config),
         "--port", str(port),
-        "--router", f"http://127.0.0.1:{ROUTER_PORT}",
+        "--router", f"http://127.0.0.1:{ROUTER_ADMIN_PORT}",
     ]  # fmt: skip
+
+
+def _api_access_volume() -> Manifest:
+    """What ``automountServiceAccountToken`` would mount in every container: a token (renewed by the kubelet),
+    the cluster's CA and the namespace; here mounted by the discovery sidecar only."""
+    sources = [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_EXPIRY_S}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+    ]
+    return {"name": API_VOLUME, "projected": {"sources": sources}}
 
 
 def _router_rbac(ep: _Endpoint) -> list[Manifest]:
@@ -313,7 +445,8 @@ def _router_rbac(ep: _Endpoint) -> list[Manifest]:
     rule = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
     role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(ep, name, "router")},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(ep, name, "router"),
+         "automountServiceAccountToken": False},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(ep, name, "router"),
          "rules": [rule]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
@@ -328,15 +461,19 @@ def _redis_deployment(ep: _Endpoint) -> Manifest:
     container = {
         "name": "redis",
         "image": REDIS_IMAGE,
+        "command": ["sh", "-c", REDIS_SCRIPT, "redis-server"],
         "args": ["--save", "", "--appendonly", "no", "--maxmemory", REDIS_MAX_MEMORY,
                  "--maxmemory-policy", "allkeys-lru"],
         "ports": _redis_ports(),
+        "env": [_secret_env(ep, "REDIS_PASSWORD", REDIS_PASSWORD_KEY)],
         "resources": REDIS_RESOURCES,
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 15},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": REDIS_DATA_VOLUME, "mountPath": "/data"}],
     }  # fmt: skip
-    pod_spec = {"containers": [container], "enableServiceLinks": False}
-    pod = {"metadata": {"labels": _labels(ep, "redis")}, "spec": pod_spec}
+    volumes = [{"name": REDIS_DATA_VOLUME, "emptyDir": {"sizeLimit": SCRATCH_SIZE}}]
+    pod = {"metadata": _pod_metadata(ep, _labels(ep, "redis"), None), "spec": _pod_spec([container], volumes)}
     return _deployment(ep, f"{ep.name}-redis", "redis", 1, pod)
 
 
@@ -344,7 +481,65 @@ def _redis_ports() -> list[Manifest]:
     return [_port("redis", REDIS_PORT)]
 
 
+# ---------------------------------------------------------------------------------------------- the network
+
+
+def _network(ep: _Endpoint) -> Network:
+    port = ep.config.spec.worker.model_invocation_port.container_port
+    return Network(
+        namespace=ep.namespace,
+        endpoint=ep.name,
+        labels={k: v for k, v in _labels(ep, "").items() if k != LABEL_COMPONENT},  # netpol sets the component
+        worker_components=tuple(COMPONENTS[role.role] for role in ep.plan.roles),
+        worker_port=port,
+        kv_port=kv_transfer_port(port) if ep.plan.is_disaggregated else None,
+        router_port=ROUTER_PORT,
+        router_takes_events=ep.plan.router.kv_events,
+        redis_port=REDIS_PORT if ep.config.needs_local_redis else None,
+        external_redis_port=_external_redis_port(ep),
+    )
+
+
+def _external_redis_port(ep: _Endpoint) -> int | None:
+    """The port of a Redis the resource names (``l2CacheLocalUrl``; 6379 when the URL gives none), else None."""
+    if ep.plan.l2_backend != L2Backend.REDIS or ep.config.needs_local_redis or ep.plan.l2_url is None:
+        return None
+    url = urlsplit(ep.plan.l2_url)
+    return None if url.scheme == "unix" else url.port or REDIS_PORT
+
+
 # ---------------------------------------------------------------------------------------------- shared shapes
+
+
+def _pod_spec(containers: list[Manifest], volumes: list[Manifest], **extra: Any) -> Manifest:
+    """A restricted pod: non-root, seccomp, no service-account token, no service links."""
+    spec = {"automountServiceAccountToken": False, "securityContext": _pod_security(), "enableServiceLinks": False,
+            **extra, "containers": containers, "volumes": volumes}  # fmt: skip
+    return _pruned(spec)
+
+
+def _pod_security() -> Manifest:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_ID, "runAsGroup": RUN_AS_ID, "fsGroup": RUN_AS_ID,
+            "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+
+
+def _container_security() -> Manifest:
+    """Restricted (Pod Security Standards): no escalation, no capability, a read-only root filesystem."""
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+
+
+def _scratch_volumes() -> list[Manifest]:
+    """The writable places of a splitserve container, whose root filesystem is read-only."""
+    return [{"name": name, "emptyDir": {"sizeLimit": SCRATCH_SIZE}} for name in (TMP_VOLUME, HOME_VOLUME)]
+
+
+def _scratch_mounts() -> list[Manifest]:
+    return [{"name": TMP_VOLUME, "mountPath": "/tmp"}, {"name": HOME_VOLUME, "mountPath": HOME_DIR}]
+
+
+def _home_env() -> Manifest:
+    return {"name": "HOME", "value": HOME_DIR}
 
 
 def _deployment(ep: _Endpoint, name: str, component: str, replicas: int, pod: Manifest) -> Manifest:
@@ -361,11 +556,12 @@ def _deployment(ep: _Endpoint, name: str, component: str, replicas: int, pod: Ma
     }
 
 
-def _pod_metadata(ep: _Endpoint, labels: dict[str, str], port: int) -> Manifest:
-    """Pod labels, and Prometheus' scrape annotations when ``spec.metrics.enabled``."""
-    if not ep.config.spec.metrics.enabled:
-        return {"labels": labels}
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+def _pod_metadata(ep: _Endpoint, labels: dict[str, str], port: int | None) -> Manifest:
+    """Pod labels; the Secret's digest; Prometheus' scrape annotations when ``spec.metrics.enabled``."""
+    annotations = {SECRET_HASH_ANNOTATION: _secret_hash(ep)}
+    if ep.config.spec.metrics.enabled and port is not None:
+        annotations |= {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+        annotations["prometheus.io/path"] = "/metrics"
     return {"labels": labels, "annotations": annotations}
 
 
