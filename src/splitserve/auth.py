@@ -16,9 +16,9 @@ Keys are compared in constant time. They never appear in logs. The key a client 
 state (:func:`client_key_of`), so that ``--salt-per-api-key`` can make each key a tenant (:func:`tenant_salt`).
 
 The cluster secret also signs what crosses the cluster outside HTTP or through a client's hands
-(:func:`sign`, :func:`verified`): every KV push from a prefill worker (its control message, which names the
-payload's BLAKE2b digest), and the ``kv_transfer_params`` the router puts in the requests it sends, which a
-worker with a secret accepts from no one else.
+(:func:`sign`, :func:`verified`): every KV push from a prefill worker (its control message, then a GMAC over
+its payload under a key of that push's own, ``pd.wire.PayloadMac``), and the ``kv_transfer_params`` the
+router puts in the requests it sends, which a worker with a secret accepts from no one else.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import socketserver
 import threading
 import time
 
-import blake3
 import torch
 import xxhash
 
@@ -41,7 +40,7 @@ from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.buffer import BufferEntry, PDBuffer
-from splitserve.pd.wire import WireError, payload_mac, recv_exact_into, recv_msg, send_msg
+from splitserve.pd.wire import PayloadMac, WireError, payload_mac, recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +236,7 @@ def _peer_of(sock: socket.socket) -> str:
 
 
 def _receive_record(
-    sock: socket.socket, room: memoryview, layout: str, deadline: float, mac: blake3.blake3 | None = None
+    sock: socket.socket, room: memoryview, layout: str, deadline: float, mac: PayloadMac | None = None
 ) -> None:
     """Receive a record into ``room``, checksumming the payload as it arrives: ``mac`` (a signed push) takes
     every byte, else an xxh3 checks it against the header. RecordError if it is bad, WireError once
