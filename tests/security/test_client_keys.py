@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -162,6 +163,30 @@ def test_the_logs_never_show_a_key(processes: tuple[WorkerProcess, RouterProcess
         text = process.logs()
         assert all(secret not in text for secret in (WORKER_KEY, ROUTER_KEY, SECRET)), text[-2000:]
         assert "SECURITY" not in text  # keys are set: no warning about an open endpoint
+
+
+def test_a_clients_kv_transfer_params_never_make_a_worker_connect_anywhere(
+    processes: tuple[WorkerProcess, RouterProcess],
+) -> None:
+    """Real processes: through the router the field is stripped; straight to the worker, with a client key or
+    even the cluster secret, unsigned params are a 400. The address named never sees a connection."""
+    worker, router = processes
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        trap.settimeout(0.5)
+        params = {"transfer_id": "xfer-trap", "decode_kv_addr": f"127.0.0.1:{trap.getsockname()[1]}"}
+        body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "kv_transfer_params": params}
+
+        def post(url: str, key: str) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+
+        through = post(router.url, ROUTER_KEY)
+        assert through.status_code == 200 and "kv_transfer_params" not in through.json()
+        for key in (WORKER_KEY, SECRET):
+            direct = post(worker.url, key)
+            assert direct.status_code == 400 and direct.json()["error"]["param"] == "kv_transfer_params"
+        with pytest.raises(TimeoutError):
+            trap.accept()
 
 
 def test_the_router_sends_its_own_credential_never_the_clients(tmp_path: Path) -> None:
