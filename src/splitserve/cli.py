@@ -15,7 +15,14 @@ from urllib.parse import urlsplit
 import typer
 
 from splitserve.bench.cli import bench_app
-from splitserve.config import REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV, L2Backend, Role, RoutingStrategy
+from splitserve.config import (
+    REDIS_PASSWORD_ENV,
+    REDIS_USERNAME_ENV,
+    L2Backend,
+    Role,
+    RoutingStrategy,
+    SchedulingPolicy,
+)
 
 app = typer.Typer(
     name="splitserve",
@@ -57,6 +64,25 @@ def worker_command(
     enable_chunked_prefill: Annotated[
         bool, typer.Option(help="Split long prompts across steps.", rich_help_panel=_ENGINE)
     ] = True,
+    scheduling_policy: Annotated[
+        SchedulingPolicy,
+        typer.Option(
+            help="Which waiting request goes first: lpm (fewest tokens left to compute, so cache hits pass cold "
+            "prompts; oldest first past --scheduling-max-wait) or fcfs (arrival order).",
+            rich_help_panel=_ENGINE,
+        ),
+    ] = SchedulingPolicy.LPM,
+    scheduling_max_wait: Annotated[
+        float, typer.Option(help="lpm: seconds after which a request goes first.", rich_help_panel=_ENGINE)
+    ] = 5.0,
+    long_prefill_token_threshold: Annotated[
+        int,
+        typer.Option(
+            help="While requests wait, the running prompts share at most this many tokens per step; the rest "
+            "admits the waiting ones (0: no limit).",
+            rich_help_panel=_ENGINE,
+        ),
+    ] = 256,
     seed: Annotated[int, typer.Option(help="Seed for unseeded sampling.", rich_help_panel=_ENGINE)] = 0,
     quantization: Annotated[
         str,
@@ -300,6 +326,9 @@ def worker_command(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
+            max_wait_s=scheduling_max_wait,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         kv_tiers=kv_tiers,
         pd=PDConfig(
@@ -391,10 +420,19 @@ def router_command(
     kv_l2_weight: Annotated[
         float, typer.Option(help="kvaware: weight of a token in the shared L2 (0..1).", rich_help_panel=_ROUTING)
     ] = 0.5,
+    routing_cost_model: Annotated[
+        bool,
+        typer.Option(
+            help="Cache-aware: pick the worker with the lowest estimated TTFT (its uncached tokens plus the prefill "
+            "queued there, times its measured seconds per token). Off: the thresholds below.",
+            rich_help_panel=_ROUTING,
+        ),
+    ] = True,
     cache_threshold: Annotated[
         float,
         typer.Option(
-            help="Cache-aware: a match under this share of the prompt goes to the least-loaded worker.",
+            help="Cache-aware, without the cost model: a match under this share of the prompt goes to the "
+            "least-loaded worker.",
             rich_help_panel=_ROUTING,
         ),
     ] = 0.4,
@@ -505,6 +543,7 @@ def router_command(
         prefix_index_max_blocks=prefix_index_max_blocks,
         kv_index_max_blocks=kv_index_max_blocks,
         l2_weight=kv_l2_weight,
+        routing_cost_model=routing_cost_model,
         cache_threshold=cache_threshold,
         balance_abs_threshold=balance_abs_threshold,
         balance_rel_threshold=balance_rel_threshold,

@@ -123,19 +123,34 @@ class CacheConfig:
         return None, num_bytes
 
 
+class SchedulingPolicy(StrEnum):
+    FCFS = "fcfs"  # waiting requests in arrival order
+    LPM = "lpm"  # fewest uncached tokens first (SGLang's longest prefix match), oldest first past the max wait
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Continuous batching limits."""
+    """Continuous batching limits, and who goes first."""
 
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 1024  # tokens computed per engine step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True  # off: a prompt is prefilled in one step, budget permitting
+    policy: SchedulingPolicy = SchedulingPolicy.LPM
+    max_wait_s: float = 5.0  # lpm: a request waiting longer than this is admitted first, in arrival order
+    # while requests wait, the running ones still in prefill take at most this many tokens per step between
+    # them (the rest of the budget admits the waiting ones: a cached follow-up gets its first token in one
+    # short step); 0: no limit
+    long_prefill_token_threshold: int = 256
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"--scheduling-max-wait must be >= 0, got {self.max_wait_s}")
 
 
 class L2Backend(StrEnum):
@@ -313,6 +328,7 @@ class RouterConfig:
     prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
     kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes kept per worker and tier (and for the shared L2)
     l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
+    routing_cost_model: bool = True  # cache-aware: pick the lowest estimated TTFT (router/cost.py), not thresholds
     cache_threshold: float = 0.4  # cache-aware: a match under this share of the prompt goes to the least loaded
     balance_abs_threshold: int = 4  # load guard: in-flight gap to the least-loaded worker that counts as skew...
     balance_rel_threshold: float = 1.5  # ...when also this many times its load (+1)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -53,6 +53,8 @@ def build_engine(
     chunked: bool = True,
     prefix_caching: bool = True,
     max_model_len: int = 1024,
+    policy: SchedulingPolicy = SchedulingPolicy.LPM,
+    long_prefill_token_threshold: int = 256,
 ) -> LLMEngine:
     """An engine around an already loaded model, with an exact number of KV blocks."""
     config = EngineConfig(
@@ -60,7 +62,13 @@ def build_engine(
         cache=CacheConfig(
             block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching
         ),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
+        scheduler=SchedulerConfig(
+            max_num_seqs,
+            max_num_batched_tokens,
+            chunked,
+            policy,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        ),
     )
     return LLMEngine(config, model, tokenizer, "test", torch.device("cpu"))
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from splitserve.config import SchedulingPolicy
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -164,8 +165,12 @@ def test_chunked_prefill_on_and_off_agree(real: Real) -> None:
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_preemption_by_recompute_gives_same_output(real: Real, prefix_caching: bool) -> None:
-    # 30 blocks hold 480 tokens: room for the longest request (under 450 tokens) but not for all eight
-    engine = make_engine(real, num_blocks=30, prefix_caching=prefix_caching, max_model_len=480)
+    # 30 blocks hold 480 tokens: room for the longest request (under 450 tokens) but not for all eight. In
+    # arrival order and whole-budget chunks, the long prompts run out of blocks together and preempt
+    engine = make_engine(
+        real, num_blocks=30, prefix_caching=prefix_caching, max_model_len=480,
+        policy=SchedulingPolicy.FCFS, long_prefill_token_threshold=0,
+    )  # fmt: skip
     tight = token_lists(run(engine, real.prompts))
     stats = engine.get_stats()
     print(f"preemptions: {stats.num_preemptions}")

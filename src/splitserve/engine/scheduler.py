@@ -3,7 +3,14 @@
 Each step the scheduler first serves running requests in admission order (decodes need one token each; a
 request mid-prefill needs the rest of its prompt, capped by the budget), preempting the most recently
 admitted running request when KV blocks run out. Then, if nothing was preempted, it admits waiting
-requests in arrival order while the budget, ``max_num_seqs`` and free blocks allow. A preempted request
+requests while the budget, ``max_num_seqs`` and free blocks allow: in arrival order (``fcfs``), or (``lpm``,
+the default) those with the fewest tokens left to compute first, after any that waited past ``max_wait_s``
+(oldest first), so that nothing starves.
+
+While requests wait, the running requests still in prefill share at most ``long_prefill_token_threshold``
+tokens per step; the rest of the budget admits waiting requests. A follow-up turn whose prompt is mostly
+cached then gets its first token within one short step, instead of waiting for every chunk of someone else's
+cold prompt (issue 17). Alone, a prompt is prefilled at the whole budget. A preempted request
 drops its blocks and goes back to the front of the waiting queue; it is recomputed when readmitted (its
 prefix-cached blocks usually make that cheap).
 
@@ -20,10 +27,11 @@ repeated prompt), that block is copied too (``block_copies``) and only the last 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from splitserve.config import SchedulerConfig
+from splitserve.config import SchedulerConfig, SchedulingPolicy
 from splitserve.engine.connector import KVConnectorBase, LoadedTokens
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.outputs import FinishReason
@@ -86,18 +94,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.kv.release_pins()  # the previous step, which copied them, has run
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _running_prefill_cap(self) -> int | None:
+        """Tokens the running requests still in prefill may take this step: the threshold while others wait
+        for admission (and could be admitted), else no cap."""
+        threshold = self.config.long_prefill_token_threshold
+        if not threshold or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        return threshold
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_cap: int | None = None) -> int:
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1 and prefill_cap is not None:  # mid-prefill, with others waiting
+                num_new = min(num_new, prefill_cap)
+                if num_new == 0:
+                    continue
+                prefill_cap -= num_new
             fits, num_returned = self._allocate_or_preempt(request, num_new, out)
             budget += num_returned
             if not fits:
@@ -132,7 +153,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in arrival order; one whose KV the connector is still fetching is passed over."""
+        """Admit waiting requests in the policy's order; one whose KV the connector is still fetching is passed
+        over."""
+        if self.config.policy == SchedulingPolicy.LPM and len(self.waiting) > 1:
+            self._order_by_uncached_tokens()
         fetching: list[Request] = []
         try:
             self._admit(out, budget, fetching)
@@ -168,6 +192,20 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
             budget -= num_new
+
+    def _order_by_uncached_tokens(self) -> None:
+        """``lpm``: requests past ``max_wait_s`` first (oldest first), then the fewest tokens not in the engine's
+        prefix cache first (ties: arrival order). A cheap estimate: hashes the requests already have, and pool
+        lookups; the tiers' share is known only once their lookup is done, at admission."""
+        oldest_allowed = time.monotonic() - self.config.max_wait_s
+
+        def key(request: Request) -> tuple[int, float, float]:
+            if request.arrival_time < oldest_allowed:
+                return (0, request.arrival_time, 0.0)
+            num_cached = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
+            return (1, float(request.num_tokens - num_cached), request.arrival_time)
+
+        self.waiting = deque(sorted(self.waiting, key=key))
 
     def _num_external_tokens(self, request: Request, num_cached: int) -> int | None:
         if self.connector is None:

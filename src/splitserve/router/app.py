@@ -42,6 +42,7 @@ from splitserve.auth import AuthMiddleware, bearer_header, client_key_of, tenant
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
+from splitserve.router.cost import PrefillCostModel
 from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
 from splitserve.router.events import EventSubscriber
@@ -134,7 +135,9 @@ class Router:
         )
         self.kv_index = KVIndex(config.block_size, config.kv_chunk_size, config.kv_index_max_blocks)
         self.disagg = Disaggregator(self) if config.decode else None
-        self.policy: RoutingPolicy = build_policy(config, lambda: self._routing_pool(), self.kv_index)
+        self.cost = PrefillCostModel()  # seconds per prefill token per worker, from its streams' TTFT
+        cost = self.cost if config.routing_cost_model else None
+        self.policy: RoutingPolicy = build_policy(config, lambda: self._routing_pool(), self.kv_index, cost)
         self.metrics = metrics or RouterMetrics(config.routing_strategy.value)
         self.metrics.bind(self)
         self._session: aiohttp.ClientSession | None = None
@@ -298,7 +301,7 @@ class Router:
                 await asyncio.sleep(self._backoff_s(attempt))
             decision = first if first is not None and attempt == 0 else self.policy.select(call.routing, candidates)
             self._log_decision(decision, call.routing)
-            result = await self._try(decision.worker, call)
+            result = await self._try(decision.worker, call, decision.uncached_tokens)
             if result.failure is None:
                 assert result.response is not None
                 return result.response
@@ -323,7 +326,8 @@ class Router:
         base = self.config.retry_backoff_s * 2 ** (attempt - 1)
         return base * (0.5 + self._rng.random())
 
-    async def _try(self, worker: Worker, call: Call) -> _Attempt:
+    async def _try(self, worker: Worker, call: Call, uncached_tokens: int = 0) -> _Attempt:
+        """Send ``call`` to ``worker``; its ``uncached_tokens`` count as queued there until it answers."""
         path, raw, headers, is_stream, routing, start_s = (
             call.path,
             call.raw,
@@ -336,6 +340,7 @@ class Router:
         worker.in_flight += 1
         worker.breaker.on_attempt()
         handed_over = False
+        queued = _QueuedPrefill(worker, uncached_tokens)
         try:
             try:
                 upstream = await self.session.post(worker.url + path, data=raw, headers=headers)
@@ -375,6 +380,7 @@ class Router:
                 self._failed(worker, attempt, f"read: {type(exc).__name__}")
                 return attempt
             worker.breaker.record_success()
+            queued.answered(self.cost)
             if call.observe_ttft:
                 self.metrics.ttft_s.observe(time.perf_counter() - start_s)
             self.policy.on_routed(routing, worker)
@@ -390,6 +396,7 @@ class Router:
             handed_over = True  # the lease now owns in_flight and the upstream response
             return attempt
         finally:
+            queued.release()
             if not handed_over:
                 worker.in_flight -= 1
 
@@ -798,6 +805,27 @@ def _error_code(content: bytes) -> str | None:
         return None
     code = error.get("code") if isinstance(error, dict) else None
     return str(code) if code is not None else None
+
+
+class _QueuedPrefill:
+    """A request's uncached tokens, counted in its worker's queued prefill until the worker answers (or fails).
+    The first answer of a stream also teaches the cost model the worker's seconds per prefill token."""
+
+    def __init__(self, worker: Worker, tokens: int) -> None:
+        self.worker = worker
+        self.tokens = tokens
+        self.ahead = worker.pending_prefill_tokens
+        self.sent_s = time.perf_counter()
+        worker.pending_prefill_tokens += tokens
+
+    def answered(self, cost: PrefillCostModel) -> None:
+        if self.tokens:
+            cost.observe(self.worker.url, time.perf_counter() - self.sent_s, self.ahead + self.tokens)
+        self.release()
+
+    def release(self) -> None:
+        self.worker.pending_prefill_tokens -= self.tokens
+        self.tokens = 0
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -21,6 +21,7 @@ import xxhash
 
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.keys import hash_blocks, salt_root
+from splitserve.router.cost import PrefillCostModel, cheapest
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex, PrefixIndex, TierMatch
 
@@ -54,6 +55,7 @@ class Decision:
     worker: Worker
     outcome: str  # for metrics and logs: roundrobin, session, matched, prefix_index, fallback, load_guard, ...
     matched_tokens: int = 0
+    uncached_tokens: int = 0  # cost model: what the worker must compute (counted as queued there until it answers)
 
 
 class RoutingPolicy(Protocol):
@@ -156,21 +158,27 @@ def _ring_hash(text: str) -> int:
 
 
 class PrefixAwarePolicy:
-    """The worker the router last sent the longest matching prefix to (router-side index, no events)."""
+    """The worker the router last sent the longest matching prefix to (router-side index, no events). With a
+    cost model, the worker with the lowest estimated TTFT, counting that match as cached there."""
 
     name = RoutingStrategy.PREFIXAWARE.value
     needs_tokens = True
 
-    def __init__(self, index: PrefixIndex, guard: LoadGuard) -> None:
+    def __init__(self, index: PrefixIndex, guard: LoadGuard, cost: PrefillCostModel | None = None) -> None:
         self.index = index
         self._guard = guard
+        self.cost = cost
+        self._turn = itertools.count()
 
     def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         owner, num_blocks = self.index.match(request.block_hashes)
         chosen = next((w for w in candidates if w.url == owner), None)
+        matched = num_blocks * request.block_size if chosen is not None else 0
+        if self.cost is not None:
+            held = {chosen.url: matched} if chosen is not None else {}
+            return cost_decision(self.cost, request, candidates, held, next(self._turn), "matched")
         if chosen is None:
             return Decision(self._guard.least_loaded(candidates), "fallback")
-        matched = num_blocks * request.block_size
         return self._guard.check(chosen, request, candidates, matched, matched)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
@@ -186,19 +194,35 @@ class KVAwarePolicy:
     name = RoutingStrategy.KVAWARE.value
     needs_tokens = True
 
-    def __init__(self, index: KVIndex, guard: LoadGuard, l2_weight: float, prefix: PrefixIndex) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        guard: LoadGuard,
+        l2_weight: float,
+        prefix: PrefixIndex,
+        cost: PrefillCostModel | None = None,
+    ) -> None:
         self.index = index
         self._guard = guard
         self.l2_weight = l2_weight
-        self.prefix = PrefixAwarePolicy(prefix, guard)
+        self.prefix = PrefixAwarePolicy(prefix, guard, cost)
+        self.cost = cost
+        self._turn = itertools.count()
 
     def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         hashes = request.block_hashes
         matches = [(self._score(m := self.index.match(hashes, w.url)), m, w) for w in candidates]
         best_score = max(score for score, _, _ in matches)
+        if self.cost is not None and best_score > 0:
+            held = {w.url: int(score) for score, _, w in matches}
+            return cost_decision(self.cost, request, candidates, held, next(self._turn), "matched")
         if best_score <= 0:
             decision = self.prefix.select(request, candidates)
-            return decision if decision.outcome == "fallback" else replace(decision, outcome="prefix_index")
+            return (
+                decision
+                if decision.outcome in ("fallback", "least_cost")
+                else replace(decision, outcome="prefix_index")
+            )
         best = [(m, w) for score, m, w in matches if score == best_score]
         match, chosen = min(best, key=lambda mw: mw[1].in_flight)
         return self._guard.check(chosen, request, candidates, match.total, best_score)
@@ -210,6 +234,23 @@ class KVAwarePolicy:
         return match.engine + match.l1 + self.l2_weight * match.l2
 
 
+def cost_decision(
+    cost: PrefillCostModel,
+    request: RoutingRequest,
+    candidates: Sequence[Worker],
+    held: dict[str, int],
+    turn: int,
+    outcome: str,
+) -> Decision:
+    """The candidate with the lowest estimated TTFT, given the tokens each holds (``held``, by URL). The
+    outcome is ``outcome`` where the pick holds some of the prompt, else ``least_cost``."""
+    num_tokens = len(request.token_ids or [])
+    options = [(w, max(0, num_tokens - held.get(w.url, 0))) for w in candidates]
+    worker, uncached = cheapest(cost, options, turn)
+    matched = num_tokens - uncached
+    return Decision(worker, outcome if matched > 0 else "least_cost", matched, uncached)
+
+
 @dataclass(frozen=True)
 class PolicyContext:
     """What a policy factory may use."""
@@ -218,20 +259,27 @@ class PolicyContext:
     all_workers: Callable[[], Sequence[Worker]]
     kv_index: KVIndex
     guard: LoadGuard
+    cost: PrefillCostModel | None = None
 
 
 POLICIES: dict[RoutingStrategy, Callable[[PolicyContext], RoutingPolicy]] = {
     RoutingStrategy.ROUNDROBIN: lambda ctx: RoundRobinPolicy(),
     RoutingStrategy.SESSION: lambda ctx: SessionPolicy(ctx.all_workers, ctx.guard),
     RoutingStrategy.PREFIXAWARE: lambda ctx: PrefixAwarePolicy(
-        PrefixIndex(ctx.config.prefix_index_max_blocks), ctx.guard
+        PrefixIndex(ctx.config.prefix_index_max_blocks), ctx.guard, ctx.cost
     ),
     RoutingStrategy.KVAWARE: lambda ctx: KVAwarePolicy(
-        ctx.kv_index, ctx.guard, ctx.config.l2_weight, PrefixIndex(ctx.config.prefix_index_max_blocks)
+        ctx.kv_index, ctx.guard, ctx.config.l2_weight, PrefixIndex(ctx.config.prefix_index_max_blocks), ctx.cost
     ),
 }
 
 
-def build_policy(config: RouterConfig, all_workers: Callable[[], Sequence[Worker]], kv_index: KVIndex) -> RoutingPolicy:
+def build_policy(
+    config: RouterConfig,
+    all_workers: Callable[[], Sequence[Worker]],
+    kv_index: KVIndex,
+    cost: PrefillCostModel | None = None,
+) -> RoutingPolicy:
+    """The configured strategy; the cache-aware ones pick by ``cost`` when given, else by their thresholds."""
     guard = LoadGuard(config.balance_abs_threshold, config.balance_rel_threshold, config.cache_threshold)
-    return POLICIES[config.routing_strategy](PolicyContext(config, all_workers, kv_index, guard))
+    return POLICIES[config.routing_strategy](PolicyContext(config, all_workers, kv_index, guard, cost))

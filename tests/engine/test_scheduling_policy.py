@@ -1,0 +1,94 @@
+"""Scheduling that lets cache hits through (issue 17, item 3): ``lpm`` admits the request with the fewest tokens
+left to compute first (the oldest first once one waited past ``max_wait_s``), and while requests wait, the
+running prompts share at most ``long_prefill_token_threshold`` tokens per step, so that a cached follow-up gets
+its first token within one short step beside a cold prompt. The answers stay the same (greedy)."""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.llama import LlamaForCausalLM
+from tests.engine.conftest import random_prompts
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+PROMPTS = random_prompts(2, 900, 900, seed=7)
+COLD, CHAT = PROMPTS["r0"], PROMPTS["r1"][:400]
+FOLLOW_UP = CHAT + PROMPTS["r1"][400:440]  # the same conversation, one turn on: 400 of 440 tokens cached
+
+
+def engine_with(model: LlamaForCausalLM, **scheduler: object) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=1024),
+        cache=CacheConfig(block_size=16, num_gpu_blocks_override=400),
+        scheduler=SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, **scheduler}),  # type: ignore[arg-type]
+    )
+    return LLMEngine(config, model, None, "test", torch.device("cpu"))
+
+
+def steps_to_first_token(engine: LLMEngine) -> tuple[int, dict[str, list[int]]]:
+    """Warm the chat's prefix, start the cold prompt, then send the follow-up: the engine steps until the
+    follow-up's first token, then to the end. Returns those steps and every request's tokens."""
+    tokens: dict[str, list[int]] = {"chat": [], "cold": [], "follow-up": []}
+    engine.add_request("chat", CHAT, GREEDY)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    engine.add_request("cold", COLD, GREEDY)
+    for out in engine.step():  # the cold prompt's first chunk
+        tokens[out.request_id] += out.new_token_ids
+    engine.add_request("follow-up", FOLLOW_UP, GREEDY)
+    num_steps = 0
+    while not tokens["follow-up"]:
+        num_steps += 1
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return num_steps, tokens
+
+
+def test_a_cached_follow_up_gets_its_first_token_in_one_step_beside_a_cold_prompt(
+    tiny_model: LlamaForCausalLM,
+) -> None:
+    with_budget, tokens = steps_to_first_token(engine_with(tiny_model, long_prefill_token_threshold=64))
+    without, reference = steps_to_first_token(
+        engine_with(tiny_model, policy=SchedulingPolicy.FCFS, long_prefill_token_threshold=0)
+    )
+    assert with_budget == 1  # 64 tokens of the cold prompt and the follow-up's 40 new ones, in one step
+    assert without >= 3  # behind the cold prompt's remaining 256-token chunks (900 tokens in all)
+    assert tokens == reference
+
+
+def test_alone_a_prompt_is_prefilled_at_the_whole_budget(tiny_model: LlamaForCausalLM) -> None:
+    engine = engine_with(tiny_model, long_prefill_token_threshold=64)
+    engine.add_request("cold", COLD, GREEDY)
+    sched = engine.scheduler.schedule()
+    assert sched.num_batched_tokens == 256
+
+
+def admission_order(model: LlamaForCausalLM, **scheduler: object) -> list[str]:
+    """Which of a cold prompt (arrived first) and a cached follow-up is admitted first, one at a time."""
+    engine = engine_with(model, max_num_seqs=1, **scheduler)
+    engine.add_request("chat", CHAT, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("cold", COLD[:300], GREEDY)
+    engine.add_request("follow-up", FOLLOW_UP, GREEDY)
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+    return order
+
+
+def test_lpm_admits_the_fewest_uncached_tokens_first(tiny_model: LlamaForCausalLM) -> None:
+    assert admission_order(tiny_model) == ["follow-up", "cold"]
+    assert admission_order(tiny_model, policy=SchedulingPolicy.FCFS) == ["cold", "follow-up"]
+
+
+def test_past_the_max_wait_the_oldest_goes_first(tiny_model: LlamaForCausalLM) -> None:
+    assert admission_order(tiny_model, max_wait_s=0.0) == ["cold", "follow-up"]
