@@ -137,9 +137,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # off: a prompt is prefilled in one step, budget permitting
     policy: SchedulingPolicy = SchedulingPolicy.LPM
     max_wait_s: float = 5.0  # lpm: a request waiting longer than this is admitted first, in arrival order
-    # while requests wait, the running ones still in prefill take at most this many tokens per step between
-    # them (the rest of the budget admits the waiting ones: a cached follow-up gets its first token in one
-    # short step); 0: no limit
+    # when the next waiting request is short (its uncached tokens fit beside this), the running ones still in
+    # prefill take at most this many tokens per step between them, and the rest admits short requests whole:
+    # a cached follow-up gets its first token in one short step; 0: no limit
     long_prefill_token_threshold: int = 256
 
     def validate(self) -> None:

@@ -5,14 +5,14 @@ request mid-prefill needs the rest of its prompt, capped by the budget), preempt
 admitted running request when KV blocks run out. Then, if nothing was preempted, it admits waiting
 requests while the budget, ``max_num_seqs`` and free blocks allow: in arrival order (``fcfs``), or (``lpm``,
 the default) those with the fewest tokens left to compute first, after any that waited past ``max_wait_s``
-(oldest first), so that nothing starves.
+(oldest first), so that nothing starves. A preempted request drops its blocks and goes back to the front of
+the waiting queue; it is recomputed when readmitted (its prefix-cached blocks usually make that cheap).
 
-While requests wait, the running requests still in prefill share at most ``long_prefill_token_threshold``
-tokens per step; the rest of the budget admits waiting requests. A follow-up turn whose prompt is mostly
-cached then gets its first token within one short step, instead of waiting for every chunk of someone else's
-cold prompt (issue 17). Alone, a prompt is prefilled at the whole budget. A preempted request
-drops its blocks and goes back to the front of the waiting queue; it is recomputed when readmitted (its
-prefix-cached blocks usually make that cheap).
+When the request next in line is short (its uncached tokens fit in the budget beside
+``long_prefill_token_threshold``), the running requests still in prefill share at most that threshold this
+step, and the rest of the budget admits short requests whole. A follow-up turn whose prompt is mostly cached
+then gets its first token within one short step, instead of waiting for every chunk of someone else's cold
+prompt (issue 17). Cold requests still queue behind a running prompt, which keeps the whole budget otherwise.
 
 With a KV connector (``splitserve.engine.connector``), admission goes further than the engine's own prefix
 cache: the connector names more leading tokens it can load (e.g. from L1/L2), blocks are allocated for them,
@@ -94,18 +94,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.kv.release_pins()  # the previous step, which copied them, has run
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
+        if self.config.policy == SchedulingPolicy.LPM and len(self.waiting) > 1:
+            self._order_by_uncached_tokens()
+        cap = self._running_prefill_cap()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, cap)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, whole_only=cap is not None)
         return out
 
     def _running_prefill_cap(self) -> int | None:
-        """Tokens the running requests still in prefill may take this step: the threshold while others wait
-        for admission (and could be admitted), else no cap."""
+        """Tokens the running requests still in prefill may take this step: the threshold when the request
+        admission takes first is short (its uncached tokens fit in the rest of the budget), else no cap. A
+        short request then gets through at once; cold ones queue behind the running prompt, as before."""
         threshold = self.config.long_prefill_token_threshold
         if not threshold or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
-        return threshold
+        head = self.waiting[0]
+        num_cached = len(self.kv.find_cached_prefix(head)) * self.kv.block_size
+        return threshold if head.num_tokens - num_cached <= self.config.max_num_batched_tokens - threshold else None
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_cap: int | None = None) -> int:
         for request in list(self.running):
@@ -152,18 +158,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_only: bool = False) -> None:
         """Admit waiting requests in the policy's order; one whose KV the connector is still fetching is passed
-        over."""
-        if self.config.policy == SchedulingPolicy.LPM and len(self.waiting) > 1:
-            self._order_by_uncached_tokens()
+        over. ``whole_only`` (a running prompt was held back for them): only requests whose prompt fits whole."""
         fetching: list[Request] = []
         try:
-            self._admit(out, budget, fetching)
+            self._admit(out, budget, fetching, whole_only)
         finally:
             self.waiting.extendleft(reversed(fetching))  # they keep their place at the front
 
-    def _admit(self, out: SchedulerOutput, budget: int, fetching: list[Request]) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, fetching: list[Request], whole_only: bool = False) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
@@ -175,7 +179,7 @@ class Scheduler:
             num_new = request.num_tokens - num_cached - num_external
             tail = None if num_external else self.kv.find_cached_tail(request, len(cached))
             if tail is None and num_new > budget:  # with a tail, one token is computed: it fits
-                if not self.config.enable_chunked_prefill:
+                if whole_only or not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
             if not self.kv.allocate(request, num_external + num_new, cached, tail):
