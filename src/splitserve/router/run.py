@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -43,7 +44,8 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
         config.host, config.port, config.routing_strategy.value,
         ", ".join(w.url for w in router.pool),
     )  # fmt: skip
-    logger.info("admin routes (/admin/*) on %s:%d", config.admin_host, config.admin_listen_port)
+    admin_socket = _admin_socket(config)
+    logger.info("admin routes (/admin/*) on %s:%d", config.admin_host, admin_socket.getsockname()[1])
     public = uvicorn.Server(
         uvicorn.Config(
             build_router_app(router, with_admin=False),
@@ -66,8 +68,24 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
             **uvicorn_options(),
         )
     )
-    uvloop.run(_serve_both(public, admin))
+    uvloop.run(_serve_both(public, admin, admin_socket))
     return 0
+
+
+def _admin_socket(config: RouterConfig) -> socket.socket:
+    """The admin listener's socket: ``--admin-port``, else the port after ``--port``, else (taken) any free
+    port, with a warning naming it. An explicit ``--admin-port`` that is taken stops the router."""
+    try:
+        return socket.create_server((config.admin_host, config.admin_listen_port))
+    except OSError as exc:
+        if config.admin_port is not None:
+            raise SystemExit(f"the admin listener cannot bind {config.admin_host}:{config.admin_port}: {exc}") from None
+        sock = socket.create_server((config.admin_host, 0))
+        logger.warning(
+            "port %d (--port + 1) is taken: admin routes on %s:%d instead; pass --admin-port to choose",
+            config.admin_listen_port, config.admin_host, sock.getsockname()[1],
+        )  # fmt: skip
+        return sock
 
 
 class _FollowerServer(uvicorn.Server):
@@ -78,9 +96,9 @@ class _FollowerServer(uvicorn.Server):
         yield
 
 
-async def _serve_both(public: uvicorn.Server, admin: _FollowerServer) -> None:
+async def _serve_both(public: uvicorn.Server, admin: _FollowerServer, admin_socket: socket.socket) -> None:
     """Serve the public and the admin listener; the admin one stops when the public one has (SIGTERM, SIGINT)."""
-    admin_task = asyncio.create_task(admin.serve())
+    admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
     try:
         await public.serve()
     finally:
