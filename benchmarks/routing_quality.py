@@ -7,7 +7,8 @@ Per strategy, fresh processes: two ``splitserve worker`` s (SmolLM2-135M, defaul
 each, so the two share the machine's 2 cores; engine prefix cache on, no L1/L2, so a hit needs the right
 worker) behind a ``splitserve router`` with that strategy, and no other flags: the router pulls the workers' KV
 events itself. A strategy written ``kvaware/fcfs`` runs the workers with the scheduling of before issue 17
-(``--scheduling-policy fcfs --long-prefill-token-threshold 0``), to measure what the scheduling adds. The workload is
+(``--scheduling-policy fcfs --long-prefill-token-threshold 0``), to measure what the scheduling adds;
+``kvaware/cost`` runs the router with ``--routing-cost-model``. The workload is
 ``splitserve bench serve --dataset multiround``: U users, each R rounds of a chat whose history grows (a shared
 system prompt, then question/answer turns); requests arrive at a Poisson rate, and a user's next round is
 sent no earlier than when its previous answer is complete.
@@ -55,7 +56,10 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
                    "--kv-cache-memory", args.kv_cache_memory, *extra]  # fmt: skip
             workers.append(start_server(cmd, port, log_dir / f"{name}-worker{i}.log"))
         backends = [arg for port in worker_ports for arg in ("--backend", f"http://127.0.0.1:{port}")]
-        router_cmd = [*SPLITSERVE, "router", "--port", str(router_port), "--routing-strategy", policy, *backends]
+        router_cmd = [*SPLITSERVE, "router", "--port", str(router_port), "--admin-port", str(free_port()),
+                      "--routing-strategy", policy, *backends]  # fmt: skip
+        if variant == "cost":
+            router_cmd.append("--routing-cost-model")
         router = start_server(router_cmd, router_port, log_dir / f"{name}-router.log")
         try:
             urls = [f"http://127.0.0.1:{port}" for port in worker_ports]

@@ -424,10 +424,10 @@ def router_command(
         bool,
         typer.Option(
             help="Cache-aware: pick the worker with the lowest estimated TTFT (its uncached tokens plus the prefill "
-            "queued there, times its measured seconds per token). Off: the thresholds below.",
+            "queued there, times its measured seconds per token) instead of the thresholds below (experimental).",
             rich_help_panel=_ROUTING,
         ),
-    ] = True,
+    ] = False,
     cache_threshold: Annotated[
         float,
         typer.Option(

@@ -328,7 +328,9 @@ class RouterConfig:
     prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
     kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes kept per worker and tier (and for the shared L2)
     l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
-    routing_cost_model: bool = True  # cache-aware: pick the lowest estimated TTFT (router/cost.py), not thresholds
+    # cache-aware: pick the lowest estimated TTFT (router/cost.py) instead of the thresholds below. Off by default:
+    # on the long-history chat it kept fewer users on their cache than the thresholds do (docs/benchmarks.md)
+    routing_cost_model: bool = False
     cache_threshold: float = 0.4  # cache-aware: a match under this share of the prompt goes to the least loaded
     balance_abs_threshold: int = 4  # load guard: in-flight gap to the least-loaded worker that counts as skew...
     balance_rel_threshold: float = 1.5  # ...when also this many times its load (+1)

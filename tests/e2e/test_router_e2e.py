@@ -105,9 +105,7 @@ def test_prefixaware_sends_a_repeated_prefix_to_the_same_worker(endpoint: Endpoi
 
 
 def test_the_load_guard_spreads_a_hot_prefix_under_skew(endpoint: Endpoint) -> None:
-    router = endpoint.router(
-        "prefixaware", "--no-routing-cost-model", "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"
-    )
+    router = endpoint.router("prefixaware", "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0")
     router.wait_healthy()
     prompt = long_prompt(20, "box")
     assert router.complete(prompt).status_code == 200
