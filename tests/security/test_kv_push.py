@@ -12,9 +12,13 @@ import pytest
 import torch
 
 from splitserve.auth import sign
+from splitserve.engine.kv_transfer import KVTransferParams
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.buffer import PDBuffer
-from splitserve.pd.receiver import KVReceiver
+from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
 
 SECRET = "kv-push-secret"
@@ -70,3 +74,23 @@ def test_a_replayed_push_is_refused(receiver: KVReceiver) -> None:
     replay.close()
     assert answer["ok"] is False and "replays" in str(answer["reason"])
     assert receiver.buffer.peek("once") is None
+
+
+def test_kv_of_another_model_is_refused_before_any_copy() -> None:
+    """Same layout, another model: the decode worker does not load it (the record names its model)."""
+    buffer, tokens = PDBuffer(1 << 20), list(range(8))
+    for model in ("model-a", "model-b"):
+        record = serde.encode(torch.ones(2, 2, 8, 1, 8), 8, LAYOUT, model_id=model)
+        room = buffer.reserve(f"xfer-{model}", len(record))
+        assert room is not None
+        room[:] = record
+        assert buffer.commit(f"xfer-{model}", 8, hash_tokens(tokens), LAYOUT)
+    receiver = PDReceiverConnector(buffer, LAYOUT, "model-a")
+
+    def request(transfer_id: str) -> Request:
+        params = SamplingParams(max_tokens=1, kv_transfer=KVTransferParams(transfer_id, first_token_id=1))
+        return Request("r", [*tokens, 9], params, 0.0)
+
+    assert receiver.num_external_tokens(request("xfer-model-a"), 0) == 8  # its own model's: taken
+    assert receiver.num_external_tokens(request("xfer-model-b"), 0) == 0
+    assert buffer.peek("xfer-model-b") is None  # dropped, its room freed

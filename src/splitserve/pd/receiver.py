@@ -215,6 +215,13 @@ class KVReceiver:
         return None
 
 
+def _model_of(record: bytes | bytearray | memoryview) -> str | None:
+    try:
+        return serde.read_header(record).model_id
+    except serde.RecordError:
+        return None
+
+
 def _check_trailer(trailer: dict[str, object], mac: str) -> None:
     """RecordError unless ``trailer`` carries the MAC of the payload that arrived."""
     claimed = trailer.get("mac")
@@ -275,9 +282,10 @@ def _receive_record(
 class PDReceiverConnector:
     """``KVConnectorBase`` for the decode role: loads a request's transferred prompt KV from the PD buffer."""
 
-    def __init__(self, buffer: PDBuffer, layout: str) -> None:
+    def __init__(self, buffer: PDBuffer, layout: str, model_id: str = "") -> None:
         self.buffer = buffer
         self.layout = layout
+        self.model_id = model_id  # a record made by another model is refused, whatever its layout
         self._kv_cache: torch.Tensor | None = None
         self._block_size = 0
 
@@ -295,10 +303,11 @@ class PDReceiverConnector:
         prompt = request.prompt_token_ids
         if (
             entry.layout != self.layout
+            or (self.model_id and _model_of(entry.record) != self.model_id)
             or entry.num_tokens > len(prompt)
             or entry.tokens_hash != hash_tokens(prompt[: entry.num_tokens])
         ):
-            logger.warning("PD: transfer %s does not match request %s's prompt or layout; recomputing",
+            logger.warning("PD: transfer %s does not match request %s's model, prompt or layout; recomputing",
                            params.transfer_id, request.request_id)  # fmt: skip
             self.buffer.release(params.transfer_id)
             return None

@@ -106,9 +106,16 @@ class PDSenderConnector:
     """``KVConnectorBase`` for the prefill role: sends each transfer request's prompt KV once it is computed."""
 
     def __init__(
-        self, layout: str, *, deadline_s: float = DEFAULT_DEADLINE_S, num_threads: int = 2, secret: str | None = None
+        self,
+        layout: str,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        num_threads: int = 2,
+        secret: str | None = None,
+        model_id: str = "",
     ) -> None:
         self.layout = layout
+        self.model_id = model_id  # written into every pushed record: the decode worker checks it
         self.deadline_s = deadline_s
         self.secret = secret  # signs every push (the cluster secret)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-sender")
@@ -151,7 +158,7 @@ class PDSenderConnector:
     def _encode_and_push(
         self, addr: str, transfer_id: str, kv: torch.Tensor, num_tokens: int, tokens_hash: int
     ) -> KVTransferResult:
-        record = serde.encode(kv, num_tokens, self.layout)
+        record = serde.encode(kv, num_tokens, self.layout, model_id=self.model_id)
         result = push(addr, transfer_id, record, num_tokens, tokens_hash, self.layout, self.deadline_s, self.secret)
         if result.ok:
             logger.info(

@@ -61,11 +61,15 @@ def build_engine(
         receiver = KVReceiver(
             buffer, layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_advertise_host, cluster_secret
         )
-        connectors.append(PDReceiverConnector(buffer, layout))
+        connectors.append(PDReceiverConnector(buffer, layout, source.model_id))
     elif role == Role.PREFILL:
         from splitserve.pd.sender import PDSenderConnector
 
-        connectors.append(PDSenderConnector(layout, deadline_s=config.pd.transfer_deadline_s, secret=cluster_secret))
+        connectors.append(
+            PDSenderConnector(
+                layout, deadline_s=config.pd.transfer_deadline_s, secret=cluster_secret, model_id=source.model_id
+            )
+        )
     if config.kv_tiers.is_enabled:
         from splitserve.kvcache.connector import build_connector
 
