@@ -78,8 +78,8 @@ def worker_command(
     long_prefill_token_threshold: Annotated[
         int,
         typer.Option(
-            help="While requests wait, the running prompts share at most this many tokens per step; the rest "
-            "admits the waiting ones (0: no limit).",
+            help="When the request next in line is short, the running prompts share at most this many tokens "
+            "that step and the rest admits it whole (0: no limit).",
             rich_help_panel=_ENGINE,
         ),
     ] = 256,
@@ -494,7 +494,7 @@ def router_command(
         list[str] | None,
         typer.Option(
             help="A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
-            "SPLITSERVE_API_KEY. Without one, /v1/* is open."
+            "SPLITSERVE_API_KEY and VLLM_API_KEY. Without one, /v1/* is open."
         ),
     ] = None,
     salt_per_api_key: Annotated[
@@ -519,7 +519,7 @@ def router_command(
     from splitserve.config import RouterConfig
 
     try:
-        api_keys = auth.api_keys(api_key or ())
+        api_keys = auth.api_keys(api_key or (), (auth.API_KEY_ENV, auth.VLLM_API_KEY_ENV))
         secret = auth.cluster_secret(cluster_secret_file)
     except ValueError as exc:
         _fail(str(exc))

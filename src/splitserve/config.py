@@ -358,7 +358,7 @@ class RouterConfig:
         """Where ``/admin/*`` is served: ``admin_port``, else the port after ``port`` (any free one if 0)."""
         if self.admin_port is not None:
             return self.admin_port
-        return self.port + 1 if self.port else 0
+        return self.port + 1 if 0 < self.port < 65535 else 0
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:

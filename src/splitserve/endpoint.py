@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -464,6 +465,12 @@ def _cache_errors(kv: KVCacheSpec | None) -> list[str]:
     elif l2.l2_cache_local_url is not None and not l2.l2_cache_local_url.startswith(_REDIS_SCHEMES):
         schemes = ", ".join(_REDIS_SCHEMES)
         errors.append(f"{where}.l2CacheLocalUrl: {l2.l2_cache_local_url!r} must start with one of {schemes}")
+    elif l2.l2_cache_local_url is not None and urlsplit(l2.l2_cache_local_url).password is not None:
+        errors.append(
+            f"{where}.l2CacheLocalUrl carries a password, which would sit in every worker's argv and in the "
+            "resource: give it as SPLITSERVE_REDIS_PASSWORD (valueFrom.secretKeyRef) in "
+            "spec.worker.environmentVariables"
+        )
     if l2.l2_cache_path is not None and l2.l2_cache_backend != "tieredstorage":
         errors.append(f"{where}.l2CachePath is only used when l2CacheBackend is tieredstorage")
     return errors

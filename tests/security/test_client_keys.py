@@ -322,3 +322,25 @@ def test_kv_transfer_params_come_from_the_router_only() -> None:
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
         signed = body | {"kv_transfer_params": params | {"mac": auth.sign(SECRET, params)}}
         assert httpx.post(f"{worker.url}/v1/completions", json=signed, headers=headers, timeout=10).status_code == 200
+
+
+def test_a_cache_salt_that_cannot_be_hashed_is_a_400_on_router_and_worker() -> None:
+    from splitserve.config import ServerConfig
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.metrics import WorkerMetrics
+    from splitserve.server.app import build_app
+    from tests.unit.fake_engine import FakeEngine
+
+    with ExitStack() as stack:
+        engine = AsyncEngine(lambda: FakeEngine(), WorkerMetrics("fake-model"))
+        worker = stack.enter_context(ServerThread(build_app(engine, ServerConfig())))
+        wait_until(lambda: httpx.get(f"{worker.url}/health").status_code == 200)
+        config = RouterConfig(backends=(worker.url,), api_keys=(ROUTER_KEY,), salt_per_api_key=True)
+        router = stack.enter_context(ServerThread(build_router_app(Router(config))))
+        body = b'{"prompt": "Hi", "max_tokens": 2, "cache_salt": "\\ud800"}'  # a lone surrogate
+        headers = {"Authorization": f"Bearer {ROUTER_KEY}", "Content-Type": "application/json"}
+        for url, extra in ((router.url, headers), (worker.url, {"Content-Type": "application/json"})):
+            response = httpx.post(f"{url}/v1/completions", content=body, headers=extra, timeout=10)
+            assert response.status_code == 400, response.text
+            assert "cache_salt" in response.text
+        assert httpx.get(f"{worker.url}/health").status_code == 200  # the engine lives

@@ -5,6 +5,7 @@ byte for byte is refused although its signature and time stamp are still good.""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
+from splitserve.pd.sender import push
 from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
 
 SECRET = "kv-push-secret"
@@ -94,3 +96,16 @@ def test_kv_of_another_model_is_refused_before_any_copy() -> None:
     assert receiver.num_external_tokens(request("xfer-model-a"), 0) == 8  # its own model's: taken
     assert receiver.num_external_tokens(request("xfer-model-b"), 0) == 0
     assert buffer.peek("xfer-model-b") is None  # dropped, its room freed
+
+
+def test_a_signed_push_that_found_the_buffer_full_retries_and_arrives() -> None:
+    receiver = KVReceiver(PDBuffer(len(RECORD)), LAYOUT, secret=SECRET)  # room for one record
+    receiver.start()
+    try:
+        assert push(receiver.addr, "first", RECORD, 8, 0, LAYOUT, deadline_s=2, secret=SECRET).ok
+        threading.Timer(0.2, lambda: receiver.buffer.release("first")).start()  # claimed by its decode request
+        second = push(receiver.addr, "second", RECORD, 8, 0, LAYOUT, deadline_s=5, secret=SECRET)
+        assert second.ok, second.reason  # refused "full" at first, then taken: each attempt signed afresh
+        assert receiver.buffer.peek("second") is not None
+    finally:
+        receiver.close()

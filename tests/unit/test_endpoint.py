@@ -614,6 +614,10 @@ def test_bad_envelopes(change: dict[str, Any], message: str) -> None:
             "spec.kvCacheSpec.l2CacheSpec.l2CacheLocalUrl: 'http://r' must start with one of redis://",
         ),
         (
+            {"kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "redis", "l2CacheLocalUrl": "redis://:pw@r:6379/0"}}},
+            "spec.kvCacheSpec.l2CacheSpec.l2CacheLocalUrl carries a password",
+        ),
+        (
             {"worker": {"environmentVariables": [{"name": "A"}, {"name": "A"}]}},
             "spec.worker.environmentVariables[1].name: 'A' is set twice",
         ),

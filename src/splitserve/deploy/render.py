@@ -97,7 +97,8 @@ HTTP_PORT_NAME = "http"  # the router's and Redis' port name (workers use modelI
 KV_TRANSFER_PORT_NAME = "kv-transfer"
 L2_VOLUME, TMP_VOLUME, HOME_VOLUME, API_VOLUME, REDIS_DATA_VOLUME = "l2-cache", "tmp", "home", "kube-api", "data"
 POD_NAME_ENV, POD_IP_ENV, POD_NAMESPACE_ENV = "SPLITSERVE_POD_NAME", "SPLITSERVE_POD_IP", "SPLITSERVE_POD_NAMESPACE"
-ROUTER_ENV_NAMES = ("SPLITSERVE_API_KEY",)  # the resource's variables the router gets too: it checks client keys
+# the resource's variables the router gets too: it checks the client keys and makes each one a tenant
+ROUTER_ENV_NAMES = ("SPLITSERVE_API_KEY", "VLLM_API_KEY", "SPLITSERVE_SALT_PER_API_KEY")
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 DISCOVERY_RESOURCES = {"requests": {"cpu": "20m", "memory": "96Mi"}, "limits": {"cpu": "200m", "memory": "256Mi"}}
 REDIS_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "2Gi"}}

@@ -27,6 +27,7 @@ repeated prompt), that block is copied too (``block_copies``) and only the last 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+MAX_SORTED_WAITING = 256  # lpm orders this many at the head of the queue each step (bounds the step's cost)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -82,6 +86,7 @@ class Scheduler:
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._held_back = False  # this step: a running prompt got less than it could, for a short request
         self.num_preemptions = 0
 
     @property
@@ -96,10 +101,10 @@ class Scheduler:
         out = SchedulerOutput()
         if self.config.policy == SchedulingPolicy.LPM and len(self.waiting) > 1:
             self._order_by_uncached_tokens()
-        cap = self._running_prefill_cap()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, cap)
+        self._held_back = False
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
         if not out.preempted:
-            self._schedule_waiting(out, budget, whole_only=cap is not None)
+            self._schedule_waiting(out, budget, whole_only=self._held_back)
         return out
 
     def _running_prefill_cap(self) -> int | None:
@@ -109,9 +114,11 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if not threshold or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
+        num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        room = self.config.max_num_batched_tokens - num_decodes - threshold
         head = self.waiting[0]
         num_cached = len(self.kv.find_cached_prefix(head)) * self.kv.block_size
-        return threshold if head.num_tokens - num_cached <= self.config.max_num_batched_tokens - threshold else None
+        return threshold if head.num_tokens - num_cached <= room else None
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_cap: int | None = None) -> int:
         for request in list(self.running):
@@ -120,7 +127,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new > 1 and prefill_cap is not None:  # mid-prefill, with others waiting
+            if num_new > 1 and prefill_cap is not None:  # mid-prefill, with a short request next in line
+                self._held_back |= num_new > prefill_cap
                 num_new = min(num_new, prefill_cap)
                 if num_new == 0:
                     continue
@@ -209,7 +217,8 @@ class Scheduler:
             num_cached = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
             return (1, float(request.num_tokens - num_cached), request.arrival_time)
 
-        self.waiting = deque(sorted(self.waiting, key=key))
+        head = sorted(itertools.islice(self.waiting, MAX_SORTED_WAITING), key=key)
+        self.waiting = deque([*head, *itertools.islice(self.waiting, MAX_SORTED_WAITING, None)])
 
     def _num_external_tokens(self, request: Request, num_cached: int) -> int | None:
         if self.connector is None:

@@ -91,6 +91,12 @@ class RecordError(ValueError):
         super().__init__(f"bad KV record ({fault.value}): {detail}")
         self.fault = fault
 
+    @property
+    def is_foreign(self) -> bool:
+        """Possibly sound, but someone else's: another secret (a rotation in progress), model, layout or format
+        version. A reader treats it as a miss and leaves it where it is."""
+        return self.fault in (RecordFault.MAC, RecordFault.IDENTITY, RecordFault.LAYOUT, RecordFault.VERSION)
+
 
 @dataclass(frozen=True, slots=True)
 class RecordHeader:

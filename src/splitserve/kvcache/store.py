@@ -55,7 +55,9 @@ class TieredStore:
         l1: the fast local tier (normally ``CPUTier``); values in it are trusted (written by this process).
         l2: the shared tier (``RedisTier`` or ``DiskTier``), or None for L1 only.
         validate: run on every value read from L2 (with its key) before it is served or promoted; a ValueError
-            makes it a miss, deletes it from L2 and counts it. Typically ``serde.RecordSigner.verify``.
+            makes it a miss and counts it, and deletes it from L2 unless the error says ``is_foreign`` (a record
+            of another secret, model, layout or format version is someone else's). Typically
+            ``serde.RecordSigner.verify``.
         max_pending_write_bytes: bound on the bytes waiting to be written to L2.
         events: told what L1 stores and drops, and what L2 confirmed it holds after a write (for the
             router's KV index). L1 evictions reach it only through the L1 tier's own ``on_evict``.
@@ -198,9 +200,12 @@ class TieredStore:
         try:
             self._validate(key, value)
         except ValueError as exc:
-            logger.warning("KV store: dropping invalid record %s from %s: %s", key, tier.name, exc)
             with self._cond:
                 self._stats.num_invalid_records += 1
+            if getattr(exc, "is_foreign", False):  # another secret's, model's or version's: not ours to delete
+                logger.warning("KV store: record %s in %s is not this worker's; a miss: %s", key, tier.name, exc)
+                return None
+            logger.warning("KV store: dropping invalid record %s from %s: %s", key, tier.name, exc)
             tier.delete(key)
             return None
         return value

@@ -52,6 +52,7 @@ REQUEST_TIMEOUT_S = 5.0  # its reservation request, from the connection on
 MAX_CONNECTIONS = 64
 MAX_PEER_CONNECTIONS = 16
 PEER_RESERVATION_SHARE = 0.5  # of the buffer, in reservations one address is still filling
+MAX_SEEN_MACS = 4096  # signed requests remembered before the expired ones are swept out
 MAX_CLOCK_SKEW_S = 120.0  # a signed push stamped further from now is refused (a replay, or a broken clock)
 RECEIVER_NICE = 10  # receiving yields the CPU to the engine thread: decode latency first, transfer speed second
 
@@ -166,6 +167,7 @@ class KVReceiver:
                     room = self.buffer.reserve(transfer_id, num_bytes)
                 if room is not None:
                     self._filling[peer] = held + num_bytes
+                    self._remember(header)
             if room is None:
                 logger.info(
                     "Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes
@@ -208,11 +210,18 @@ class KVReceiver:
         if not isinstance(stamped, int | float) or abs(now - stamped) > MAX_CLOCK_SKEW_S:
             return "unauthenticated: the push's time stamp is too far from now"
         with self._lock:  # a signed request is good once: a replay within the window is refused too
-            self._seen_macs = {mac: until for mac, until in self._seen_macs.items() if until > now}
-            if str(header["mac"]) in self._seen_macs:
+            if len(self._seen_macs) > MAX_SEEN_MACS:
+                self._seen_macs = {mac: until for mac, until in self._seen_macs.items() if until > now}
+            if self._seen_macs.get(str(header["mac"]), 0.0) > now:
                 return "unauthenticated: the push replays one already taken"
-            self._seen_macs[str(header["mac"])] = stamped + MAX_CLOCK_SKEW_S
         return None
+
+    def _remember(self, header: dict[str, object]) -> None:
+        """A signed request that got room: the same bytes again, within the skew window, are a replay."""
+        if self.secret is not None:
+            stamped = header["ts"]
+            assert isinstance(stamped, int | float)  # checked by _refusal
+            self._seen_macs[str(header["mac"])] = stamped + MAX_CLOCK_SKEW_S
 
 
 def _model_of(record: bytes | bytearray | memoryview) -> str | None:

@@ -51,14 +51,15 @@ def push(
     reserves nothing without it), and the payload is followed by a trailer with its keyed MAC, computed while
     the bytes go out (``wire.payload_mac``)."""
     began = time.perf_counter()
-    header: dict[str, object] = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record),
-                                 "num_tokens": num_tokens, "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
-    if secret is not None:
-        header["ts"] = time.time()
-        header["mac"] = sign(secret, header)
+    request: dict[str, object] = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record),
+                                  "num_tokens": num_tokens, "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
     backoff_s, num_full = FIRST_BACKOFF_S, 0
     reason = ""
     while True:
+        header = dict(request)
+        if secret is not None:  # signed afresh for each attempt: the receiver takes a signed request once
+            header["ts"] = time.time()
+            header["mac"] = sign(secret, header)
         try:
             with socket.create_connection(parse_addr(addr), timeout=CONNECT_TIMEOUT_S) as sock:
                 sock.settimeout(IO_TIMEOUT_S)

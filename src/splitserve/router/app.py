@@ -40,6 +40,7 @@ from starlette.routing import Route
 from splitserve import httpserver
 from splitserve.auth import AuthMiddleware, bearer_header, client_key_of, tenant_salt
 from splitserve.config import RouterConfig, RoutingStrategy
+from splitserve.keys import MAX_CACHE_SALT_CHARS
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
 from splitserve.router.cost import PrefillCostModel
@@ -233,10 +234,12 @@ class Router:
         if "kv_transfer_params" in body:  # the router's to set (signed), never a client's
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             raw = json.dumps(body).encode()
+        salt = body.get("cache_salt")
+        if salt is not None and not _is_valid_salt(salt):
+            return RouterError(400, f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters").response()
         key = client_key_of(request.scope.get("state", {})) if self.config.salt_per_api_key else None
         if key is not None:  # each key a tenant: the workers see the cluster secret and take this salt as given
-            salt = body.get("cache_salt")
-            body = body | {"cache_salt": tenant_salt(key, salt if isinstance(salt, str) else None)}
+            body = body | {"cache_salt": tenant_salt(key, salt)}
             raw = json.dumps(body).encode()
         routing = await self._routing_request(request, path, body)
         call = Call(path, body, raw, {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED},
@@ -380,7 +383,8 @@ class Router:
                 self._failed(worker, attempt, f"read: {type(exc).__name__}")
                 return attempt
             worker.breaker.record_success()
-            queued.answered(self.cost)
+            # a completion's first chunk carries its first token; a chat's may be the role alone, sent at once
+            queued.answered(self.cost if not path.endswith("/chat/completions") else None)
             if call.observe_ttft:
                 self.metrics.ttft_s.observe(time.perf_counter() - start_s)
             self.policy.on_routed(routing, worker)
@@ -807,6 +811,17 @@ def _error_code(content: bytes) -> str | None:
     return str(code) if code is not None else None
 
 
+def _is_valid_salt(salt: object) -> bool:
+    """A ``cache_salt`` the workers take: a string of 1 to 256 characters that UTF-8 can encode."""
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        return False
+    try:
+        salt.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _QueuedPrefill:
     """A request's uncached tokens, counted in its worker's queued prefill until the worker answers (or fails).
     The first answer of a stream also teaches the cost model the worker's seconds per prefill token."""
@@ -818,8 +833,8 @@ class _QueuedPrefill:
         self.sent_s = time.perf_counter()
         worker.pending_prefill_tokens += tokens
 
-    def answered(self, cost: PrefillCostModel) -> None:
-        if self.tokens:
+    def answered(self, cost: PrefillCostModel | None) -> None:
+        if self.tokens and cost is not None:
             cost.observe(self.worker.url, time.perf_counter() - self.sent_s, self.ahead + self.tokens)
         self.release()
 

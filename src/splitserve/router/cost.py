@@ -7,8 +7,9 @@
   KV events for ``kvaware``, the router's own prefix index for ``prefixaware``).
 - *Queued prefill tokens*: the router's own count, per worker, of the uncached tokens of the requests it sent
   there that have not yet started to answer (``Worker.pending_prefill_tokens``).
-- *Seconds per prefill token*: measured, not configured. Each streamed answer's TTFT, over the tokens the
-  worker had to compute before it (its queue then, plus the request's own), updates the worker's rate (an
+- *Seconds per prefill token*: measured, not configured. Each streamed completion's TTFT (a chat's first
+  chunk can be its role alone, sent before any prefill, so chats teach nothing), over the tokens the worker
+  had to compute before it (its queue then, plus the request's own), updates the worker's rate (an
   exponentially weighted mean), from answers that computed at least ``MIN_SAMPLE_TOKENS`` (below that the
   fixed costs of a step dominate). Until a worker has its own rate it gets the median of the others', or a
   prior.
@@ -55,9 +56,6 @@ class PrefillCostModel:
         sample = ttft_s / tokens_computed
         old = self.s_per_token.get(url)
         self.s_per_token[url] = sample if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * sample
-
-    def forget(self, url: str) -> None:
-        self.s_per_token.pop(url, None)
 
 
 def cheapest(model: PrefillCostModel, options: list[tuple[Worker, int]], turn: int = 0) -> tuple[Worker, int]:

@@ -75,12 +75,16 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
 def _admin_socket(config: RouterConfig) -> socket.socket:
     """The admin listener's socket: ``--admin-port``, else the port after ``--port``, else (taken) any free
     port, with a warning naming it. An explicit ``--admin-port`` that is taken stops the router."""
+    family = socket.AF_INET6 if ":" in config.admin_host else socket.AF_INET
     try:
-        return socket.create_server((config.admin_host, config.admin_listen_port))
+        return socket.create_server((config.admin_host, config.admin_listen_port), family=family)
     except OSError as exc:
         if config.admin_port is not None:
             raise SystemExit(f"the admin listener cannot bind {config.admin_host}:{config.admin_port}: {exc}") from None
-        sock = socket.create_server((config.admin_host, 0))
+        try:
+            sock = socket.create_server((config.admin_host, 0), family=family)
+        except OSError as again:
+            raise SystemExit(f"the admin listener cannot bind {config.admin_host}: {again}") from None
         logger.warning(
             "port %d (--port + 1) is taken: admin routes on %s:%d instead; pass --admin-port to choose",
             config.admin_listen_port, config.admin_host, sock.getsockname()[1],

@@ -39,6 +39,9 @@ def served_model_name(config: EngineConfig) -> str:
     return config.model.served_model_name or config.model.model
 
 
+_NOT_LOGGED = ("l2_url", "l2_password")  # the URL is logged redacted; a password never
+
+
 def startup_config(engine_config: EngineConfig, server_config: ServerConfig) -> dict[str, object]:
     """The one-line summary logged at start; ``pd_role`` is the KV-transfer role, as LMCache reports it."""
     return {
@@ -51,7 +54,7 @@ def startup_config(engine_config: EngineConfig, server_config: ServerConfig) -> 
         **{f"model.{k}": v for k, v in asdict(engine_config.model).items() if k != "model"},
         **{f"cache.{k}": v for k, v in asdict(engine_config.cache).items()},
         **{f"scheduler.{k}": v for k, v in asdict(engine_config.scheduler).items()},
-        **{f"kv_tiers.{k}": v for k, v in asdict(engine_config.kv_tiers).items() if k != "l2_url"},
+        **{f"kv_tiers.{k}": v for k, v in asdict(engine_config.kv_tiers).items() if k not in _NOT_LOGGED},
         "kv_tiers.l2_url": redact_url(engine_config.kv_tiers.l2_url),
     }
 
