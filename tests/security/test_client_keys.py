@@ -33,7 +33,10 @@ ROUTER_KEY = "router-key-9876543210"
 SECRET = "cluster-secret-abcdef"
 CLIENT_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
 OPEN_ROUTES = ["/health", "/metrics"]
+WORKER_ONLY_CLIENT_ROUTES = [("POST", "/tokenize"), ("POST", "/detokenize")]
 BODIES = {
+    "/tokenize": {"model": "smollm2", "prompt": "Hello"},
+    "/detokenize": {"model": "smollm2", "tokens": [19556]},
     "/v1/completions": {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 2},
     "/v1/chat/completions": {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
 }
@@ -89,6 +92,17 @@ def test_every_client_route_wants_a_key_on_the_worker_and_the_router(
         assert call(url, method, path, right).status_code == 200
     assert call(worker.url, method, path, SECRET).status_code == 200  # the router's credential
     assert_refused(call(router.url, method, path, SECRET))  # not a client key of the router
+
+
+@pytest.mark.parametrize(("method", "path"), WORKER_ONLY_CLIENT_ROUTES)
+def test_the_workers_tokenizer_routes_want_a_key_too(
+    processes: tuple[WorkerProcess, RouterProcess], method: str, path: str
+) -> None:
+    worker, _ = processes
+    for key in (None, ROUTER_KEY, WORKER_KEY[:-1]):
+        assert_refused(call(worker.url, method, path, key))
+    for key in (WORKER_KEY, SECRET):
+        assert call(worker.url, method, path, key).status_code == 200
 
 
 INTERNAL = [
