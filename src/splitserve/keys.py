@@ -26,6 +26,18 @@ KEY_FORMAT_VERSION = "v1"
 MAX_CACHE_SALT_CHARS = 256
 
 
+def is_valid_cache_salt(salt: object) -> bool:
+    """A ``cache_salt`` :func:`salt_root` can hash: a string of 1 to ``MAX_CACHE_SALT_CHARS`` characters that
+    UTF-8 can encode (a lone surrogate cannot)."""
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        return False
+    try:
+        salt.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def salt_root(cache_salt: str | None) -> int:
     """The parent hash of a prompt's first block: ``ROOT_HASH``, or one derived from ``cache_salt``.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.kv_transfer import KVTransferParams
-from splitserve.keys import MAX_CACHE_SALT_CHARS
+from splitserve.keys import MAX_CACHE_SALT_CHARS, is_valid_cache_salt
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -63,16 +63,7 @@ class SamplingParams:
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r}")
-        if self.cache_salt is not None and not _is_utf8_text(self.cache_salt, MAX_CACHE_SALT_CHARS):
+        if self.cache_salt is not None and not is_valid_cache_salt(self.cache_salt):
             raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, all encodable as UTF-8")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
-
-
-def _is_utf8_text(text: str, max_chars: int) -> bool:
-    """1 to ``max_chars`` characters that UTF-8 can encode (a lone surrogate cannot)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return 0 < len(text) <= max_chars

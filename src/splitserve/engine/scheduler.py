@@ -116,9 +116,11 @@ class Scheduler:
             return None
         num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         room = self.config.max_num_batched_tokens - num_decodes - threshold
-        head = self.waiting[0]
-        num_cached = len(self.kv.find_cached_prefix(head)) * self.kv.block_size
-        return threshold if head.num_tokens - num_cached <= room else None
+        return threshold if self._num_uncached(self.waiting[0]) <= room else None
+
+    def _num_uncached(self, request: Request) -> int:
+        """Tokens the request would compute beyond the engine's prefix cache (the tiers' share is unknown here)."""
+        return request.num_tokens - len(self.kv.find_cached_prefix(request)) * self.kv.block_size
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_cap: int | None = None) -> int:
         for request in list(self.running):
@@ -214,8 +216,7 @@ class Scheduler:
         def key(request: Request) -> tuple[int, float, float]:
             if request.arrival_time < oldest_allowed:
                 return (0, request.arrival_time, 0.0)
-            num_cached = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
-            return (1, float(request.num_tokens - num_cached), request.arrival_time)
+            return (1, float(self._num_uncached(request)), request.arrival_time)
 
         head = sorted(itertools.islice(self.waiting, MAX_SORTED_WAITING), key=key)
         self.waiting = deque([*head, *itertools.islice(self.waiting, MAX_SORTED_WAITING, None)])

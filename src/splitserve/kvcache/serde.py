@@ -148,7 +148,7 @@ class RecordSigner:
         """Check a record read under ``key``: its header, then that it names this model, layout and the key's
         block hash, then its MAC. Raises RecordError; does not recompute the xxh3 (the MAC covers the payload)."""
         header = read_header(data)
-        _check_layout(header, self.layout)
+        check_layout(header, self.layout)
         if header.model_id != self.model_id or header.token_hash != hash_of_key(key):
             raise RecordError(
                 RecordFault.IDENTITY,
@@ -268,9 +268,11 @@ def _decode_string(data: bytes | bytearray | memoryview, start: int, nbytes: int
         raise RecordError(RecordFault.LAYOUT, "a header string is not utf-8") from exc
 
 
-def _check_layout(header: RecordHeader, expected_layout: str) -> None:
+def check_layout(header: RecordHeader, expected_layout: str) -> RecordHeader:
+    """``header``, unless its layout is not ``expected_layout`` (a RecordError)."""
     if header.layout != expected_layout:
         raise RecordError(RecordFault.LAYOUT, f"layout {header.layout!r} != expected {expected_layout!r}")
+    return header
 
 
 FIXED_HEADER_BYTES = _FIXED.size
@@ -289,7 +291,7 @@ def payload_offset(fixed_header: bytes | bytearray | memoryview) -> int:
 def verify_with_checksum(data: bytes | bytearray | memoryview, expected_layout: str, checksum: int) -> RecordHeader:
     """:func:`verify`, given the payload's xxh3 already computed (e.g. while it arrived)."""
     header = read_header(data)
-    _check_layout(header, expected_layout)
+    check_layout(header, expected_layout)
     if checksum != header.checksum:
         raise RecordError(RecordFault.CHECKSUM, f"payload xxh3 {checksum:016x} != header {header.checksum:016x}")
     return header
@@ -325,8 +327,7 @@ def decode(
     ``data``: it must not be written to, and ``data`` must outlive it (copy it into the KV cache).
     Raises RecordError for any bad magic, version, dtype, shape, layout, length or checksum.
     """
-    header = verify(data, expected_layout) if verify_checksum else read_header(data)
-    _check_layout(header, expected_layout)
+    header = verify(data, expected_layout) if verify_checksum else check_layout(read_header(data), expected_layout)
     if expected_shape is not None and tuple(expected_shape) != header.shape:
         raise RecordError(RecordFault.SHAPE, f"shape {list(header.shape)} != expected {list(expected_shape)}")
     if expected_dtype is not None and expected_dtype != header.dtype:

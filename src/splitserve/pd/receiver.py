@@ -274,9 +274,7 @@ def _receive_record(
     recv_exact_into(sock, room[fixed:offset], in_time)
     if mac is not None:  # the keyed MAC covers every byte: an xxh3 besides it would only cost time
         recv_exact_into(sock, room[offset:], in_time)
-        header = serde.read_header(room)
-        if header.layout != layout:
-            raise serde.RecordError(serde.RecordFault.LAYOUT, f"layout {header.layout!r} != expected {layout!r}")
+        serde.check_layout(serde.read_header(room), layout)
         return
     hasher = xxhash.xxh3_64()
 

@@ -40,7 +40,7 @@ from starlette.routing import Route
 from splitserve import httpserver
 from splitserve.auth import AuthMiddleware, bearer_header, client_key_of, tenant_salt
 from splitserve.config import RouterConfig, RoutingStrategy
-from splitserve.keys import MAX_CACHE_SALT_CHARS
+from splitserve.keys import MAX_CACHE_SALT_CHARS, is_valid_cache_salt
 from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics
 from splitserve.router.cost import PrefillCostModel
@@ -235,7 +235,7 @@ class Router:
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             raw = json.dumps(body).encode()
         salt = body.get("cache_salt")
-        if salt is not None and not _is_valid_salt(salt):
+        if salt is not None and not is_valid_cache_salt(salt):
             return RouterError(400, f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters").response()
         key = client_key_of(request.scope.get("state", {})) if self.config.salt_per_api_key else None
         if key is not None:  # each key a tenant: the workers see the cluster secret and take this salt as given
@@ -809,17 +809,6 @@ def _error_code(content: bytes) -> str | None:
         return None
     code = error.get("code") if isinstance(error, dict) else None
     return str(code) if code is not None else None
-
-
-def _is_valid_salt(salt: object) -> bool:
-    """A ``cache_salt`` the workers take: a string of 1 to 256 characters that UTF-8 can encode."""
-    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-        return False
-    try:
-        salt.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class _QueuedPrefill:
