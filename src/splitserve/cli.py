@@ -1,11 +1,13 @@
 """The ``splitserve`` command line. Each subcommand builds a config and calls one run() function.
 
 Heavy imports (torch, the engine) happen inside the subcommands that need them, so ``splitserve bench`` and
-``splitserve router`` start fast and never import torch.
+``splitserve router`` start fast and never import torch. A plain ``pip install splitserve`` has no torch: the
+commands that run workers (``worker``, ``up``, ``apply``) then stop with one line naming the engine extra.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from splitserve.bench.cli import bench_app
 from splitserve.config import (
     REDIS_PASSWORD_ENV,
     REDIS_USERNAME_ENV,
+    BackendKind,
     L2Backend,
     Role,
     RoutingStrategy,
@@ -32,6 +35,29 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(bench_app, name="bench")
+
+
+@app.callback()
+def _before_a_command(ctx: typer.Context) -> None:
+    """Runs before a command's options are parsed: ``splitserve worker`` takes LMCache's settings (``LMCACHE_*``
+    variables and ``LMCACHE_CONFIG_FILE``) where they have an equivalent, and warns about the rest."""
+    if ctx.invoked_subcommand != "worker":
+        return
+    from splitserve import lmcache_env
+
+    try:
+        translation = lmcache_env.apply()
+    except ValueError as exc:
+        _fail(str(exc))
+    if translation.settings:
+        typer.echo(
+            "LMCache settings taken: " + ", ".join(f"{k}={v}" for k, v in translation.settings.items()), err=True
+        )
+    for warning in translation.warnings:
+        typer.echo(f"WARNING: {warning}", err=True)
+
+
+ENGINE_EXTRA_INSTALL = "pip install 'splitserve[engine]'"
 
 _ENGINE = "Engine options"
 _CACHE = "KV cache options"
@@ -209,6 +235,15 @@ def worker_command(
             rich_help_panel=_SERVER,
         ),
     ] = None,
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            help="Also publish the engine's KV events in vLLM's format over ZMQ, configured as vLLM's flag is: "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (for llm-d, Dynamo, a vLLM-kind router).',
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     worker_id: Annotated[
         str | None, typer.Option(help="This worker's name in KV events (default: host:port).", rich_help_panel=_SERVER)
     ] = None,
@@ -272,9 +307,11 @@ def worker_command(
     ] = "info",
 ) -> None:
     """Run one engine behind an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)."""
+    run_worker = _import_run_worker()
     from splitserve.config import (
         CacheConfig,
         EngineConfig,
+        KVEventsConfig,
         KVTierConfig,
         ModelConfig,
         PDConfig,
@@ -348,11 +385,16 @@ def worker_command(
         secret = auth.cluster_secret(cluster_secret_file)
     except ValueError as exc:
         _fail(str(exc))
+    try:
+        vllm_events = KVEventsConfig.from_json(kv_events_config) if kv_events_config is not None else None
+    except ValueError as exc:
+        _fail(str(exc))
     server_config = ServerConfig(
         host=host,
         port=port,
         role=role,
         kv_events_url=kv_events_url,
+        kv_events_config=vllm_events,
         worker_id=worker_id,
         advertise_url=advertise_url,
         api_keys=api_keys,
@@ -367,9 +409,18 @@ def worker_command(
         server_config.validate()
     except ValueError as exc:
         _fail(str(exc))
-    from splitserve.server.run import run_worker
-
     raise typer.Exit(run_worker(engine_config, server_config, uvicorn_log_level.lower()))
+
+
+def _import_run_worker() -> Callable[..., int]:
+    """The worker's entry point; without the engine extra (torch...), exit 2 with one line naming it."""
+    try:
+        from splitserve.server.run import run_worker
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] == "splitserve":
+            raise  # a broken install, not a missing extra
+        _fail(f"the worker needs the engine extra, and {exc.name} is not installed: {ENGINE_EXTRA_INSTALL}")
+    return run_worker
 
 
 _ROUTING = "Routing options"
@@ -420,6 +471,31 @@ def router_command(
     kv_l2_weight: Annotated[
         float, typer.Option(help="kvaware: weight of a token in the shared L2 (0..1).", rich_help_panel=_ROUTING)
     ] = 0.5,
+    backend_kind: Annotated[
+        BackendKind,
+        typer.Option(
+            help="kvaware: what the workers are, hence where their KV events come from: splitserve (GET /kv/events), "
+            "vllm (its ZMQ publisher, --kv-events-config) or auto (ask each worker's /version).",
+            rich_help_panel=_ROUTING,
+        ),
+    ] = BackendKind.AUTO,
+    vllm_kv_events_port: Annotated[
+        str | None,
+        typer.Option(
+            help="kvaware: a vLLM worker's KV event port (its --kv-events-config endpoint), reached at "
+            "tcp://<worker host>:PORT; +N means the worker's HTTP port plus N (default: what the worker's "
+            "/kv_event_sources names, else 5557).",
+            rich_help_panel=_ROUTING,
+        ),
+    ] = None,
+    vllm_kv_replay_port: Annotated[
+        str | None,
+        typer.Option(
+            help="kvaware: a vLLM worker's replay port (its replay_endpoint), the same way (default: as the worker "
+            "names it, if it does; without one, missed events make the router forget that worker's blocks).",
+            rich_help_panel=_ROUTING,
+        ),
+    ] = None,
     routing_cost_model: Annotated[
         bool,
         typer.Option(
@@ -543,6 +619,9 @@ def router_command(
         prefix_index_max_blocks=prefix_index_max_blocks,
         kv_index_max_blocks=kv_index_max_blocks,
         l2_weight=kv_l2_weight,
+        backend_kind=backend_kind,
+        vllm_kv_events_port=vllm_kv_events_port,
+        vllm_kv_replay_port=vllm_kv_replay_port,
         routing_cost_model=routing_cost_model,
         cache_threshold=cache_threshold,
         balance_abs_threshold=balance_abs_threshold,
@@ -577,6 +656,7 @@ _ROUTER_PORT = Annotated[int, typer.Option("--port", help="Port of the endpoint'
 @app.command("up")
 def up_command(filename: _FILE, port: _ROUTER_PORT = 8080) -> None:
     """Run an endpoint on this machine in the foreground (Ctrl-C stops it); `apply -f` changes it."""
+    _require_local_workers()
     from splitserve.deploy.local import up
 
     raise typer.Exit(_endpoint_command(lambda: up(filename, router_port=port)))
@@ -585,6 +665,7 @@ def up_command(filename: _FILE, port: _ROUTER_PORT = 8080) -> None:
 @app.command("apply")
 def apply_command(filename: _FILE, port: _ROUTER_PORT = 8080) -> None:
     """Start an endpoint in the background, or reconcile the running one with a changed file."""
+    _require_local_workers()
     from splitserve.deploy.local import apply
 
     raise typer.Exit(_endpoint_command(lambda: apply(filename, router_port=port)))
@@ -615,6 +696,12 @@ def delete_command(name: Annotated[str, typer.Argument(help="The endpoint (metad
     from splitserve.deploy.local import delete
 
     raise typer.Exit(delete(name))
+
+
+def _require_local_workers() -> None:
+    """A local endpoint runs its workers here: stop at once, not after its pods fail, when torch is missing."""
+    if importlib.util.find_spec("torch") is None:
+        _fail(f"a local endpoint runs its workers here, and they need the engine extra: {ENGINE_EXTRA_INSTALL}")
 
 
 def _endpoint_command(run: Callable[[], int]) -> int:
@@ -689,6 +776,60 @@ def render_command(
     except EndpointError as exc:
         _fail(str(exc))
     typer.echo(text, nl=False)
+
+
+@app.command("plan")
+def plan_command(
+    file: Annotated[Path, typer.Option("--file", "-f", help="The InferenceEndpointConfig resource file.")],
+    workload: Annotated[
+        str, typer.Option(help="chat, rag, mixed or long-context (shapes and rates: docs/planner.md).")
+    ] = "chat",
+    trace: Annotated[
+        Path | None, typer.Option(help="A JSON-lines trace instead: arrival_s, prompt_tokens, output_tokens, ...")
+    ] = None,
+    rate: Annotated[float | None, typer.Option(help="Requests/s (default: the workload's).")] = None,
+    num_requests: Annotated[int, typer.Option(help="Requests of the generated workload.")] = 400,
+    seed: Annotated[int, typer.Option(help="Seed of the generated workload.")] = 0,
+    slo: Annotated[
+        str | None, typer.Option(help="ttft_p99=2s,itl_p99=200ms (default: the workload's, see docs/planner.md).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the resource with the pick here.")] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write candidates, pick and calibration here.")
+    ] = None,
+    recalibrate: Annotated[bool, typer.Option(help="Measure again, ignoring the cached calibration.")] = False,
+    thresholds: Annotated[str, typer.Option(help="routingThreshold values to try, comma-separated.")] = (
+        "512,1024,2048,4096"
+    ),
+    strategies: Annotated[
+        str, typer.Option(help="Routing strategies to try, comma-separated.")
+    ] = "roundrobin,session,prefixaware,kvaware",
+) -> None:
+    """Measure this machine, predict every layout the resource's cores allow, and recommend one."""
+    from splitserve.endpoint import EndpointError
+
+    try:
+        from splitserve.planner.command import PlanOptions, parse_choices, run_plan
+        from splitserve.planner.workload import WorkloadShape
+
+        options = PlanOptions(
+            file=file,
+            workload=parse_choices("--workload", workload, WorkloadShape)[0],
+            trace=trace,
+            rate=rate,
+            num_requests=num_requests,
+            seed=seed,
+            slo=slo,
+            out=out,
+            json_path=json_path,
+            recalibrate=recalibrate,
+            thresholds=parse_choices("--thresholds", thresholds, int),
+            strategies=parse_choices("--strategies", strategies, RoutingStrategy),
+        )
+        code = run_plan(options, typer.echo, lambda line: typer.echo(line, err=True))
+    except (EndpointError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
 
 
 @app.command("operator")

@@ -6,9 +6,10 @@ everything below them receives these objects.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from urllib.parse import urlsplit, urlunsplit
 
@@ -254,6 +255,58 @@ class EngineConfig:
         self.pd.validate()
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config``: the worker also publishes its engine's KV events in vLLM's format over ZMQ
+    (``splitserve.vllm_publisher``), for consumers built for vLLM (llm-d's KV indexer, Dynamo's router, a
+    splitserve router). The fields and their defaults are vLLM's."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"  # "zmq", or "null": publish nothing
+    endpoint: str = "tcp://*:5557"  # the PUB socket: bound where the host is * or ::, else connected to
+    replay_endpoint: str | None = None  # a ROUTER socket that answers replay requests (bound); None: none
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: messages queued per subscriber before dropping
+    max_queue_size: int = 100_000  # batches waiting for the sender thread; past it, new ones are dropped
+    topic: str = ""  # the first frame of every message (subscribers filter on its prefix)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse the flag's JSON object; ``ValueError`` for anything but vLLM's keys with the right types."""
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--kv-events-config must be a JSON object: {exc}") from None
+        if not isinstance(body, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        unknown = sorted(set(body) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {', '.join(unknown)}")
+        config = cls(**body)
+        config.validate()
+        return config
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def validate(self) -> None:
+        types = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "buffer_steps": int,
+                 "hwm": int, "max_queue_size": int, "topic": str}  # fmt: skip
+        for name, kind in types.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"--kv-events-config: {name} must be a {kind.__name__}, got {value!r}")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config: publisher must be zmq or null, got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and (not isinstance(endpoint, str) or "://" not in endpoint):
+                raise ValueError(f"--kv-events-config: {name} must be a ZMQ address (tcp://*:5557), got {endpoint!r}")
+        if min(self.buffer_steps, self.hwm, self.max_queue_size) < 1:
+            raise ValueError("--kv-events-config: buffer_steps, hwm and max_queue_size must be positive")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The worker's HTTP server."""
@@ -266,6 +319,7 @@ class ServerConfig:
     max_queued_requests: int | None = None  # requests waiting for their first token before a 429; None: no bound
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long requests in flight may run on before they are cut
     kv_events_url: str | None = None  # where KV events go (the router's /kv/events); None: not sent
+    kv_events_config: KVEventsConfig | None = None  # vLLM-format KV events over ZMQ; None: not published
     worker_id: str | None = None  # None: host:port
     advertise_url: str | None = None  # how others reach this worker; None: http://host:port
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
@@ -286,6 +340,8 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"--shutdown-timeout must be at least 0, got {self.shutdown_timeout_s}")
+        if self.kv_events_config is not None:
+            self.kv_events_config.validate()
 
     @property
     def url(self) -> str:
@@ -308,6 +364,14 @@ class RoutingStrategy(StrEnum):
     KVAWARE = "kvaware"
 
 
+class BackendKind(StrEnum):
+    """What a worker behind the router is; it decides where ``kvaware`` gets the worker's KV events."""
+
+    AUTO = "auto"  # ask each worker's GET /version: splitserve's answer names its "cpu", vLLM's does not
+    SPLITSERVE = "splitserve"  # GET /kv/events, a long poll
+    VLLM = "vllm"  # vLLM's ZMQ publisher (vLLM started with --kv-events-config)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The router: where it listens, its workers, how it picks one, and how it treats failures."""
@@ -328,6 +392,13 @@ class RouterConfig:
     prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
     kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes kept per worker and tier (and for the shared L2)
     l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
+    backend_kind: BackendKind = BackendKind.AUTO  # kvaware: what the workers are (their KV events' source)
+    # kvaware: a vLLM worker's KV events (its --kv-events-config endpoint, tcp://<worker host>:PORT): "PORT", or
+    # "+N" for the worker's HTTP port plus N (several vLLM workers on one host); None: what the worker's
+    # GET /kv_event_sources names, else 5557. The replay port likewise (its replay_endpoint; None: as the worker
+    # names it, if it does: without one, missed events drop what the router knew of that worker).
+    vllm_kv_events_port: str | None = None
+    vllm_kv_replay_port: str | None = None
     # cache-aware: pick the lowest estimated TTFT (router/cost.py) instead of the thresholds below. Off by default:
     # on the long-history chat it kept fewer users on their cache than the thresholds do (docs/benchmarks.md)
     routing_cost_model: bool = False
@@ -395,6 +466,20 @@ class RouterConfig:
             raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
         if not self.queue_timeout_s >= 0:
             raise ValueError(f"--queue-timeout must be at least 0, got {self.queue_timeout_s}")
+        for flag, spec in (("--vllm-kv-events-port", self.vllm_kv_events_port),
+                           ("--vllm-kv-replay-port", self.vllm_kv_replay_port)):  # fmt: skip
+            if spec is not None:
+                port_of(spec, 0, flag)
+
+
+def port_of(spec: str, http_port: int, flag: str = "port") -> int:
+    """The port ``spec`` names for a worker serving HTTP on ``http_port``: ``"5557"``, or ``"+N"`` for
+    ``http_port + N``; ``ValueError`` naming ``flag`` otherwise."""
+    match = re.fullmatch(r"(\+?)(\d{1,5})", spec.strip())
+    port = int(match[2]) + (http_port if match[1] else 0) if match else 0
+    if not 0 < port < 65536:
+        raise ValueError(f"{flag} must be a port (5557) or an offset from the worker's HTTP port (+1000), got {spec!r}")
+    return port
 
 
 def checked_worker_url(url: object) -> str:

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
@@ -56,9 +56,29 @@ class KVEventSink(Protocol):
     def removed(self, tier: Tier, hashes: Iterable[int]) -> None: ...
 
 
+@runtime_checkable
+class BlockContentSink(Protocol):
+    """A sink that also wants the tokens behind the engine's cached blocks (``KVEventLog`` does, for its
+    listeners): the engine then reports them too. Must be cheap and never block."""
+
+    def blocks_cached(
+        self, parent_hash: int | None, block_hashes: list[int], token_ids: list[int], cache_salt: str | None
+    ) -> None:
+        """Blocks the engine just cached, with their tokens; a prompt's first block has no parent, and its
+        ``cache_salt`` if it has one."""
+        ...
+
+
+class KVEventListener(BlockContentSink, Protocol):
+    """Hears a :class:`KVEventLog`'s events as they are recorded, on the recording thread: cheap, never blocking."""
+
+    def recorded(self, tier: Tier, kind: EventKind, hashes: list[int]) -> None: ...
+
+
 class KVEventLog:
     """What a worker holds, per tier, and the events since: the one source for the push (:class:`KVEventPublisher`)
-    and the pull (the worker's ``GET /kv/events``, which a router subscribes to). Implements :class:`KVEventSink`.
+    and the pull (the worker's ``GET /kv/events``, which a router subscribes to). Implements :class:`KVEventSink`
+    and :class:`BlockContentSink` (passing block contents on to its listeners, ``add_listener``).
 
     Each event gets the next sequence number. :meth:`batch_after` answers with the events after a given number,
     or with a snapshot (``reset``) when the caller has none, or asks about events the log no longer keeps (it
@@ -76,6 +96,19 @@ class KVEventLog:
         self._log: deque[tuple[int, Tier, EventKind, list[int]]] = deque()
         self._num_logged = 0  # hashes in the log
         self._seq = 0
+        self._listeners: list[KVEventListener] = []
+
+    def add_listener(self, listener: KVEventListener) -> None:
+        """Pass every event from now on to ``listener`` too (call before the engine starts)."""
+        self._listeners.append(listener)
+
+    def blocks_cached(
+        self, parent_hash: int | None, block_hashes: list[int], token_ids: list[int], cache_salt: str | None
+    ) -> None:
+        """The tokens behind engine blocks (``KVCacheManager.on_blocks_cached``): for the listeners only; the
+        log keeps hashes, which :meth:`stored` records."""
+        for listener in self._listeners:
+            listener.blocks_cached(parent_hash, block_hashes, token_ids, cache_salt)
 
     @property
     def seq(self) -> int:
@@ -108,6 +141,8 @@ class KVEventLog:
             while self._num_logged > MAX_PENDING_HASHES and len(self._log) > 1:
                 self._num_logged -= len(self._log.popleft()[3])
             self._lock.notify_all()
+        for listener in self._listeners:
+            listener.recorded(tier, kind, hashes)
 
     def wait_after(self, seq: int, timeout_s: float) -> bool:
         """Block until there is an event after ``seq`` (True), or ``timeout_s`` passed (False)."""

@@ -61,7 +61,7 @@ def test_a_restarted_worker_answers_from_the_directory_the_last_one_filled(tmp_p
         num_full_blocks = num_prompt // BLOCK
         num_records = -(-num_full_blocks * BLOCK // CHUNK)  # two whole chunks and the tail
         assert wait_for_records(l2_path, num_records) == num_records
-        assert first.metric("lmcache:num_vllm_hit_tokens_total") == 0
+        assert first.metric("lmcache:num_hit_tokens_total") == 0
     finally:
         first.stop()
 
@@ -74,7 +74,7 @@ def test_a_restarted_worker_answers_from_the_directory_the_last_one_filled(tmp_p
         assert warm.status_code == 200, warm.text
         assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
         num_loaded = min(num_full_blocks * BLOCK, num_prompt - 1)  # every full block; never the final token
-        assert second.metric("lmcache:num_vllm_hit_tokens_total") == num_loaded
+        assert second.metric("lmcache:num_hit_tokens_total") == num_loaded
         assert second.metric("splitserve:kv_tier_hits_total", tier="disk") == num_records
         assert second.metric("vllm:prefix_cache_hits_total") == 0  # a fresh engine: all of it came from disk
     finally:
@@ -91,6 +91,6 @@ def test_a_worker_whose_l2_path_cannot_be_created_starts_degraded_and_answers(tm
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"]
         assert worker.metric("splitserve:kv_tier_errors_total", tier="disk") > 0  # the writes, counted not raised
-        assert worker.metric("lmcache:num_vllm_hit_tokens_total") == 0
+        assert worker.metric("lmcache:num_hit_tokens_total") == 0
     finally:
         worker.stop()

@@ -86,7 +86,7 @@ def test_worker_b_answers_from_l2_what_worker_a_computed(workers: list[TierWorke
     assert warm.status_code == 200, warm.text
     assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
     num_loaded = min(num_full_blocks * BLOCK, num_prompt - 1)  # every full block; never the final token
-    assert worker_b.metric("lmcache:num_vllm_hit_tokens_total") == num_loaded
+    assert worker_b.metric("lmcache:num_hit_tokens_total") == num_loaded
     assert worker_b.metric("splitserve:kv_tier_hits_total", tier="redis") == num_records
     assert worker_b.metric("vllm:prefix_cache_hits_total") == 0  # B's engine had never seen it
     print(f"\n{num_prompt}-token prompt: cold on A {cold_s:.2f} s, from L2 on B {warm_s:.2f} s")

@@ -1,5 +1,6 @@
 """Faults against real processes: a SIGKILLed worker's stream resumes on the other worker with the same greedy
-text, and a SIGTERMed worker drains (finishes its stream, refuses new requests, exits 0)."""
+text, colocated or disaggregated (a decode worker killed after the prefill worker's first token), and a
+SIGTERMed worker drains (finishes its stream, refuses new requests, exits 0)."""
 
 from __future__ import annotations
 
@@ -128,15 +129,19 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
     assert not any(isinstance(e, dict) and "error" in e for e in events)
     finishes = [c.get("finish_reason") for e in events if isinstance(e, dict) for c in e.get("choices") or []]
     assert finishes[-1] == "length" and finishes.count("length") == 1
-    usage = events[-2]["usage"]  # type: ignore[index]
-    assert usage == reference[-2]["usage"]  # type: ignore[index]
+    usage = dict(events[-2]["usage"])  # type: ignore[index]
+    reference_usage = dict(reference[-2]["usage"])  # type: ignore[index]
+    # cached tokens: the resumed worker's (the prompt from L2), at most the prompt
+    assert 0 <= usage.pop("prompt_tokens_details")["cached_tokens"] <= usage["prompt_tokens"]
+    reference_usage.pop("prompt_tokens_details")
+    assert usage == reference_usage
     assert {e["id"] for e in events if isinstance(e, dict)} == {events[0]["id"]}  # type: ignore[index]
     assert router.metric(MIGRATIONS, outcome="resumed") == 1
     survivor = next(w for w in pair.workers if w is not killed[0])
     # the session ran both requests on the killed worker; the survivor, which never saw the prompt, loaded the
     # prompt's KV from the shared L2 tier, which the killed worker had saved
     assert survivor.metric("splitserve:kv_tier_hits_total", tier="redis") > 0
-    assert survivor.metric("lmcache:num_vllm_hit_tokens_total") >= 32
+    assert survivor.metric("lmcache:num_hit_tokens_total") >= 32
     pair.replace(pair.workers.index(killed[0]))
 
 
@@ -160,3 +165,90 @@ def test_sigterm_drains_a_stream_and_refuses_new_requests(pair: Pair) -> None:
     assert worker.process.wait(30) == 0
     assert "drained: no request in flight" in worker.logs()
     pair.replace(0)
+
+
+class Disaggregated:
+    """A prefill worker and two decode workers behind a router that disaggregates prompts of 128 tokens and up."""
+
+    def __init__(self, log_dir: Path) -> None:
+        def worker(name: str, role: str) -> WorkerProcess:
+            return WorkerProcess(log_dir / f"{name}.log", [*WORKER_ARGS, "--role", role])
+
+        self.prefill = worker("prefill", "prefill")
+        self.decoders = [worker(f"decode-{n}", "decode") for n in (1, 2)]
+        urls = ["--prefill", self.prefill.url, *(arg for d in self.decoders for arg in ("--decode", d.url))]
+        args = [*urls, "--routing-threshold", "128", "--health-interval", "0.3"]
+        self.router = RouterProcess(log_dir / "router.log", args)
+        for process in [self.prefill, *self.decoders, self.router]:
+            process.wait_healthy()
+
+    def in_flight_by_worker(self) -> dict[str, int]:
+        states = httpx.get(f"{self.router.admin_url}/admin/workers", timeout=5).json()["workers"]
+        return {state["url"]: state["in_flight"] for state in states}
+
+    def stop(self) -> None:
+        for process in [self.router, self.prefill, *self.decoders]:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggregated]:
+    endpoint = Disaggregated(tmp_path_factory.mktemp("pd-migration"))
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
+
+
+LIGHTHOUSE = " ".join(f"Night {i}: the keeper of the lighthouse on rock {i} lit the lamp at dusk." for i in range(12))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_killed_decode_workers_disaggregated_stream_resumes_with_the_same_greedy_text(
+    disaggregated: Disaggregated, path: str
+) -> None:
+    router = disaggregated.router
+    chat = path.endswith("chat/completions")
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": LIGHTHOUSE + f" Tell the story of night {len(path)}."}]}
+        if chat else {"prompt": LIGHTHOUSE + f" The story of night {len(path)} begins:"}
+    )  # fmt: skip
+    body = {"model": "smollm2", **prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    def text(events: list[dict[str, Any] | str]) -> str:
+        return chat_text(events) if chat else "".join(
+            c.get("text") or "" for e in events if isinstance(e, dict) for c in e.get("choices") or []
+        )  # fmt: skip
+
+    reference = stream_events(f"{router.url}{path}", body)
+    expected = text(reference)
+    assert reference[-1] == "[DONE]" and len(expected) > 40
+    disaggregated_before = router.metric("splitserve:router_pd_decisions_total", path="disaggregated")
+    assert disaggregated_before >= 1  # the reference went through the prefill worker too
+
+    killed: list[WorkerProcess] = []
+
+    def kill_the_decode_worker(events: list[dict[str, Any] | str]) -> None:
+        if len(events) == 8 and not killed:  # the prefill worker's first token, then some of decode's
+            serving = [d for d in disaggregated.decoders if disaggregated.in_flight_by_worker()[d.url] == 1]
+            assert len(serving) == 1
+            serving[0].process.send_signal(signal.SIGKILL)
+            killed.append(serving[0])
+
+    events = stream_events(f"{router.url}{path}", body, kill_the_decode_worker)
+    assert killed, "the stream ended before the decode worker could be killed"
+    assert router.metric("splitserve:router_pd_decisions_total", path="disaggregated") == disaggregated_before + 1
+    assert not any(isinstance(e, dict) and "error" in e for e in events), events
+    assert text(events) == expected
+    assert events[-1] == "[DONE]"
+    usage, reference_usage = events[-2]["usage"], reference[-2]["usage"]  # type: ignore[index]
+    assert usage["completion_tokens"] == 40 and usage["prompt_tokens"] == reference_usage["prompt_tokens"]
+    assert router.metric(MIGRATIONS, outcome="resumed") >= 1
+    index = disaggregated.decoders.index(killed[0])
+    killed[0].stop()
+    disaggregated.decoders[index] = WorkerProcess(
+        killed[0].log_path.with_suffix(".restarted.log"), [*WORKER_ARGS, "--role", "decode"], killed[0].port
+    )
+    disaggregated.decoders[index].wait_healthy()
+    wait_until(lambda: all(n == 0 for n in disaggregated.in_flight_by_worker().values()), timeout_s=30)

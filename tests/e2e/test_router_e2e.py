@@ -10,8 +10,10 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.test_kv_tiers_e2e import long_prompt
@@ -102,6 +104,38 @@ def test_prefixaware_sends_a_repeated_prefix_to_the_same_worker(endpoint: Endpoi
         question = f" Question: how many marbles does the crate number {i} hold? Answer:"
         assert router.complete(facts + question).status_code == 200
     assert sorted(served_by(router, endpoint.workers)) == [0.0, 4.0]
+
+
+def test_the_openai_client_sees_cached_tokens_and_sagemaker_routes_serve(endpoint: Endpoint) -> None:
+    """Issue 15: ``usage.prompt_tokens_details.cached_tokens`` through the router and against a worker, with
+    the official client; ``/ping`` and ``/invocations`` on both, with the real model."""
+    facts = long_prompt(25, "jar")
+    for base, name in ((endpoint.kvaware.url, "router"), (endpoint.workers[0].url, "worker")):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        messages: Any = [{"role": "user", "content": f"{name}: {facts}"}]
+        first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0)
+        stream = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+        assert first.usage is not None and first.usage.prompt_tokens > 400
+        assert usage.prompt_tokens_details is not None, name
+        assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16, name
+        completion = client.completions.create(model="smollm2", prompt=facts, max_tokens=2)
+        again = client.completions.create(model="smollm2", prompt=facts, max_tokens=2)
+        assert completion.usage is not None and again.usage is not None and again.usage.prompt_tokens_details
+        assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 16, name
+
+        assert httpx.get(f"{base}/ping").status_code == 200
+        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12,
+                    "temperature": 0}  # fmt: skip
+        answer = httpx.post(f"{base}/invocations", json=question, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert "Paris" in answer.json()["choices"][0]["message"]["content"], name
+        text = httpx.post(f"{base}/invocations", json={"prompt": "The capital of France is", "max_tokens": 3},
+                          timeout=60)  # fmt: skip
+        assert text.status_code == 200 and text.json()["object"] == "text_completion", name
 
 
 def test_the_load_guard_spreads_a_hot_prefix_under_skew(endpoint: Endpoint) -> None:

@@ -110,13 +110,13 @@ def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: Redis
         worker.wait_healthy()
         streams_with(worker.url, None)  # warm-up: kernels, allocator, the streams' own L2 writes
         fast, fast_answer = long_prompt_during_streams(worker, prompts[0])
-        hits = worker.metric("lmcache:num_vllm_hit_tokens_total")
+        hits = worker.metric("lmcache:num_hit_tokens_total")
         proxy.latency_s = DELAY_S
         slow, slow_answer = long_prompt_during_streams(worker, prompts[1])
         for answer, expected in ((fast_answer, cold[0]), (slow_answer, cold[1])):
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
-        assert hits >= 1500 and worker.metric("lmcache:num_vllm_hit_tokens_total") >= hits + 1500  # both from L2
+        assert hits >= 1500 and worker.metric("lmcache:num_hit_tokens_total") >= hits + 1500  # both from L2
         assert proxy.num_connections > 0  # the worker's Redis calls went through the proxy
         ratio = p99(slow) / p99(fast)
         print(

@@ -130,12 +130,14 @@ def test_worker_still_serves_and_nothing_is_left_running(worker: Worker, client:
     assert httpx.get(f"{worker.url}/health").status_code == 200
     wait_for_idle(worker)
     text = httpx.get(f"{worker.url}/metrics").text
-    assert re.search(r'^vllm:request_success_total\{finished_reason="stop",model_name="smollm2"\} ', text, re.M)
+    assert re.search(
+        r'^vllm:request_success_total\{engine="0",finished_reason="stop",model_name="smollm2"\} ', text, re.M
+    )
     assert running(text) == 0.0
 
 
 def running(metrics_text: str) -> float:
-    match = re.search(r'^vllm:num_requests_running\{model_name="smollm2"\} (\S+)$', metrics_text, re.M)
+    match = re.search(r'^vllm:num_requests_running\{engine="0",model_name="smollm2"\} (\S+)$', metrics_text, re.M)
     assert match is not None, metrics_text
     return float(match.group(1))
 

@@ -27,7 +27,7 @@ from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier
-from splitserve.metrics import WorkerMetrics
+from splitserve.metrics import WorkerMetrics, sum_samples
 from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import build_engine, random_prompts, run_to_completion, tokens_of
 
@@ -161,6 +161,11 @@ def test_engine_prefix_then_tiers_resume_mid_chunk(
     assert tokens_of(out) == cold_tokens and out[-1].num_cached_tokens == 6 * CHUNK
     kv = connector.stats()
     assert (kv.num_lookup_tokens, kv.num_hit_tokens_l2) == (len(PROMPT) - 48, 6 * CHUNK - 48)
+    assert (kv.num_vllm_hit_tokens, kv.num_requested_tokens) == (48, 6 * CHUNK - 48)  # LMCache's counters
+    stats = engine_b.get_stats()  # vLLM's: the engine's 48 tokens are its prefix cache's, the rest external
+    assert (stats.prefix_cache_hits, stats.external_prefix_cache_queries) == (48, len(PROMPT) - 48)
+    assert stats.external_prefix_cache_hits == 6 * CHUNK - 48
+    assert stats.cached_tokens_by_source == {"engine": 48, "l2": 6 * CHUNK - 48}
     engine_b.close()
 
 
@@ -308,9 +313,9 @@ def test_a_full_store_queue_never_blocks_the_engine(
     assert stats is not None and stats.num_saved_chunks == 6 and stats.num_queue_drops >= 3
     metrics = WorkerMetrics("m")
     metrics.set_engine_stats(engine.get_stats())
-    assert f'splitserve:kv_store_queue_drops_total{{model_name="m"}} {float(stats.num_queue_drops)}' in (
-        metrics.render().decode()
-    )
+    text = metrics.render().decode()
+    assert f'splitserve:kv_store_queue_drops_total{{model_name="m"}} {float(stats.num_queue_drops)}' in text
+    assert f'lmcache:num_stored_tokens_total{{model_name="m"}} {6.0 * CHUNK}' in text  # handed over, if dropped
     l2.release.set()
     engine.close()
 
@@ -324,13 +329,24 @@ def test_worker_metrics_expose_the_kv_cache_names(
     run_to_completion(engine, {"b": PROMPT}, GREEDY)
     metrics = WorkerMetrics("m")
     metrics.set_engine_stats(engine.get_stats())
-    metrics.request_cache_hit_rate.observe(0.96)
     text = metrics.render().decode()
-    for line in (
+    for line in (  # LMCache's names and meanings: one lookup of the 200 tokens, one retrieve of the 192 found
+        'lmcache:num_lookup_requests_total{model_name="m"} 1.0',
         f'lmcache:num_lookup_tokens_total{{model_name="m"}} {float(len(PROMPT))}',
         'lmcache:num_lookup_hits_total{model_name="m"} 192.0',
-        'lmcache:num_vllm_hit_tokens_total{model_name="m"} 192.0',
+        'lmcache:lookup_0_hit_requests_total{model_name="m"} 0.0',
+        'lmcache:num_retrieve_requests_total{model_name="m"} 1.0',
+        'lmcache:num_requested_tokens_total{model_name="m"} 192.0',
+        'lmcache:num_hit_tokens_total{model_name="m"} 192.0',
+        'lmcache:num_vllm_hit_tokens_total{model_name="m"} 0.0',  # a fresh engine's prefix cache held none of it
+        f'lmcache:num_prompt_tokens_total{{model_name="m"}} {float(len(PROMPT))}',
+        'lmcache:request_cache_hit_rate_bucket{le="0.9",model_name="m"} 0.0',  # 192 / 200 = 0.96
         'lmcache:request_cache_hit_rate_bucket{le="1.0",model_name="m"} 1.0',
+        'lmcache:retrieve_speed_count{model_name="m"} 1.0',
+        f'vllm:external_prefix_cache_queries_total{{engine="0",model_name="m"}} {float(len(PROMPT))}',
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 192.0',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 192.0',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 0.0',
         'splitserve:kv_tier_hits_total{model_name="m",tier="disk"} 6.0',
         'splitserve:kv_tier_misses_total{model_name="m",tier="cpu"} 6.0',
         'splitserve:kv_tier_errors_total{model_name="m",tier="disk"} 0.0',
@@ -339,6 +355,7 @@ def test_worker_metrics_expose_the_kv_cache_names(
         assert line in text, line
     assert 'splitserve:kv_tier_bytes_stored{model_name="m",tier="cpu"}' in text
     assert 'splitserve:kv_tier_bytes_stored{model_name="m",tier="disk"}' in text
+    assert 'lmcache:local_cache_usage{model_name="m"}' in text and 'lmcache:local_storage_usage{model_name="m"}' in text
     engine.close()
 
 
@@ -418,6 +435,33 @@ def test_lookup_and_events_name_what_each_tier_holds(
     engine.pool.reset_prefix_cache()
     assert not sink.held[Tier.ENGINE]
     assert engine.lookup_prefix(PROMPT) == {"engine": 0, "l1": loadable, "l2": 0}
+    engine.close()
+
+
+def test_a_request_waiting_for_its_l2_records_is_deferred(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    """vllm:num_requests_waiting_by_reason: while the prefetch thread reads its records, the request is deferred."""
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    release, read = threading.Event(), connector.store.get_prefix
+
+    def slow(keys: list[str]) -> list[bytes]:
+        release.wait(timeout=30)
+        return read(keys)
+
+    connector.store.get_prefix = slow  # type: ignore[method-assign]
+    engine = make_engine(tiny_model, connector)
+    engine.add_request("b", PROMPT, GREEDY)
+    engine.step()
+    metrics = WorkerMetrics("m")
+    metrics.set_engine_stats(engine.get_stats())
+    text = metrics.render().decode()
+    by_reason = "vllm:num_requests_waiting_by_reason"
+    assert sum_samples(text, by_reason, reason="deferred") == 1 and sum_samples(text, by_reason, reason="capacity") == 0
+    release.set()
+    step_until_admitted(engine, "b")
+    assert engine.get_stats().num_waiting_deferred == 0
     engine.close()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.metrics import CumulativeHistogram, RequestPhases
 
 REPLY = "Paris is the capital of France."
 VOCAB_SIZE = 256
@@ -31,10 +32,20 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i > 0 or not skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        for message in messages:
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+    ) -> list[int]:
+        """A template that renders neither tool calls nor tools, so it refuses them (as Tokenizer does)."""
+        if tools:
+            raise ValueError("tools: this model's chat template does not render tool definitions")
+        for index, message in enumerate(messages):
             if message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
                 raise ValueError(f"bad role {message.get('role')!r}")
+            if "tool_calls" in message:
+                raise ValueError(f"messages[{index}].tool_calls: this model's chat template does not render tool calls")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
@@ -43,12 +54,17 @@ class FakeTokenizer:
 class FakeStats:
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_deferred: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    iteration_tokens: CumulativeHistogram = field(default_factory=lambda: CumulativeHistogram((1.0, 8.0)))
     kv_cache: None = None
     pd_buffer: None = None
 
@@ -58,6 +74,9 @@ class _FakeRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     num_output: int = 0
+    num_cached: int = 0
+    added_s: float = field(default_factory=time.monotonic)
+    first_token_s: float = 0.0
 
 
 @dataclass
@@ -78,6 +97,7 @@ class FakeEngine:
     num_prompt_tokens: int = 0
     is_closed: bool = False
     seen_prompts: list[list[int]] = field(default_factory=list)
+    cache_config_info: dict[str, str] = field(default_factory=lambda: {"block_size": "4"})
 
     def _called(self) -> None:
         self.caller_threads.add(threading.get_ident())
@@ -90,10 +110,11 @@ class FakeEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if any(not 0 <= t < VOCAB_SIZE for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+        num_cached = self.lookup_prefix(prompt_token_ids)["engine"]
         self.seen_prompts.append(list(prompt_token_ids))
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
-        self.requests[request_id] = _FakeRequest(list(prompt_token_ids), params)
+        self.requests[request_id] = _FakeRequest(list(prompt_token_ids), params, num_cached=num_cached)
         self.added_ids.append(request_id)
 
     def abort_request(self, request_id: str) -> None:
@@ -125,8 +146,10 @@ class FakeEngine:
             reason = FinishReason.STOP
         elif req.num_output >= req.params.max_tokens:
             reason = FinishReason.LENGTH
+        now = time.monotonic()
         if req.num_output == 1:
             self.num_prompt_tokens += len(req.prompt_token_ids)
+            req.first_token_s = now
         if reason is not None:
             del self.requests[request_id]
         text = "" if token == 0 or stop_reason is not None else chr(token)
@@ -138,8 +161,10 @@ class FakeEngine:
             finish_reason=reason,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=req.num_output,
-            num_cached_tokens=0,
+            num_cached_tokens=req.num_cached,
             stop_reason=stop_reason,
+            cached_tokens_by_source=(("engine", req.num_cached),),
+            timing=_phases(req, now) if reason is not None else None,
         )
 
     def get_stats(self) -> FakeStats:
@@ -161,6 +186,11 @@ class FakeEngine:
     def close(self) -> None:
         self._called()
         self.is_closed = True
+
+
+def _phases(req: _FakeRequest, now: float) -> RequestPhases:
+    """Admitted at once, a token every step: the time to the first token is prefill, the rest decode."""
+    return RequestPhases(0.0, req.first_token_s - req.added_s, now - req.first_token_s, 0)
 
 
 def free_port() -> int:

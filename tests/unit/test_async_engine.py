@@ -143,7 +143,7 @@ class TestAbort:
             return engine.metrics.render()
 
         text = run_with_engine(fake, body).decode()
-        assert 'vllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="fake-model"} 1.0' in text
 
 
 class TestFailure:
@@ -222,11 +222,11 @@ class TestMetrics:
             return engine.metrics.render()
 
         text = run_with_engine(FakeEngine(), body).decode()
-        label = '{model_name="fake-model"}'
+        label = '{engine="0",model_name="fake-model"}'
         assert f"vllm:time_to_first_token_seconds_count{label} 1.0" in text
         assert f"vllm:inter_token_latency_seconds_count{label} 3.0" in text
         assert f"vllm:e2e_request_latency_seconds_count{label} 1.0" in text
         assert f"vllm:request_queue_time_seconds_count{label} 1.0" in text
         assert f"vllm:prompt_tokens_total{label} 2.0" in text
         assert f"vllm:generation_tokens_total{label} 4.0" in text
-        assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 1.0' in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="fake-model"} 1.0' in text

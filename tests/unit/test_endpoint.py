@@ -371,6 +371,27 @@ def test_environment_variables_reach_every_worker_in_order() -> None:
         assert list(role.env.items()) == [("B", "1"), ("A", "2"), ("LMCACHE_SAVE_DECODE_CACHE", "False")]
 
 
+def test_lmcache_variables_without_an_equivalent_are_named_and_bad_values_refused() -> None:
+    env = [
+        {"name": "LMCACHE_CHUNK_SIZE", "value": 256},
+        {"name": "LMCACHE_ENABLE_BLENDING", "value": True},
+        {"name": "LMCACHE_CONFIG_FILE", "value": "/etc/lmcache/in-the-pod.yaml"},
+    ]
+    warnings = plan(endpoint({"worker": {"environmentVariables": env}})).warnings
+    assert [w for w in warnings if "LMCACHE" in w] == [
+        "spec.worker.environmentVariables: LMCACHE_ENABLE_BLENDING is ignored: splitserve has no equivalent"
+    ]
+    bad = endpoint({"worker": {"environmentVariables": [{"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "5GB"}]}})
+    with pytest.raises(EndpointError, match=r"spec\.worker\.environmentVariables: LMCACHE_MAX_LOCAL_CPU_SIZE='5GB'"):
+        plan(bad)
+
+
+def test_ping_is_a_health_check_path_and_others_are_warned_about() -> None:
+    assert not plan(endpoint({"loadBalancer": {"healthCheckPath": "/ping"}})).warnings
+    warnings = plan(endpoint({"loadBalancer": {"healthCheckPath": "/healthz"}})).warnings
+    assert any("healthCheckPath /healthz" in w for w in warnings)
+
+
 def test_num_threads_in_args_wins_over_the_cpu_limit() -> None:
     role = plan(endpoint({"worker": {"args": ["--num-threads", "3"], "resources": {"limits": {"cpu": "1"}}}})).roles[0]
     assert role.num_threads == 3 and role.flags.count("--num-threads") == 1

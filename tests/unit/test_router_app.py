@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from splitserve import __version__
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.keys import hash_blocks
@@ -87,6 +88,32 @@ def test_roundrobin_proxies_every_kind_of_request_over_both_workers(
     assert client.get("/health").status_code == 200
     text = client.get("/metrics").text
     assert "splitserve:router_routing_decisions_total" in text and "splitserve:e2e_time_to_first_token_seconds" in text
+
+
+def test_sagemaker_routes_tokenizer_routes_and_version(workers: list[FakeWorker], stack: ExitStack) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    _, client = start_router(stack, [dead, workers[0].url], health_interval_s=60)
+    for method in ("GET", "POST"):
+        assert client.request(method, "/ping").status_code == 200
+    chat = client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    completion = client.post("/invocations", json={"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert completion.status_code == 200 and completion.text.rstrip().endswith("data: [DONE]")
+    assert '"object":"text_completion"' in completion.text
+    shapeless = client.post("/invocations", json={"max_tokens": 2})
+    assert shapeless.status_code == 400 and "'messages'" in shapeless.json()["error"]["message"]
+    assert client.post("/invocations", json={"prompt": "x", "bogus": 1}).status_code == 400  # the worker's 400
+    tokens = client.post("/tokenize", json={"prompt": "Hi"})  # the dead worker is passed over
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == [72, 105]
+    assert client.post("/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
+    assert client.post("/detokenize", json={"tokens": [999]}).status_code == 400
+    assert client.get("/version").json() == {"version": __version__}
+
+
+def test_ping_is_503_without_a_worker(stack: ExitStack) -> None:
+    _, client = start_router(stack, [f"http://127.0.0.1:{free_port()}"])
+    wait_until(lambda: client.get("/ping").status_code == 503)
+    assert client.post("/tokenize", json={"prompt": "Hi"}).status_code == 503
 
 
 @pytest.mark.parametrize(

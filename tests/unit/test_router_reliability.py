@@ -169,6 +169,9 @@ class DyingWorker:
             if head.startswith(b"GET /health"):
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                 return
+            if head.startswith(b"GET "):  # /version, /metrics...: a worker that has no such route
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                return
             self.bodies.append(json.loads(body))
             head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
             conn.sendall(head)
@@ -232,7 +235,8 @@ def test_a_chat_stream_resumes_as_chat_with_held_back_text_and_whole_usage(
     text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
     assert text == "Par" + REPLY[:3]
     assert chunks[0]["prompt_token_ids"] == [60, 117, 62]  # the client asked for ids: they stay
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 

@@ -78,7 +78,10 @@ class TestResponses:
         assert body["choices"] == [
             {"index": 0, "text": REPLY[:5], "logprobs": None, "finish_reason": "length", "stop_reason": None}
         ]
-        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        usage = body["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] in (0, 4)  # whether an earlier test sent "Hello"
+        del usage["prompt_tokens_details"]
+        assert usage == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
 
     def test_completion_default_max_tokens_is_16(self, http: httpx.Client) -> None:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
@@ -187,6 +190,82 @@ class TestStreaming:
         assert "usage" not in events[-2] or events[-2]["usage"] is None
 
 
+class TestCompatibility:
+    """SageMaker's routes, cached tokens in usage, continuous usage stats and tool-call messages (issue 15)."""
+
+    @pytest.mark.parametrize("method", ["GET", "POST"])
+    def test_ping_answers_like_health(self, http: httpx.Client, method: str) -> None:
+        assert http.request(method, "/ping").status_code == 200
+
+    def test_invocations_routes_by_body_shape(self, http: httpx.Client) -> None:
+        chat = http.post("/invocations", json=chat_body(max_tokens=3))
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["object"] == "chat.completion"
+        assert chat.json()["choices"][0]["message"]["content"] == REPLY[:3]
+        completion = http.post("/invocations", json={"prompt": "Hi", "max_tokens": 2})
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["object"] == "text_completion"
+        assert completion.json()["choices"][0]["text"] == REPLY[:2]
+
+    def test_invocations_streams(self, http: httpx.Client) -> None:
+        with http.stream("POST", "/invocations", json=chat_body(max_tokens=3, stream=True)) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == REPLY[:3]
+
+    @pytest.mark.parametrize(
+        ("body", "param"),
+        [
+            (b"{not json", None),
+            (b"[1, 2]", None),
+            (b'{"max_tokens": 3}', None),
+            (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"),
+            (b'{"messages": [], "max_tokens": 3}', "messages"),
+            (b'{"prompt": "x", "bogus": 1}', "bogus"),
+            (b"[" * 20_000 + b"]" * 20_000, None),
+        ],
+        ids=["not-json", "not-an-object", "no-shape", "bad-field", "empty-messages", "unknown-field", "deep"],
+    )
+    def test_bad_invocations_are_400(self, http: httpx.Client, body: bytes, param: str | None) -> None:
+        r = http.post("/invocations", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+    def test_a_repeated_prompt_reports_cached_tokens(self, client: openai.OpenAI) -> None:
+        prompt = "The cached-tokens test prompt, long enough for several blocks."
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // 4 * 4
+
+    def test_continuous_usage_stats_put_usage_on_every_chunk(self, http: httpx.Client) -> None:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        for path, body in (
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 3}),
+            ("/v1/chat/completions", chat_body(max_tokens=3)),
+        ):
+            with http.stream("POST", path, json=body | {"stream": True, "stream_options": options}) as r:
+                events = sse_events(r)
+            usages = [e["usage"] for e in events[:-1]]
+            assert all(u is not None for u in usages), path
+            completion_tokens = [u["completion_tokens"] for u in usages]
+            assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 3, path
+            assert {u["prompt_tokens"] for u in usages} == {usages[0]["prompt_tokens"]}, path
+
+    def test_tool_results_reach_the_template(self, http: httpx.Client, fake: FakeEngine) -> None:
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        r = http.post("/v1/chat/completions", json=chat_body(messages=messages, max_tokens=2))
+        assert r.status_code == 200, r.text
+        assert any(fake.tokenizer.decode(p).endswith("<tool>sunny\n<assistant>") for p in fake.seen_prompts)
+
+
 class TestOpenAIClient:
     def test_chat(self, client: openai.OpenAI) -> None:
         reply = client.chat.completions.create(
@@ -264,7 +343,23 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         "messages",
     ),
     ("chat-logprobs", "/v1/chat/completions", chat_body(logprobs=True), 400, "logprobs"),
-    ("chat-tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), 400, "tools"),
+    ("chat-tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), 400, "tool_choice"),
+    (
+        "chat-tools-unrendered",
+        "/v1/chat/completions",
+        chat_body(tools=[{"type": "function"}], tool_choice="none"),
+        400,
+        "tools",
+    ),
+    (
+        "chat-tool-calls-unrendered",
+        "/v1/chat/completions",
+        chat_body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1"}]}]),
+        400,
+        "messages",
+    ),
+    ("chat-named-tool-choice", "/v1/chat/completions", chat_body(tool_choice={"type": "function"}), 400, "tool_choice"),
+    ("stream-options-unstreamed", "/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options"),
     (
         "chat-too-long",
         "/v1/chat/completions",
@@ -340,7 +435,7 @@ class TestDisconnect:
 
 def running_gauge(server: ServerThread) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(r'^vllm:num_requests_running\{model_name="fake-model"\} (\S+)$', text, re.M)
+    match = re.search(r'^vllm:num_requests_running\{engine="0",model_name="fake-model"\} (\S+)$', text, re.M)
     assert match is not None, text
     return float(match.group(1))
 
@@ -368,14 +463,14 @@ class TestMetricsEndpoint:
         exposed = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
         assert set(self.EXPECTED) <= exposed, sorted(exposed)
         assert re.search(
-            r'^vllm:request_success_total\{finished_reason="length",model_name="fake-model"\} ', text, re.M
+            r'^vllm:request_success_total\{engine="0",finished_reason="length",model_name="fake-model"\} ', text, re.M
         )
         assert "vllm:prefix_cache_queries_total_total" not in text
         assert running_gauge_from(text) == 0.0
 
 
 def running_gauge_from(text: str) -> float:
-    match = re.search(r'^vllm:num_requests_running\{model_name="fake-model"\} (\S+)$', text, re.M)
+    match = re.search(r'^vllm:num_requests_running\{engine="0",model_name="fake-model"\} (\S+)$', text, re.M)
     assert match is not None
     return float(match.group(1))
 
@@ -392,8 +487,10 @@ class TestHealth:
             r = httpx.get(f"{srv.url}/health")
             assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
             assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi"}).status_code == 503
+            assert httpx.get(f"{srv.url}/ping").status_code == 503
             release.set()
             wait_until(lambda: httpx.get(f"{srv.url}/health").status_code == 200)
+            assert httpx.get(f"{srv.url}/ping").status_code == 200
 
     def test_engine_failure_ends_streams_with_an_error_and_turns_health_503(self) -> None:
         fake = FakeEngine(step_delay_s=0.01)
@@ -469,7 +566,9 @@ class TestTokenIds:
 
     def test_tokenize_and_detokenize(self, http: httpx.Client) -> None:
         tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()
-        assert tokens == {"count": 2, "max_model_len": 128, "tokens": [72, 105]}
+        assert tokens == {"count": 2, "max_model_len": 128, "tokens": [72, 105], "token_strs": None}
+        strs = http.post("/tokenize", json={"prompt": "Hi", "return_token_strs": True}).json()["token_strs"]
+        assert strs == ["H", "i"]
         chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
         assert chat["count"] == len("<user>x\n<assistant>")
         assert http.post("/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
@@ -499,6 +598,7 @@ def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> Non
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
         assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
+        assert http.get("/ping").status_code == 503  # SageMaker's probe says the same
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         events = http.get("/kv/events", params={"after": 0, "wait": 5})  # subscribers back off, no busy loop
         assert events.status_code == 503 and events.json()["error"]["code"] == "draining"

@@ -48,7 +48,7 @@ def test_every_supported_chat_field_is_accepted() -> None:
     assert request.unsupported_reason() is None
     assert request.requested_max_tokens() == 6  # max_completion_tokens wins
     assert request.include_usage()
-    assert request.message_dicts()[1] == {"role": "user", "content": "a\nb"}
+    assert request.message_dicts()[1] == {"role": "user", "content": "a\nb", "name": "u"}
     assert request.message_dicts()[2] == {"role": "assistant", "content": ""}
 
 

@@ -101,6 +101,60 @@ def test_malformed_messages_raise_value_error(tok: Tokenizer, messages: Any, mat
         tok.apply_chat_template(messages)
 
 
+TOOL_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c.function.name }}({{ c.function.arguments }}){% endfor %}"
+    "{% endif %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}|{% endfor %}"
+)
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+]
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
+
+def test_tool_calls_and_tools_reach_a_template_that_renders_them(tok: Tokenizer) -> None:
+    original = tok.hf.chat_template
+    tok.hf.chat_template = TOOL_TEMPLATE
+    try:
+        text = tok.render_chat(TOOL_CHAT, add_generation_prompt=False, tools=TOOLS)
+    finally:
+        tok.hf.chat_template = original
+    assert text == 'tools:weather;|<user>Weather in Paris?|<assistant>call weather({"city": "Paris"})|<tool>sunny [c1]|'
+
+
+def test_tool_calls_or_tools_a_template_never_reads_are_refused(tok: Tokenizer) -> None:
+    assert "tool_calls" not in tokenizer_module.template_fields(tok.hf.chat_template)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls: this model's chat template does not render"):
+        tok.render_chat(TOOL_CHAT)
+    with pytest.raises(ValueError, match="tools: this model's chat template does not render tool definitions"):
+        tok.render_chat(CHAT, tools=TOOLS)
+    tool_result = tok.render_chat([*CHAT, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    assert tool_result.endswith("<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "x", "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": "x", "tool_calls": "call it"},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ],
+    ids=["not-assistant", "not-a-list", "empty-without-content"],
+)
+def test_malformed_tool_calls_raise_value_error(tok: Tokenizer, message: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        tok.render_chat([message])
+
+
 def test_template_errors_become_value_errors(tok: Tokenizer) -> None:
     strict = Tokenizer(tok.hf)
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}x"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NamedTuple
 
+from splitserve import lmcache_env
 from splitserve.config import L2Backend, Role, RoutingStrategy
 from splitserve.endpoint import (
     KUBERNETES_L2_PATH,
@@ -40,6 +41,7 @@ from splitserve.endpoint import (
 )
 
 ROLE_URL_FLAG = {Role.COLOCATED: "--backend", Role.PREFILL: "--prefill", Role.DECODE: "--decode"}  # router flags
+HEALTH_PATHS = ("/health", "/ping")  # what the router and the workers answer as health checks
 
 
 class Target(StrEnum):
@@ -311,10 +313,23 @@ def _config_warnings(config: InferenceEndpointConfig) -> list[str]:
     routing = spec.intelligent_routing_spec
     if routing is not None and not routing.enabled and "routing_strategy" in routing.model_fields_set:
         warnings.append("spec.intelligentRoutingSpec.routingStrategy is ignored: enabled is false (roundrobin)")
-    if spec.load_balancer.health_check_path != "/health":
+    if spec.load_balancer.health_check_path not in HEALTH_PATHS:
         path = spec.load_balancer.health_check_path
-        warnings.append(f"spec.loadBalancer.healthCheckPath {path}: splitserve serves /health; other probes fail")
-    return warnings
+        warnings.append(f"spec.loadBalancer.healthCheckPath {path}: splitserve serves /health and /ping (SageMaker's); "
+                        "other probes fail")  # fmt: skip
+    return warnings + _lmcache_warnings(config)
+
+
+def _lmcache_warnings(config: InferenceEndpointConfig) -> list[str]:
+    """``LMCACHE_*`` worker variables without a splitserve equivalent (the workers take the others); a value the
+    workers would refuse is an error now. The file ``LMCACHE_CONFIG_FILE`` names is the pods' to read."""
+    env = {var.name: var.value or "" for var in config.spec.worker.environment_variables if var.value_from is None}
+    env.pop(lmcache_env.CONFIG_FILE_ENV, None)
+    try:
+        translation = lmcache_env.translate(env)
+    except ValueError as exc:
+        raise EndpointError([f"spec.worker.environmentVariables: {exc}"]) from None
+    return [f"spec.worker.environmentVariables: {warning}" for warning in translation.warnings]
 
 
 # ---------------------------------------------------------------------------------------------- the model to run

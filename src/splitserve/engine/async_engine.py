@@ -19,14 +19,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.metrics import EngineStatsLike, WorkerMetrics
+from splitserve.metrics import FINISHED_ERROR, EngineStatsLike, FinishedRequest, WorkerMetrics
 from splitserve.model.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class EngineCore(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def cache_config_info(self) -> Mapping[str, str]: ...  # the labels of vllm:cache_config_info
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
@@ -103,6 +106,7 @@ class _RequestState:
     """Loop-side bookkeeping of one in-flight request."""
 
     arrival_s: float
+    max_tokens: int
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -263,20 +267,20 @@ class AsyncEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.max_queued is not None and self.num_queued >= self.max_queued:
+            self.metrics.observe_admission_rejected()
             raise QueueFullError(f"{self.num_queued} requests are already waiting for their first token")
-        state = _RequestState(arrival_s=self._clock())
+        state = _RequestState(arrival_s=self._clock(), max_tokens=params.max_tokens)
         accepted: Future[float] = Future()
         self._states[request_id] = state
         try:
             self._send(_AddCommand(request_id, list(prompt_token_ids), params, accepted))
-            accepted_s = await asyncio.wrap_future(accepted)
+            await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
             self.release(request_id, abort=True)
             raise
         except BaseException:
             self.release(request_id, abort=False)
             raise
-        self.metrics.queue_time_s.observe(max(0.0, accepted_s - state.arrival_s))
         return RequestStream(self, request_id, state)
 
     async def generate(
@@ -326,22 +330,20 @@ class AsyncEngine:
         if num_new > 0:
             if state.first_token_s is None:
                 state.first_token_s = now_s
-                m.ttft_s.observe(now_s - state.arrival_s)
-                m.prompt_tokens.inc(output.num_prompt_tokens)
-                m.request_cache_hit_rate.observe(output.num_cached_tokens / max(1, output.num_prompt_tokens))
+                m.observe_first_token(now_s - state.arrival_s, output.num_prompt_tokens,
+                                      dict(output.cached_tokens_by_source))  # fmt: skip
             elif state.last_token_s is not None:
                 m.itl_s.observe((now_s - state.last_token_s) / num_new)
             state.last_token_s = now_s
             m.generation_tokens.inc(num_new)
         if output.finished:
-            m.e2e_s.observe(now_s - state.arrival_s)
-            reason = output.finish_reason or FinishReason.STOP
-            m.observe_finished(reason.value)
+            m.observe_finished_request(_finished(state, output, now_s))
 
     def _fail_all(self, error: BaseException) -> None:
         """Loop thread: end every in-flight request with ``error``."""
         for state in self._states.values():
             state.outputs.put_nowait(error)
+            self.metrics.observe_finished(FINISHED_ERROR)
         self._states.clear()
 
     # ---- engine thread ---------------------------------------------------------------------------------
@@ -349,6 +351,7 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         try:
             engine = self._factory()
+            self.metrics.engine_ready(engine.max_model_len, engine.cache_config_info)
             self._engine = engine
             self._settled.set()
             logger.info("engine ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len)
@@ -416,3 +419,16 @@ class AsyncEngine:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
             loop.call_soon_threadsafe(callback, *args)
+
+
+def _finished(state: _RequestState, output: RequestOutput, now_s: float) -> FinishedRequest:
+    """The metrics' record of a request the engine finished."""
+    return FinishedRequest(
+        finish_reason=(output.finish_reason or FinishReason.STOP).value,
+        e2e_s=now_s - state.arrival_s,
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_generation_tokens=output.num_output_tokens,
+        num_cached_tokens=output.num_cached_tokens,
+        max_tokens=state.max_tokens,
+        phases=output.timing,
+    )

@@ -25,8 +25,14 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.keys import kv_layout
-from splitserve.kv_events import KVEventSink, Tier
-from splitserve.metrics import KVCacheStatsLike, PDBufferStatsLike
+from splitserve.kv_events import BlockContentSink, KVEventSink, Tier
+from splitserve.metrics import (
+    ITERATION_TOKENS_BUCKETS,
+    CumulativeHistogram,
+    KVCacheStatsLike,
+    PDBufferStatsLike,
+    RequestPhases,
+)
 from splitserve.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -40,14 +46,21 @@ FETCH_POLL_S = 0.002  # when nothing can run until a connector's fetch completes
 
 @dataclass(slots=True)
 class EngineStats:
+    """A snapshot of the engine's state and counters (cumulative since start) for the metrics."""
+
     num_running: int
     num_waiting: int
+    num_waiting_deferred: int  # of the waiting, passed over by the last admission: their KV is being fetched
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
-    prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # cumulative prompt tokens found there
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (at first admission)
+    prefix_cache_hits: int  # prompt tokens found there
+    external_prefix_cache_queries: int  # tokens past that match asked of the KV connector
+    external_prefix_cache_hits: int  # tokens it loaded
+    cached_tokens_by_source: dict[str, int]  # prefix_cache_hits + external_prefix_cache_hits, by source
     num_preemptions: int
-    num_prompt_tokens: int  # cumulative
-    num_generation_tokens: int  # cumulative
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    iteration_tokens: CumulativeHistogram  # tokens computed per step
     kv_cache: KVCacheStatsLike | None = None  # the KV connector's counters (L1/L2 tiers), if it has one
     pd_buffer: PDBufferStatsLike | None = None  # decode role: the PD buffer's state
 
@@ -66,7 +79,8 @@ class LLMEngine:
     ) -> None:
         """Build the engine around a loaded model; ``connector`` loads and saves KV outside the engine.
 
-        ``events`` is told each block hash the prefix cache starts or stops holding (the ``engine`` tier).
+        ``events`` is told each block hash the prefix cache starts or stops holding (the ``engine`` tier), and
+        the tokens behind them when it is a ``BlockContentSink``.
         ``kv_receiver`` (decode role) is the listener prefill workers push KV to; the engine reports it and
         closes it. ``splitserve.worker.build`` puts these parts together from a config.
         """
@@ -95,6 +109,8 @@ class LLMEngine:
             self.pool.on_cache = lambda block_hash: events.stored(Tier.ENGINE, (block_hash,))
             self.pool.on_evict = lambda block_hash: events.removed(Tier.ENGINE, (block_hash,))
         self.kv = KVCacheManager(self.pool, block_size)
+        if isinstance(events, BlockContentSink):  # the tokens behind cached blocks, for vLLM-format events
+            self.kv.on_blocks_cached = events.blocks_cached
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, connector)
         self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
         self.connector = connector
@@ -106,6 +122,7 @@ class LLMEngine:
         self.kv_receiver = kv_receiver
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.iteration_tokens = CumulativeHistogram(tuple(map(float, ITERATION_TOKENS_BUCKETS)))
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens, %.2f GiB), max_model_len %d, dtype %s, device %s",
             num_blocks, block_size, num_blocks * block_size,
@@ -141,6 +158,7 @@ class LLMEngine:
                 time.sleep(FETCH_POLL_S)
             return []
         sampled = self.runner.execute(sched)
+        self.iteration_tokens.observe(sched.num_batched_tokens)
         return self._update(sched, sampled)
 
     def lookup_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
@@ -171,16 +189,40 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.close()
 
+    @property
+    def cache_config_info(self) -> dict[str, str]:
+        """The labels of vLLM's ``vllm:cache_config_info`` that this engine has a value for (its other labels
+        name options splitserve does not have). ``cache_dtype`` "auto": the KV cache takes the model's dtype."""
+        cache = self.config.cache
+        return {
+            "block_size": str(cache.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.pool.num_blocks),  # the engine's KV blocks, on whatever device
+            "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
+            "kv_cache_memory_bytes": str(cache.kv_cache_fraction_or_bytes()[1]),
+            "prefix_caching_hash_algo": "xxh3_64",  # keys.hash_block
+            "sliding_window": "None",
+            "is_attention_free": "False",
+        }
+
     def get_stats(self) -> EngineStats:
+        cache = self.kv.stats
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_deferred=self.scheduler.num_deferred,
             kv_cache_usage=self.pool.usage,
-            prefix_cache_queries=self.kv.stats.num_queries,
-            prefix_cache_hits=self.kv.stats.num_hits,
+            prefix_cache_queries=cache.num_queries,
+            prefix_cache_hits=cache.num_hits,
+            external_prefix_cache_queries=cache.num_external_queries,
+            external_prefix_cache_hits=cache.num_external_hits,
+            cached_tokens_by_source=dict(cache.hits_by_source),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            iteration_tokens=self.iteration_tokens.copy(),
             kv_cache=self.connector.stats() if self.connector is not None else None,
             pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
         )
@@ -206,6 +248,7 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         outputs = []
+        now = time.monotonic()  # the step's tokens were sampled now
         for s in sched.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
@@ -218,7 +261,9 @@ class LLMEngine:
                 continue  # a prefill chunk that has not reached the end of the prompt yet
             request.append_output_token(token)
             self.num_generation_tokens += 1
+            request.last_token_time = now
             if request.num_output_tokens == 1:
+                request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
             outputs.append(self._output_for(request, token))
         return outputs
@@ -253,6 +298,8 @@ class LLMEngine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             stop_reason=stop_reason,
             kv_transfer_result=transfer,
+            cached_tokens_by_source=request.cached_tokens_by_source,
+            timing=_timing(request) if finished else None,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -269,6 +316,14 @@ class LLMEngine:
         if token in params.stop_token_ids:
             return FinishReason.STOP, token
         return None, None
+
+
+def _timing(request: Request) -> RequestPhases:
+    """The phases of a request that has produced its last token."""
+    scheduled = request.scheduled_time if request.scheduled_time is not None else request.arrival_time
+    first = request.first_token_time if request.first_token_time is not None else scheduled
+    last = request.last_token_time if request.last_token_time is not None else first
+    return RequestPhases(scheduled - request.arrival_time, first - scheduled, last - first, request.num_preemptions)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from splitserve.engine.block_pool import BlockPool, KVBlock
 from splitserve.engine.request import Request
 from splitserve.keys import hash_block
 
+# (parent hash or None for a prompt's first block, block hashes, their token ids, the cache_salt of a first block)
+BlocksCached = Callable[[int | None, list[int], list[int], str | None], None]
+ENGINE_SOURCE = "engine"  # Request.cached_tokens_by_source: tokens the engine's own prefix cache held
+
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    num_queries: int = 0  # prompt tokens looked up
+    """Cache lookups at each request's first admission (a preempted request's readmission is not counted)."""
+
+    num_queries: int = 0  # prompt tokens looked up in the engine's prefix cache
     num_hits: int = 0  # of those, tokens found cached
+    num_external_queries: int = 0  # tokens past the engine's match, asked of the KV connector
+    num_external_hits: int = 0  # of those, tokens it loaded
+    hits_by_source: dict[str, int] = field(default_factory=dict)  # num_hits + num_external_hits, by source
 
 
 class KVCacheManager:
@@ -24,6 +34,9 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}  # leading blocks already offered to the prefix cache
         self._tail_published: set[str] = set()  # requests whose prompt tail was offered to the pool
         self._pinned: list[KVBlock] = []  # tail sources copied by the step being run: kept from eviction
+        # told the tokens behind each run of blocks this manager offers the prefix cache; vLLM-format KV events
+        # carry them (splitserve.vllm_publisher)
+        self.on_blocks_cached: BlocksCached | None = None
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
@@ -69,6 +82,19 @@ class KVCacheManager:
         """Count one request's prefix-cache lookup; the scheduler calls it once, at first admission."""
         self.stats.num_queries += num_tokens
         self.stats.num_hits += num_hit_tokens
+        self._count_hits(ENGINE_SOURCE, num_hit_tokens)
+
+    def record_external_lookup(self, num_tokens: int, loaded_by_source: tuple[tuple[str, int], ...]) -> None:
+        """Count what one request asked of the KV connector past the engine's match (``num_tokens``) and what it
+        loaded, by source; once, at first admission, and only with a connector."""
+        self.stats.num_external_queries += num_tokens
+        for source, num in loaded_by_source:
+            self.stats.num_external_hits += num
+            self._count_hits(source, num)
+
+    def _count_hits(self, source: str, num_tokens: int) -> None:
+        by_source = self.stats.hits_by_source
+        by_source[source] = by_source.get(source, 0) + num_tokens
 
     def allocate(
         self,
@@ -111,10 +137,26 @@ class KVCacheManager:
             return
         hashes = request.update_block_hashes(self.block_size)
         end = min(num_full, len(hashes), len(held))
-        for i in range(start, end):
-            if held[i].block_hash is None:
-                self.pool.cache(held[i], hashes[i])
+        offered = [i for i in range(start, end) if held[i].block_hash is None]
+        for i in offered:
+            self.pool.cache(held[i], hashes[i])
         self._num_published[request.request_id] = end
+        if offered and self.on_blocks_cached is not None:
+            self._report_cached(self.on_blocks_cached, request, hashes, offered)
+
+    def _report_cached(self, report: BlocksCached, request: Request, hashes: list[int], offered: list[int]) -> None:
+        """Tell ``report`` about the blocks ``offered`` (ascending indexes): one call per consecutive run."""
+        runs: list[list[int]] = []
+        for i in offered:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs = self.block_size
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            parent, salt = (hashes[first - 1], None) if first else (None, request.params.cache_salt)
+            report(parent, hashes[first:end], request.all_token_ids[first * bs : end * bs], salt)
 
     def cache_prompt_tail(self, request: Request) -> None:
         """Once its prompt is computed, offer the request's partial last prompt block as a tail (see pool)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from splitserve.engine.kv_transfer import KVTransferResult
+    from splitserve.metrics import RequestPhases
 
 
 class FinishReason(StrEnum):
@@ -35,5 +36,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (or a KV tier) instead of computed
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    # num_cached_tokens by source, as Request.cached_tokens_by_source: (("engine", n), ("l1", n), ...)
+    cached_tokens_by_source: tuple[tuple[str, int], ...] = ()
+    timing: RequestPhases | None = None  # on the last output of a request the engine finished
     # on the last output of a prefill-role request: the push of its KV to the decode worker
     kv_transfer_result: Future[KVTransferResult] | None = None

@@ -39,6 +39,10 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
     num_preemptions: int = 0
+    # engine clock (time.monotonic), for the metrics: first scheduled (kept over preemptions), first and last token
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig, SchedulingPolicy
 from splitserve.engine.connector import KVConnectorBase, LoadedTokens
-from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_cache_manager import ENGINE_SOURCE, KVCacheManager
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.request import Request, RequestStatus
 
@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._held_back = False  # this step: a running prompt got less than it could, for a short request
         self.num_preemptions = 0
+        self.num_deferred = 0  # waiting requests the last admission passed over: the connector is fetching their KV
 
     @property
     def num_unfinished(self) -> int:
@@ -102,6 +103,7 @@ class Scheduler:
         if self.config.policy == SchedulingPolicy.LPM and len(self.waiting) > 1:
             self._order_by_uncached_tokens()
         self._held_back = False
+        self.num_deferred = 0
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
         if not out.preempted:
             self._schedule_waiting(out, budget, whole_only=self._held_back)
@@ -176,6 +178,7 @@ class Scheduler:
             self._admit(out, budget, fetching, whole_only)
         finally:
             self.waiting.extendleft(reversed(fetching))  # they keep their place at the front
+            self.num_deferred = len(fetching)
 
     def _admit(self, out: SchedulerOutput, budget: int, fetching: list[Request], whole_only: bool = False) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -203,6 +206,8 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, budget)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:  # kept over preemptions, as vLLM's SCHEDULED event
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
             budget -= num_new
@@ -234,8 +239,10 @@ class Scheduler:
             loaded = self.connector.load(request, block_ids, num_cached, num_cached + num_external)
         if request.num_cached_tokens < 0:
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            if self.connector is not None:
+                self.kv.record_external_lookup(request.num_tokens - num_cached, loaded.by_source)
             request.num_cached_tokens = num_cached + loaded.num_tokens
-            request.cached_tokens_by_source = (("engine", num_cached), *loaded.by_source)
+            request.cached_tokens_by_source = ((ENGINE_SOURCE, num_cached), *loaded.by_source)
         return loaded.num_tokens
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:

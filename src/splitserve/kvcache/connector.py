@@ -31,6 +31,7 @@ again.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -47,6 +48,7 @@ from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
+from splitserve.metrics import LMCACHE_HIT_RATE_BUCKETS, LMCACHE_RETRIEVE_SPEED_BUCKETS, CumulativeHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +58,36 @@ L2_SOURCE = "l2"
 
 @dataclass(slots=True)
 class KVCacheStats:
-    """Counters of the KV cache layer since start, plus a copy of each tier's (by tier name)."""
+    """Counters of the KV cache layer since start, plus a copy of each tier's (by tier name).
 
+    In LMCache's terms (its ``lmcache:`` metrics): each admission *looks up* the tokens past the engine's prefix
+    cache, a *retrieve* loads what was found into the engine's KV cache, a *store* hands one record to the tiers.
+    A preempted request's readmission looks up again.
+    """
+
+    num_lookup_requests: int = 0  # admissions
     num_lookup_tokens: int = 0  # tokens of admitted requests that the engine's prefix cache did not hold
     num_lookup_hits: int = 0  # of those, tokens the L1/L2 lookup found
+    num_lookup_0_hit_requests: int = 0  # lookups that found nothing
+    num_retrieve_requests: int = 0  # admissions that loaded (or tried to load) tokens
+    num_requested_tokens: int = 0  # tokens those asked for
     num_hit_tokens: int = 0  # tokens actually loaded into the engine's KV cache (L1 + L2)
     num_hit_tokens_l1: int = 0
     num_hit_tokens_l2: int = 0
+    num_vllm_hit_tokens: int = 0  # tokens the engine's own prefix cache held, of the requests looked up
+    num_prompt_tokens: int = 0  # prompt tokens of the requests looked up
     num_invalid_records: int = 0  # records that failed to decode (or L2 validation): recomputed, discarded
     num_saved_chunks: int = 0  # records (whole chunks and prompt tails) handed to the store
+    num_stored_tokens: int = 0  # tokens those records hold
     num_queue_drops: int = 0  # L2 writes dropped because the store's queue was full
+    retrieve_speed: CumulativeHistogram = field(default_factory=lambda: _histogram(LMCACHE_RETRIEVE_SPEED_BUCKETS))
+    lookup_hit_rate: CumulativeHistogram = field(default_factory=lambda: _histogram(LMCACHE_HIT_RATE_BUCKETS))
+    l2_tier: str | None = None  # the L2 tier's name, if there is one
     tiers: dict[str, TierStats] = field(default_factory=dict)
+
+
+def _histogram(edges: tuple[float, ...]) -> CumulativeHistogram:
+    return CumulativeHistogram(tuple(map(float, edges)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,13 +288,13 @@ class KVConnector:
 
     def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
         lookup = self._lookups.pop(request.request_id, None)
-        stats = self._stats
-        stats.num_lookup_tokens += request.num_tokens - start_token
-        stats.num_lookup_hits += lookup.num_external if lookup is not None else 0
-        stats.num_invalid_records += lookup.num_invalid if lookup is not None else 0
+        self._count_lookup(request, start_token, lookup.num_external if lookup is not None else 0)
+        self._stats.num_invalid_records += lookup.num_invalid if lookup is not None else 0
         num_loaded, saved_end = 0, start_token
         if end_token > start_token and lookup is not None and lookup.num_cached == start_token:
+            began = time.perf_counter()
             num_loaded, saved_end = self._load_records(lookup, block_ids, start_token, end_token)
+            self._count_retrieve(end_token - start_token, num_loaded, time.perf_counter() - began)
         rid = request.request_id
         self._num_saved_tokens[rid] = max(saved_end, self._num_saved_tokens.get(rid, 0))  # kept over preemption
         if num_loaded == 0 or lookup is None:
@@ -310,6 +331,29 @@ class KVConnector:
                 break
         return num_loaded, saved_end
 
+    def _count_lookup(self, request: Request, num_cached: int, num_found: int) -> None:
+        """One admission's lookup of the tokens past the engine's ``num_cached``."""
+        stats = self._stats
+        num_tokens = request.num_tokens - num_cached
+        stats.num_lookup_requests += 1
+        stats.num_lookup_tokens += num_tokens
+        stats.num_lookup_hits += num_found
+        stats.num_vllm_hit_tokens += num_cached
+        stats.num_prompt_tokens += request.num_prompt_tokens
+        if num_found == 0:
+            stats.num_lookup_0_hit_requests += 1
+        elif num_tokens > 0:  # LMCache's per-lookup hit rate leaves out lookups without a hit
+            stats.lookup_hit_rate.observe(num_found / num_tokens)
+
+    def _count_retrieve(self, num_requested: int, num_loaded: int, elapsed_s: float) -> None:
+        """One load into the engine: LMCache's retrieve. Its speed counts the copy on the engine thread (an L2
+        read and decode happened before, on the prefetch thread)."""
+        stats = self._stats
+        stats.num_retrieve_requests += 1
+        stats.num_requested_tokens += num_requested
+        if num_loaded > 0 and elapsed_s > 0:
+            stats.retrieve_speed.observe(num_loaded / elapsed_s)
+
     @staticmethod
     def _split_by_tier(lookup: _Lookup, start_token: int, num_tokens: int) -> tuple[int, int]:
         """Split a run of ``num_tokens`` from ``start_token`` by tier: the lookup's L1 records first, then L2."""
@@ -338,6 +382,7 @@ class KVConnector:
             self.store.put(record.key, self.signer.encode(kv, record.end - record.start, record.key))
         if records:
             self._stats.num_saved_chunks += len(records)
+            self._stats.num_stored_tokens += sum(r.end - r.start for r in records)
             self._num_saved_tokens[request.request_id] = records[-1].end
 
     def _records_to_save(self, request: Request, num_saved: int) -> list[_Record]:
@@ -371,13 +416,16 @@ class KVConnector:
 
     def stats(self) -> KVCacheStats:
         store = self.store.stats()
-        stats = replace(self._stats, tiers={})
+        own = self._stats
+        stats = replace(own, retrieve_speed=own.retrieve_speed.copy(), lookup_hit_rate=own.lookup_hit_rate.copy(),
+                        tiers={})  # fmt: skip
         stats.num_invalid_records += store.num_invalid_records
         stats.num_queue_drops = store.num_l2_writes_dropped
         if store.l1 is not None and not isinstance(self.store.l1, NullTier):
             stats.tiers[self.store.l1.name] = store.l1
         if store.l2 is not None and self.store.l2 is not None:
             stats.tiers[self.store.l2.name] = store.l2
+            stats.l2_tier = self.store.l2.name
         return stats
 
     def close(self) -> None:

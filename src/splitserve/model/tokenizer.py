@@ -5,12 +5,16 @@ uses this module too, and the router never imports torch: transformers' GGUF tok
 a GGUF tokenizer is converted once, in a child process when torch is not already loaded, saved as a plain
 ``tokenizer.json`` folder under a cache directory keyed by the file's identity, and loaded from there with
 ``PreTrainedTokenizerFast`` (which does not import torch). The cache folder is published by an atomic
-rename, so concurrent processes either see a complete folder or none.
+rename, so concurrent processes either see a complete folder or none. Without torch (a plain ``pip install
+splitserve``, no engine extra) a GGUF tokenizer cannot be converted: a Hugging Face folder, or a cache folder
+converted where torch is installed, still loads.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -18,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,7 +48,14 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]: ...
 
 
 class Tokenizer:
@@ -133,31 +144,50 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------------------------- chat
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of ``messages``.
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text the model's chat template makes of ``messages`` (and ``tools``, if given).
 
         Each message needs a ``role`` (one of system, developer, user, assistant, tool) and a ``content``
-        that is a string or a list of ``{"type": "text", "text": ...}`` parts. Raises ``ValueError`` for a
-        malformed message, a model without a chat template, or a template that rejects the conversation.
+        that is a string or a list of ``{"type": "text", "text": ...}`` parts (an assistant message with
+        ``tool_calls`` may have none). ``name``, ``tool_call_id`` and ``tool_calls`` reach the template as
+        given, as in vLLM. Nothing is dropped silently: ``tool_calls`` or ``tools`` that the template never
+        reads raise ``ValueError``, as do a malformed message, a model without a chat template, and a
+        template that rejects the conversation.
         """
         import jinja2
 
-        if not self._hf.chat_template:
+        template = self._hf.chat_template
+        if not template:
             raise ValueError("this model has no chat template; use a plain completion prompt")
         conversation = normalize_messages(messages)
+        read = template_fields(template)
+        for index, message in enumerate(conversation):
+            if "tool_calls" in message and "tool_calls" not in read:
+                raise ValueError(f"messages[{index}].tool_calls: this model's chat template does not render tool calls")
+        if tools and "tools" not in read:
+            raise ValueError("tools: this model's chat template does not render tool definitions")
+        tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = [dict(tool) for tool in tools] if tools else None
         try:
             text = self._hf.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, tools=tool_list, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
         return str(text)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of ``render_chat(messages)``; the template writes its own special tokens."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return list(self._hf.encode(text, add_special_tokens=False))
 
     # ----------------------------------------------------------------------------------------- properties
@@ -189,29 +219,58 @@ def load_tokenizer(model: str | ModelSource, cache_dir: Path | None = None) -> T
     return Tokenizer.from_source(resolve_model(model) if isinstance(model, str) else model, cache_dir)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Validate OpenAI-style chat messages into ``{"role", "content"[, "name"]}`` dicts of strings.
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate OpenAI-style chat messages into ``{"role", "content"}`` dicts with string content.
 
-    List content made of text parts is joined into one string. Raises ``ValueError`` naming the index and
-    the problem of the first malformed message.
+    List content made of text parts is joined into one string. ``name``, ``tool_call_id`` (strings) and
+    ``tool_calls`` (a list of objects, on assistant messages, which then may have no content) are kept.
+    Raises ``ValueError`` naming the index and the problem of the first malformed message.
     """
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     return [_normalize_message(i, message) for i, message in enumerate(messages)]
 
 
-def _normalize_message(index: int, message: Any) -> dict[str, str]:
+def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise ValueError(f"messages[{index}] must be an object with role and content, got {message!r}")
     role = message.get("role")
     if role not in _CHAT_ROLES:
         raise ValueError(f"messages[{index}].role must be one of {', '.join(_CHAT_ROLES)}; got {role!r}")
-    if "content" not in message or message["content"] is None:
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and (
+        role != "assistant" or not isinstance(tool_calls, list) or not all(isinstance(c, Mapping) for c in tool_calls)
+    ):
+        raise ValueError(f"messages[{index}].tool_calls must be a list of objects on an assistant message")
+    content = message.get("content")
+    if content is None and not tool_calls:
         raise ValueError(f"messages[{index}] ({role}) has no content")
-    out = {"role": str(role), "content": _content_text(index, message["content"])}
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    out: dict[str, Any] = {"role": str(role), "content": "" if content is None else _content_text(index, content)}
+    for key in ("name", "tool_call_id"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if tool_calls:
+        out["tool_calls"] = [dict(call) for call in tool_calls]
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def template_fields(template: str) -> frozenset[str]:
+    """Every name a Jinja template reads: its free variables and the attributes and constant keys it looks up
+    (``message.tool_calls``, ``message['tool_calls']``). Unparsable templates read nothing we can name."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
+    names = {node.name for node in tree.find_all(nodes.Name)}
+    names |= {node.attr for node in tree.find_all(nodes.Getattr)}
+    for item in tree.find_all(nodes.Getitem):
+        if isinstance(item.arg, nodes.Const) and isinstance(item.arg.value, str):
+            names.add(item.arg.value)
+    return frozenset(names)
 
 
 def _content_text(index: int, content: Any) -> str:
@@ -270,9 +329,15 @@ def _convert_into_cache(gguf_path: Path, target: Path) -> None:
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
     """Run ``convert_gguf_tokenizer`` here when torch is already loaded, else in a child process."""
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:  # loaded already (None: an import blocked on purpose)
         convert_gguf_tokenizer(gguf_path, out_dir)
         return
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            f"cannot convert the tokenizer of {gguf_path}: transformers' GGUF reader needs torch, which is not "
+            "installed; install the engine extra (pip install 'splitserve[engine]') or give a Hugging Face "
+            "folder with tokenizer.json instead"
+        )
     cmd = [sys.executable, "-m", "splitserve.model.tokenizer", str(gguf_path), str(out_dir)]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, check=False)

@@ -37,12 +37,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitserve import httpserver
+from splitserve import __version__, httpserver
 from splitserve.auth import AuthMiddleware, bearer_header, client_key_of, tenant_salt
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.keys import MAX_CACHE_SALT_CHARS, is_valid_cache_salt
 from splitserve.kv_events import parse_batch
-from splitserve.metrics import RouterMetrics
+from splitserve.metrics import RouterMetrics, WorkerRow
 from splitserve.router.cost import PrefillCostModel
 from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
@@ -61,6 +61,9 @@ from splitserve.router.migrate import (
     stream_error_end,
 )
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
+from splitserve.router.scrape import WorkerStatsScraper
+from splitserve.router.vllm_events import VLLMSource
+from splitserve.sagemaker import INVOCATIONS_PATH, MISSING_SHAPE, invocation_path
 
 logger = logging.getLogger("splitserve.router")
 
@@ -142,6 +145,8 @@ class Router:
         self.metrics = metrics or RouterMetrics(config.routing_strategy.value)
         self.metrics.bind(self)
         self._session: aiohttp.ClientSession | None = None
+        self.scraper = WorkerStatsScraper(lambda: self.pool, lambda: self.session, self.metrics,
+                                          timeout_s=config.health_timeout_s)  # fmt: skip
         self.health = HealthChecker(
             lambda: self.pool,
             lambda: self.session,
@@ -153,7 +158,9 @@ class Router:
         self._rng = random.Random()
         # kvaware: the router pulls every worker's KV events itself (workers may also push them)
         self.events = (
-            EventSubscriber(self.kv_index, lambda: self.session, self._register)
+            EventSubscriber(
+                self.kv_index, lambda: self.session, self._register, config.backend_kind, VLLMSource.from_config(config)
+            )
             if config.routing_strategy == RoutingStrategy.KVAWARE
             else None
         )
@@ -180,8 +187,11 @@ class Router:
 
     # -- state for metrics --------------------------------------------------------------------------------
 
-    def worker_states(self) -> list[tuple[str, int, int, bool]]:
-        return [(w.url, w.in_flight, int(w.breaker.state), w.healthy is not False) for w in self.pool]
+    def worker_states(self) -> list[WorkerRow]:
+        return [
+            WorkerRow(w.url, w.in_flight, w.num_streaming, int(w.breaker.state), w.healthy is not False)
+            for w in self.pool
+        ]
 
     def index_sizes(self) -> dict[str, int]:
         sizes = {"kv": len(self.kv_index)}
@@ -231,6 +241,11 @@ class Router:
             return exc.response()
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object").response()
+        if path == INVOCATIONS_PATH:  # SageMaker's route: a chat or a completion, by the body's shape
+            path = invocation_path(body) or ""
+            if not path:
+                return RouterError(400, MISSING_SHAPE).response()
+        self.metrics.observe_incoming(body.get("model"))
         if "kv_transfer_params" in body:  # the router's to set (signed), never a client's
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             raw = json.dumps(body).encode()
@@ -247,7 +262,7 @@ class Router:
         if self.disagg is not None:
             return await self.disagg.proxy(call)
         if self.config.stream_migration and is_migratable(path, body):
-            self._track(call)
+            self.track(call)
         return await self.forward(call, self._routing_pool)
 
     async def _json_body(self, request: Request) -> tuple[Any, bytes]:
@@ -281,13 +296,14 @@ class Router:
         except RecursionError as exc:
             raise RouterError(400, "the request body nests too deeply") from exc
 
-    def _track(self, call: Call) -> None:
-        """Follow ``call``'s stream so that it can be resumed elsewhere: ask the worker for token ids."""
+    def track(self, call: Call, sent_text: str = "") -> None:
+        """Follow ``call``'s stream so that it can be resumed elsewhere: ask the worker for token ids.
+        ``sent_text``: what the client already got of the answer (a disaggregated stream's first token)."""
         body = call.body
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         wants_ids = body.get("return_token_ids") is True
-        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage)
+        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, text=sent_text)
         if not wants_ids:
             call.raw = json.dumps(body | {"return_token_ids": True}).encode()
 
@@ -341,6 +357,7 @@ class Router:
         )
         attempt = _Attempt()
         worker.in_flight += 1
+        self.metrics.observe_sent(worker.url)
         worker.breaker.on_attempt()
         handed_over = False
         queued = _QueuedPrefill(worker, uncached_tokens)
@@ -415,7 +432,7 @@ class Router:
             try:
                 async for chunk in chunks:
                     now_s = time.perf_counter()
-                    self.metrics.itl_s.observe(now_s - last_s)
+                    self.metrics.observe_itl(worker.url, now_s - last_s)
                     last_s = now_s
                     yield chunk
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -426,7 +443,7 @@ class Router:
         finally:
             lease.release()  # a client that left early also drops the worker's connection: the worker aborts
             self.metrics.requests.labels(worker.url, status).inc()
-            self.metrics.e2e_s.observe(time.perf_counter() - start_s)
+            self.metrics.observe_e2e(worker.url, time.perf_counter() - start_s)
 
     def _draining(self, worker: Worker) -> None:
         """The worker is shutting down: no new requests until its /health says it is back."""
@@ -453,7 +470,7 @@ class Router:
                             out = tracker.on_event(data)
                             if out:
                                 now_s = time.perf_counter()
-                                self.metrics.itl_s.observe(now_s - last_s)
+                                self.metrics.observe_itl(worker.url, now_s - last_s)
                                 last_s = now_s
                                 yield out
                         if tracker.done:
@@ -494,7 +511,7 @@ class Router:
         finally:
             lease.release()
             self.metrics.requests.labels(worker.url, status).inc()
-            self.metrics.e2e_s.observe(time.perf_counter() - call.start_s)
+            self.metrics.observe_e2e(worker.url, time.perf_counter() - call.start_s)
 
     async def _resume(self, call: Call, tried: set[str], lease: _Lease) -> tuple[AsyncIterator[bytes], str] | None:
         """Open the rest of ``call``'s answer on a worker not in ``tried`` (``lease`` then holds it): its
@@ -516,6 +533,7 @@ class Router:
             if body is None:
                 return None
             worker.in_flight += 1
+            self.metrics.observe_sent(worker.url)
             worker.breaker.on_attempt()
             upstream: aiohttp.ClientResponse | None = None
             handed_over = False
@@ -595,7 +613,7 @@ class Router:
             self.policy.on_routed(routing, worker)
             elapsed_s = time.perf_counter() - start_s
             self.metrics.ttft_s.observe(elapsed_s)
-            self.metrics.e2e_s.observe(elapsed_s)
+            self.metrics.observe_e2e(worker.url, elapsed_s)
         self.metrics.requests.labels(worker.url, str(status)).inc()
 
     def _log_decision(self, decision: Decision, routing: RoutingRequest) -> None:
@@ -633,9 +651,31 @@ class Router:
             return None
 
     async def health_endpoint(self, _: Request) -> Response:
+        """``/health`` and SageMaker's ``/ping``: 200 while a worker can take requests, else 503."""
         if any(w.healthy is True and w.breaker.allows() for w in self._routing_pool()):  # decode, when split
             return Response(status_code=200)
         return RouterError(503, "no healthy worker", "no_worker_available").response()
+
+    async def version(self, _: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def tokenizer_endpoint(self, request: Request) -> Response:
+        """``/tokenize`` and ``/detokenize``: answered by the least busy worker that answers at all (every
+        worker serves the same model), with no routing decision, no retry on a client error."""
+        try:
+            _, raw = await self._json_body(request)
+        except RouterError as exc:
+            return exc.response()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
+        for worker in sorted((w for w in self._routing_pool() if w.is_routable), key=lambda w: w.in_flight):
+            try:
+                async with self.session.post(worker.url + request.url.path, data=raw, headers=headers) as upstream:
+                    content = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+            if upstream.status not in RETRYABLE_STATUS:
+                return Response(content, upstream.status, media_type="application/json")
+        return RouterError(503, "no worker answered", "no_worker_available").response()
 
     async def render_metrics(self, _: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -782,15 +822,18 @@ class _Lease:
     def __init__(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:
         self.worker = worker
         self._upstream: aiohttp.ClientResponse | None = upstream
+        worker.num_streaming += 1
 
     def hold(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:
         """Take over another worker's (already counted) request, after this one was released."""
         self.release()
         self.worker, self._upstream = worker, upstream
+        worker.num_streaming += 1
 
     def release(self) -> None:
         if self._upstream is not None:
             self.worker.in_flight -= 1
+            self.worker.num_streaming -= 1
             self._upstream.close()
             self._upstream = None
 
@@ -859,7 +902,7 @@ def build_router_app(router: Router, *, probe: bool = True, with_admin: bool = T
         task = None
         if probe:
             await router.health.probe_all()
-            task = asyncio.create_task(router.health.run())
+            task = asyncio.ensure_future(asyncio.gather(router.health.run(), router.scraper.run()))
         if router.events is not None:
             router.events.sync(router.pool)
         try:
@@ -875,7 +918,12 @@ def build_router_app(router: Router, *, probe: bool = True, with_admin: bool = T
         Route("/v1/completions", router.proxy, methods=["POST"]),
         Route("/v1/chat/completions", router.proxy, methods=["POST"]),
         Route("/v1/models", router.models, methods=["GET"]),
+        Route(INVOCATIONS_PATH, router.proxy, methods=["POST"]),
         Route("/health", router.health_endpoint, methods=["GET"]),
+        Route("/ping", router.health_endpoint, methods=["GET", "POST"]),
+        Route("/version", router.version, methods=["GET"]),
+        Route("/tokenize", router.tokenizer_endpoint, methods=["POST"]),
+        Route("/detokenize", router.tokenizer_endpoint, methods=["POST"]),
         Route("/metrics", router.render_metrics, methods=["GET"]),
         Route("/kv/events", router.kv_events, methods=["POST"]),
     ]

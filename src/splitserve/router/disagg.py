@@ -16,6 +16,10 @@ Per request (``Disaggregator.proxy``):
    its buffer (or recomputes it when the push failed) and forces P's first token, so both agree on it. A
    streaming client gets the first token from P's answer at once; D then streams the rest
    (``skip_first_token``). If P fails, D computes the prompt itself: slower, never an error.
+
+Streams are followed for migration as colocated ones are (``router/migrate.py``), on every path: when D dies
+mid-stream, another decode worker goes on from the prompt and the tokens generated so far (the first one, P's,
+included), computing them itself or loading them from L2.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from splitserve.auth import sign
 from splitserve.router.discovery import Worker, WorkerRole
-from splitserve.router.migrate import stream_error_end
+from splitserve.router.migrate import is_migratable, stream_error_end
 from splitserve.router.policies import Decision, build_policy
 
 if TYPE_CHECKING:
@@ -73,8 +77,11 @@ class Disaggregator:
             "Conditional routing: estimated_tokens=%d, threshold=%d, disaggregate=%s%s",
             estimated, self.threshold, disaggregate, held if decision.matched_tokens else "",
         )  # fmt: skip
+        migratable = router.config.stream_migration and is_migratable(call.path, call.body)
         if not disaggregate:
             router.metrics.pd_path("direct")
+            if migratable:
+                router.track(call)
             return await router.forward(call, self.decode_pool, decision)
         decoder = decision.worker
         prefiller = self.prefill_policy.select(call.routing, prefillers).worker
@@ -87,6 +94,8 @@ class Disaggregator:
         if p_body is None:
             logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
             router.metrics.pd_path("fallback")
+            if migratable:
+                router.track(call)
             return await router.forward(call, self.decode_pool, decision)
         self.prefill_policy.on_routed(call.routing, prefiller)
         report = p_body.get("kv_transfer_params") or {}
@@ -103,7 +112,10 @@ class Disaggregator:
         decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
         if not call.is_stream or first_token is None:
             return await router.forward(decode_call, self.decode_pool, decision)
-        first_chunk = _first_chunk(call.path, p_body)
+        first_text = _first_text(call.path, p_body)
+        if migratable:  # D's stream carries the first token's id, and the client has its text already
+            router.track(decode_call, sent_text=first_text)
+        first_chunk = _first_chunk(call.path, p_body, first_text)
         router.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
         relay = self._stream_after_first(first_chunk, decode_call, decision)
         return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -179,17 +191,23 @@ def _with_body(call: Call, body: dict[str, Any]) -> Call:
     return replace(call, body=body, raw=json.dumps(body).encode(), headers=headers)
 
 
-def _first_chunk(path: str, prefill_answer: dict[str, Any]) -> bytes:
-    """An SSE chunk carrying the first token's text from P's (non-streamed) answer, in the API's format."""
+def _first_text(path: str, prefill_answer: dict[str, Any]) -> str:
+    """The first token's text in P's (non-streamed) answer."""
     choice = (prefill_answer.get("choices") or [{}])[0]
+    if path.endswith("/chat/completions"):
+        return str((choice.get("message") or {}).get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def _first_chunk(path: str, prefill_answer: dict[str, Any], text: str) -> bytes:
+    """An SSE chunk carrying the first token's ``text`` from P's answer, in the API's format."""
     common = {"id": prefill_answer.get("id", ""), "created": prefill_answer.get("created", int(time.time())),
               "model": prefill_answer.get("model", "")}  # fmt: skip
     if path.endswith("/chat/completions"):
-        text = (choice.get("message") or {}).get("content") or ""
         delta = {"role": "assistant", "content": text}
         chunk = common | {"object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}  # fmt: skip
     else:
         chunk = common | {"object": "text_completion", "choices": [
-            {"index": 0, "text": choice.get("text") or "", "logprobs": None, "finish_reason": None}]}  # fmt: skip
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}  # fmt: skip
     return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -33,6 +33,7 @@ class Worker:
     breaker: CircuitBreaker = field(default_factory=worker_breaker)
     healthy: bool | None = None  # None: not probed yet (routable); False after failed probes
     in_flight: int = 0
+    num_streaming: int = 0  # of in_flight, streams being relayed (their first bytes arrived)
     pending_prefill_tokens: int = 0  # uncached tokens of the requests sent here that have not started to answer
     worker_id: str | None = None  # the name it registered with (KV events), if it did
     kv_transfer_addr: str | None = None  # a decode worker's KV receiver (host:port), once asked

@@ -9,22 +9,30 @@ take the index back to an older state.
 A worker that has no such route (an older splitserve, vLLM without a matching event source) or stops
 answering gets one warning; meanwhile ``kvaware`` routes it by the router's own prefix index
 (``policies.KVAwarePolicy``), and the subscription keeps retrying with back-off.
+
+vLLM workers publish their events over ZMQ instead (``router/vllm_events.py``). Which kind a worker is comes
+from ``--backend-kind``; with ``auto`` the subscription first asks the worker's ``GET /version``: splitserve
+answers with its ``cpu``, vLLM with its version alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
+import zmq.asyncio
 
+from splitserve.config import BackendKind
 from splitserve.kv_events import parse_batch
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex
+from splitserve.router.vllm_events import VLLMBlockKeys, VLLMEventFollower, VLLMSource
 
 logger = logging.getLogger("splitserve.router")
 
@@ -35,19 +43,28 @@ SILENT_AFTER_S = 30.0  # a worker without events this long gets its warning
 
 
 class EventSubscriber:
-    """One long-poll task per worker, feeding ``index``; :meth:`sync` follows the worker list."""
+    """One task per worker (a long poll, or a vLLM worker's ZMQ subscription), feeding ``index``; :meth:`sync`
+    follows the worker list. ``kind`` says what the workers are (``auto``: ask each); ``vllm`` where vLLM
+    workers' events are."""
 
     def __init__(
         self,
         index: KVIndex,
         session: Callable[[], aiohttp.ClientSession],
         on_register: Callable[[str, str, dict[str, Any]], None] | None = None,
+        kind: BackendKind = BackendKind.SPLITSERVE,
+        vllm: VLLMSource | None = None,
     ) -> None:
         self.index = index
         self._session = session
         self._on_register = on_register or (lambda url, worker_id, meta: None)
+        self.kind = kind
+        self.vllm = vllm or VLLMSource()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.last_batch_at: dict[str, float] = {}  # worker url -> monotonic time of its last batch
+        self.kinds: dict[str, BackendKind] = {}  # worker url -> its kind, once known
+        self.followers: dict[str, VLLMEventFollower] = {}  # vLLM workers' subscriptions
+        self._zmq: zmq.asyncio.Context | None = None
 
     def sync(self, workers: Iterable[Worker]) -> None:
         """Subscribe to workers new to the list and drop those that left it (call on the event loop)."""
@@ -55,6 +72,8 @@ class EventSubscriber:
         for url in [u for u in self._tasks if u not in urls]:
             self._tasks.pop(url).cancel()
             self.last_batch_at.pop(url, None)
+            self.kinds.pop(url, None)
+            self.followers.pop(url, None)
         for url in urls - self._tasks.keys():
             self._tasks[url] = asyncio.create_task(self._follow(url), name=f"kv-events {url}")
 
@@ -66,6 +85,9 @@ class EventSubscriber:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
 
     def has_events(self, url: str) -> bool:
         """True while ``url``'s events are current (a batch within the last long poll and a half)."""
@@ -73,6 +95,56 @@ class EventSubscriber:
         return at is not None and time.monotonic() - at < WAIT_S * 1.5
 
     async def _follow(self, url: str) -> None:
+        kind = self.kinds[url] = await self._kind_of(url)
+        if kind == BackendKind.VLLM:
+            await self._follow_vllm(url)
+        else:
+            await self._follow_splitserve(url)
+
+    async def _kind_of(self, url: str) -> BackendKind:
+        """The configured kind, or (``auto``) the one the worker's ``/version`` shows."""
+        if self.kind != BackendKind.AUTO:
+            return self.kind
+        status, body = await self._answer(f"{url}/version")
+        is_vllm = status == 200 and isinstance(body, dict) and "version" in body and "cpu" not in body
+        return BackendKind.VLLM if is_vllm else BackendKind.SPLITSERVE
+
+    async def _follow_vllm(self, url: str) -> None:
+        sources = None
+        if self.vllm.events_port is None or self.vllm.replay_port is None:
+            status, body = await self._answer(f"{url}/kv_event_sources")
+            sources = body if status == 200 else None
+        endpoint, replay = self.vllm.endpoints(url, sources)
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        keys = VLLMBlockKeys(self.vllm.block_size, self.vllm.max_blocks)
+        on_batch = functools.partial(self._batch_arrived, url)
+        follower = VLLMEventFollower(self.index, url, endpoint, replay, keys, self._zmq, on_batch, self._on_register)
+        self.followers[url] = follower
+        await follower.run()
+
+    def _batch_arrived(self, url: str) -> None:
+        self.last_batch_at[url] = time.monotonic()
+
+    async def _answer(self, url: str) -> tuple[int, Any]:
+        """The status and JSON (None if it is not JSON) of ``GET url``, asking with back-off until the worker
+        answers at all; a worker that does not for ``SILENT_AFTER_S`` gets one warning."""
+        backoff_s, since, warned = FIRST_BACKOFF_S, time.monotonic(), False
+        while True:
+            try:
+                async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=5)) as answer:
+                    try:
+                        return answer.status, await answer.json(content_type=None)
+                    except ValueError:
+                        return answer.status, None
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if not warned and time.monotonic() - since >= SILENT_AFTER_S:
+                    logger.warning("no KV events from a worker: %s does not answer (%s)", url, type(exc).__name__)
+                    warned = True
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+    async def _follow_splitserve(self, url: str) -> None:
         seq: int | None = None
         epoch: str | None = None
         backoff_s = FIRST_BACKOFF_S

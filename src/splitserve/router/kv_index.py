@@ -138,6 +138,12 @@ class KVIndex:
     def forget_worker(self, worker_url: str) -> None:
         self._workers.pop(worker_url, None)
 
+    def clear(self, worker_url: str, tier: Tier) -> None:
+        """Forget what ``worker_url`` holds in ``tier`` (engine or l1): that cache was reset."""
+        holdings = self._workers.get(worker_url)
+        if holdings is not None:
+            (holdings.engine if tier == Tier.ENGINE else holdings.l1).clear()
+
     def match(self, block_hashes: Sequence[int], worker_url: str) -> TierMatch:
         """What ``worker_url`` could take of a prompt with these block hashes: its prefix cache first, then
         stored records chunk by chunk (L1 before L2), exactly as the worker's connector would load them."""

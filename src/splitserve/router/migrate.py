@@ -23,8 +23,10 @@ What it guarantees:
 - the prompt's KV: where the workers share an L2 tier, the new worker loads the prompt's chunks from it and
   computes only the tokens generated since.
 
-Not migrated: ``n`` > 1, logprobs, ``echo``, and disaggregated (prefill/decode) streams; those end with an
-error event as before.
+Disaggregated streams migrate too (``router/disagg.py``): the tracker follows the decode worker's stream,
+whose first chunk carries the prefill worker's first token's id, and counts that token's text as sent.
+
+Not migrated: ``n`` > 1, logprobs and ``echo``; those end with an error event as before.
 """
 
 from __future__ import annotations
@@ -138,17 +140,13 @@ class StreamTracker:
     def _reframe(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """A resumed worker's completion chunk, in the original stream's format."""
         common = {"id": self.id, "created": self.created, "model": self.model}
-        usage = chunk.get("usage")
+        usage = self._whole_usage(chunk.get("usage"))
         choices = chunk.get("choices") or []
         if not choices:
-            if not isinstance(usage, dict) or not self.client_wants_usage:
+            if usage is None:
                 return None
-            num_output = (self.resumed_at or 0) + int(usage.get("completion_tokens") or 0)
-            num_prompt = len(self.prompt_ids or [])
-            total = num_prompt + num_output
-            whole = {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": total}
             kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-            return common | {"object": kind, "choices": [], "usage": whole}
+            return common | {"object": kind, "choices": [], "usage": usage}
         choice = choices[0] if isinstance(choices[0], dict) else {}
         ids = _ids(choice.get("token_ids") or [])
         self.output_ids.extend(ids)
@@ -159,7 +157,23 @@ class StreamTracker:
             self.finished = True
         if not text and finish is None and not self.client_wants_ids:
             return None
-        return self.chunk(text, finish, ids, choice.get("stop_reason"))
+        out = self.chunk(text, finish, ids, choice.get("stop_reason"))
+        return out if usage is None else out | {"usage": usage}  # continuous_usage_stats
+
+    def _whole_usage(self, usage: Any) -> dict[str, Any] | None:
+        """A resumed worker's usage as the whole answer's: the original prompt, every token generated, and the
+        prompt's cached tokens (of the resumed prompt's, at most the original prompt's length)."""
+        if not isinstance(usage, dict) or not self.client_wants_usage:
+            return None
+        num_output = (self.resumed_at or 0) + int(usage.get("completion_tokens") or 0)
+        num_prompt = len(self.prompt_ids or [])
+        whole: dict[str, Any] = {
+            "prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output
+        }  # fmt: skip
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            whole["prompt_tokens_details"] = {"cached_tokens": min(details["cached_tokens"], num_prompt)}
+        return whole
 
     def chunk(
         self, text: str, finish: str | None = None, ids: list[int] | None = None, stop: Any = None
@@ -206,8 +220,10 @@ def resume_body(
     if original.get("model") is not None:
         body["model"] = original["model"]
     body |= {"prompt": tracker.prompt_ids + tracker.output_ids, "stream": True, "return_token_ids": True}
+    options = original.get("stream_options")
     if tracker.client_wants_usage:
-        body["stream_options"] = {"include_usage": True}
+        continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
+        body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if continuous else {})
     return body
 
 

@@ -7,10 +7,10 @@ import contextlib
 import functools
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import uvicorn
-import uvloop
 
 from splitserve.auth import CLUSTER_SECRET_ENV, warn_if_open
 from splitserve.config import RouterConfig, RoutingStrategy
@@ -68,8 +68,18 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
             **uvicorn_options(),
         )
     )
-    uvloop.run(_serve_both(public, admin, admin_socket))
+    run_event_loop(_serve_both(public, admin, admin_socket))
     return 0
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop where it is installed (a dependency everywhere but Windows), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def _admin_socket(config: RouterConfig) -> socket.socket:

@@ -1,8 +1,9 @@
 """The prompt's token ids as a worker would compute them, for the cache-aware policies.
 
 Same tokenizer and chat template as the workers (``splitserve.model.tokenizer``, no torch), same message
-handling as the worker's ``/v1/chat/completions`` (text parts joined by newlines). Anything the router
-cannot read gives None: the policy then falls back, and the worker answers the client's mistake itself.
+handling as the worker's ``/v1/chat/completions`` (text parts joined by newlines, tool fields passed on).
+Anything the router cannot read gives None: the policy then falls back, and the worker answers the client's
+mistake itself.
 """
 
 from __future__ import annotations
@@ -25,8 +26,15 @@ def _chat_ids(tokenizer: TokenizerLike, body: dict[str, Any]) -> list[int] | Non
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
-    dicts = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
-    return tokenizer.apply_chat_template(dicts, body.get("add_generation_prompt", True) is not False)
+    dicts = [_message(m) for m in messages]
+    tools = body.get("tools") if body.get("tool_choice") == "none" else None  # as the worker renders them
+    return tokenizer.apply_chat_template(dicts, body.get("add_generation_prompt", True) is not False, tools)
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    out = {"role": message["role"], "content": _text(message.get("content"))}
+    out.update({key: message[key] for key in ("name", "tool_call_id", "tool_calls") if message.get(key) is not None})
+    return out
 
 
 def _text(content: Any) -> str:

@@ -7,6 +7,7 @@ a 400/404/413 with OpenAI's error body, never FastAPI's default 422 or a 500, an
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -17,10 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve import __version__, httpserver
+from splitserve import __version__, httpserver, sagemaker
 from splitserve.auth import AuthMiddleware, client_key_of, tenant_salt
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
@@ -88,6 +90,11 @@ def build_app(
         reason = "the engine failed" if engine.error is not None else "the model is loading"
         return _error(ApiError(503, f"unhealthy: {reason}"))
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health check: 200 once the model serves, 503 while it loads or the worker drains."""
+        return await health()
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -141,7 +148,7 @@ def build_app(
         engine_input = await serving.completion_input(body)
         stream = await serving.submit(engine_input)
         if body.stream:
-            return _sse(serving.stream_completion(engine_input, stream, body.include_usage()))
+            return _sse(serving.stream_completion(engine_input, stream, body.include_usage(), body.continuous_usage()))
         result = await _cancel_on_disconnect(raw, serving.complete(engine_input, stream))
         return _json(result.model_dump())
 
@@ -151,11 +158,35 @@ def build_app(
         engine_input = await serving.chat_input(body)
         stream = await serving.submit(engine_input)
         if body.stream:
-            return _sse(serving.stream_chat(engine_input, stream, body.include_usage()))
+            return _sse(serving.stream_chat(engine_input, stream, body.include_usage(), body.continuous_usage()))
         result = await _cancel_on_disconnect(raw, serving.chat(engine_input, stream))
         return _json(result.model_dump())
 
+    @app.post(sagemaker.INVOCATIONS_PATH)
+    async def invocations(raw: Request) -> Response:
+        """SageMaker's inference route: a body with ``messages`` is a chat completion, one with ``prompt`` a
+        completion (streaming too), as vLLM's ``/invocations`` serves them."""
+        body = await _json_body(raw)
+        path = sagemaker.invocation_path(body)
+        if path is None:
+            raise ApiError(400, sagemaker.MISSING_SHAPE)
+        try:
+            if path == sagemaker.CHAT_PATH:
+                return await chat_completions(ChatCompletionRequest.model_validate(body), raw)
+            return await completions(CompletionRequest.model_validate(body), raw)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from exc
+
     return app
+
+
+async def _json_body(raw: Request) -> Any:
+    try:
+        return json.loads(await raw.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the request body is nested too deeply") from exc
 
 
 def _json(content: dict[str, Any], status: int = 200) -> JSONResponse:

@@ -4,8 +4,9 @@ Requests accept every field the official ``openai`` client sends for completions
 vLLM's extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``cache_salt``) and ``kv_transfer_params`` (disaggregated prefill/decode).
 Unknown fields are a validation error naming the field. Fields that are accepted but unsupported with a
-non-default value (``n`` > 1, logprobs, echo, penalties, JSON response formats, tools, ...) are refused by
-``unsupported_reason()`` with a message the server returns as a 400.
+non-default value (``n`` > 1, logprobs, echo, penalties, JSON response formats, tool calling, ...) are refused
+by ``unsupported_reason()`` with a message the server returns as a 400. Tool-call messages (``tool_calls``,
+``tool_call_id``, ``name``) reach the chat template, which must render them (else a 400, never a silent drop).
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: usage on every chunk (only together with ``include_usage``)."""
+        return self.include_usage() and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def unsupported_reason(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first field set to a value we do not support, else None."""
         checks: list[tuple[bool, str, str]] = [
@@ -102,9 +107,9 @@ class _SamplingFields(_Strict):
             (self.min_p not in (None, 0.0), "min_p", "min_p is not supported"),
             (not self.skip_special_tokens, "skip_special_tokens", "skip_special_tokens=false is not supported"),
             (
-                bool(self.stream_options and self.stream_options.continuous_usage_stats),
+                self.stream_options is not None and not self.stream,
                 "stream_options",
-                "continuous_usage_stats is not supported (include_usage is)",
+                "Stream options can only be defined when `stream=True`.",
             ),
             (
                 self.response_format is not None and self.response_format.type != "text",
@@ -153,6 +158,15 @@ class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (the template must render them)
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the chat template sees: role, content as text, and the tool fields that are set."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        fields = {"name": self.name, "tool_call_id": self.tool_call_id, "tool_calls": self.tool_calls}
+        message.update({key: value for key, value in fields.items() if value is not None})
+        return message
 
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines, as vLLM does."""
@@ -183,10 +197,13 @@ class ChatCompletionRequest(_SamplingFields):
             return reason
         if self.logprobs or self.top_logprobs:
             return "logprobs", "logprobs are not supported"
-        if self.tools:
-            return "tools", "tools are not supported"
+        if self.tools and self.tool_choice != "none":
+            return "tool_choice", (
+                "tool calling needs a tool-call parser, which splitserve does not have: send tool_choice 'none' to "
+                "give the model the tools as text (its chat template must render them), or leave out 'tools'"
+            )
         if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported"
+            return "tool_choice", "a named or required tool_choice needs 'tools' and a tool-call parser"
         if self.modalities not in (None, ["text"]):
             return "modalities", "only the text modality is supported"
         if self.chat_template_kwargs:
@@ -198,7 +215,11 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (``tool_choice`` 'none': the model reads them, calls nothing)."""
+        return self.tools if self.tools and self.tool_choice == "none" else None
 
 
 class KVLookupRequest(_Strict):
@@ -212,7 +233,7 @@ class KVLookupRequest(_Strict):
     cache_salt: CacheSalt | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+        return [m.as_dict() for m in self.messages or []]
 
 
 class TokenizeRequest(_Strict):
@@ -223,9 +244,11 @@ class TokenizeRequest(_Strict):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True  # accepted; the prompt is encoded as /v1/completions encodes it
+    return_token_strs: bool | None = False  # vLLM's: the vocabulary strings of the ids, beside them
+    tools: list[dict[str, Any]] | None = None  # messages: tool definitions for the template, as in chat
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+        return [m.as_dict() for m in self.messages or []]
 
 
 class DetokenizeRequest(_Strict):
@@ -242,15 +265,26 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens not computed: engine prefix cache, L1, L2 or pushed by a prefill worker
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(default=None, exclude_if=_is_none)
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_output_tokens: int) -> UsageInfo:
+    def of(cls, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None = None) -> UsageInfo:
         total = num_prompt_tokens + num_output_tokens
-        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens, total_tokens=total)
+        details = None if num_cached_tokens is None else PromptTokensDetails(cached_tokens=num_cached_tokens)
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_output_tokens,
+            total_tokens=total,
+            prompt_tokens_details=details,
+        )
 
 
 class CompletionChoice(BaseModel):
@@ -328,6 +362,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

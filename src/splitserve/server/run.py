@@ -28,6 +28,7 @@ from splitserve.kv_events import KVEventLog, KVEventPublisher
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import loaded_cpu_info
 from splitserve.server.app import build_app
+from splitserve.vllm_publisher import VLLMEventPublisher
 
 logger = logging.getLogger("splitserve.worker")
 
@@ -65,6 +66,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     logger.info("Starting worker with config: %s", startup_config(engine_config, server_config))
     warn_if_open("worker", server_config.api_keys, server_config.cluster_secret)
     events = _event_log(engine_config, server_config)  # pulled from GET /kv/events; pushed with --kv-events-url
+    vllm_events = _vllm_event_publisher(engine_config, server_config, events)  # --kv-events-config
     publisher = None
     if server_config.kv_events_url is not None:
         headers = bearer_header(server_config.cluster_secret)
@@ -88,11 +90,15 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     threading.Thread(target=_exit_when_engine_stops, args=(engine, server, failed), daemon=True).start()
     if publisher is not None:
         publisher.start()
+    if vllm_events is not None:
+        vllm_events.start()
     try:
         server.run()
     finally:
         if publisher is not None:
             publisher.close()
+        if vllm_events is not None:
+            vllm_events.close()
     return 1 if failed.is_set() else 0
 
 
@@ -109,6 +115,18 @@ def _event_log(engine_config: EngineConfig, server_config: ServerConfig) -> KVEv
         "l2_backend": engine_config.kv_tiers.l2_backend.value,
     }
     return KVEventLog(server_config.name, server_config.url, meta)
+
+
+def _vllm_event_publisher(
+    engine_config: EngineConfig, server_config: ServerConfig, events: KVEventLog
+) -> VLLMEventPublisher | None:
+    """The engine's KV events in vLLM's format over ZMQ, when ``--kv-events-config`` enables them."""
+    config = server_config.kv_events_config
+    if config is None or not config.is_enabled:
+        return None
+    publisher = VLLMEventPublisher(config, engine_config.cache.block_size)
+    events.add_listener(publisher)
+    return publisher
 
 
 def _load_engine(config: EngineConfig, role: Role, events: KVEventLog, secret: str | None) -> EngineCore:

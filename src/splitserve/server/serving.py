@@ -155,7 +155,9 @@ class OpenAIServing:
 
     async def chat_input(self, request: ChatCompletionRequest) -> EngineInput:
         self._check_common(request)
-        prompt_ids = await self._chat_prompt_ids(request.message_dicts(), request.add_generation_prompt)
+        prompt_ids = await self._chat_prompt_ids(
+            request.message_dicts(), request.add_generation_prompt, request.template_tools()
+        )
         if not prompt_ids:
             raise ApiError(400, "the messages produced an empty prompt", "messages")
         max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
@@ -193,10 +195,14 @@ class OpenAIServing:
         if (request.prompt is None) == (request.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         if request.messages is not None:
-            ids = await self._chat_prompt_ids(request.message_dicts(), request.add_generation_prompt)
+            ids = await self._chat_prompt_ids(request.message_dicts(), request.add_generation_prompt, request.tools)
+        elif request.tools:
+            raise ApiError(400, "'tools' go with 'messages'", "tools")
         else:
             ids = await self._off_loop(self._tokenizer().encode, request.prompt) if request.prompt else []
-        return TokenizeResponse(count=len(ids), max_model_len=self._ready_engine().max_model_len, tokens=ids)
+        strs = await self._off_loop(self._tokenizer().convert_ids_to_tokens, ids) if request.return_token_strs else None
+        max_model_len = self._ready_engine().max_model_len
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
@@ -218,12 +224,16 @@ class OpenAIServing:
             param, message = reason
             raise ApiError(400, message, param)
 
-    async def _chat_prompt_ids(self, messages: list[dict[str, Any]], add_prompt: bool) -> list[int]:
+    async def _chat_prompt_ids(
+        self, messages: list[dict[str, Any]], add_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The chat template's token ids (on the tokenizer thread); a 400 for messages it cannot render."""
+        tokenizer = self._tokenizer()
         try:
-            ids: list[int] = await self._off_loop(self._tokenizer().apply_chat_template, messages, add_prompt)
+            ids: list[int] = await self._off_loop(tokenizer.apply_chat_template, messages, add_prompt, tools)
         except ValueError as exc:
-            raise ApiError(400, f"invalid messages: {exc}", "messages") from exc
+            param = "tools" if str(exc).startswith("tools:") else "messages"
+            raise ApiError(400, f"invalid {param}: {exc}", param) from exc
         return ids
 
     async def _completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
@@ -296,7 +306,7 @@ class OpenAIServing:
         choice = CompletionChoice(text=text, finish_reason=_reason(last), stop_reason=last.stop_reason)
         if engine_input.return_token_ids:
             choice.prompt_token_ids, choice.token_ids = engine_input.prompt_token_ids, token_ids
-        usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+        usage = _usage(last)
         transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
         return CompletionResponse(
             id=engine_input.request_id,
@@ -310,7 +320,7 @@ class OpenAIServing:
         text, token_ids, last = await _collect(stream)
         message = AssistantMessage(content=text)
         choice = ChatChoice(message=message, finish_reason=_reason(last), stop_reason=last.stop_reason)
-        usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+        usage = _usage(last)
         transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
         response = ChatCompletionResponse(
             id=engine_input.request_id,
@@ -324,9 +334,10 @@ class OpenAIServing:
         return response
 
     async def stream_completion(
-        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
+        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool, continuous_usage: bool = False
     ) -> AsyncIterator[str]:
-        """SSE events: one chunk per piece of text, the finishing chunk, optional usage, ``[DONE]``."""
+        """SSE events: one chunk per piece of text, the finishing chunk, optional usage, ``[DONE]``. With
+        ``continuous_usage`` every chunk carries the usage so far."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
         with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
         prompt_ids: list[int] | None = engine_input.prompt_token_ids if with_ids else None
@@ -343,12 +354,13 @@ class OpenAIServing:
                 choice = CompletionChoice(text=event.new_text, finish_reason=_reason(event))
                 if with_ids:
                     choice.prompt_token_ids, choice.token_ids, prompt_ids = prompt_ids, event.new_token_ids, None
-                yield chunk([choice])
+                yield chunk([choice], _usage(event) if continuous_usage else None)
 
     async def stream_chat(
-        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool
+        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool, continuous_usage: bool = False
     ) -> AsyncIterator[str]:
-        """SSE events: a role chunk, content chunks, a finishing chunk, optional usage, ``[DONE]``."""
+        """SSE events: a role chunk, content chunks, a finishing chunk, optional usage, ``[DONE]``. With
+        ``continuous_usage`` every chunk carries the usage so far."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
         with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
 
@@ -365,6 +377,8 @@ class OpenAIServing:
         first = ChatCompletionChunk(id=rid, created=created, model=model, choices=[role])
         if with_ids:
             first.prompt_token_ids = engine_input.prompt_token_ids
+        if continuous_usage:
+            first.usage = UsageInfo.of(len(engine_input.prompt_token_ids), 0)
         yield sse(first)
         async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
             if isinstance(event, UsageInfo):
@@ -373,11 +387,12 @@ class OpenAIServing:
                 yield event
             else:
                 token_ids = event.new_token_ids if with_ids else None
+                usage = _usage(event) if continuous_usage else None
                 if event.new_text or (with_ids and not event.finished):
-                    yield chunk(DeltaMessage(content=event.new_text), token_ids=token_ids)
+                    yield chunk(DeltaMessage(content=event.new_text), usage=usage, token_ids=token_ids)
                     token_ids = None
                 if event.finished:
-                    yield chunk(DeltaMessage(), _reason(event), token_ids=token_ids)
+                    yield chunk(DeltaMessage(), _reason(event), usage=usage, token_ids=token_ids)
 
 
 async def _stream_events(
@@ -394,7 +409,7 @@ async def _stream_events(
             last = output
             yield output
         if include_usage and last is not None:
-            yield UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+            yield _usage(last)
     except EngineDeadError as exc:
         yield sse(ApiError(503, f"the engine stopped: {exc}", code="engine_dead").body())
     finally:
@@ -440,6 +455,11 @@ async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict
 def _skips_first_text(engine_input: EngineInput) -> bool:
     transfer = engine_input.params.kv_transfer
     return transfer is not None and transfer.skip_first_token
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    """Token counts so far, with the prompt's cached tokens (prefix cache, L1, L2 and PD-pushed KV)."""
+    return UsageInfo.of(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
 
 
 def _reason(output: RequestOutput) -> str | None:

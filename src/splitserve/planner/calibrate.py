@@ -1,0 +1,420 @@
+"""Measure this machine and model with the engine itself, in this process, and fit the planner's cost model.
+
+:func:`ensure_calibration` returns the cached :class:`~splitserve.planner.costs.Calibration` for the machine and
+model, measuring only what is missing: everything (about a minute on a 2-core CPU with SmolLM2-135M), or just the
+speed-up of a thread count not yet measured. :func:`measure` does the whole measurement:
+
+- **prefill**: one engine (``--num-threads 1``, like a one-core worker; prefix caching on, a step budget of the
+  whole context so a prompt is one step) computes fresh prompts of ``prefill_lengths`` tokens, then prompts that
+  extend an earlier one (``cached_prefills``: the cached prefix is skipped). Fitted: ``prefill.base_s +
+  per_token_s * n + per_token_pair_s * (end**2 - start**2)`` over the computed span ``[start, end)``.
+- **decode**: for each context in ``decode_contexts`` and batch in ``decode_batches``, that many copies of a
+  cached prompt decode together; the median of ``decode_steps`` pure decode steps is one sample. Fitted:
+  ``decode.base_s + per_seq_s * batch + per_context_token_s * sum(contexts)``.
+- **mixed step**: eight decodes beside a 512-token chunk, measured against the model's prediction (kept as
+  ``fit_errors["mixed_step"]``, not fitted).
+- **KV transfer**: the real PD path: the prompt KV copied out of the engine's cache, encoded
+  (``kvcache.serde``) and pushed over loopback TCP (``pd.sender.push``) into a ``pd.receiver.KVReceiver``
+  and its ``PDBuffer``. Fitted: ``transfer.base_s + bytes / bytes_per_s``.
+- **loads**: a pushed record copied into the paged cache (``kv_copy``); L1: ``kvcache.cpu.CPUTier`` get,
+  checksum and copy of 256-token records; L2: ``kvcache.disk.DiskTier`` read and signed-record check, in a
+  temporary directory (the page cache is warm: a local disk's best case). Redis is not measured.
+- **threads**: for each other thread count a role may get, the same prefill and decode sample with that
+  many threads against one thread, back to back (:class:`~splitserve.planner.costs.ThreadScale`).
+
+Torch and the engine are imported inside the functions: importing this module is cheap and torch-free.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from splitserve.planner.costs import (
+    Calibration,
+    CalibrationKey,
+    DecodeCost,
+    LoadCost,
+    PrefillCost,
+    SampleTable,
+    StepCost,
+    ThreadScale,
+    TransferCost,
+    cpu_identity,
+    fit_nonnegative,
+    load_cached,
+    median_relative_error,
+    save_cached,
+)
+
+if TYPE_CHECKING:
+    from splitserve.engine.engine import LLMEngine
+
+Progress = Callable[[str], None]
+RECORD_TOKENS = 256  # the default --kv-chunk-size: one L1/L2 record
+
+
+@dataclass(frozen=True, slots=True)
+class MeasurePlan:
+    """What :func:`measure` runs; the defaults take about a minute on a 2-core CPU with SmolLM2-135M."""
+
+    prefill_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    cached_prefills: tuple[tuple[int, int], ...] = ((1024, 1536), (2048, 2304), (4096, 4352))  # (cached, total)
+    decode_contexts: tuple[int, ...] = (128, 1024, 4096)  # each must be one of prefill_lengths
+    decode_batches: tuple[int, ...] = (1, 8, 32)
+    decode_steps: int = 6
+    transfer_tokens: tuple[int, ...] = (256, 1024, 4096)
+    transfer_repeats: int = 3
+    num_load_records: int = 8
+    block_size: int = 16
+
+    def fitted_to(self, max_model_len: int) -> MeasurePlan:
+        """This plan without the lengths a context of ``max_model_len`` cannot hold."""
+        room = max_model_len - self.decode_steps - 8
+        lengths = tuple(n for n in self.prefill_lengths if n <= room)
+        if len(lengths) < 3:
+            raise ValueError(f"a context of {max_model_len} tokens is too short to calibrate (needs ~600)")
+        return replace(
+            self,
+            prefill_lengths=lengths,
+            cached_prefills=tuple((c, t) for c, t in self.cached_prefills if c in lengths and t <= room),
+            decode_contexts=tuple(c for c in self.decode_contexts if c in lengths) or lengths[-1:],
+            transfer_tokens=tuple(n for n in self.transfer_tokens if n <= room),
+        )
+
+
+def calibration_key(model: str, dtype: str = "auto", quantization: str = "auto") -> CalibrationKey:
+    cpu = cpu_identity()
+    return CalibrationKey(cpu.model_name, cpu.flags_digest, model, dtype, quantization)
+
+
+def ensure_calibration(
+    key: CalibrationKey,
+    thread_counts: Sequence[int] = (1,),
+    *,
+    recalibrate: bool = False,
+    max_model_len: int = 8192,
+    directory: Path | None = None,
+    progress: Progress = lambda _: None,
+) -> Calibration:
+    """The calibration for ``key`` with a scale for every count in ``thread_counts``: from the cache, measuring
+    (and caching) what it lacks; everything when ``recalibrate``."""
+    cached = None if recalibrate else load_cached(key, directory)
+    missing = sorted({t for t in thread_counts if cached is None or not cached.has_threads(t)})
+    if cached is not None and not missing:
+        return cached
+    engine = build_calibration_engine(key, max_model_len)
+    try:
+        if cached is None:
+            calibration = measure(engine, key, MeasurePlan().fitted_to(max_model_len), missing, progress)
+        else:
+            scales = measure_scales(engine, missing, progress, min(1024, max_model_len - 32))
+            calibration = replace(cached, scales=_merged(cached.scales, scales))
+    finally:
+        engine.close()
+    save_cached(calibration, directory)
+    return calibration
+
+
+def _merged(old: Sequence[ThreadScale], new: Sequence[ThreadScale]) -> tuple[ThreadScale, ...]:
+    by_threads = {s.num_threads: s for s in (*old, *new)}
+    return tuple(by_threads[t] for t in sorted(by_threads))
+
+
+def build_calibration_engine(key: CalibrationKey, max_model_len: int) -> LLMEngine:
+    """An engine for ``key`` as a one-core worker would run it, with a step budget of the whole context (so a
+    prompt is one step) and 1 GiB of KV cache; loads the model (seconds)."""
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from splitserve.worker.build import build_engine
+
+    config = EngineConfig(
+        model=ModelConfig(
+            model=key.model,
+            dtype=key.dtype,
+            quantization=key.quantization,
+            max_model_len=max_model_len,
+            num_threads=1,
+        ),
+        cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=True),
+        scheduler=SchedulerConfig(
+            max_num_seqs=64, max_num_batched_tokens=max_model_len, long_prefill_token_threshold=0
+        ),
+    )
+    return build_engine(config)
+
+
+def measure(
+    engine: LLMEngine,
+    key: CalibrationKey,
+    plan: MeasurePlan,
+    thread_counts: Sequence[int] = (),
+    progress: Progress = lambda _: None,
+) -> Calibration:
+    """Run ``plan`` on ``engine`` (built with one thread, see the module docstring) and fit the model."""
+    began = time.perf_counter()
+    runner = _Runner(engine, random.Random(0))
+    samples = SampleTable()
+    runner.run_prompt(64, max_tokens=4)  # warm-up: first-call costs stay out of the samples
+    progress("prefill")
+    prefill = _measure_prefill(runner, plan, samples)
+    progress("decode")
+    decode = _measure_decode(runner, plan, samples)
+    mixed_error = _measure_mixed(runner, StepCost(prefill, decode), samples)
+    progress("KV transfer")
+    transfer = _measure_transfer(engine, plan, samples)
+    progress("L1/L2 loads")
+    loads = _measure_loads(engine, plan, samples)
+    scale_tokens = min(1024, max(plan.prefill_lengths))
+    scales = measure_scales(engine, [t for t in thread_counts if t != 1], progress, scale_tokens)
+    errors = _fit_errors(samples, prefill, decode, transfer) | {"mixed_step": mixed_error}
+    return Calibration(
+        key=key,
+        kv_bytes_per_token=_kv_bytes_per_token(engine),
+        block_size=engine.kv.block_size,
+        prefill=prefill,
+        decode=decode,
+        transfer=transfer,
+        loads=loads,
+        scales=tuple(scales),
+        samples=samples.rows,
+        fit_errors=errors,
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        duration_s=time.perf_counter() - began,
+    )
+
+
+class _Runner:
+    """Drives an engine one request set at a time, timing its steps."""
+
+    def __init__(self, engine: LLMEngine, rng: random.Random) -> None:
+        self.engine = engine
+        self.rng = rng
+        self.prompts: dict[int, list[int]] = {}  # length -> a prompt computed once (its KV is in the prefix cache)
+        self._ids = iter(range(1 << 62))
+
+    def new_tokens(self, n: int) -> list[int]:
+        high = min(self.engine.vocab_size, 40000)
+        return [self.rng.randrange(high // 4, high) for _ in range(n)]
+
+    def run_prompt(self, n: int, max_tokens: int = 1, prefix: list[int] | None = None) -> float:
+        """Compute a fresh prompt of ``n`` tokens (after ``prefix``, cached) to its end; seconds it took."""
+        tokens = (prefix or []) + self.new_tokens(n)
+        self.add(tokens, max_tokens)
+        began = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        if prefix is None:
+            self.prompts[n] = tokens
+        return time.perf_counter() - began
+
+    def add(self, tokens: list[int], max_tokens: int) -> str:
+        from splitserve.engine.sampling_params import SamplingParams
+
+        request_id = f"calibrate-{next(self._ids)}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(request_id, tokens, params)
+        return request_id
+
+    def step_s(self) -> float:
+        began = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - began
+
+    def decode_s(self, context: int, batch: int, num_steps: int) -> tuple[float, float]:
+        """Median pure-decode step of ``batch`` copies of the cached prompt of ``context`` tokens, and the mean
+        context length over the timed steps."""
+        ids = [self.add(self.prompts[context], max_tokens=num_steps + 8) for _ in range(batch)]
+        self.step_s()  # admission: the copies' last tokens
+        self.step_s()
+        times = [self.step_s() for _ in range(num_steps)]
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+        return statistics.median(times), context + 2 + num_steps / 2
+
+
+def _measure_prefill(runner: _Runner, plan: MeasurePlan, samples: SampleTable) -> PrefillCost:
+    for n in plan.prefill_lengths:
+        samples.add("prefill", 0, n, runner.run_prompt(n))
+    for cached, total in plan.cached_prefills:
+        samples.add("prefill", cached, total, runner.run_prompt(total - cached, prefix=runner.prompts[cached]))
+    rows = samples.rows["prefill"]
+    base, per_token, pair = fit_nonnegative([[1.0, e - s, e * e - s * s] for s, e, _ in rows], [t for *_, t in rows])
+    return PrefillCost(base, per_token, pair)
+
+
+def _measure_decode(runner: _Runner, plan: MeasurePlan, samples: SampleTable) -> DecodeCost:
+    for context in plan.decode_contexts:
+        for batch in plan.decode_batches:
+            step_s, mean_context = runner.decode_s(context, batch, plan.decode_steps)
+            samples.add("decode", batch, batch * mean_context, step_s)
+    rows = samples.rows["decode"]
+    base, per_seq, per_ctx = fit_nonnegative([[1.0, b, c] for b, c, _ in rows], [t for *_, t in rows])
+    return DecodeCost(base, per_seq, per_ctx)
+
+
+def _measure_mixed(runner: _Runner, cost: StepCost, samples: SampleTable) -> float:
+    """Eight decodes at ~128 tokens beside a fresh 512-token prompt: the step's relative prediction error."""
+    context = min(runner.prompts)
+    ids = [runner.add(runner.prompts[context], max_tokens=16) for _ in range(8)]
+    runner.step_s()
+    runner.step_s()
+    ids.append(runner.add(runner.new_tokens(512), max_tokens=1))
+    measured = runner.step_s()
+    for request_id in ids:
+        runner.engine.abort_request(request_id)
+    predicted = cost.step_s([(0, 512)], [context + 2] * 8)
+    samples.add("mixed_step", 8, context + 2, 512, measured, predicted)
+    return abs(predicted - measured) / measured
+
+
+def _kv_bytes_per_token(engine: LLMEngine) -> int:
+    kv = engine.runner.kv_cache  # [layers, 2, slots, kv_heads, head_dim]
+    return int(kv.shape[0] * kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.element_size())
+
+
+def _layout(engine: LLMEngine) -> str:
+    from splitserve.engine.engine import kv_cache_layout
+
+    return kv_cache_layout(engine.runner.model, engine.kv.block_size)
+
+
+def _prompt_kv(engine: LLMEngine, num_tokens: int) -> object:
+    """``[layers, 2, num_tokens, kv_heads, head_dim]``: real KV bytes out of the engine's cache (its first slots)."""
+    return engine.runner.kv_cache[:, :, :num_tokens].contiguous()
+
+
+def _measure_transfer(engine: LLMEngine, plan: MeasurePlan, samples: SampleTable) -> TransferCost:
+    import torch
+
+    from splitserve.kvcache import serde
+    from splitserve.pd.buffer import PDBuffer
+    from splitserve.pd.receiver import KVReceiver
+    from splitserve.pd.sender import push
+
+    layout = _layout(engine)
+    bytes_per_token = _kv_bytes_per_token(engine)
+    receiver = KVReceiver(PDBuffer(2 * bytes_per_token * max(plan.transfer_tokens) + (1 << 20)), layout)
+    receiver.start()
+    try:
+        for n in plan.transfer_tokens:
+            for i in range(plan.transfer_repeats):
+                kv = _prompt_kv(engine, n)
+                assert isinstance(kv, torch.Tensor)
+                began = time.perf_counter()
+                record = serde.encode(kv, n, layout)
+                result = push(receiver.addr, f"calibrate-{n}-{i}", record, n, 0, layout, deadline_s=30.0)
+                elapsed_s = time.perf_counter() - began
+                receiver.buffer.release(f"calibrate-{n}-{i}")
+                if not result.ok:
+                    raise RuntimeError(f"the calibration's KV push failed: {result.reason}")
+                samples.add("transfer", n, len(record), elapsed_s)
+    finally:
+        receiver.close()
+    rows = samples.rows["transfer"]
+    base, per_byte = fit_nonnegative([[1.0, b] for _, b, _ in rows], [t for *_, t in rows])
+    return TransferCost(base, 1.0 / max(per_byte, 1e-15))
+
+
+def _measure_loads(engine: LLMEngine, plan: MeasurePlan, samples: SampleTable) -> LoadCost:
+    """Per-token seconds of a PD record copy, an L1 hit and an L2 disk fetch, over ``num_load_records``."""
+    import torch
+
+    from splitserve.keys import cache_key
+    from splitserve.kvcache import serde
+    from splitserve.kvcache.cpu import CPUTier
+    from splitserve.kvcache.disk import DiskTier
+
+    layout, n = _layout(engine), RECORD_TOKENS
+    kv = _prompt_kv(engine, n)
+    assert isinstance(kv, torch.Tensor)
+    signer = serde.RecordSigner.for_secret(None, "calibration", layout)
+    keys = [cache_key("calibration", layout, i + 1) for i in range(plan.num_load_records)]
+    records = [signer.encode(kv, n, key) for key in keys]
+    cache = engine.runner.kv_cache
+    slots = torch.arange(cache.shape[2] - n, cache.shape[2])  # the cache's last slots: no request holds them
+
+    def copy_in(record: bytes, verify: bool) -> None:
+        tensor = serde.decode(record, layout, tuple(kv.shape), kv.dtype, verify_checksum=verify)
+        with torch.no_grad():
+            cache.index_copy_(2, slots, tensor)
+
+    began = time.perf_counter()
+    for record in records:
+        copy_in(record, verify=False)
+    copy_s = (time.perf_counter() - began) / (n * len(records))
+    l1 = CPUTier(sum(map(len, records)) * 2)
+    for key, record in zip(keys, records, strict=True):
+        l1.put(key, record)
+    began = time.perf_counter()
+    for value in l1.get_many(keys):
+        assert value is not None
+        copy_in(value, verify=True)
+    l1_s = (time.perf_counter() - began) / (n * len(records))
+    l2_s = _disk_fetch_s(keys, records, signer, DiskTier) / (n * len(records))
+    samples.add("loads", copy_s, l1_s, l2_s)
+    return LoadCost(copy_s, l1_s, l2_s)
+
+
+def _disk_fetch_s(keys: list[str], records: list[bytes], signer: object, tier_class: type) -> float:
+    from splitserve.kvcache import serde
+
+    assert isinstance(signer, serde.RecordSigner)
+    with tempfile.TemporaryDirectory(prefix="splitserve-calibrate-") as directory:
+        tier = tier_class(directory, sum(map(len, records)) * 2)
+        for key, record in zip(keys, records, strict=True):
+            tier.put(key, record)
+        began = time.perf_counter()
+        for key, value in zip(keys, tier.get_many(keys), strict=True):
+            if value is None:
+                raise RuntimeError(f"the calibration's disk tier in {directory} lost a record")
+            signer.verify(key, value)
+        elapsed_s = time.perf_counter() - began
+        tier.close()
+    return elapsed_s
+
+
+def measure_scales(
+    engine: LLMEngine, thread_counts: Sequence[int], progress: Progress, num_tokens: int = 1024
+) -> list[ThreadScale]:
+    """For each count (other than 1): a prefill of ``num_tokens`` and a decode step of 8 at that context, with that
+    many threads and with one, back to back; their ratios. Leaves the engine with one thread."""
+    from splitserve.engine.engine import set_cpu_threads
+
+    runner = _Runner(engine, random.Random(1))
+    runner.run_prompt(num_tokens)
+    scales = []
+    for num_threads in sorted(set(thread_counts) - {1}):
+        progress(f"{num_threads} threads")
+        times: dict[int, list[tuple[float, float]]] = {}
+        for threads in (1, num_threads, 1):
+            set_cpu_threads(threads)
+            prefill_s = runner.run_prompt(num_tokens)
+            decode_s, _ = runner.decode_s(num_tokens, 8, 6)
+            times.setdefault(threads, []).append((prefill_s, decode_s))
+        set_cpu_threads(1)
+        one_prefill = statistics.mean(p for p, _ in times[1])
+        one_decode = statistics.mean(d for _, d in times[1])
+        many_prefill, many_decode = times[num_threads][0]
+        scales.append(ThreadScale(num_threads, one_prefill / many_prefill, one_decode / many_decode))
+    return scales
+
+
+def _fit_errors(
+    samples: SampleTable, prefill: PrefillCost, decode: DecodeCost, transfer: TransferCost
+) -> dict[str, float]:
+    rows = samples.rows
+    return {
+        "prefill": median_relative_error([prefill.prompt_s(int(e), int(s)) for s, e, _ in rows["prefill"]],
+                                         [t for *_, t in rows["prefill"]]),
+        "decode": median_relative_error([decode.step_s(int(b), int(c)) for b, c, _ in rows["decode"]],
+                                        [t for *_, t in rows["decode"]]),
+        "transfer": median_relative_error([transfer.push_s(int(b)) for _, b, _ in rows["transfer"]],
+                                          [t for *_, t in rows["transfer"]]),
+    }  # fmt: skip

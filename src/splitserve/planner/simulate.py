@@ -1,0 +1,535 @@
+"""A discrete-event simulation of an endpoint: the router, each worker's queue and engine steps, and KV moves.
+
+Torch-free, pure Python and deterministic: the same workload, topology and costs give the same figures.
+
+**Workers** run the engine's scheduler (``engine/scheduler.py``) on token counts: each step serves the running
+requests in admission order (a decode takes one token, a prompt the rest of its tokens up to the step budget
+``max_num_batched_tokens``), then admits waiting ones while the budget and ``max_num_seqs`` allow, fewest uncached
+tokens first (``lpm``; those waiting past ``max_wait_s`` first), chunking a prompt that does not fit. When the
+next waiting request is short, running prompts take at most ``long_prefill_token_threshold`` tokens that step
+and only whole prompts are admitted. A step lasts what :class:`~splitserve.planner.costs.StepCost` says, plus
+the copies of KV loaded at admission. Preemption is not modelled: KV blocks are assumed to suffice.
+
+**Caches.** A request of a prefix group finds, block-aligned, what its worker's engine cache (an LRU over
+groups, ``cache_tokens`` in all) holds of the group, then its L1 (``l1_tokens``), then the shared L2 (when on):
+the rest is computed. Engine and L1 hits cost a copy each token on the engine thread; an L2 hit is first fetched
+off the engine thread (the request is passed over meanwhile). A worker keeps a group's prompt once computed, and
+its prompt and output once finished; L1 and L2 keep prompts.
+
+**Disaggregation.** As ``router/disagg.py`` does, the decode worker is chosen first; when the prompt's tokens it
+is not believed to hold (the strategy's match) reach ``routing_threshold``, a prefill worker is chosen, which
+computes the prompt and samples the first token. Its KV is then pushed (two sender threads per prefill worker,
+``push_s`` each), and the client gets the first token when the push is done. The decode worker admits the
+request with the pushed KV (copied in), computes the last prompt token (its sample is the forced first token,
+not sent again) and streams the rest. Other prompts go straight to the decode worker, which serves them as a
+colocated one would. Router and HTTP overheads are not modelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from splitserve.bench.metrics import percentile
+from splitserve.config import Role, RoutingStrategy
+from splitserve.planner.costs import LoadCost, StepCost
+from splitserve.planner.routing import RoutingQuery, SimRouter
+from splitserve.planner.workload import TraceRequest
+
+NUM_SENDER_THREADS = 2  # pd/sender.py's pool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """A worker's scheduler and cache settings (the ``splitserve worker`` flags of the same names)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    long_prefill_token_threshold: int = 256
+    max_wait_s: float = 5.0
+    block_size: int = 16
+    cache_tokens: int = 1 << 62  # the engine's KV cache, in tokens (what its prefix cache can keep)
+    l1_tokens: int = 0  # 0: no L1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    role: Role
+    cost: StepCost
+    limits: EngineLimits = EngineLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The workers of one layout and how requests reach them."""
+
+    workers: tuple[WorkerSpec, ...]  # all colocated, or prefill and decode ones
+    strategy: RoutingStrategy = RoutingStrategy.ROUNDROBIN
+    routing_threshold: int | None = None  # disaggregated layouts: prompts from this many tokens go to prefill
+    l2_tokens: int = 0  # the shared L2's capacity; 0: none
+
+    def pool(self, role: Role) -> tuple[WorkerSpec, ...]:
+        return tuple(w for w in self.workers if w.role == role)
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return any(w.role != Role.COLOCATED for w in self.workers)
+
+    def check(self) -> None:
+        roles = {w.role for w in self.workers}
+        if not self.workers or (Role.COLOCATED in roles and len(roles) > 1):
+            raise ValueError(f"a topology has colocated workers, or prefill and decode ones; got {sorted(roles)}")
+        if self.is_disaggregated and not self.pool(Role.DECODE):
+            raise ValueError("a disaggregated topology needs at least one decode worker")
+
+
+@dataclass(frozen=True, slots=True)
+class KVMoves:
+    """What moving KV costs: a PD push of N tokens, and copies at admission."""
+
+    kv_bytes_per_token: int
+    push_base_s: float
+    push_bytes_per_s: float
+    loads: LoadCost
+
+    def push_s(self, num_tokens: int) -> float:
+        return self.push_base_s + num_tokens * self.kv_bytes_per_token / self.push_bytes_per_s
+
+
+# ---------------------------------------------------------------------------------------------- caches
+
+
+class _LRU:
+    """Groups -> tokens held, least recently used first, at most ``capacity`` tokens in all."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[str, int] = OrderedDict()
+        self._total = 0
+
+    def get(self, group: str) -> int:
+        return self._held.get(group, 0)
+
+    def touch(self, group: str) -> None:
+        if group in self._held:
+            self._held.move_to_end(group)
+
+    def put(self, group: str, tokens: int) -> list[tuple[str, int]]:
+        """Hold ``tokens`` of ``group`` (never fewer than before); returns what was evicted for room."""
+        if self.capacity <= 0 or tokens <= 0:
+            return []
+        old = self._held.pop(group, 0)
+        tokens = min(max(tokens, old), self.capacity)
+        self._held[group] = tokens
+        self._total += tokens - old
+        evicted = []
+        while self._total > self.capacity:
+            victim, held = self._held.popitem(last=False)
+            self._total -= held
+            evicted.append((victim, held))
+        return evicted
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+class _Leg(Enum):
+    WHOLE = "whole"  # colocated, or a short prompt on a decode worker
+    PREFILL = "prefill"  # the prefill worker's part: prompt and first token
+    DECODE = "decode"  # the decode worker's part after a push
+
+
+@dataclass(slots=True)
+class _Job:
+    """One request on one worker: ``num_computed`` catching up with ``num_tokens``."""
+
+    index: int  # into the workload
+    leg: _Leg
+    request: TraceRequest
+    arrival_s: float  # at this worker
+    num_tokens: int  # prompt plus tokens sampled so far
+    num_output: int  # tokens this job samples in all
+    num_computed: int = 0
+    num_sampled: int = 0
+    ready_s: float = 0.0  # an L2 fetch in progress: admissible from then
+    is_looked_up: bool = False
+
+    @property
+    def num_prompt(self) -> int:
+        return self.request.prompt_tokens
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """What the client saw of one request."""
+
+    arrival_s: float
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.arrival_s
+
+    @property
+    def itls_s(self) -> list[float]:
+        times = self.token_times_s
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+# ---------------------------------------------------------------------------------------------- a worker
+
+
+class _Worker:
+    """One simulated engine: its queues, caches and the step in progress."""
+
+    def __init__(self, name: str, spec: WorkerSpec, moves: KVMoves, l2: _LRU | None) -> None:
+        self.name = name
+        self.spec = spec
+        self.limits = spec.limits
+        self.moves = moves
+        self.engine_cache = _LRU(spec.limits.cache_tokens)
+        self.l1 = _LRU(spec.limits.l1_tokens)
+        self.l2 = l2
+        self.waiting: list[_Job] = []
+        self.running: list[_Job] = []
+        self.in_flight = 0
+        self.is_busy = False
+        self.is_kick_pending = False  # a wake-up is queued at the current time
+        self.busy_s = 0.0
+        self.sender_free_s = [0.0] * NUM_SENDER_THREADS
+
+    def held_tokens(self, group: str, max_tokens: int) -> tuple[int, int]:
+        local = max(self.engine_cache.get(group), self.l1.get(group))
+        shared = self.l2.get(group) if self.l2 is not None else 0
+        return min(local, max_tokens), min(shared, max_tokens)
+
+    def add(self, job: _Job) -> None:
+        self.waiting.append(job)
+
+    def schedule(self, now_s: float) -> tuple[list[tuple[_Job, int]], float]:
+        """The jobs of the next step with their new tokens, and the seconds of KV copies at admission."""
+        budget = self.limits.max_num_batched_tokens
+        if len(self.waiting) > 1:
+            self._order_waiting(now_s)
+        cap = self._running_prefill_cap()
+        scheduled: list[tuple[_Job, int]] = []
+        held_back = False
+        for job in self.running:
+            if budget == 0:
+                break
+            num_new = min(job.num_tokens - job.num_computed, budget)
+            if num_new > 1 and cap is not None:
+                held_back |= num_new > cap
+                num_new = min(num_new, cap)
+                if num_new == 0:
+                    continue
+                cap -= num_new
+            scheduled.append((job, num_new))
+            budget -= num_new
+        copy_s = self._admit(now_s, budget, held_back, scheduled)
+        return scheduled, copy_s
+
+    def _order_waiting(self, now_s: float) -> None:
+        oldest_allowed = now_s - self.limits.max_wait_s
+
+        def key(job: _Job) -> tuple[int, float, float]:
+            if job.arrival_s < oldest_allowed:
+                return (0, job.arrival_s, 0.0)
+            return (1, float(job.num_tokens - self._engine_hit(job)), job.arrival_s)
+
+        self.waiting.sort(key=key)
+
+    def _running_prefill_cap(self) -> int | None:
+        threshold = self.limits.long_prefill_token_threshold
+        if not threshold or not self.waiting or len(self.running) >= self.limits.max_num_seqs:
+            return None
+        num_decodes = sum(j.num_tokens - j.num_computed == 1 for j in self.running)
+        room = self.limits.max_num_batched_tokens - num_decodes - threshold
+        head = self.waiting[0]
+        return threshold if head.num_tokens - self._engine_hit(head) <= room else None
+
+    def _admit(self, now_s: float, budget: int, whole_only: bool, scheduled: list[tuple[_Job, int]]) -> float:
+        copy_s = 0.0
+        passed_over: list[_Job] = []
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            job = self.waiting[0]
+            if not job.is_looked_up:
+                self._look_up(job, now_s)
+            if job.ready_s > now_s:
+                passed_over.append(self.waiting.pop(0))
+                continue
+            num_cached, job_copy_s = self._cached(job)
+            num_new = job.num_tokens - num_cached
+            if num_new > budget:
+                if whole_only:
+                    break
+                num_new = budget
+            self.waiting.pop(0)
+            job.num_computed = num_cached
+            copy_s += job_copy_s
+            self.running.append(job)
+            scheduled.append((job, num_new))
+            budget -= num_new
+        self.waiting[:0] = passed_over
+        return copy_s
+
+    def _engine_hit(self, job: _Job) -> int:
+        group = job.request.prefix_group
+        if group is None:
+            return 0
+        return self._aligned(min(self.engine_cache.get(group), job.request.prefix_tokens), job)
+
+    def _aligned(self, tokens: int, job: _Job) -> int:
+        """Whole blocks, and never the last prompt token (it is always computed)."""
+        block = self.limits.block_size
+        return min(tokens // block * block, job.num_prompt - 1)
+
+    def _look_up(self, job: _Job, now_s: float) -> None:
+        """First sight of a job: an L2 hit beyond the local caches starts its fetch."""
+        job.is_looked_up = True
+        group = job.request.prefix_group
+        if group is None or self.l2 is None or job.leg == _Leg.DECODE:
+            return
+        local = max(self._engine_hit(job), self._aligned(min(self.l1.get(group), job.request.prefix_tokens), job))
+        shared = self._aligned(min(self.l2.get(group), job.request.prefix_tokens), job)
+        if shared > local:
+            job.ready_s = now_s + (shared - local) * self.moves.loads.l2_fetch_s_per_token
+
+    def _cached(self, job: _Job) -> tuple[int, float]:
+        """Tokens the job starts with, and the seconds of copying those not in the engine cache."""
+        loads = self.moves.loads
+        if job.leg == _Leg.DECODE:  # the push holds all but the last prompt token
+            engine = self._engine_hit(job)
+            return job.num_prompt - 1, (job.num_prompt - 1 - engine) * loads.kv_copy_s_per_token
+        group = job.request.prefix_group
+        if group is None:
+            return 0, 0.0
+        engine = self._engine_hit(job)
+        self.engine_cache.touch(group)
+        l1 = self._aligned(min(self.l1.get(group), job.request.prefix_tokens), job)
+        l2 = self._aligned(min(self.l2.get(group), job.request.prefix_tokens), job) if self.l2 is not None else 0
+        best = max(engine, l1, l2)
+        if best == engine:
+            return engine, 0.0
+        per_token = loads.l1_load_s_per_token if best == l1 else loads.kv_copy_s_per_token
+        return best, (best - engine) * per_token
+
+    def step_s(self, scheduled: Sequence[tuple[_Job, int]]) -> float:
+        chunks = [(j.num_computed, j.num_computed + n) for j, n in scheduled if j.num_computed < j.num_prompt]
+        decodes = [j.num_computed for j, _ in scheduled if j.num_computed >= j.num_prompt]
+        return self.spec.cost.step_s(chunks, decodes)
+
+    def remember(self, job: _Job, num_tokens: int, in_tiers: bool) -> None:
+        """Keep ``num_tokens`` of the job's group in the engine cache (evicted groups go to L1), and in L1/L2."""
+        group = job.request.prefix_group
+        if group is None:
+            return
+        for victim, held in self.engine_cache.put(group, num_tokens):
+            self.l1.put(victim, held)
+        if in_tiers:
+            self.l1.put(group, num_tokens)
+            if self.l2 is not None:
+                self.l2.put(group, num_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- the simulation
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    timings: tuple[RequestTiming, ...]  # in workload order
+    utilization: dict[str, float]  # worker name -> busy share of the run
+    duration_s: float  # first arrival to last token
+
+
+def simulate(requests: Sequence[TraceRequest], topology: Topology, moves: KVMoves) -> SimResult:
+    """Run ``requests`` (sorted by arrival) through ``topology``; deterministic."""
+    topology.check()
+    return _Simulation(requests, topology, moves).run()
+
+
+class _Simulation:
+    def __init__(self, requests: Sequence[TraceRequest], topology: Topology, moves: KVMoves) -> None:
+        self.requests = requests
+        self.topology = topology
+        self.moves = moves
+        l2 = _LRU(topology.l2_tokens) if topology.l2_tokens > 0 else None
+        self.workers = [_Worker(f"{spec.role.value}-{i}", spec, moves, l2) for i, spec in enumerate(topology.workers)]
+        self.routers = {
+            role: SimRouter(topology.strategy, [w for w in self.workers if w.spec.role == role])
+            for role in (Role.COLOCATED, Role.PREFILL, Role.DECODE)
+            if any(w.spec.role == role for w in self.workers)
+        }
+        self.timings = [RequestTiming(r.arrival_s) for r in requests]
+        self.decode_for: dict[int, _Worker] = {}
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+
+    def run(self) -> SimResult:
+        for index, request in enumerate(self.requests):
+            self._at(request.arrival_s, "arrive", index)
+        now_s = 0.0
+        while self._events:
+            now_s, _, kind, payload = heapq.heappop(self._events)
+            self._handle(now_s, kind, payload)
+        first = self.requests[0].arrival_s if self.requests else 0.0
+        last = max((t.token_times_s[-1] for t in self.timings if t.token_times_s), default=first)
+        duration_s = max(last - first, 1e-9)
+        utilization = {w.name: w.busy_s / duration_s for w in self.workers}
+        return SimResult(tuple(self.timings), utilization, duration_s)
+
+    def _at(self, time_s: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._events, (time_s, next(self._seq), kind, payload))
+
+    def _handle(self, now_s: float, kind: str, payload: object) -> None:
+        if kind == "arrive":
+            assert isinstance(payload, int)
+            self._arrive(now_s, payload)
+        elif kind == "step_done":
+            assert isinstance(payload, tuple)
+            self._step_done(now_s, *payload)
+        elif kind == "pushed":
+            assert isinstance(payload, _Job)
+            self._pushed(now_s, payload)
+        elif kind == "wake":
+            assert isinstance(payload, _Worker)
+            payload.is_kick_pending = False
+            self._kick(now_s, payload)
+
+    def _route(self, role: Role, request: TraceRequest) -> tuple[_Worker, int]:
+        """The worker the router picks in ``role``'s pool, and the tokens it believes that worker holds."""
+        query = RoutingQuery(request.prompt_tokens, request.prefix_group, request.prefix_tokens)
+        routed = self.routers[role].select(query)
+        assert isinstance(routed.worker, _Worker)
+        return routed.worker, routed.matched_tokens
+
+    def _arrive(self, now_s: float, index: int) -> None:
+        request = self.requests[index]
+        threshold = self.topology.routing_threshold
+        if not self.topology.is_disaggregated:
+            self._start(now_s, self._route(Role.COLOCATED, request)[0], _Leg.WHOLE, index)
+            return
+        decode, matched = self._route(Role.DECODE, request)
+        uncached = request.prompt_tokens - matched
+        if threshold is None or uncached < threshold or Role.PREFILL not in self.routers:
+            self._start(now_s, decode, _Leg.WHOLE, index)
+            return
+        self.decode_for[index] = decode
+        self._start(now_s, self._route(Role.PREFILL, request)[0], _Leg.PREFILL, index)
+
+    def _start(self, now_s: float, worker: _Worker, leg: _Leg, index: int) -> None:
+        request = self.requests[index]
+        num_output = 1 if leg == _Leg.PREFILL else request.output_tokens
+        worker.add(_Job(index, leg, request, now_s, request.prompt_tokens, num_output))
+        worker.in_flight += 1
+        if not worker.is_busy and not worker.is_kick_pending:  # after all else arriving now: one step for all
+            worker.is_kick_pending = True
+            self._at(now_s, "wake", worker)
+
+    def _kick(self, now_s: float, worker: _Worker) -> None:
+        """Start the worker's next step if it is idle and has anything to run."""
+        if worker.is_busy or not (worker.running or worker.waiting):
+            return
+        scheduled, copy_s = worker.schedule(now_s)
+        if not scheduled:  # only L2 fetches in progress: look again when the first is done
+            ready_s = min((j.ready_s for j in worker.waiting), default=now_s)
+            if ready_s <= now_s:
+                raise RuntimeError(f"{worker.name} has work but scheduled none at {now_s:.3f} s (a simulator bug)")
+            self._at(ready_s, "wake", worker)
+            return
+        duration_s = worker.step_s(scheduled) + copy_s
+        worker.is_busy = True
+        worker.busy_s += duration_s
+        self._at(now_s + duration_s, "step_done", (worker, scheduled))
+
+    def _step_done(self, now_s: float, worker: _Worker, scheduled: list[tuple[_Job, int]]) -> None:
+        worker.is_busy = False
+        for job, num_new in scheduled:
+            was_prefill = job.num_computed < job.num_prompt
+            job.num_computed += num_new
+            if was_prefill and job.num_computed >= job.num_prompt:
+                worker.remember(job, job.num_prompt, in_tiers=job.leg != _Leg.DECODE)
+            if job.num_computed == job.num_tokens:
+                self._sampled(now_s, worker, job)
+        self._kick(now_s, worker)
+
+    def _sampled(self, now_s: float, worker: _Worker, job: _Job) -> None:
+        job.num_sampled += 1
+        job.num_tokens += 1
+        if job.leg == _Leg.WHOLE or (job.leg == _Leg.DECODE and job.num_sampled > 1):
+            self.timings[job.index].token_times_s.append(now_s)
+        if job.num_sampled < job.num_output:
+            return
+        worker.running.remove(job)
+        worker.in_flight -= 1
+        worker.remember(job, job.num_tokens - 1, in_tiers=False)
+        if job.leg == _Leg.PREFILL:
+            start_s = max(now_s, min(worker.sender_free_s))
+            done_s = start_s + self.moves.push_s(job.num_prompt)
+            worker.sender_free_s[worker.sender_free_s.index(min(worker.sender_free_s))] = done_s
+            self._at(done_s, "pushed", job)
+
+    def _pushed(self, now_s: float, job: _Job) -> None:
+        self.timings[job.index].token_times_s.append(now_s)  # the router sends prefill's first token
+        if job.request.output_tokens > 1:
+            self._start(now_s, self.decode_for.pop(job.index), _Leg.DECODE, job.index)
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A request meets the SLO when its TTFT and the 99th percentile of its own ITLs are within these."""
+
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A layout's predicted figures over one workload (seconds; rates per second)."""
+
+    num_requests: int
+    duration_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    goodput_requests_per_s: float  # requests meeting the SLO, per second of the run
+    slo_attainment: float  # share of requests meeting the SLO
+    utilization: dict[str, float]
+
+
+def summarize(result: SimResult, slo: Slo) -> Prediction:
+    """The percentiles (interpolated, as ``splitserve bench`` computes them), throughput and goodput."""
+    timings = [t for t in result.timings if t.token_times_s]
+    ttfts = [t.ttft_s for t in timings]
+    itls = [gap for t in timings for gap in t.itls_s]
+    good = sum(1 for t in timings if _meets(t, slo))
+    duration_s = result.duration_s
+    return Prediction(
+        num_requests=len(timings),
+        duration_s=duration_s,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50) if itls else 0.0,
+        itl_p99_s=percentile(itls, 99) if itls else 0.0,
+        output_tokens_per_s=sum(len(t.token_times_s) for t in timings) / duration_s,
+        requests_per_s=len(timings) / duration_s,
+        goodput_requests_per_s=good / duration_s,
+        slo_attainment=good / len(timings) if timings else math.nan,
+        utilization=result.utilization,
+    )
+
+
+def _meets(timing: RequestTiming, slo: Slo) -> bool:
+    itls = timing.itls_s
+    return timing.ttft_s <= slo.ttft_s and (not itls or percentile(itls, 99) <= slo.itl_s)

@@ -1,0 +1,71 @@
+"""The planner's calibration on the real engine (SmolLM2-135M, one thread), on a small measurement plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from splitserve.planner import calibrate
+from splitserve.planner.calibrate import MeasurePlan, build_calibration_engine, calibration_key, ensure_calibration
+from splitserve.planner.costs import Calibration, load_cached, save_cached
+
+SMALL = MeasurePlan(
+    prefill_lengths=(64, 128, 256, 512),
+    cached_prefills=((256, 384),),
+    decode_contexts=(128, 512),
+    decode_batches=(1, 4),
+    decode_steps=3,
+    transfer_tokens=(64, 256),
+    transfer_repeats=1,
+    num_load_records=2,
+)
+
+
+@pytest.fixture(scope="module")
+def measured() -> Calibration:
+    key = calibration_key("smollm2")
+    engine = build_calibration_engine(key, 1024)
+    try:
+        return calibrate.measure(engine, key, SMALL.fitted_to(1024), thread_counts=(2,))
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_calibration_fits_the_engines_own_step_times(measured: Calibration) -> None:
+    samples = measured.samples
+    assert len(samples["prefill"]) == 4 + 1 and len(samples["decode"]) == 2 * 2 and len(samples["transfer"]) == 2
+    prefill = measured.prefill
+    assert 0 < prefill.prompt_s(64) < prefill.prompt_s(512)
+    assert prefill.prompt_s(384, num_cached=256) < prefill.prompt_s(384)
+    measured_512 = next(t for start, end, t in samples["prefill"] if (start, end) == (0, 512))
+    assert prefill.prompt_s(512) == pytest.approx(measured_512, rel=0.5)
+    decode = measured.decode
+    assert decode.step_s(4, 4 * 512) > decode.step_s(1, 128) > 0
+    assert all(v >= 0 for v in (decode.base_s, decode.per_seq_s, decode.per_context_token_s))
+    assert measured.kv_bytes_per_token in (30 * 2 * 3 * 64 * 2, 30 * 2 * 3 * 64 * 4)  # SmolLM2: bf16 or fp32
+    assert measured.transfer.bytes_per_s > 1e7
+    assert measured.transfer_s(4096) > measured.transfer_s(64)
+    loads = measured.loads
+    assert min(loads.kv_copy_s_per_token, loads.l1_load_s_per_token, loads.l2_fetch_s_per_token) > 0
+    assert [s.num_threads for s in measured.scales] == [2]
+    assert set(measured.fit_errors) == {"prefill", "decode", "transfer", "mixed_step"}
+
+
+@pytest.mark.slow
+def test_a_cached_calibration_is_used_and_only_what_is_missing_measured(
+    measured: Calibration, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_cached(measured, tmp_path)
+    assert load_cached(measured.key, tmp_path) == measured
+
+    def no_engine(*_: object) -> None:
+        raise RuntimeError("would measure")
+
+    monkeypatch.setattr(calibrate, "build_calibration_engine", no_engine)
+    assert ensure_calibration(measured.key, (1, 2), directory=tmp_path) == measured
+    with pytest.raises(RuntimeError, match="would measure"):
+        ensure_calibration(measured.key, (1, 4), directory=tmp_path)  # 4 threads: never measured
+    with pytest.raises(RuntimeError, match="would measure"):
+        ensure_calibration(measured.key, (1,), directory=tmp_path, recalibrate=True)
