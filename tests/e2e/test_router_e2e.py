@@ -138,6 +138,32 @@ def test_the_openai_client_sees_cached_tokens_and_sagemaker_routes_serve(endpoin
         assert text.status_code == 200 and text.json()["object"] == "text_completion", name
 
 
+def test_the_hits_kvaware_predicts_are_the_ones_the_workers_report(endpoint: Endpoint) -> None:
+    """Issue 17: on a scripted workload, the router's predicted hit tokens per worker agree with the cached
+    prompt tokens each worker reports (what the hit check compares to catch silent misses)."""
+    router = endpoint.kvaware
+    predicted_name, reported_name = "splitserve:router_predicted_hit_tokens_total", "vllm:prompt_tokens_cached_total"
+
+    def predicted() -> list[float]:
+        return [router.metric(predicted_name, worker=w.url) for w in endpoint.workers]
+
+    def reported() -> list[float]:
+        return [w.metric(reported_name) for w in endpoint.workers]
+
+    predicted_before, reported_before = predicted(), reported()
+    facts = long_prompt(24, "basket").rsplit(" Question:", 1)[0]
+    for i in range(5):
+        assert router.complete(facts + f" Question: what is in the basket number {i}? Answer:").status_code == 200
+        time.sleep(0.5)  # the worker's events reach the router before the next request is routed
+    gained = [a - b for a, b in zip(predicted(), predicted_before, strict=True)]
+    seen = [a - b for a, b in zip(reported(), reported_before, strict=True)]
+    assert sum(gained) >= 4 * 256  # four follow-ups, each predicted to find the facts (over 256 tokens) cached
+    for worker_predicted, worker_reported in zip(gained, seen, strict=True):
+        # what a worker reports beyond the prediction: each prompt's partial last block (under 16 tokens)
+        assert worker_predicted <= worker_reported <= worker_predicted + 5 * 16, (gained, seen)
+    assert router.metric("splitserve:router_hit_alarms_total") == 0
+
+
 def test_the_load_guard_spreads_a_hot_prefix_under_skew(endpoint: Endpoint) -> None:
     router = endpoint.router("prefixaware", "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0")
     router.wait_healthy()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -230,6 +230,21 @@ class RouterMetrics:
             n.counter_base(n.ROUTER_INDEX_HIT_TOKENS_TOTAL), "Prompt tokens the index found on the chosen worker.",
             [n.STRATEGY_LABEL], registry=r,
         ).labels(self.strategy)  # fmt: skip
+        self.predicted_hit_tokens = Counter(
+            n.counter_base(n.ROUTER_PREDICTED_HIT_TOKENS_TOTAL),
+            "Prompt tokens the routing policy expected each worker to hold, for the requests that worker took.",
+            [n.WORKER_LABEL], registry=r,
+        )  # fmt: skip
+        self.reported_hit_tokens = Gauge(
+            n.ROUTER_REPORTED_HIT_TOKENS,
+            "Prompt tokens each worker reports it did not compute (vllm:prompt_tokens_cached_total), last scraped.",
+            [n.WORKER_LABEL], registry=r,
+        )  # fmt: skip
+        self.hit_alarms = Counter(
+            n.counter_base(n.ROUTER_HIT_ALARMS_TOTAL),
+            "Windows in which a worker reported under half the cached tokens the router predicted for it.",
+            [n.WORKER_LABEL], registry=r,
+        )  # fmt: skip
         self.ttft_s = Histogram(
             n.ROUTER_TTFT_SECONDS, "Time to first token seen by the router, in seconds.", buckets=n.TTFT_BUCKETS_S,
             registry=r,

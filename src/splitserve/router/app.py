@@ -48,6 +48,7 @@ from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
 from splitserve.router.events import EventSubscriber
 from splitserve.router.health import HealthChecker, worker_breaker
+from splitserve.router.hit_check import HitPredictionCheck
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.migrate import (
     PROMPT_CONTEXT_TOKENS,
@@ -145,8 +146,9 @@ class Router:
         self.metrics = metrics or RouterMetrics(config.routing_strategy.value)
         self.metrics.bind(self)
         self._session: aiohttp.ClientSession | None = None
+        self.hit_check = HitPredictionCheck(self.metrics)
         self.scraper = WorkerStatsScraper(lambda: self.pool, lambda: self.session, self.metrics,
-                                          timeout_s=config.health_timeout_s)  # fmt: skip
+                                          timeout_s=config.health_timeout_s, hit_check=self.hit_check)  # fmt: skip
         self.health = HealthChecker(
             lambda: self.pool,
             lambda: self.session,
@@ -323,6 +325,8 @@ class Router:
             result = await self._try(decision.worker, call, decision.uncached_tokens)
             if result.failure is None:
                 assert result.response is not None
+                if result.response.status_code == 200:
+                    self.hit_check.predicted(decision.worker.url, decision.matched_tokens)
                 return result.response
             tried.add(decision.worker.url)
             last_failure = f"{decision.worker.name}: {result.failure}"

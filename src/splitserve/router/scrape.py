@@ -3,7 +3,8 @@
 Every ``interval_s`` (production-stack's ``--engine-stats-interval`` default) each worker's page is read and its
 ``vllm:prefix_cache_{hits,queries}_total`` handed to the router's metrics, which expose them per worker as
 production-stack's ``vllm:gpu_prefix_cache_*`` gauges. A worker that does not answer in ``timeout_s`` has its
-last values forgotten (its gauges disappear until it answers again).
+last values forgotten (its gauges disappear until it answers again). The tokens the worker reports as cached
+go to the hit check (``router/hit_check.py``), which compares them with what routing predicted.
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.metrics import (
+    EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
     PREFIX_CACHE_HITS_TOTAL,
     PREFIX_CACHE_QUERIES_TOTAL,
+    PROMPT_TOKENS_CACHED_TOTAL,
     PrefixCacheCounts,
     RouterMetrics,
     sum_samples,
 )
+from splitserve.router.hit_check import HitPredictionCheck
 
 if TYPE_CHECKING:
     from splitserve.router.discovery import Worker
@@ -43,10 +48,12 @@ class WorkerStatsScraper:
         *,
         interval_s: float = SCRAPE_INTERVAL_S,
         timeout_s: float = 2.0,
+        hit_check: HitPredictionCheck | None = None,
     ) -> None:
         self._workers = workers
         self._session = session
         self.metrics = metrics
+        self.hit_check = hit_check
         self.interval_s = interval_s
         self.timeout_s = timeout_s
 
@@ -60,6 +67,8 @@ class WorkerStatsScraper:
         pages = await asyncio.gather(*(self._page(w.url) for w in workers))
         for worker, page in zip(workers, pages, strict=True):
             self.metrics.set_prefix_cache(worker.url, prefix_cache_counts(page) if page is not None else None)
+            if self.hit_check is not None:
+                self.hit_check.reported(worker.url, cached_prompt_tokens(page) if page is not None else None)
 
     async def _page(self, url: str) -> str | None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -72,6 +81,24 @@ class WorkerStatsScraper:
             logger.debug("scraping %s/metrics failed: %s", url, exc)
             return None
         return body.decode("utf-8", "replace")
+
+
+def cached_prompt_tokens(page: str) -> float | None:
+    """The prompt tokens a worker did not compute, cumulative: ``vllm:prompt_tokens_cached_total``, else (an
+    older vLLM) its prefix-cache hits plus its external (connector) hits; None when the page has none of them
+    or does not parse."""
+    totals: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        return None
+    if PROMPT_TOKENS_CACHED_TOTAL in totals:
+        return totals[PROMPT_TOKENS_CACHED_TOTAL]
+    if PREFIX_CACHE_HITS_TOTAL not in totals:
+        return None
+    return totals[PREFIX_CACHE_HITS_TOTAL] + totals.get(EXTERNAL_PREFIX_CACHE_HITS_TOTAL, 0.0)
 
 
 def prefix_cache_counts(page: str) -> PrefixCacheCounts | None:
