@@ -1,17 +1,14 @@
 """The router's HTTP app: proxy OpenAI requests to a worker chosen by the routing policy.
 
-Per request: read the body once, ask the policy for a worker among the routable ones, forward the bytes
-unchanged, and pass the answer through. Failures before anything reached the client are retried on another
-worker (connect errors, timeouts, 429/5xx answers, a worker dying before its first streamed byte or before
-a non-streamed answer is complete), with jittered exponential back-off, at most ``max_retries`` times; the
-worker's breaker counts them (a 429, or a 503 ``draining``, is no fault: the second takes the worker out of
-rotation until its ``/health`` answers 200 again). A worker dying mid-stream has its stream resumed on
-another worker (``router/migrate.py``); a stream that cannot be resumed ends with an error event and
-``[DONE]``. When no worker can take a request the answer is a 503 with OpenAI's error body. A client's
-mistake (invalid JSON, 4xx from the worker) is passed back as such, never retried.
+Per request (:meth:`Router.proxy`): read the body once (413 past the limit, 400 for bad JSON), check
+``cache_salt``, map SageMaker's ``/invocations`` to the route its body is for, salt per client key when asked,
+tokenize for the cache-aware policies, then hand the call to the disaggregator (a prefill/decode endpoint) or
+straight to the :class:`~splitserve.router.forward.Forwarder`, which picks the worker, retries, relays and
+resumes streams. When no worker can take a request the answer is a 503 with OpenAI's error body.
 
-Also: ``/v1/models`` (merged over the workers), ``/health`` (200 while some worker is routable),
-``/metrics`` and ``/kv/events`` (the workers' KV events, for ``kvaware``).
+Also: ``/v1/models`` (merged over the workers), ``/health`` and ``/ping`` (200 while some worker is
+routable), ``/version``, ``/tokenize`` and ``/detokenize`` (the least busy worker answers), ``/metrics``,
+``/kv/events`` (the workers' KV events, for ``kvaware``) and ``/admin/workers``.
 """
 
 from __future__ import annotations
@@ -21,11 +18,9 @@ import collections
 import contextlib
 import json
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -47,75 +42,21 @@ from splitserve.router.cost import PrefillCostModel
 from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
 from splitserve.router.events import EventSubscriber
+from splitserve.router.forward import NOT_FORWARDED, RETRYABLE_STATUS, Call, Forwarder, RouterError
 from splitserve.router.health import HealthChecker, worker_breaker
 from splitserve.router.hit_check import HitPredictionCheck
 from splitserve.router.kv_index import KVIndex
-from splitserve.router.migrate import (
-    PROMPT_CONTEXT_TOKENS,
-    SSEBuffer,
-    StreamTracker,
-    WorkerStreamFailed,
-    held_back_text,
-    is_migratable,
-    resume_body,
-    sse_event,
-    stream_error_end,
-)
-from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest, build_policy
+from splitserve.router.migrate import is_migratable
+from splitserve.router.policies import RoutingPolicy, RoutingRequest, build_policy
 from splitserve.router.scrape import WorkerStatsScraper
+from splitserve.router.transport import AiohttpTransport, Transport, TransportError
 from splitserve.router.vllm_events import VLLMSource
 from splitserve.sagemaker import INVOCATIONS_PATH, MISSING_SHAPE, invocation_path
 
 logger = logging.getLogger("splitserve.router")
 
-MAX_PARTIAL_CHARACTER_TOKENS = 4  # a UTF-8 character spans at most 4 byte-level tokens
-RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-# not forwarded to workers: hop-by-hop headers, and the client's key (the router sends its own credential)
-NOT_FORWARDED = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection",
-     "authorization"}
-)  # fmt: skip
 Tokenize = Callable[[str, dict[str, Any]], list[int] | None]
 """(path, body) -> the prompt's token ids as the workers would see them, or None when it cannot tell."""
-
-
-class RouterError(Exception):
-    """An answer with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        if self.status == 503:
-            kind = "service_unavailable"
-        body = {"error": {"message": str(self), "type": kind, "param": None, "code": self.code or self.status}}
-        return JSONResponse(body, status_code=self.status)
-
-
-@dataclass
-class Call:
-    """One client request as the router forwards it."""
-
-    path: str
-    body: dict[str, Any]
-    raw: bytes  # the body as sent to workers (the client's bytes, or a re-encoding of ``body``)
-    headers: dict[str, str]
-    is_stream: bool
-    routing: RoutingRequest
-    start_s: float
-    observe_ttft: bool = True  # False when the client already got its first token (disaggregated streams)
-    tracker: StreamTracker | None = None  # a stream the router can resume on another worker
-
-
-class _Attempt:
-    """One try on one worker; ``failure`` is set when another worker should be tried."""
-
-    def __init__(self) -> None:
-        self.failure: str | None = None
-        self.response: Response | None = None
 
 
 class Router:
@@ -127,7 +68,10 @@ class Router:
         tokenize: Tokenize | None = None,
         *,
         metrics: RouterMetrics | None = None,
+        transport: Transport | None = None,
     ) -> None:
+        """``transport`` (default: an aiohttp client) carries the requests to workers; health checks, KV
+        events and metric scrapes always use the aiohttp client."""
         config.validate()
         self.config = config
         self._tokenize = tokenize
@@ -139,14 +83,21 @@ class Router:
             cooldown_s=config.breaker_cooldown_s,
         )
         self.kv_index = KVIndex(config.block_size, config.kv_chunk_size, config.kv_index_max_blocks)
-        self.disagg = Disaggregator(self) if config.decode else None
         self.cost = PrefillCostModel()  # seconds per prefill token per worker, from its streams' TTFT
         cost = self.cost if config.routing_cost_model else None
         self.policy: RoutingPolicy = build_policy(config, lambda: self._routing_pool(), self.kv_index, cost)
         self.metrics = metrics or RouterMetrics(config.routing_strategy.value)
         self.metrics.bind(self)
-        self._session: aiohttp.ClientSession | None = None
+        self._client = AiohttpTransport(  # the router's own credential goes with every request
+            config.connect_timeout_s, config.read_timeout_s, bearer_header(config.cluster_secret)
+        )
+        self.transport: Transport = transport if transport is not None else self._client
         self.hit_check = HitPredictionCheck(self.metrics)
+        self.forwarder = Forwarder(
+            config, self.transport, self.metrics, self.policy, self._routing_pool, cost=self.cost,
+            hit_check=self.hit_check,
+        )  # fmt: skip
+        self.disagg = Disaggregator(config, self.pool, self.kv_index, self.forwarder) if config.decode else None
         self.scraper = WorkerStatsScraper(lambda: self.pool, lambda: self.session, self.metrics,
                                           timeout_s=config.health_timeout_s, hit_check=self.hit_check)  # fmt: skip
         self.health = HealthChecker(
@@ -157,7 +108,6 @@ class Router:
             failure_threshold=config.health_failure_threshold,
             success_threshold=config.health_success_threshold,
         )
-        self._rng = random.Random()
         # kvaware: the router pulls every worker's KV events itself (workers may also push them)
         self.events = (
             EventSubscriber(
@@ -172,20 +122,8 @@ class Router:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The HTTP client to the workers, made on first use (it must be made on the running loop)."""
-        if self._session is None:
-            timeout = aiohttp.ClientTimeout(
-                total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
-            )
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=timeout,
-                auto_decompress=False,
-                trust_env=False,
-                headers=bearer_header(self.config.cluster_secret),  # the router's own credential
-            )
-        return self._session
+        """The aiohttp session of the health checks, KV events and scrapes (made on first use, on the loop)."""
+        return self._client.session
 
     # -- state for metrics --------------------------------------------------------------------------------
 
@@ -264,8 +202,8 @@ class Router:
         if self.disagg is not None:
             return await self.disagg.proxy(call)
         if self.config.stream_migration and is_migratable(path, body):
-            self.track(call)
-        return await self.forward(call, self._routing_pool)
+            self.forwarder.track(call)
+        return await self.forwarder.forward(call, self._routing_pool)
 
     async def _json_body(self, request: Request) -> tuple[Any, bytes]:
         """The request's JSON and bytes; a :class:`RouterError` 413 as soon as the body passes the limit
@@ -298,44 +236,6 @@ class Router:
         except RecursionError as exc:
             raise RouterError(400, "the request body nests too deeply") from exc
 
-    def track(self, call: Call, sent_text: str = "") -> None:
-        """Follow ``call``'s stream so that it can be resumed elsewhere: ask the worker for token ids.
-        ``sent_text``: what the client already got of the answer (a disaggregated stream's first token)."""
-        body = call.body
-        options = body.get("stream_options")
-        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-        wants_ids = body.get("return_token_ids") is True
-        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, text=sent_text)
-        if not wants_ids:
-            call.raw = json.dumps(body | {"return_token_ids": True}).encode()
-
-    async def forward(self, call: Call, pool: Callable[[], list[Worker]], first: Decision | None = None) -> Response:
-        """Send ``call`` to a worker of ``pool`` chosen by the policy (``first``, when given, is the first
-        choice), retrying on others for failures before the client got anything."""
-        tried: set[str] = set()
-        last_failure = "no worker is available"
-        for attempt in range(self.config.max_retries + 1):
-            candidates = [w for w in pool() if w.is_routable and w.url not in tried]
-            if not candidates:
-                break
-            if attempt:
-                await asyncio.sleep(self._backoff_s(attempt))
-            decision = first if first is not None and attempt == 0 else self.policy.select(call.routing, candidates)
-            self._log_decision(decision, call.routing)
-            result = await self._try(decision.worker, call, decision.uncached_tokens)
-            if result.failure is None:
-                assert result.response is not None
-                if result.response.status_code == 200:
-                    self.hit_check.predicted(decision.worker.url, decision.matched_tokens)
-                return result.response
-            tried.add(decision.worker.url)
-            last_failure = f"{decision.worker.name}: {result.failure}"
-            self.metrics.retries.labels(result.failure.split(":", 1)[0]).inc()
-            if result.response is not None and not any(w.is_routable and w.url not in tried for w in pool()):
-                return result.response  # the last worker's own error answer (e.g. its 503)
-        self.metrics.decision("no_worker")
-        return RouterError(503, f"no worker could take the request ({last_failure})", "no_worker_available").response()
-
     async def _routing_request(self, request: Request, path: str, body: dict[str, Any]) -> RoutingRequest:
         session = request.headers.get(self.config.session_key) or body.get("user")
         salt = body.get("cache_salt")
@@ -344,294 +244,6 @@ class Router:
         if (self.policy.needs_tokens or self.disagg is not None) and self._tokenize is not None:
             routing.token_ids = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, path, body)
         return routing
-
-    def _backoff_s(self, attempt: int) -> float:
-        base = self.config.retry_backoff_s * 2 ** (attempt - 1)
-        return base * (0.5 + self._rng.random())
-
-    async def _try(self, worker: Worker, call: Call, uncached_tokens: int = 0) -> _Attempt:
-        """Send ``call`` to ``worker``; its ``uncached_tokens`` count as queued there until it answers."""
-        path, raw, headers, is_stream, routing, start_s = (
-            call.path,
-            call.raw,
-            call.headers,
-            call.is_stream,
-            call.routing,
-            call.start_s,
-        )
-        attempt = _Attempt()
-        worker.in_flight += 1
-        self.metrics.observe_sent(worker.url)
-        worker.breaker.on_attempt()
-        handed_over = False
-        queued = _QueuedPrefill(worker, uncached_tokens)
-        try:
-            try:
-                upstream = await self.session.post(worker.url + path, data=raw, headers=headers)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                self._failed(worker, attempt, f"connect: {type(exc).__name__}")
-                return attempt
-            if upstream.status in RETRYABLE_STATUS:
-                content = await _read_quietly(upstream)
-                if upstream.status == 429:  # alive but full: try another worker, but it is no fault of this one
-                    worker.breaker.record_success()
-                    attempt.failure = "status: 429"
-                elif upstream.status == 503 and _error_code(content) == "draining":
-                    self._draining(worker)
-                    attempt.failure = "status: draining"
-                else:
-                    self._failed(worker, attempt, f"status: {upstream.status}")
-                attempt.response = Response(content, upstream.status, media_type="application/json")
-                return attempt
-            media_type = upstream.headers.get("content-type", "application/json")
-            if upstream.status != 200 or not is_stream:
-                try:
-                    content = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    self._failed(worker, attempt, f"read: {type(exc).__name__}")
-                    return attempt
-                finally:
-                    upstream.release()
-                worker.breaker.record_success()
-                self._answered(worker, upstream.status, routing, start_s)
-                attempt.response = Response(content, upstream.status, media_type=media_type)
-                return attempt
-            chunks = upstream.content.iter_any()
-            try:
-                first = await anext(chunks)
-            except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
-                upstream.close()
-                self._failed(worker, attempt, f"read: {type(exc).__name__}")
-                return attempt
-            worker.breaker.record_success()
-            # a completion's first chunk carries its first token; a chat's may be the role alone, sent at once
-            queued.answered(self.cost if not path.endswith("/chat/completions") else None)
-            if call.observe_ttft:
-                self.metrics.ttft_s.observe(time.perf_counter() - start_s)
-            self.policy.on_routed(routing, worker)
-            lease = _Lease(worker, upstream)  # released by the relay, or after the response if it never ran
-            relay = (
-                self._relay(lease, first, chunks, start_s)
-                if call.tracker is None
-                else self._relay_tracked(lease, _prepend(first, chunks), call)
-            )
-            headers = {"Cache-Control": "no-cache"}
-            background = BackgroundTask(lease.release)
-            attempt.response = StreamingResponse(relay, media_type=media_type, headers=headers, background=background)
-            handed_over = True  # the lease now owns in_flight and the upstream response
-            return attempt
-        finally:
-            queued.release()
-            if not handed_over:
-                worker.in_flight -= 1
-
-    async def _relay(
-        self, lease: _Lease, first: bytes, chunks: AsyncIterator[bytes], start_s: float
-    ) -> AsyncIterator[bytes]:
-        status = "200"
-        worker = lease.worker
-        try:
-            yield first
-            last_s = time.perf_counter()
-            try:
-                async for chunk in chunks:
-                    now_s = time.perf_counter()
-                    self.metrics.observe_itl(worker.url, now_s - last_s)
-                    last_s = now_s
-                    yield chunk
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                status = "stream_error"
-                worker.breaker.record_failure()
-                logger.warning("worker %s failed mid-stream: %s: %s", worker.name, type(exc).__name__, exc)
-                yield stream_error_end(f"the worker failed mid-stream ({type(exc).__name__})")
-        finally:
-            lease.release()  # a client that left early also drops the worker's connection: the worker aborts
-            self.metrics.requests.labels(worker.url, status).inc()
-            self.metrics.observe_e2e(worker.url, time.perf_counter() - start_s)
-
-    def _draining(self, worker: Worker) -> None:
-        """The worker is shutting down: no new requests until its /health says it is back."""
-        if worker.healthy is not False:
-            logger.info("worker %s is draining: no new requests go to it", worker.name)
-        worker.healthy = False
-
-    async def _relay_tracked(self, lease: _Lease, pieces: AsyncIterator[bytes], call: Call) -> AsyncIterator[bytes]:
-        """Relay a followed stream event by event; when its worker fails before the answer finished, resume it
-        on another worker (at most ``max_retries`` times) and go on relaying that one."""
-        tracker = call.tracker
-        assert tracker is not None
-        status = "200"
-        worker = lease.worker
-        tried = {worker.url}
-        last_s = time.perf_counter()
-        try:
-            while True:
-                buffer = SSEBuffer()
-                failure = None
-                try:
-                    async for piece in pieces:
-                        for data in buffer.feed(piece):
-                            out = tracker.on_event(data)
-                            if out:
-                                now_s = time.perf_counter()
-                                self.metrics.observe_itl(worker.url, now_s - last_s)
-                                last_s = now_s
-                                yield out
-                        if tracker.done:
-                            break
-                    if not tracker.done:
-                        failure = "the stream ended before [DONE]"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    failure = f"{type(exc).__name__}: {exc}"
-                except WorkerStreamFailed as exc:
-                    failure = f"error event: {exc}"
-                except (KeyError, TypeError, AttributeError, ValueError) as exc:  # an event of another shape
-                    failure = f"a malformed event: {type(exc).__name__}: {exc}"
-                if failure is None:
-                    return
-                lease.release()
-                worker.breaker.record_failure()
-                self.metrics.requests.labels(worker.url, "stream_error").inc()
-                logger.warning("worker %s failed mid-stream: %s", worker.name, failure)
-                if tracker.finished:  # only [DONE] was lost
-                    yield b"data: [DONE]\n\n"
-                    return
-                resumed = await self._resume(call, tried, lease) if tracker.can_resume else None
-                if resumed is None:
-                    status = "stream_error"
-                    self.metrics.migrations.labels("failed").inc()
-                    yield stream_error_end(
-                        f"the worker failed mid-stream ({failure}) and no other worker could resume it"
-                    )
-                    return
-                pieces, catch_up = resumed
-                worker = lease.worker
-                self.metrics.migrations.labels("resumed").inc()
-                logger.info(
-                    "stream %s resumed on worker %s after %d tokens", tracker.id, worker.name, len(tracker.output_ids)
-                )
-                if catch_up:  # already in tracker.text
-                    yield sse_event(tracker.chunk(catch_up))
-        finally:
-            lease.release()
-            self.metrics.requests.labels(worker.url, status).inc()
-            self.metrics.observe_e2e(worker.url, time.perf_counter() - call.start_s)
-
-    async def _resume(self, call: Call, tried: set[str], lease: _Lease) -> tuple[AsyncIterator[bytes], str] | None:
-        """Open the rest of ``call``'s answer on a worker not in ``tried`` (``lease`` then holds it): its
-        stream and the text the failed worker held back; None when no worker could take it."""
-        tracker = call.tracker
-        assert tracker is not None and tracker.prompt_ids is not None
-        if tracker.num_migrations >= self.config.max_retries + 1:
-            return None
-        for attempt in range(self.config.max_retries + 1):
-            candidates = [w for w in self._routing_pool() if w.is_routable and w.url not in tried]
-            if not candidates:
-                return None
-            if attempt:
-                await asyncio.sleep(self._backoff_s(attempt))
-            worker = self.policy.select(call.routing, candidates).worker
-            tried.add(worker.url)
-            catch_up = await self._held_back_text(worker, tracker)  # may drop a half character's tokens
-            body = resume_body(tracker, call.body, await self._max_model_len(worker))
-            if body is None:
-                return None
-            worker.in_flight += 1
-            self.metrics.observe_sent(worker.url)
-            worker.breaker.on_attempt()
-            upstream: aiohttp.ClientResponse | None = None
-            handed_over = False
-            try:
-                upstream = await self.session.post(
-                    worker.url + "/v1/completions", data=json.dumps(body).encode(), headers=call.headers
-                )
-                if upstream.status != 200:
-                    reason = _error_code(await _read_quietly(upstream)) or str(upstream.status)
-                    raise _Refused(f"status {upstream.status} ({reason})", upstream.status)
-                chunks = upstream.content.iter_any()
-                first = await anext(chunks)
-                worker.breaker.record_success()
-                lease.hold(worker, upstream)
-                handed_over = True
-            except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, _Refused) as exc:
-                if not isinstance(exc, _Refused) or exc.status >= 500:
-                    worker.breaker.record_failure()
-                logger.warning("resuming a stream on worker %s failed: %s", worker.name, exc)
-                if isinstance(exc, _Refused) and 400 <= exc.status < 500 and exc.status != 429:
-                    return None  # the worker refuses the request itself: another would too
-                continue
-            finally:
-                if not handed_over:  # failed, or cancelled (the client left): undo the count, drop the answer
-                    worker.in_flight -= 1
-                    if upstream is not None:
-                        upstream.close()
-            tracker.resume()
-            if catch_up:
-                tracker.text += catch_up
-            return _prepend(first, chunks), catch_up
-        return None
-
-    async def _held_back_text(self, worker: Worker, tracker: StreamTracker) -> str:
-        """Text of the tokens generated so far that the failed worker had not sent (see migrate.py). Tokens that
-        end in half a character are dropped from ``tracker.output_ids`` first: the new worker generates them
-        again, and the character comes out whole."""
-        assert tracker.prompt_ids is not None
-        tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
-        model = tracker.model
-        context = await self._detokenize(worker, tail, model)
-        for _ in range(MAX_PARTIAL_CHARACTER_TOKENS + 1):
-            full = await self._detokenize(worker, tail + tracker.output_ids, model)
-            if context is None or full is None:
-                return ""
-            if not full.endswith("\ufffd") or not tracker.output_ids:
-                return held_back_text(tracker, context, full)
-            tracker.output_ids.pop()
-        return ""
-
-    async def _max_model_len(self, worker: Worker) -> int | None:
-        """The worker's context length, from its ``/v1/models`` card (splitserve's and vLLM's carry it)."""
-        answer = await self.get_json(f"{worker.url}/v1/models")
-        cards = answer.get("data") if isinstance(answer, dict) else None
-        lengths = [c.get("max_model_len") for c in cards or [] if isinstance(c, dict)]
-        return next((n for n in lengths if isinstance(n, int) and n > 0), None)
-
-    async def _detokenize(self, worker: Worker, ids: list[int], model: str | None) -> str | None:
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-            body = {"tokens": ids} | ({"model": model} if model else {})
-            async with self.session.post(f"{worker.url}/detokenize", json=body, timeout=timeout) as response:
-                answer = await response.json() if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-        text = answer.get("prompt") if isinstance(answer, dict) else None
-        return text if isinstance(text, str) else None
-
-    def _failed(self, worker: Worker, attempt: _Attempt, reason: str) -> None:
-        attempt.failure = reason
-        if worker.breaker.record_failure():
-            logger.warning("circuit breaker opened for worker %s after: %s", worker.name, reason)
-        self.metrics.requests.labels(worker.url, reason.split(":", 1)[0]).inc()
-
-    def _answered(self, worker: Worker, status: int, routing: RoutingRequest, start_s: float) -> None:
-        if status == 200:
-            self.policy.on_routed(routing, worker)
-            elapsed_s = time.perf_counter() - start_s
-            self.metrics.ttft_s.observe(elapsed_s)
-            self.metrics.observe_e2e(worker.url, elapsed_s)
-        self.metrics.requests.labels(worker.url, str(status)).inc()
-
-    def _log_decision(self, decision: Decision, routing: RoutingRequest) -> None:
-        self.metrics.decision(decision.outcome)
-        if decision.matched_tokens:
-            self.metrics.index_hit_tokens.inc(decision.matched_tokens)
-        strategy = self.policy.name
-        if decision.outcome == "matched":
-            logger.info(
-                "Routing request to %s found by %s router (%d of %d prompt tokens held)",
-                decision.worker.name, strategy, decision.matched_tokens, len(routing.token_ids or []),
-            )  # fmt: skip
-        elif strategy in ("prefixaware", "kvaware"):
-            logger.info("Routing request to %s by %s router: %s", decision.worker.name, strategy, decision.outcome)
 
     # -- other endpoints ----------------------------------------------------------------------------------
 
@@ -648,11 +260,7 @@ class Router:
 
     async def get_json(self, url: str) -> Any:
         """The JSON of a 200 answer, or None for anything else."""
-        try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
-                return await r.json() if r.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
+        return await self.forwarder.get_json(url)
 
     async def health_endpoint(self, _: Request) -> Response:
         """``/health`` and SageMaker's ``/ping``: 200 while a worker can take requests, else 503."""
@@ -673,9 +281,9 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
         for worker in sorted((w for w in self._routing_pool() if w.is_routable), key=lambda w: w.in_flight):
             try:
-                async with self.session.post(worker.url + request.url.path, data=raw, headers=headers) as upstream:
-                    content = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError):
+                upstream = await self.transport.post(worker.url + request.url.path, raw, headers)
+                content = await upstream.read()
+            except TransportError:
                 continue
             if upstream.status not in RETRYABLE_STATUS:
                 return Response(content, upstream.status, media_type="application/json")
@@ -746,8 +354,9 @@ class Router:
     async def aclose(self) -> None:
         if self.events is not None:
             await self.events.aclose()
-        if self._session is not None:
-            await self._session.close()
+        await self._client.aclose()
+        if self.transport is not self._client:
+            await self.transport.aclose()
 
 
 def _worker_lists(body: Any) -> dict[WorkerRole, list[str]]:
@@ -817,81 +426,6 @@ def _chain_tasks(first: BackgroundTask | None, then: Callable[[], None]) -> Back
             then()
 
     return BackgroundTask(both)
-
-
-class _Lease:
-    """A worker's in-flight count and its open response, released once: by the relay, or after the response
-    when the client left before the relay ran."""
-
-    def __init__(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:
-        self.worker = worker
-        self._upstream: aiohttp.ClientResponse | None = upstream
-        worker.num_streaming += 1
-
-    def hold(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:
-        """Take over another worker's (already counted) request, after this one was released."""
-        self.release()
-        self.worker, self._upstream = worker, upstream
-        worker.num_streaming += 1
-
-    def release(self) -> None:
-        if self._upstream is not None:
-            self.worker.in_flight -= 1
-            self.worker.num_streaming -= 1
-            self._upstream.close()
-            self._upstream = None
-
-
-class _Refused(Exception):
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _error_code(content: bytes) -> str | None:
-    """The ``error.code`` of an OpenAI error body, if it is one."""
-    try:
-        error = json.loads(content).get("error")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    code = error.get("code") if isinstance(error, dict) else None
-    return str(code) if code is not None else None
-
-
-class _QueuedPrefill:
-    """A request's uncached tokens, counted in its worker's queued prefill until the worker answers (or fails).
-    The first answer of a stream also teaches the cost model the worker's seconds per prefill token."""
-
-    def __init__(self, worker: Worker, tokens: int) -> None:
-        self.worker = worker
-        self.tokens = tokens
-        self.ahead = worker.pending_prefill_tokens
-        self.sent_s = time.perf_counter()
-        worker.pending_prefill_tokens += tokens
-
-    def answered(self, cost: PrefillCostModel | None) -> None:
-        if self.tokens and cost is not None:
-            cost.observe(self.worker.url, time.perf_counter() - self.sent_s, self.ahead + self.tokens)
-        self.release()
-
-    def release(self) -> None:
-        self.worker.pending_prefill_tokens -= self.tokens
-        self.tokens = 0
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for piece in rest:
-        yield piece
-
-
-async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
-    try:
-        return await response.read()
-    except (aiohttp.ClientError, TimeoutError):
-        return b""
-    finally:
-        response.release()
 
 
 def build_router_app(router: Router, *, probe: bool = True, with_admin: bool = True) -> Starlette:

@@ -30,18 +30,21 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from starlette.responses import Response, StreamingResponse
 
 from splitserve.auth import sign
-from splitserve.router.discovery import Worker, WorkerRole
-from splitserve.router.migrate import is_migratable, stream_error_end
+from splitserve.openai_chunks import answer_text, sse_event, stream_error_end, text_chunk
+from splitserve.router.discovery import Worker, WorkerPool, WorkerRole
+from splitserve.router.forward import Call, Forwarder
+from splitserve.router.migrate import is_migratable
 from splitserve.router.policies import Decision, build_policy
+from splitserve.router.transport import TransportError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from splitserve.router.app import Call, Router
+    from splitserve.config import RouterConfig
+    from splitserve.router.kv_index import KVIndex
 
 logger = logging.getLogger("splitserve.router")
 
@@ -50,24 +53,30 @@ PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options
 
 
 class Disaggregator:
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.threshold = router.config.routing_threshold
+    """The proxy of a disaggregated endpoint. It sends requests through ``forwarder`` (the plain proxy's), picks
+    decode workers with the forwarder's policy, and prefill workers with an instance of its own."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, kv_index: KVIndex, forwarder: Forwarder) -> None:
+        self.config = config
+        self.pool = pool
+        self.forwarder = forwarder
+        self.metrics = forwarder.metrics
+        self.threshold = config.routing_threshold
         # the prefill pool gets its own instance of the configured strategy (its own prefix index, ring...)
-        self.prefill_policy = build_policy(router.config, self.prefill_pool, router.kv_index)
+        self.prefill_policy = build_policy(config, self.prefill_pool, kv_index)
 
     def decode_pool(self) -> list[Worker]:
-        return self.router.pool.by_role(WorkerRole.DECODE)
+        return self.pool.by_role(WorkerRole.DECODE)
 
     def prefill_pool(self) -> list[Worker]:
-        return self.router.pool.by_role(WorkerRole.PREFILL)
+        return self.pool.by_role(WorkerRole.PREFILL)
 
     async def proxy(self, call: Call) -> Response:
-        router = self.router
+        forwarder = self.forwarder
         decoders = [w for w in self.decode_pool() if w.is_routable]
         if not decoders:
-            return await router.forward(call, self.decode_pool)  # the 503, counted and explained
-        decision = router.policy.select(call.routing, decoders)
+            return await forwarder.forward(call, self.decode_pool)  # the 503, counted and explained
+        decision = forwarder.policy.select(call.routing, decoders)
         estimated = self._estimated_tokens(call)
         uncached = estimated - decision.matched_tokens
         prefillers = [w for w in self.prefill_pool() if w.is_routable]
@@ -77,12 +86,12 @@ class Disaggregator:
             "Conditional routing: estimated_tokens=%d, threshold=%d, disaggregate=%s%s",
             estimated, self.threshold, disaggregate, held if decision.matched_tokens else "",
         )  # fmt: skip
-        migratable = router.config.stream_migration and is_migratable(call.path, call.body)
+        migratable = self.config.stream_migration and is_migratable(call.path, call.body)
         if not disaggregate:
-            router.metrics.pd_path("direct")
+            self.metrics.pd_path("direct")
             if migratable:
-                router.track(call)
-            return await router.forward(call, self.decode_pool, decision)
+                forwarder.track(call)
+            return await forwarder.forward(call, self.decode_pool, decision)
         decoder = decision.worker
         prefiller = self.prefill_policy.select(call.routing, prefillers).worker
         addr = await self._kv_addr(decoder)
@@ -93,17 +102,17 @@ class Disaggregator:
         p_body = _json_object(answer[1]) if answer is not None and answer[0] == 200 else None
         if p_body is None:
             logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
-            router.metrics.pd_path("fallback")
+            self.metrics.pd_path("fallback")
             if migratable:
-                router.track(call)
-            return await router.forward(call, self.decode_pool, decision)
+                forwarder.track(call)
+            return await forwarder.forward(call, self.decode_pool, decision)
         self.prefill_policy.on_routed(call.routing, prefiller)
         report = p_body.get("kv_transfer_params") or {}
         if not report.get("ok"):
             decoder.kv_transfer_addr = None  # it may have moved (a restart); ask again next time
             logger.warning("KV transfer %s failed (%s); decode recomputes", transfer_id, report.get("reason"))
-        router.metrics.observe_transfer(report)
-        router.metrics.pd_path("disaggregated")
+        self.metrics.observe_transfer(report)
+        self.metrics.pd_path("disaggregated")
         first_token = report.get("first_token_id")
         params = self._signed(
             {"transfer_id": transfer_id, "first_token_id": first_token, "skip_first_token": call.is_stream}
@@ -111,19 +120,20 @@ class Disaggregator:
         decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
         decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
         if not call.is_stream or first_token is None:
-            return await router.forward(decode_call, self.decode_pool, decision)
-        first_text = _first_text(call.path, p_body)
+            return await forwarder.forward(decode_call, self.decode_pool, decision)
+        is_chat = call.path.endswith("/chat/completions")
+        first_text = answer_text(is_chat, p_body)
         if migratable:  # D's stream carries the first token's id, and the client has its text already
-            router.track(decode_call, sent_text=first_text)
-        first_chunk = _first_chunk(call.path, p_body, first_text)
-        router.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
+            forwarder.track(decode_call, sent_text=first_text)
+        first_chunk = _first_chunk(is_chat, p_body, first_text)
+        self.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
         relay = self._stream_after_first(first_chunk, decode_call, decision)
         return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _stream_after_first(self, first_chunk: bytes, call: Call, decision: Decision) -> AsyncIterator[bytes]:
         """The first token's chunk at once, then D's stream (its first token's text left out)."""
         yield first_chunk
-        response = await self.router.forward(call, self.decode_pool, decision)
+        response = await self.forwarder.forward(call, self.decode_pool, decision)
         if isinstance(response, StreamingResponse):
             async for chunk in response.body_iterator:
                 yield chunk if isinstance(chunk, bytes) else str(chunk).encode()
@@ -136,30 +146,30 @@ class Disaggregator:
         body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
         params = self._signed({"transfer_id": transfer_id, "decode_kv_addr": addr})
         body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
-        router = self.router
         worker.in_flight += 1
         worker.breaker.on_attempt()
         began = time.perf_counter()
         try:
-            async with router.session.post(worker.url + call.path, json=body, headers=call.headers) as response:
-                content = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            upstream = await self.forwarder.transport.post(worker.url + call.path, json.dumps(body).encode(),
+                                                           call.headers)  # fmt: skip
+            content = await upstream.read()
+        except TransportError as exc:
             worker.breaker.record_failure()
-            logger.warning("prefill worker %s failed: %s", worker.name, type(exc).__name__)
+            logger.warning("prefill worker %s failed: %s", worker.name, exc)
             return None
         finally:
             worker.in_flight -= 1
-        router.metrics.prefill_s.observe(time.perf_counter() - began)
-        if response.status >= 500:
+        self.metrics.prefill_s.observe(time.perf_counter() - began)
+        if upstream.status >= 500:
             worker.breaker.record_failure()
         else:
             worker.breaker.record_success()
-        return response.status, content
+        return upstream.status, content
 
     async def _kv_addr(self, worker: Worker) -> str | None:
         """D's KV receiver address (cached); None if it has none or did not answer."""
         if worker.kv_transfer_addr is None:
-            info = await self.router.get_json(f"{worker.url}/kv/transfer")
+            info = await self.forwarder.get_json(f"{worker.url}/kv/transfer")
             worker.kv_transfer_addr = info.get("addr") if isinstance(info, dict) else None
             if worker.kv_transfer_addr is None:
                 logger.warning("decode worker %s reports no KV receiver (is it --role decode?)", worker.name)
@@ -167,7 +177,7 @@ class Disaggregator:
 
     def _signed(self, params: dict[str, Any]) -> dict[str, Any]:
         """``kv_transfer_params`` as workers with the cluster secret accept them: signed by the router."""
-        secret = self.router.config.cluster_secret
+        secret = self.config.cluster_secret
         return params if secret is None else params | {"mac": sign(secret, params)}
 
     def _estimated_tokens(self, call: Call) -> int:
@@ -191,23 +201,8 @@ def _with_body(call: Call, body: dict[str, Any]) -> Call:
     return replace(call, body=body, raw=json.dumps(body).encode(), headers=headers)
 
 
-def _first_text(path: str, prefill_answer: dict[str, Any]) -> str:
-    """The first token's text in P's (non-streamed) answer."""
-    choice = (prefill_answer.get("choices") or [{}])[0]
-    if path.endswith("/chat/completions"):
-        return str((choice.get("message") or {}).get("content") or "")
-    return str(choice.get("text") or "")
-
-
-def _first_chunk(path: str, prefill_answer: dict[str, Any], text: str) -> bytes:
+def _first_chunk(is_chat: bool, prefill_answer: dict[str, Any], text: str) -> bytes:
     """An SSE chunk carrying the first token's ``text`` from P's answer, in the API's format."""
     common = {"id": prefill_answer.get("id", ""), "created": prefill_answer.get("created", int(time.time())),
               "model": prefill_answer.get("model", "")}  # fmt: skip
-    if path.endswith("/chat/completions"):
-        delta = {"role": "assistant", "content": text}
-        chunk = common | {"object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}  # fmt: skip
-    else:
-        chunk = common | {"object": "text_completion", "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}  # fmt: skip
-    return f"data: {json.dumps(chunk)}\n\n".encode()
+    return sse_event(text_chunk(is_chat, common, text, role=True))

@@ -35,6 +35,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.openai_chunks import sse_event, text_chunk
+
 # sampling fields a resumed request carries over unchanged (the rest are the client's, or not per token)
 CARRIED_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -180,17 +182,8 @@ class StreamTracker:
     ) -> dict[str, Any]:
         """A chunk of the original stream carrying ``text``."""
         common = {"id": self.id, "created": self.created, "model": self.model}
-        out_choice: dict[str, Any]
-        if self.is_chat:
-            delta = {"content": text} if text or finish is None else {}
-            out_choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            out_choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
-            kind = "text_completion"
-        if self.client_wants_ids and ids is not None:
-            out_choice["token_ids"] = ids
-        return common | {"object": kind, "choices": [out_choice]}
+        token_ids = ids if self.client_wants_ids else None
+        return text_chunk(self.is_chat, common, text, finish, token_ids=token_ids, stop_reason=stop)
 
 
 def resume_body(
@@ -256,16 +249,6 @@ class SSEBuffer:
             if lines:
                 out.append(b"\n".join(lines).decode("utf-8", errors="replace"))
         return out
-
-
-def stream_error_end(message: str) -> bytes:
-    """How a stream that cannot go on ends: an error event (OpenAI's error body, code 502), then ``[DONE]``."""
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-
-
-def sse_event(chunk: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
 def _ids(value: Any) -> list[int]:

@@ -1,0 +1,541 @@
+"""Sending a request to a worker and its answer back: the part of the router that both the plain proxy and the
+disaggregator use (:class:`Forwarder`).
+
+``forward`` asks the policy for a worker of a pool, sends the request's bytes unchanged through the
+:class:`~splitserve.router.transport.Transport`, and passes the answer through. An answer is one of three
+cases (``_try``): refused (a 429, a 5xx, a 503 ``draining``: try another worker), whole (a non-streamed answer,
+or any answer that is not a 200 stream: passed back once read), or a stream (relayed as it comes). Failures
+before anything reached the client are retried on another worker with jittered exponential back-off, at most
+``max_retries`` times; the worker's breaker counts them (a 429, or a 503 ``draining``, is no fault: the second
+takes the worker out of rotation until its ``/health`` answers 200 again). A stream the router follows
+(:meth:`Forwarder.track`) is resumed on another worker when its worker dies mid-answer (``router/migrate.py``);
+any other stream that breaks ends with an error event and ``[DONE]``. When no worker can take a request the
+answer is a 503 with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.background import BackgroundTask
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from splitserve.config import RouterConfig
+from splitserve.metrics import RouterMetrics
+from splitserve.openai_chunks import sse_event, stream_error_end
+from splitserve.router.cost import PrefillCostModel
+from splitserve.router.discovery import Worker
+from splitserve.router.hit_check import HitPredictionCheck
+from splitserve.router.migrate import (
+    PROMPT_CONTEXT_TOKENS,
+    SSEBuffer,
+    StreamTracker,
+    WorkerStreamFailed,
+    held_back_text,
+    resume_body,
+)
+from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest
+from splitserve.router.transport import Transport, TransportError, Upstream
+
+logger = logging.getLogger("splitserve.router")
+
+MAX_PARTIAL_CHARACTER_TOKENS = 4  # a UTF-8 character spans at most 4 byte-level tokens
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+# not forwarded to workers: hop-by-hop headers, and the client's key (the router sends its own credential)
+NOT_FORWARDED = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection",
+     "authorization"}
+)  # fmt: skip
+
+
+class RouterError(Exception):
+    """An answer with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 503:
+            kind = "service_unavailable"
+        body = {"error": {"message": str(self), "type": kind, "param": None, "code": self.code or self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass
+class Call:
+    """One client request as the router forwards it."""
+
+    path: str
+    body: dict[str, Any]
+    raw: bytes  # the body as sent to workers (the client's bytes, or a re-encoding of ``body``)
+    headers: dict[str, str]
+    is_stream: bool
+    routing: RoutingRequest
+    start_s: float
+    observe_ttft: bool = True  # False when the client already got its first token (disaggregated streams)
+    tracker: StreamTracker | None = None  # a stream the router can resume on another worker
+
+
+class _Attempt:
+    """One try on one worker; ``failure`` is set when another worker should be tried."""
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+        self.response: Response | None = None
+
+
+class Forwarder:
+    """Sends calls to workers: retries, relays, and resumes followed streams. Every method runs on the loop.
+
+    ``resume_pool`` gives the workers a broken stream may go on on (the backends, or the decode pool).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        transport: Transport,
+        metrics: RouterMetrics,
+        policy: RoutingPolicy,
+        resume_pool: Callable[[], list[Worker]],
+        *,
+        cost: PrefillCostModel | None = None,
+        hit_check: HitPredictionCheck | None = None,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.metrics = metrics
+        self.policy = policy
+        self.resume_pool = resume_pool
+        self.cost = cost
+        self.hit_check = hit_check
+        self._rng = random.Random()
+
+    def track(self, call: Call, sent_text: str = "") -> None:
+        """Follow ``call``'s stream so that it can be resumed elsewhere: ask the worker for token ids.
+        ``sent_text``: what the client already got of the answer (a disaggregated stream's first token)."""
+        body = call.body
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        wants_ids = body.get("return_token_ids") is True
+        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, text=sent_text)
+        if not wants_ids:
+            call.raw = json.dumps(body | {"return_token_ids": True}).encode()
+
+    async def get_json(self, url: str) -> Any:
+        """The JSON of a 200 answer, or None for anything else (within ``--health-timeout``)."""
+        return await self.transport.get_json(url, self.config.health_timeout_s)
+
+    async def forward(self, call: Call, pool: Callable[[], list[Worker]], first: Decision | None = None) -> Response:
+        """Send ``call`` to a worker of ``pool`` chosen by the policy (``first``, when given, is the first
+        choice), retrying on others for failures before the client got anything."""
+        tried: set[str] = set()
+        last_failure = "no worker is available"
+        for attempt in range(self.config.max_retries + 1):
+            candidates = [w for w in pool() if w.is_routable and w.url not in tried]
+            if not candidates:
+                break
+            if attempt:
+                await asyncio.sleep(self._backoff_s(attempt))
+            decision = first if first is not None and attempt == 0 else self.policy.select(call.routing, candidates)
+            self._log_decision(decision, call.routing)
+            result = await self._try(decision.worker, call, decision.uncached_tokens)
+            if result.failure is None:
+                assert result.response is not None
+                if result.response.status_code == 200 and self.hit_check is not None:
+                    self.hit_check.predicted(decision.worker.url, decision.matched_tokens)
+                return result.response
+            tried.add(decision.worker.url)
+            last_failure = f"{decision.worker.name}: {result.failure}"
+            self.metrics.retries.labels(result.failure.split(":", 1)[0]).inc()
+            if result.response is not None and not any(w.is_routable and w.url not in tried for w in pool()):
+                return result.response  # the last worker's own error answer (e.g. its 503)
+        self.metrics.decision("no_worker")
+        return RouterError(503, f"no worker could take the request ({last_failure})", "no_worker_available").response()
+
+    def _backoff_s(self, attempt: int) -> float:
+        base = self.config.retry_backoff_s * 2 ** (attempt - 1)
+        return base * (0.5 + self._rng.random())
+
+    # ---- one try: refused, whole, or streamed -------------------------------------------------------------
+
+    async def _try(self, worker: Worker, call: Call, uncached_tokens: int = 0) -> _Attempt:
+        """Send ``call`` to ``worker``; its ``uncached_tokens`` count as queued there until it answers."""
+        attempt = _Attempt()
+        worker.in_flight += 1
+        self.metrics.observe_sent(worker.url)
+        worker.breaker.on_attempt()
+        queued = _QueuedPrefill(worker, uncached_tokens)
+        handed_over = False
+        try:
+            try:
+                upstream = await self.transport.post(worker.url + call.path, call.raw, call.headers)
+            except TransportError as exc:
+                self._failed(worker, attempt, str(exc))
+                return attempt
+            if upstream.status in RETRYABLE_STATUS:
+                await self._refused(worker, upstream, attempt)
+            elif upstream.status != 200 or not call.is_stream:
+                await self._whole(worker, upstream, call, attempt)
+            else:
+                handed_over = await self._stream(worker, upstream, call, queued, attempt)
+            return attempt
+        finally:
+            queued.release()
+            if not handed_over:
+                worker.in_flight -= 1
+
+    async def _refused(self, worker: Worker, upstream: Upstream, attempt: _Attempt) -> None:
+        """A 429, 5xx or 503 ``draining``: another worker is tried; the answer is kept in case none can."""
+        content = await _read_quietly(upstream)
+        if upstream.status == 429:  # alive but full: try another worker, but it is no fault of this one
+            worker.breaker.record_success()
+            attempt.failure = "status: 429"
+        elif upstream.status == 503 and _error_code(content) == "draining":
+            self._draining(worker)
+            attempt.failure = "status: draining"
+        else:
+            self._failed(worker, attempt, f"status: {upstream.status}")
+        attempt.response = Response(content, upstream.status, media_type="application/json")
+
+    async def _whole(self, worker: Worker, upstream: Upstream, call: Call, attempt: _Attempt) -> None:
+        """A non-streamed answer (or an error to a streamed request): read it, pass it back."""
+        try:
+            content = await upstream.read()
+        except TransportError as exc:
+            self._failed(worker, attempt, str(exc))
+            return
+        worker.breaker.record_success()
+        self._answered(worker, upstream.status, call.routing, call.start_s)
+        attempt.response = Response(content, upstream.status, media_type=upstream.content_type)
+
+    async def _stream(
+        self, worker: Worker, upstream: Upstream, call: Call, queued: _QueuedPrefill, attempt: _Attempt
+    ) -> bool:
+        """A 200 stream: wait for its first chunk, then relay it (True: the relay now holds the worker)."""
+        chunks = upstream.chunks()
+        try:
+            first = await anext(chunks)
+        except (TransportError, StopAsyncIteration) as exc:
+            upstream.close()
+            self._failed(worker, attempt, f"read: {type(exc).__name__}")
+            return False
+        worker.breaker.record_success()
+        # a completion's first chunk carries its first token; a chat's may be the role alone, sent at once
+        queued.answered(self.cost if not call.path.endswith("/chat/completions") else None)
+        if call.observe_ttft:
+            self.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
+        self.policy.on_routed(call.routing, worker)
+        lease = _Lease(worker, upstream)  # released by the relay, or after the response if it never ran
+        relay = (
+            self._relay(lease, first, chunks, call.start_s)
+            if call.tracker is None
+            else self._relay_tracked(lease, _prepend(first, chunks), call)
+        )
+        headers = {"Cache-Control": "no-cache"}
+        background = BackgroundTask(lease.release)
+        attempt.response = StreamingResponse(
+            relay, media_type=upstream.content_type, headers=headers, background=background
+        )
+        return True
+
+    # ---- relays ----------------------------------------------------------------------------------------------
+
+    async def _relay(
+        self, lease: _Lease, first: bytes, chunks: AsyncIterator[bytes], start_s: float
+    ) -> AsyncIterator[bytes]:
+        status = "200"
+        worker = lease.worker
+        try:
+            yield first
+            last_s = time.perf_counter()
+            try:
+                async for chunk in chunks:
+                    now_s = time.perf_counter()
+                    self.metrics.observe_itl(worker.url, now_s - last_s)
+                    last_s = now_s
+                    yield chunk
+            except TransportError as exc:
+                status = "stream_error"
+                worker.breaker.record_failure()
+                logger.warning("worker %s failed mid-stream: %s", worker.name, exc)
+                yield stream_error_end(f"the worker failed mid-stream ({exc})")
+        finally:
+            lease.release()  # a client that left early also drops the worker's connection: the worker aborts
+            self.metrics.requests.labels(worker.url, status).inc()
+            self.metrics.observe_e2e(worker.url, time.perf_counter() - start_s)
+
+    async def _relay_tracked(self, lease: _Lease, pieces: AsyncIterator[bytes], call: Call) -> AsyncIterator[bytes]:
+        """Relay a followed stream event by event; when its worker fails before the answer finished, resume it
+        on another worker (at most ``max_retries`` times) and go on relaying that one."""
+        tracker = call.tracker
+        assert tracker is not None
+        status = "200"
+        worker = lease.worker
+        tried = {worker.url}
+        last_s = time.perf_counter()
+        try:
+            while True:
+                buffer = SSEBuffer()
+                failure = None
+                try:
+                    async for piece in pieces:
+                        for data in buffer.feed(piece):
+                            out = tracker.on_event(data)
+                            if out:
+                                now_s = time.perf_counter()
+                                self.metrics.observe_itl(worker.url, now_s - last_s)
+                                last_s = now_s
+                                yield out
+                        if tracker.done:
+                            break
+                    if not tracker.done:
+                        failure = "the stream ended before [DONE]"
+                except TransportError as exc:
+                    failure = str(exc)
+                except WorkerStreamFailed as exc:
+                    failure = f"error event: {exc}"
+                except (KeyError, TypeError, AttributeError, ValueError) as exc:  # an event of another shape
+                    failure = f"a malformed event: {type(exc).__name__}: {exc}"
+                if failure is None:
+                    return
+                lease.release()
+                worker.breaker.record_failure()
+                self.metrics.requests.labels(worker.url, "stream_error").inc()
+                logger.warning("worker %s failed mid-stream: %s", worker.name, failure)
+                if tracker.finished:  # only [DONE] was lost
+                    yield b"data: [DONE]\n\n"
+                    return
+                resumed = await self._resume(call, tried, lease) if tracker.can_resume else None
+                if resumed is None:
+                    status = "stream_error"
+                    self.metrics.migrations.labels("failed").inc()
+                    yield stream_error_end(
+                        f"the worker failed mid-stream ({failure}) and no other worker could resume it"
+                    )
+                    return
+                pieces, catch_up = resumed
+                worker = lease.worker
+                self.metrics.migrations.labels("resumed").inc()
+                logger.info(
+                    "stream %s resumed on worker %s after %d tokens", tracker.id, worker.name, len(tracker.output_ids)
+                )
+                if catch_up:  # already in tracker.text
+                    yield sse_event(tracker.chunk(catch_up))
+        finally:
+            lease.release()
+            self.metrics.requests.labels(worker.url, status).inc()
+            self.metrics.observe_e2e(worker.url, time.perf_counter() - call.start_s)
+
+    # ---- migration -------------------------------------------------------------------------------------------
+
+    async def _resume(self, call: Call, tried: set[str], lease: _Lease) -> tuple[AsyncIterator[bytes], str] | None:
+        """Open the rest of ``call``'s answer on a worker not in ``tried`` (``lease`` then holds it): its
+        stream and the text the failed worker held back; None when no worker could take it."""
+        tracker = call.tracker
+        assert tracker is not None and tracker.prompt_ids is not None
+        if tracker.num_migrations >= self.config.max_retries + 1:
+            return None
+        for attempt in range(self.config.max_retries + 1):
+            candidates = [w for w in self.resume_pool() if w.is_routable and w.url not in tried]
+            if not candidates:
+                return None
+            if attempt:
+                await asyncio.sleep(self._backoff_s(attempt))
+            worker = self.policy.select(call.routing, candidates).worker
+            tried.add(worker.url)
+            catch_up = await self._held_back_text(worker, tracker)  # may drop a half character's tokens
+            body = resume_body(tracker, call.body, await self._max_model_len(worker))
+            if body is None:
+                return None
+            opened = await self._open_resumed(worker, body, call.headers, lease)
+            if opened is None:
+                continue
+            if isinstance(opened, _Refused):
+                return None  # the worker refuses the request itself: another would too
+            tracker.resume()
+            if catch_up:
+                tracker.text += catch_up
+            return opened, catch_up
+        return None
+
+    async def _open_resumed(
+        self, worker: Worker, body: dict[str, Any], headers: dict[str, str], lease: _Lease
+    ) -> AsyncIterator[bytes] | _Refused | None:
+        """The resumed request's stream on ``worker`` (``lease`` now holds it); a :class:`_Refused` for a client
+        error, which any worker would answer; None for a failure another worker may not have."""
+        worker.in_flight += 1
+        self.metrics.observe_sent(worker.url)
+        worker.breaker.on_attempt()
+        upstream: Upstream | None = None
+        handed_over = False
+        try:
+            upstream = await self.transport.post(worker.url + "/v1/completions", json.dumps(body).encode(), headers)
+            if upstream.status != 200:
+                reason = _error_code(await _read_quietly(upstream)) or str(upstream.status)
+                raise _Refused(f"status {upstream.status} ({reason})", upstream.status)
+            chunks = upstream.chunks()
+            first = await anext(chunks)
+            worker.breaker.record_success()
+            lease.hold(worker, upstream)
+            handed_over = True
+            return _prepend(first, chunks)
+        except (TransportError, StopAsyncIteration, _Refused) as exc:
+            if not isinstance(exc, _Refused) or exc.status >= 500:
+                worker.breaker.record_failure()
+            logger.warning("resuming a stream on worker %s failed: %s", worker.name, exc)
+            if isinstance(exc, _Refused) and 400 <= exc.status < 500 and exc.status != 429:
+                return exc
+            return None
+        finally:
+            if not handed_over:  # failed, or cancelled (the client left): undo the count, drop the answer
+                worker.in_flight -= 1
+                if upstream is not None:
+                    upstream.close()
+
+    async def _held_back_text(self, worker: Worker, tracker: StreamTracker) -> str:
+        """Text of the tokens generated so far that the failed worker had not sent (see migrate.py). Tokens that
+        end in half a character are dropped from ``tracker.output_ids`` first: the new worker generates them
+        again, and the character comes out whole."""
+        assert tracker.prompt_ids is not None
+        tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
+        model = tracker.model
+        context = await self._detokenize(worker, tail, model)
+        for _ in range(MAX_PARTIAL_CHARACTER_TOKENS + 1):
+            full = await self._detokenize(worker, tail + tracker.output_ids, model)
+            if context is None or full is None:
+                return ""
+            if not full.endswith("\ufffd") or not tracker.output_ids:
+                return held_back_text(tracker, context, full)
+            tracker.output_ids.pop()
+        return ""
+
+    async def _max_model_len(self, worker: Worker) -> int | None:
+        """The worker's context length, from its ``/v1/models`` card (splitserve's and vLLM's carry it)."""
+        answer = await self.get_json(f"{worker.url}/v1/models")
+        cards = answer.get("data") if isinstance(answer, dict) else None
+        lengths = [c.get("max_model_len") for c in cards or [] if isinstance(c, dict)]
+        return next((n for n in lengths if isinstance(n, int) and n > 0), None)
+
+    async def _detokenize(self, worker: Worker, ids: list[int], model: str | None) -> str | None:
+        body = {"tokens": ids} | ({"model": model} if model else {})
+        answer = await self.transport.post_json(f"{worker.url}/detokenize", body, self.config.health_timeout_s)
+        text = answer.get("prompt") if isinstance(answer, dict) else None
+        return text if isinstance(text, str) else None
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------------
+
+    def _failed(self, worker: Worker, attempt: _Attempt, reason: str) -> None:
+        attempt.failure = reason
+        if worker.breaker.record_failure():
+            logger.warning("circuit breaker opened for worker %s after: %s", worker.name, reason)
+        self.metrics.requests.labels(worker.url, reason.split(":", 1)[0]).inc()
+
+    def _draining(self, worker: Worker) -> None:
+        """The worker is shutting down: no new requests until its /health says it is back."""
+        if worker.healthy is not False:
+            logger.info("worker %s is draining: no new requests go to it", worker.name)
+        worker.healthy = False
+
+    def _answered(self, worker: Worker, status: int, routing: RoutingRequest, start_s: float) -> None:
+        if status == 200:
+            self.policy.on_routed(routing, worker)
+            elapsed_s = time.perf_counter() - start_s
+            self.metrics.ttft_s.observe(elapsed_s)
+            self.metrics.observe_e2e(worker.url, elapsed_s)
+        self.metrics.requests.labels(worker.url, str(status)).inc()
+
+    def _log_decision(self, decision: Decision, routing: RoutingRequest) -> None:
+        self.metrics.decision(decision.outcome)
+        if decision.matched_tokens:
+            self.metrics.index_hit_tokens.inc(decision.matched_tokens)
+        strategy = self.policy.name
+        if decision.outcome == "matched":
+            logger.info(
+                "Routing request to %s found by %s router (%d of %d prompt tokens held)",
+                decision.worker.name, strategy, decision.matched_tokens, len(routing.token_ids or []),
+            )  # fmt: skip
+        elif strategy in ("prefixaware", "kvaware"):
+            logger.info("Routing request to %s by %s router: %s", decision.worker.name, strategy, decision.outcome)
+
+
+class _Lease:
+    """A worker's in-flight count and its open answer, released once: by the relay, or after the response
+    when the client left before the relay ran."""
+
+    def __init__(self, worker: Worker, upstream: Upstream) -> None:
+        self.worker = worker
+        self._upstream: Upstream | None = upstream
+        worker.num_streaming += 1
+
+    def hold(self, worker: Worker, upstream: Upstream) -> None:
+        """Take over another worker's (already counted) request, after this one was released."""
+        self.release()
+        self.worker, self._upstream = worker, upstream
+        worker.num_streaming += 1
+
+    def release(self) -> None:
+        if self._upstream is not None:
+            self.worker.in_flight -= 1
+            self.worker.num_streaming -= 1
+            self._upstream.close()
+            self._upstream = None
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error_code(content: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI error body, if it is one."""
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code is not None else None
+
+
+class _QueuedPrefill:
+    """A request's uncached tokens, counted in its worker's queued prefill until the worker answers (or fails).
+    The first answer of a stream also teaches the cost model the worker's seconds per prefill token."""
+
+    def __init__(self, worker: Worker, tokens: int) -> None:
+        self.worker = worker
+        self.tokens = tokens
+        self.ahead = worker.pending_prefill_tokens
+        self.sent_s = time.perf_counter()
+        worker.pending_prefill_tokens += tokens
+
+    def answered(self, cost: PrefillCostModel | None) -> None:
+        if self.tokens and cost is not None:
+            cost.observe(self.worker.url, time.perf_counter() - self.sent_s, self.ahead + self.tokens)
+        self.release()
+
+    def release(self) -> None:
+        self.worker.pending_prefill_tokens -= self.tokens
+        self.tokens = 0
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for piece in rest:
+        yield piece
+
+
+async def _read_quietly(upstream: Upstream) -> bytes:
+    try:
+        return await upstream.read()
+    except TransportError:
+        return b""
