@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from splitserve.engine.connector import LoadedTokens
+from splitserve.engine.connector import KVLoad, LoadedTokens
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
@@ -145,7 +145,10 @@ class FetchingConnector:
     def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
         return ()
 
-    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+    def update_state_after_alloc(self, request: Request, num_cached: int, num_external: int) -> None:
+        pass
+
+    def load_kv(self, load: KVLoad) -> LoadedTokens:
         return LoadedTokens()
 
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
@@ -171,7 +174,7 @@ def test_a_request_whose_kv_is_still_fetched_lets_the_ones_behind_it_run(tiny_mo
         cache=CacheConfig(block_size=16, num_gpu_blocks_override=64),
         scheduler=SchedulerConfig(8, 256, True),
     )
-    engine = LLMEngine(config, tiny_model, None, "test", torch.device("cpu"), connector)
+    engine = LLMEngine(config, tiny_model, None, "test", torch.device("cpu"), [connector])
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request("slow", list(range(1, 40)), params)
     engine.add_request("fast", list(range(50, 60)), params)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from splitserve.config import CacheConfig, EngineConfig, KVTierConfig, L2Backend, ModelConfig, Role, SchedulerConfig
+from splitserve.engine.connector import KVLoad, LoadedTokens
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ def make_engine(
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=num_blocks),
         scheduler=SchedulerConfig(64, max_num_batched_tokens, True),
     )
-    return LLMEngine(config, model, None, "test", torch.device("cpu"), connector)
+    return LLMEngine(config, model, None, "test", torch.device("cpu"), [connector])
 
 
 def chunk_keys(layout: str, prompt: list[int]) -> list[str]:
@@ -153,10 +154,10 @@ def test_engine_prefix_then_tiers_resume_mid_chunk(
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
     connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
     engine_b = make_engine(tiny_model, connector)
-    engine_b.connector = None  # compute a 49-token prefix without the tiers, so the engine caches 3 blocks
-    engine_b.scheduler.connector = None
+    engine_b.connectors = ()  # compute a 49-token prefix without the tiers, so the engine caches 3 blocks
+    engine_b.scheduler.connectors = ()
     run_to_completion(engine_b, {"short": PROMPT[:49]}, SamplingParams(max_tokens=1))
-    engine_b.connector = engine_b.scheduler.connector = connector
+    engine_b.connectors = engine_b.scheduler.connectors = (connector,)
     out = run_to_completion(engine_b, {"b": PROMPT}, GREEDY)["b"]
     assert tokens_of(out) == cold_tokens and out[-1].num_cached_tokens == 6 * CHUNK
     kv = connector.stats()
@@ -247,6 +248,76 @@ def test_a_bad_record_is_a_miss_with_identical_output(
     assert out[-1].num_cached_tokens == 2 * CHUNK  # chunks 0 and 1; recomputed from chunk 2 on
     assert connector.stats().num_invalid_records == 1
     engine_b.close()
+
+
+def l1_holding(tmp_path: Path, layout: str) -> TieredStore:
+    """An L1-only store holding the records a first worker wrote to ``tmp_path``: answered at once, no prefetch."""
+    store = make_store(layout, None)
+    for key in chunk_keys(layout, PROMPT):
+        store.l1.put(key, (tmp_path / (quote(key, safe="") + ".kv")).read_bytes())
+    return store
+
+
+def test_a_load_that_comes_up_short_is_rolled_back_and_computed(
+    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+) -> None:
+    """The copy into the KV cache fails at the third chunk (a tensor copy error): the runner leaves the request
+    out of that step's pass, the engine rolls it back to the two chunks really loaded and computes the rest.
+    The request admitted beside it runs on, and the counts take only what was loaded."""
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    connector = KVConnector(l1_holding(tmp_path, layout), MODEL_ID, layout, chunk_size=CHUNK)
+    write, num_writes = connector._write_slots, [0]
+
+    def third_write_fails(block_ids: list[int], start: int, end: int, kv: torch.Tensor) -> None:
+        num_writes[0] += 1
+        if num_writes[0] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        write(block_ids, start, end, kv)
+
+    connector._write_slots = third_write_fails  # type: ignore[method-assign]
+    other = random_prompts(1, 30, 30, seed=5)["r0"]
+    other_cold = tokens_of(run_to_completion(build_engine(tiny_model), {"o": other}, GREEDY)["o"])
+    engine = make_engine(tiny_model, connector)
+    engine.add_request("b", PROMPT, GREEDY)
+    engine.add_request("o", other, GREEDY)
+    outputs = engine.step()  # admits both: "b" loading 6 chunks, of which 2 arrive
+    assert [o.request_id for o in outputs] == ["o"]  # "b" sampled nothing on a context half missing
+    assert (engine.requests["b"].num_computed_tokens, engine.requests["b"].num_output_tokens) == (2 * CHUNK, 0)
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    got = {rid: [o for o in outputs if o.request_id == rid] for rid in ("b", "o")}
+    assert tokens_of(got["b"]) == cold_tokens and tokens_of(got["o"]) == other_cold
+    assert got["b"][-1].num_cached_tokens == 2 * CHUNK
+    assert got["b"][-1].cached_tokens_by_source == (("engine", 0), ("l1", 2 * CHUNK))
+    stats = engine.get_stats()
+    assert stats.external_prefix_cache_hits == 2 * CHUNK and stats.cached_tokens_by_source == {"engine": 0, "l1": 64}
+    kv = stats.kv_cache
+    assert kv is not None and (kv.num_requested_tokens, kv.num_hit_tokens, kv.num_invalid_records) == (192, 64, 1)
+    engine.close()
+
+
+class BrokenLoads(KVConnector):
+    """A connector whose runner-side copy has a bug."""
+
+    def load_kv(self, load: KVLoad) -> LoadedTokens:
+        raise RuntimeError("a bug in a connector")
+
+
+def test_a_load_that_raises_is_computed_instead(
+    tiny_model: LlamaForCausalLM,
+    layout: str,
+    cold_tokens: list[int],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
+    engine = make_engine(tiny_model, BrokenLoads(l1_holding(tmp_path, layout), MODEL_ID, layout, chunk_size=CHUNK))
+    with caplog.at_level(logging.ERROR, logger="splitserve.engine"):
+        out = run_to_completion(engine, {"b": PROMPT}, GREEDY)["b"]
+    assert tokens_of(out) == cold_tokens and out[-1].num_cached_tokens == 0
+    assert engine.get_stats().external_prefix_cache_hits == 0
+    assert any("KV load of b from BrokenLoads failed" in r.getMessage() for r in caplog.records)
+    engine.close()
 
 
 def test_the_decode_role_saves_nothing_unless_asked(tiny_model: LlamaForCausalLM, layout: str) -> None:
@@ -419,7 +490,7 @@ def test_lookup_and_events_name_what_each_tier_holds(
         model=ModelConfig(model="test", max_model_len=1024),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=256),
     )
-    engine = LLMEngine(config, tiny_model, None, "test", torch.device("cpu"), connector, sink)
+    engine = LLMEngine(config, tiny_model, None, "test", torch.device("cpu"), [connector], sink)
     loadable = (len(PROMPT) - 1) // BLOCK * BLOCK  # L2 holds the tail too, so every full block but the last token
     assert engine.lookup_prefix(PROMPT) == {"engine": 0, "l1": 0, "l2": loadable}
 

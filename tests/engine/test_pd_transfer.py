@@ -44,7 +44,7 @@ def engine_with(model: LlamaForCausalLM, connector: KVConnectorBase | None) -> L
         model=ModelConfig(model="test", max_model_len=1024),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=128),
     )
-    return LLMEngine(config, model, None, "test", torch.device("cpu"), connector)
+    return LLMEngine(config, model, None, "test", torch.device("cpu"), [connector] if connector else [])
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,25 @@ def test_a_failed_push_means_decode_recomputes_the_same_output(
     with caplog.at_level(logging.INFO, logger="splitserve.pd.receiver"):
         assert decode(decoder, "t-2", first) == colocated_tokens
     assert any(r.getMessage().startswith("Retrieved 0 out of") for r in caplog.records)
+
+
+def test_a_transfer_gone_before_its_copy_is_computed_instead(
+    tiny_model: LlamaForCausalLM,
+    layout: str,
+    decode_side: tuple[LLMEngine, KVReceiver],
+    colocated_tokens: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Offered, then gone when admission claims it (expired in between): the load comes up empty, the engine
+    rolls the request back and computes the prompt, and nothing counts as loaded."""
+    decoder, receiver = decode_side
+    first, result, _ = prefill(tiny_model, layout, receiver.addr, "t-8")
+    assert result.ok
+    monkeypatch.setattr(receiver.buffer, "claim", lambda transfer_id: None)
+    assert decode(decoder, "t-8", first) == colocated_tokens
+    stats = decoder.get_stats()
+    assert (stats.external_prefix_cache_queries, stats.external_prefix_cache_hits) == (len(PROMPT), 0)
+    assert stats.cached_tokens_by_source == {"engine": 0}
 
 
 def test_a_full_buffer_is_retried_then_given_up_without_a_hang(layout: str, caplog: pytest.LogCaptureFixture) -> None:

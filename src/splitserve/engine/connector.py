@@ -4,17 +4,30 @@ This module is the whole interface between the engine and those packages: ``spli
 ``splitserve.pd`` reach the engine only through it (and ``engine.request``), and the engine imports neither
 (``splitserve.worker.build`` plugs them in).
 
-Shaped after vLLM v1's ``KVConnectorBase_V1`` (``get_num_new_matched_tokens`` / ``update_state_after_alloc``
-/ ``save_kv_layer``), smaller and synchronous. The order within one engine step is:
+Two-sided, after vLLM v1's ``KVConnectorBase_V1``, smaller and synchronous. The scheduler side decides and
+keeps only metadata; the runner side copies. An engine holds its connectors in order (a PD receiver before
+the KV tiers, say); each is one source. The order of hooks within one engine step:
 
-1. admission of a waiting request: the scheduler matches its own prefix cache (``num_cached`` tokens), asks
-   :meth:`KVConnectorBase.num_external_tokens` for more, allocates blocks for all of them, then calls
-   :meth:`KVConnectorBase.load` once, which copies what it can into those blocks. Tokens it could not load
-   are computed as usual (a miss is never an error). A connector whose KV lives behind a network or a disk
-   fetches it on its own thread: until it has, ``num_external_tokens`` answers None and the scheduler
-   admits the requests behind this one. So no hook does network or disk I/O on the engine thread.
-2. after the forward pass: :meth:`KVConnectorBase.save_completed_chunks` for every scheduled request.
-3. when a request ends (finished or aborted): :meth:`KVConnectorBase.request_finished`.
+1. ``schedule()``, at the admission of a waiting request (scheduler side, memory only):
+
+   - The scheduler matches its own prefix cache (``num_cached`` tokens).
+   - It asks each connector in turn :meth:`KVConnectorBase.num_external_tokens`. The first to offer tokens is
+     the request's source. While any connector answers None (still fetching), the request waits, and the
+     scheduler admits the requests behind it.
+   - It allocates blocks for all the tokens and calls :meth:`KVConnectorBase.update_state_after_alloc` on
+     every connector: the source with its count, the others with 0.
+   - It records a :class:`KVLoad` in ``SchedulerOutput.kv_loads`` and starts the request past those tokens.
+
+   A connector promises only tokens whose KV is already in this process's memory, decoded and checked:
+   whatever lives behind a network or a disk is fetched on the connector's own thread first.
+2. ``ModelRunner.execute``, before the forward pass (runner side): :meth:`KVConnectorBase.load_kv` of each
+   load's source copies its KV into the blocks. The copy should not come up short. If it does anyway (or
+   raises), the runner leaves that request out of the pass. The engine then rolls it back to the tokens
+   really loaded, keeps its blocks, and computes the rest from the next step on. Cache-hit counts and
+   ``num_cached_tokens`` take only what was loaded (``Scheduler.finish_loads``).
+3. After the forward pass: :meth:`KVConnectorBase.save_completed_chunks` for every request that ran.
+4. When a request ends (finished or aborted): :meth:`KVConnectorBase.take_transfer_result` (finished only),
+   then :meth:`KVConnectorBase.request_finished`.
 
 Every hook runs on the engine thread and must not raise for I/O trouble.
 """
@@ -42,13 +55,34 @@ def token_slots(block_ids: Sequence[int], positions: Iterable[int], block_size: 
 
 @dataclass(frozen=True, slots=True)
 class LoadedTokens:
-    """What :meth:`KVConnectorBase.load` copied into a request's blocks: a run of tokens from its start token.
+    """What :meth:`KVConnectorBase.load_kv` copied into a request's blocks: a run of tokens from its start token.
 
     ``by_source`` splits ``num_tokens`` by where they came from, in order (e.g. ``(("l1", 256), ("l2", 512))``).
     """
 
     num_tokens: int = 0
     by_source: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KVLoad:
+    """One copy the runner makes before the forward pass: the KV of the request's tokens ``[start_token,
+    end_token)`` into its blocks, by ``source``, the connector that offered them at admission."""
+
+    request: Request
+    block_ids: list[int]  # the request's whole block table after allocation
+    start_token: int  # the engine's own prefix-cache match ends here
+    end_token: int
+    source: KVConnectorBase
+    is_first_admission: bool  # what it loads counts in the cache-hit metrics and the request's cached tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end_token - self.start_token
+
+    def is_complete(self, loaded: LoadedTokens) -> bool:
+        """Whether ``loaded`` (this load's result) covers every token the scheduler counted on."""
+        return loaded.num_tokens >= self.num_tokens
 
 
 class KVConnectorBase(Protocol):
@@ -60,12 +94,16 @@ class KVConnectorBase(Protocol):
         """
         ...
 
-    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
-        """How many tokens after the first ``num_cached`` (held by the engine's prefix cache) can be loaded, or
-        None while that is still being found out (ask again next step).
+    # -- scheduler side: memory only, no network or disk I/O -----------------------------------------------
 
-        Never the request's last token (it must be computed to get logits). May be called several times for
-        one waiting request (e.g. while it waits for free blocks); changes nothing in the engine.
+    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
+        """How many tokens after the first ``num_cached`` (held by the engine's prefix cache) this connector
+        can load now, or None while that is still being found out (ask again next step).
+
+        Counts only tokens whose KV is in memory already, decoded and checked, so that :meth:`load_kv` cannot
+        come up short. A record still to be read (L2, a disk) is fetched on the connector's own thread, and the
+        answer is None meanwhile. Never the request's last token (it must be computed to get logits). May be
+        called several times for one waiting request (e.g. while it waits for free blocks).
         """
         ...
 
@@ -76,18 +114,30 @@ class KVConnectorBase(Protocol):
         """
         ...
 
-    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
-        """Copy the KV of tokens ``[start_token, end_token)`` into the request's blocks (already allocated).
+    def update_state_after_alloc(self, request: Request, num_cached: int, num_external: int) -> None:
+        """The request was admitted with blocks for all its tokens; called on every connector, once per admission.
 
-        Called once per admission, right after allocation, also when ``start_token == end_token``. Returns the
-        run actually loaded from ``start_token``, possibly shorter (a record turned out missing or invalid);
-        the engine computes the rest.
+        ``num_external`` is what this connector will load (its last :meth:`num_external_tokens` answer, when it
+        is the request's source), else 0. A source holds on to the data for :meth:`load_kv` in the same step.
+        """
+        ...
+
+    # -- runner side -----------------------------------------------------------------------------------------
+
+    def load_kv(self, load: KVLoad) -> LoadedTokens:
+        """Copy the KV of ``load``'s tokens into its blocks, from memory; called only on ``load.source``, before
+        the forward pass of the step that admitted the request.
+
+        Returns the run actually loaded from ``load.start_token``: all of it, unless a copy failed (the engine
+        then rolls the request back to what was loaded).
         """
         ...
 
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
         """Store what became storable of the request's computed KV after this step (never blocks on I/O)."""
         ...
+
+    # -- life cycle ------------------------------------------------------------------------------------------
 
     def take_transfer_result(self, request_id: str) -> Future[KVTransferResult] | None:
         """Prefill role: the push of a request's prompt KV to its decode worker, handed over once as the request
@@ -121,63 +171,3 @@ class KVReceiverLike(Protocol):
     def buffer(self) -> PDBufferLike: ...  # where pushed KV waits to be claimed
 
     def close(self) -> None: ...
-
-
-class MultiConnector:
-    """Several connectors as one (a PD receiver before the KV tiers, say).
-
-    Admission asks each in order and loads from the first that offers tokens; the others see a load of no
-    tokens, so each still counts its admission. Every connector saves after each step and hears every end.
-    """
-
-    def __init__(self, connectors: list[KVConnectorBase]) -> None:
-        self.connectors = connectors
-        self._chosen: dict[str, KVConnectorBase] = {}
-
-    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        for connector in self.connectors:
-            connector.register_kv_cache(kv_cache, block_size)
-
-    def num_external_tokens(self, request: Request, num_cached: int) -> int | None:
-        for connector in self.connectors:
-            num = connector.num_external_tokens(request, num_cached)
-            if num is None:
-                self._chosen.pop(request.request_id, None)
-                return None
-            if num > 0:
-                self._chosen[request.request_id] = connector
-                return num
-        self._chosen.pop(request.request_id, None)
-        return 0
-
-    def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
-        return tuple(item for c in self.connectors for item in c.lookup_tokens(request, num_cached))
-
-    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
-        chosen = self._chosen.pop(request.request_id, None)
-        loaded = LoadedTokens()
-        for connector in self.connectors:
-            if connector is chosen:
-                loaded = connector.load(request, block_ids, start_token, end_token)
-            else:
-                connector.load(request, block_ids, start_token, start_token)
-        return loaded
-
-    def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
-        for connector in self.connectors:
-            connector.save_completed_chunks(request, block_ids)
-
-    def take_transfer_result(self, request_id: str) -> Future[KVTransferResult] | None:
-        return next((f for c in self.connectors if (f := c.take_transfer_result(request_id)) is not None), None)
-
-    def request_finished(self, request: Request) -> None:
-        self._chosen.pop(request.request_id, None)
-        for connector in self.connectors:
-            connector.request_finished(request)
-
-    def stats(self) -> KVCacheStatsLike | None:
-        return next((s for c in self.connectors if (s := c.stats()) is not None), None)
-
-    def close(self) -> None:
-        for connector in self.connectors:
-            connector.close()

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.connector import KVConnectorBase, KVReceiverLike
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.model_runner import ModelRunner, RunnerOutput
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
@@ -54,8 +55,8 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (at first admission)
     prefix_cache_hits: int  # prompt tokens found there
-    external_prefix_cache_queries: int  # tokens past that match asked of the KV connector
-    external_prefix_cache_hits: int  # tokens it loaded
+    external_prefix_cache_queries: int  # tokens past that match asked of the KV connectors
+    external_prefix_cache_hits: int  # tokens they loaded
     cached_tokens_by_source: dict[str, int]  # prefix_cache_hits + external_prefix_cache_hits, by source
     num_preemptions: int
     num_prompt_tokens: int
@@ -73,11 +74,12 @@ class LLMEngine:
         tokenizer: Tokenizer | None,
         model_name: str,
         device: torch.device,
-        connector: KVConnectorBase | None = None,
+        connectors: Sequence[KVConnectorBase] = (),
         events: KVEventSink | None = None,
         kv_receiver: KVReceiverLike | None = None,
     ) -> None:
-        """Build the engine around a loaded model; ``connector`` loads and saves KV outside the engine.
+        """Build the engine around a loaded model; ``connectors`` load and save KV outside the engine (asked in
+        this order at admission: the first to offer KV for a request is its source).
 
         ``events`` is told each block hash the prefix cache starts or stops holding (the ``engine`` tier), and
         the tokens behind them when it is a ``BlockContentSink``.
@@ -111,10 +113,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, block_size)
         if isinstance(events, BlockContentSink):  # the tokens behind cached blocks, for vLLM-format events
             self.kv.on_blocks_cached = events.blocks_cached
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, connector)
+        self.connectors = tuple(connectors)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.connectors)
         self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
-        self.connector = connector
-        if connector is not None:
+        for connector in self.connectors:
             connector.register_kv_cache(self.runner.kv_cache, block_size)
         self.eos_token_ids = _eos_ids(tokenizer, model)
         self.requests: dict[str, Request] = {}
@@ -151,15 +153,15 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; returns outputs of requests that produced a token."""
+        """Schedule, load KV and run one forward pass, sample; returns outputs of requests that produced a token."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting:  # waiting only for a connector's fetch: pace the loop, don't spin
                 time.sleep(FETCH_POLL_S)
             return []
-        sampled = self.runner.execute(sched)
-        self.iteration_tokens.observe(sched.num_batched_tokens)
-        return self._update(sched, sampled)
+        ran = self.runner.execute(sched)
+        self.scheduler.finish_loads(sched.kv_loads, ran.loaded)
+        return self._update(sched, ran)
 
     def lookup_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
         """Tokens of this prompt that admission would take from each source instead of computing them.
@@ -171,8 +173,8 @@ class LLMEngine:
         params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
         request = Request("kv-lookup", list(prompt_token_ids), params, 0.0)
         held = {"engine": len(self.kv.find_cached_prefix(request)) * self.kv.block_size, "l1": 0, "l2": 0}
-        if self.connector is not None:
-            held.update(self.connector.lookup_tokens(request, held["engine"]))
+        for connector in self.connectors:
+            held.update(connector.lookup_tokens(request, held["engine"]))
         return held
 
     def kv_transfer_info(self) -> dict[str, Any] | None:
@@ -183,11 +185,11 @@ class LLMEngine:
         return {"addr": self.kv_receiver.addr, "buffer": vars(stats)}
 
     def close(self) -> None:
-        """Finish the connector's pending KV writes (bounded) and release its connections."""
+        """Finish the connectors' pending KV writes (bounded) and release their connections."""
         if self.kv_receiver is not None:
             self.kv_receiver.close()
-        if self.connector is not None:
-            self.connector.close()
+        for connector in self.connectors:
+            connector.close()
 
     @property
     def cache_config_info(self) -> dict[str, str]:
@@ -223,7 +225,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             iteration_tokens=self.iteration_tokens.copy(),
-            kv_cache=self.connector.stats() if self.connector is not None else None,
+            kv_cache=next((s for c in self.connectors if (s := c.stats()) is not None), None),
             pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
         )
 
@@ -246,17 +248,21 @@ class LLMEngine:
                 f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion."
             )
 
-    def _update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, ran: RunnerOutput) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()  # the step's tokens were sampled now
+        num_tokens = 0
         for s in sched.scheduled:
             request = s.request
+            if request.request_id in ran.skipped:
+                continue  # rolled back (Scheduler.finish_loads): the next step computes it
+            num_tokens += s.num_new_tokens
             request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(request)
             self.kv.cache_prompt_tail(request)
-            if self.connector is not None:
-                self.connector.save_completed_chunks(request, s.block_ids)
-            token = sampled.get(request.request_id)
+            for connector in self.connectors:
+                connector.save_completed_chunks(request, s.block_ids)
+            token = ran.sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that has not reached the end of the prompt yet
             request.append_output_token(token)
@@ -266,6 +272,7 @@ class LLMEngine:
                 request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
             outputs.append(self._output_for(request, token))
+        self.iteration_tokens.observe(num_tokens)
         return outputs
 
     def _output_for(self, request: Request, token: int) -> RequestOutput:
@@ -283,7 +290,8 @@ class LLMEngine:
         finished = reason is not None
         transfer = None
         if finished:
-            transfer = self.connector.take_transfer_result(request.request_id) if self.connector else None
+            rid = request.request_id
+            transfer = next((f for c in self.connectors if (f := c.take_transfer_result(rid)) is not None), None)
             self.scheduler.finish(request, reason, stop_reason)  # type: ignore[arg-type]
             del self.requests[request.request_id]
             self._forget(request.request_id)

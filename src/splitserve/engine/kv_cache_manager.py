@@ -84,10 +84,13 @@ class KVCacheManager:
         self.stats.num_hits += num_hit_tokens
         self._count_hits(ENGINE_SOURCE, num_hit_tokens)
 
-    def record_external_lookup(self, num_tokens: int, loaded_by_source: tuple[tuple[str, int], ...]) -> None:
-        """Count what one request asked of the KV connector past the engine's match (``num_tokens``) and what it
-        loaded, by source; once, at first admission, and only with a connector."""
+    def record_external_query(self, num_tokens: int) -> None:
+        """Count the tokens past the engine's match that one request asks of the KV connectors; once, at first
+        admission, and only with a connector."""
         self.stats.num_external_queries += num_tokens
+
+    def record_external_hits(self, loaded_by_source: tuple[tuple[str, int], ...]) -> None:
+        """Count what a first admission's KV load copied, by source, once the runner has done it."""
         for source, num in loaded_by_source:
             self.stats.num_external_hits += num
             self._count_hits(source, num)

@@ -1,13 +1,18 @@
-"""Owns the model and its paged KV cache; turns a ``SchedulerOutput`` into one forward pass and tokens."""
+"""Owns the model and its paged KV cache; turns a ``SchedulerOutput`` into one forward pass and tokens.
+
+Before the pass it makes the step's copies into the cache: cached tail blocks, then the KV connectors' loads
+(``KVLoad``, each by its source connector, from memory). A request whose load came up short is left out of the
+pass; the engine rolls it back (``Scheduler.finish_loads``).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.connector import token_slots
+from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
@@ -42,6 +47,15 @@ class StepInputs:
     sampled: list[ScheduledRequest]  # the N requests that sample this step, in sample_indices order
 
 
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one ``execute`` did: the tokens sampled, and what each KV load copied."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> token id
+    loaded: dict[str, LoadedTokens] = field(default_factory=dict)  # request id -> its load's result
+    skipped: set[str] = field(default_factory=set)  # requests left out of the pass: their load came up short
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int = 0
@@ -71,23 +85,44 @@ class ModelRunner:
         self._offsets = torch.arange(block_size, device=device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, int]:
-        """Run one forward pass over the scheduled tokens; returns request_id -> sampled token id."""
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Copy the step's blocks and KV loads into the cache, then run one forward pass over the scheduled
+        tokens of every request whose load (if any) is complete, and sample."""
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
-        inputs = self.prepare(sched)
+        out = RunnerOutput(loaded=self._load_kv(sched.kv_loads))
+        for load in sched.kv_loads:
+            if not load.is_complete(out.loaded[load.request.request_id]):
+                out.skipped.add(load.request.request_id)  # its context is not all there: no pass, no sample
+        scheduled = [s for s in sched.scheduled if s.request.request_id not in out.skipped]
+        if not scheduled:
+            return out
+        inputs = self.prepare(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampled:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        tokens = self.sampler(logits, [s.request for s in inputs.sampled])
-        return {s.request.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
+        if inputs.sampled:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            tokens = self.sampler(logits, [s.request for s in inputs.sampled])
+            out.sampled = {s.request.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
+        return out
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def _load_kv(self, loads: list[KVLoad]) -> dict[str, LoadedTokens]:
+        """Each load by its source connector; one that raises loaded nothing (a bug there never kills the engine)."""
+        loaded: dict[str, LoadedTokens] = {}
+        for load in loads:
+            request_id = load.request.request_id
+            try:
+                loaded[request_id] = load.source.load_kv(load)
+            except Exception:
+                logger.exception("KV load of %s from %s failed; computing it instead", request_id,
+                                 type(load.source).__name__)  # fmt: skip
+                loaded[request_id] = LoadedTokens()
+        return loaded
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """Flatten the step's tokens: decodes (one new token) first, then prefill chunks."""
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
-        for s in sched.scheduled:
+        for s in scheduled:
             (decodes if _is_decode(s) else prefills).append(s)
         token_ids: list[int] = []
         positions: list[int] = []

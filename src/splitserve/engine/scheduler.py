@@ -14,9 +14,12 @@ step, and the rest of the budget admits short requests whole. A follow-up turn w
 then gets its first token within one short step, instead of waiting for every chunk of someone else's cold
 prompt (issue 17). Cold requests still queue behind a running prompt, which keeps the whole budget otherwise.
 
-With a KV connector (``splitserve.engine.connector``), admission goes further than the engine's own prefix
-cache: the connector names more leading tokens it can load (e.g. from L1/L2), blocks are allocated for them,
-their KV is copied in, and the request starts past them; whatever fails to load is computed instead.
+With KV connectors (``splitserve.engine.connector``), admission goes further than the engine's own prefix
+cache: the first connector that names more leading tokens it holds in memory (e.g. from L1/L2, or pushed by a
+prefill worker) is their source; blocks are allocated for them, a ``KVLoad`` in the ``SchedulerOutput`` tells
+the runner to copy them in before the forward pass, and the request starts past them. Nothing here reads or
+copies KV. A load that came up short anyway is rolled back after the step (``finish_loads``): the request
+computes from where its KV really ends.
 
 A connector may answer that it is still fetching a request's KV (from L2, on its own thread): that request
 keeps its place at the front of the queue, and the ones behind it are admitted meanwhile.
@@ -30,10 +33,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig, SchedulingPolicy
-from splitserve.engine.connector import KVConnectorBase, LoadedTokens
+from splitserve.engine.connector import KVConnectorBase, KVLoad, LoadedTokens
 from splitserve.engine.kv_cache_manager import ENGINE_SOURCE, KVCacheManager
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.request import Request, RequestStatus
@@ -59,6 +63,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # (source block id, destination block id): copy these KV blocks before the forward pass (cached tails)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # KV that connectors copy into newly admitted requests' blocks before the forward pass
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -78,12 +84,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         max_model_len: int,
-        connector: KVConnectorBase | None = None,
+        connectors: Sequence[KVConnectorBase] = (),
     ) -> None:
+        """``connectors``: asked in this order for KV past the prefix cache; the first to offer is the source."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.connector = connector
+        self.connectors = tuple(connectors)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._held_back = False  # this step: a running prompt got less than it could, for a short request
@@ -185,10 +192,11 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_external = self._num_external_tokens(request, num_cached)
-            if num_external is None:
+            found = self._find_external(request, num_cached)
+            if found is None:
                 fetching.append(self.waiting.popleft())
                 continue
+            num_external, source = found
             num_new = request.num_tokens - num_cached - num_external
             tail = None if num_external else self.kv.find_cached_tail(request, len(cached))
             if tail is None and num_new > budget:  # with a tail, one token is computed: it fits
@@ -198,19 +206,36 @@ class Scheduler:
             if not self.kv.allocate(request, num_external + num_new, cached, tail):
                 break
             self.waiting.popleft()
+            block_ids = self.kv.block_ids(request.request_id)
             if tail is not None:  # all but the last token are in the tail's block: copy it into ours
-                out.block_copies.append((tail.block_id, self.kv.block_ids(request.request_id)[len(cached)]))
+                out.block_copies.append((tail.block_id, block_ids[len(cached)]))
                 num_cached += num_new - 1
-            num_computed = num_cached + self._load_external(request, num_cached, num_external)
-            # tokens that failed to load are computed now; their blocks are already allocated
-            num_new = min(request.num_tokens - num_computed, budget)
-            request.num_computed_tokens = num_computed
+            self._start_past_cached(out, request, block_ids, num_cached, num_external, source)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:  # kept over preemptions, as vLLM's SCHEDULED event
                 request.scheduled_time = time.monotonic()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+
+    def _start_past_cached(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        block_ids: list[int],
+        num_cached: int,
+        num_external: int,
+        source: KVConnectorBase | None,
+    ) -> None:
+        """Count the admission, tell every connector, record the source's load: the request starts after it."""
+        is_first_admission = self._count_admission(request, num_cached)
+        for connector in self.connectors:
+            connector.update_state_after_alloc(request, num_cached, num_external if connector is source else 0)
+        if source is not None:
+            end = num_cached + num_external
+            out.kv_loads.append(KVLoad(request, block_ids, num_cached, end, source, is_first_admission))
+        request.num_computed_tokens = num_cached + num_external
 
     def _order_by_uncached_tokens(self) -> None:
         """``lpm``: requests past ``max_wait_s`` first (oldest first), then the fewest tokens not in the engine's
@@ -226,24 +251,44 @@ class Scheduler:
         head = sorted(itertools.islice(self.waiting, MAX_SORTED_WAITING), key=key)
         self.waiting = deque([*head, *itertools.islice(self.waiting, MAX_SORTED_WAITING, None)])
 
-    def _num_external_tokens(self, request: Request, num_cached: int) -> int | None:
-        if self.connector is None:
-            return 0
-        return self.connector.num_external_tokens(request, num_cached)
+    def _find_external(self, request: Request, num_cached: int) -> tuple[int, KVConnectorBase | None] | None:
+        """The tokens past ``num_cached`` the first connector offering any can load, and that connector (the
+        source); ``(0, None)`` when none offers; None while one asked first is still fetching."""
+        for connector in self.connectors:
+            num = connector.num_external_tokens(request, num_cached)
+            if num is None:
+                return None
+            if num > 0:
+                return num, connector
+        return 0, None
 
-    def _load_external(self, request: Request, num_cached: int, num_external: int) -> int:
-        """Load the connector's tokens into the request's new blocks; records first-admission cache hits."""
-        loaded = LoadedTokens()
-        if self.connector is not None:
-            block_ids = self.kv.block_ids(request.request_id)
-            loaded = self.connector.load(request, block_ids, num_cached, num_cached + num_external)
-        if request.num_cached_tokens < 0:
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
-            if self.connector is not None:
-                self.kv.record_external_lookup(request.num_tokens - num_cached, loaded.by_source)
-            request.num_cached_tokens = num_cached + loaded.num_tokens
-            request.cached_tokens_by_source = ((ENGINE_SOURCE, num_cached), *loaded.by_source)
-        return loaded.num_tokens
+    def _count_admission(self, request: Request, num_cached: int) -> bool:
+        """Count a first admission's prefix-cache hits (``num_cached``) and the tokens asked of the connectors;
+        returns whether this is the first admission (its loaded tokens are counted by ``finish_loads``)."""
+        if request.num_cached_tokens >= 0:  # readmitted after a preemption: counted once
+            return False
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        if self.connectors:
+            self.kv.record_external_query(request.num_tokens - num_cached)
+        request.num_cached_tokens = num_cached
+        request.cached_tokens_by_source = ((ENGINE_SOURCE, num_cached),)
+        return True
+
+    def finish_loads(self, loads: list[KVLoad], loaded: dict[str, LoadedTokens]) -> None:
+        """After the runner performed the step's loads (``loaded``: by request id): count what a first
+        admission loaded, and roll back a request whose load came up short (the runner left it out of the
+        forward pass) to the tokens really there. It keeps its blocks and computes the rest from the next step.
+        """
+        for load in loads:
+            request = load.request
+            result = loaded.get(request.request_id, LoadedTokens())
+            num_loaded = min(result.num_tokens, load.num_tokens)
+            if load.is_first_admission:
+                self.kv.record_external_hits(result.by_source)
+                request.num_cached_tokens += num_loaded
+                request.cached_tokens_by_source += result.by_source
+            if not load.is_complete(result):
+                request.num_computed_tokens = load.start_token + num_loaded
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is and free its blocks."""
@@ -254,8 +299,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request)
-        if self.connector is not None:
-            self.connector.request_finished(request)
+        for connector in self.connectors:
+            connector.request_finished(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

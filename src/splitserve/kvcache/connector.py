@@ -1,4 +1,4 @@
-"""The engine <-> TieredStore connector: load stored chunks on admission, save completed chunks after each step.
+"""The engine <-> TieredStore connector: load stored chunks into admitted requests, save completed chunks.
 
 A record holds the KV of a run of whole blocks that starts at a chunk boundary (``chunk_size`` tokens, a
 multiple of the block size) and ends at most at the next one: ``[layers, 2, num_tokens, kv_heads, head_dim]``
@@ -15,12 +15,15 @@ holding it is loaded only up to it. A record that fails to decode or has another
 counted), and the engine recomputes from there. Saves go through ``TieredStore.put``: L1 at once, L2 from the
 store's writer thread (a full queue drops, never blocks).
 
-With an L2 tier, nothing of this touches L2 on the engine thread. The first time the scheduler asks about a
-request (``num_external_tokens``), the connector computes the request's record keys there (hashing only) and
-hands them to a prefetch thread, which looks the records up, reads them and decodes them; until that is done
-the answer is None, and the scheduler admits the requests behind it meanwhile. ``load`` then copies decoded
-records from memory. A slow or stalled L2 delays only the requests that wait for it, never a decode step.
-With L1 alone everything is in memory and answered at once.
+The connector offers only records it has already read and decoded, so the copy cannot come up short. With an
+L2 tier, nothing of this touches L2 on the engine thread. The first time the scheduler asks about a request
+(``num_external_tokens``), the connector computes the request's record keys there (hashing only) and hands
+them to a prefetch thread. That thread looks the records up, reads them and decodes them. Until it is done the
+answer is None, and the scheduler admits the requests behind it meanwhile. The answer then counts the run of
+records that decoded. At admission (``update_state_after_alloc``) the connector sets those aside for the
+request, and the model runner's ``load_kv`` copies them into its blocks before the forward pass. A slow or
+stalled L2 delays only the requests that wait for it, never a decode step. With L1 alone everything is in
+memory: the records are read and decoded at once, on the engine thread.
 
 What is saved: the prompt's whole chunks and, once the prompt is computed, its tail, unless ``save_prompt``
 is off (the decode role: its prompt KV came from a prefill worker, which saved it), plus the whole chunks of
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from splitserve.config import KVTierConfig, L2Backend, Role, redact_url
-from splitserve.engine.connector import LoadedTokens, token_slots
+from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import cache_key, hash_of_key, kv_layout
 from splitserve.kv_events import KVEventSink, Tier
@@ -101,14 +104,14 @@ class _Record:
 
 @dataclass(frozen=True, slots=True)
 class _Lookup:
-    """The answer to one admission-time lookup, kept until the request is admitted (load) or ends."""
+    """The answer to one admission-time lookup, kept until the request is admitted (then loaded) or ends."""
 
     num_cached: int  # the engine's match the lookup started from
     records: tuple[_Record, ...]  # held in L1 or L2, contiguous from the chunk holding token ``num_cached``
     num_in_l1: int  # of those, the leading ones held in L1
     num_external: int  # tokens after ``num_cached`` that can be loaded
-    kvs: tuple[torch.Tensor, ...] | None = None  # prefetched: the records' decoded KV (None: read at load)
-    num_invalid: int = 0  # prefetched: records that failed to decode (counted when the lookup is used)
+    kvs: tuple[torch.Tensor, ...] = ()  # fetched: the records' decoded KV, one per record (none: not read yet)
+    num_invalid: int = 0  # fetched: records that failed to decode (counted when the lookup is used)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +159,8 @@ class KVConnector:
         self.save_decode = save_decode
         self._kv_cache: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, head_dim]
         self._block_size = 0
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, _Lookup] = {}  # answered, not yet admitted
+        self._loads: dict[str, _Lookup] = {}  # admitted with tokens to load: for load_kv in the same step
         self._prefetches: dict[str, tuple[int, Future[_Lookup]]] = {}  # request id -> (num_cached, the fetch)
         self._prefetcher = (
             ThreadPoolExecutor(1, thread_name_prefix="kvcache-prefetch") if store.l2 is not None else None
@@ -186,11 +190,11 @@ class KVConnector:
             return lookup.num_external
         plan = self._plan(request, num_cached)
         if self._prefetcher is None or not plan.by_last_block:  # L1 only, or nothing to look for: at once
-            self._lookups[rid] = self._lookup(plan)
+            self._lookups[rid] = self._fetch(plan)
             return self._lookups[rid].num_external
         pending = self._prefetches.get(rid)
         if pending is None or pending[0] != num_cached:
-            self._prefetches[rid] = (num_cached, self._prefetcher.submit(self._prefetch, plan))
+            self._prefetches[rid] = (num_cached, self._prefetcher.submit(self._fetch, plan))
             return None
         if not pending[1].done():
             return None
@@ -253,8 +257,9 @@ class KVConnector:
         index, is_in_l1 = found
         return candidates[index], is_in_l1
 
-    def _prefetch(self, plan: _Plan) -> _Lookup:
-        """The prefetch thread: look the records up, read and decode them; the run that decoded is the answer."""
+    def _fetch(self, plan: _Plan) -> _Lookup:
+        """Look the records up, read and decode them (the prefetch thread; with L1 alone, the engine thread);
+        the run that decoded is the answer."""
         lookup = self._lookup(plan)
         kvs: list[torch.Tensor] = []
         values = self.store.get_prefix([r.key for r in lookup.records]) if lookup.records else []
@@ -286,38 +291,37 @@ class KVConnector:
         from_l1, from_l2 = self._split_by_tier(lookup, num_cached, lookup.num_external)
         return ((L1_SOURCE, from_l1), (L2_SOURCE, from_l2))
 
-    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
-        lookup = self._lookups.pop(request.request_id, None)
-        self._count_lookup(request, start_token, lookup.num_external if lookup is not None else 0)
-        self._stats.num_invalid_records += lookup.num_invalid if lookup is not None else 0
-        num_loaded, saved_end = 0, start_token
-        if end_token > start_token and lookup is not None and lookup.num_cached == start_token:
-            began = time.perf_counter()
-            num_loaded, saved_end = self._load_records(lookup, block_ids, start_token, end_token)
-            self._count_retrieve(end_token - start_token, num_loaded, time.perf_counter() - began)
+    def update_state_after_alloc(self, request: Request, num_cached: int, num_external: int) -> None:
+        """Count the admission's lookup (LMCache's), and set aside the decoded records ``load_kv`` will copy."""
         rid = request.request_id
-        self._num_saved_tokens[rid] = max(saved_end, self._num_saved_tokens.get(rid, 0))  # kept over preemption
-        if num_loaded == 0 or lookup is None:
+        lookup = self._lookups.pop(rid, None)
+        self._count_lookup(request, num_cached, lookup.num_external if lookup is not None else 0)
+        self._stats.num_invalid_records += lookup.num_invalid if lookup is not None else 0
+        if num_external > 0 and lookup is not None and lookup.num_cached == num_cached:
+            self._loads[rid] = lookup
+        self._num_saved_tokens[rid] = max(num_cached, self._num_saved_tokens.get(rid, 0))  # kept over preemption
+
+    def load_kv(self, load: KVLoad) -> LoadedTokens:
+        rid = load.request.request_id
+        lookup = self._loads.pop(rid, None)
+        if lookup is None:
             return LoadedTokens()
-        return self._count_loaded(lookup, start_token, num_loaded)
+        began = time.perf_counter()
+        num_loaded, saved_end = self._load_records(lookup, load.block_ids, load.start_token, load.end_token)
+        self._count_retrieve(load.num_tokens, num_loaded, time.perf_counter() - began)
+        self._num_saved_tokens[rid] = max(saved_end, self._num_saved_tokens.get(rid, 0))
+        if num_loaded == 0:
+            return LoadedTokens()
+        return self._count_loaded(lookup, load.start_token, num_loaded)
 
     def _load_records(self, lookup: _Lookup, block_ids: list[int], start_token: int, end_token: int) -> tuple[int, int]:
-        """Copy the records' KV of ``[start_token, end_token)`` into the blocks (prefetched, or read now: L1).
+        """Copy the fetched records' KV of ``[start_token, end_token)`` into the blocks.
 
         Returns the tokens loaded from ``start_token`` and the end of the last record loaded (the request's
         tokens known to be stored).
         """
-        records = lookup.records
-        if lookup.kvs is not None:
-            kvs: list[torch.Tensor | None] = list(lookup.kvs)
-        else:
-            values = self.store.get_prefix([r.key for r in records])
-            kvs = [self._decode(r, v) for r, v in zip(records, values, strict=False)]
         num_loaded, saved_end = 0, start_token
-        for record, kv in zip(records, kvs, strict=False):
-            if kv is None:
-                self._stats.num_invalid_records += 1
-                break
+        for record, kv in zip(lookup.records, lookup.kvs, strict=False):
             lo, hi = max(start_token, record.start), min(end_token, record.end)  # the engine may hold the head
             try:
                 self._write_slots(block_ids, lo, hi, kv[:, :, lo - record.start : hi - record.start])
@@ -346,8 +350,8 @@ class KVConnector:
             stats.lookup_hit_rate.observe(num_found / num_tokens)
 
     def _count_retrieve(self, num_requested: int, num_loaded: int, elapsed_s: float) -> None:
-        """One load into the engine: LMCache's retrieve. Its speed counts the copy on the engine thread (an L2
-        read and decode happened before, on the prefetch thread)."""
+        """One load into the engine: LMCache's retrieve. Its speed counts the copy by the model runner (the read
+        and decode happened before, on the prefetch thread with an L2)."""
         stats = self._stats
         stats.num_retrieve_requests += 1
         stats.num_requested_tokens += num_requested
@@ -409,6 +413,7 @@ class KVConnector:
 
     def request_finished(self, request: Request) -> None:
         self._lookups.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         self._prefetches.pop(request.request_id, None)  # a running fetch finishes into nothing
         self._num_saved_tokens.pop(request.request_id, None)
 

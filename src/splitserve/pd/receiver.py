@@ -13,9 +13,11 @@ time stamp within ``MAX_CLOCK_SKEW_S`` of now, and is taken once (a replay is re
 its payload is followed by a trailer with a keyed MAC over the request's MAC and the payload
 (``wire.payload_mac``), which the receiver computes as the bytes arrive, else the record is dropped.
 
-:class:`PDReceiverConnector` implements ``KVConnectorBase``: at admission a request whose ``kv_transfer_params``
-name a transfer takes that KV from the buffer, after checking it belongs to the request's own prompt tokens and
-the engine's layout, and logs
+:class:`PDReceiverConnector` implements ``KVConnectorBase``. It offers a request whose ``kv_transfer_params`` name
+a transfer the KV waiting in the buffer, once it has checked that the record belongs to the request's own
+prompt tokens, the model and the engine's layout, and that it decodes to the engine's shape. At admission it
+claims the entry (it no longer expires); before the forward pass the model runner's ``load_kv`` copies it into
+the request's blocks and releases it, and it logs
 ``Retrieved N out of N required tokens (from T total tokens). size: X gb, cost Y ms, throughput: Z GB/s``, or
 ``Retrieved 0 out of N ...`` when nothing usable arrived, and the engine computes the prompt itself.
 """
@@ -35,7 +37,7 @@ import torch
 import xxhash
 
 from splitserve.auth import verified
-from splitserve.engine.connector import LoadedTokens, token_slots
+from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
@@ -295,6 +297,7 @@ class PDReceiverConnector:
         self.model_id = model_id  # a record made by another model is refused, whatever its layout
         self._kv_cache: torch.Tensor | None = None
         self._block_size = 0
+        self._claimed: dict[str, BufferEntry] = {}  # request id -> its entry, from admission to load_kv
 
     def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
         self._kv_cache = kv_cache
@@ -318,7 +321,23 @@ class PDReceiverConnector:
                            params.transfer_id, request.request_id)  # fmt: skip
             self.buffer.release(params.transfer_id)
             return None
+        try:  # offered only if the copy cannot fail on the record: it decodes to the engine's shape
+            self._decode(entry)
+        except serde.RecordError as exc:
+            logger.warning("PD: transfer %s is unusable (%s); recomputing", params.transfer_id, exc)
+            self.buffer.release(params.transfer_id)
+            return None
         return entry
+
+    def _decode(self, entry: BufferEntry) -> torch.Tensor:
+        """The entry's KV ``[layers, 2, tokens, heads, dim]``, a view of the buffer (its checksum or MAC was
+        verified when it arrived, and it has been in this process's memory since). RecordError unless it has
+        the engine's layout and, once the cache is registered, its shape and dtype."""
+        if self._kv_cache is None:
+            return serde.decode(entry.record, self.layout, verify_checksum=False)
+        num_layers, _, _, num_heads, head_dim = self._kv_cache.shape
+        shape = (num_layers, 2, entry.num_tokens, num_heads, head_dim)
+        return serde.decode(entry.record, self.layout, shape, self._kv_cache.dtype, verify_checksum=False)
 
     def num_external_tokens(self, request: Request, num_cached: int) -> int:
         entry = self._usable(request)
@@ -329,40 +348,50 @@ class PDReceiverConnector:
     def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
         return ((PD_SOURCE, self.num_external_tokens(request, num_cached)),)
 
-    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
+    def update_state_after_alloc(self, request: Request, num_cached: int, num_external: int) -> None:
+        """Claim the transfer the request loads (an entry claimed no longer expires), or log that none is used."""
         params = request.params.kv_transfer
         if params is None or params.is_sender:
-            return LoadedTokens()
-        required = max(0, request.num_tokens - 1 - start_token)
-        began = time.perf_counter()
-        entry = self.buffer.claim(params.transfer_id) if end_token > start_token else None
+            return
+        entry = self.buffer.claim(params.transfer_id) if num_external > 0 else None
         if entry is None:
             logger.info("Retrieved 0 out of %d required tokens (from %d total tokens); recomputing",
-                        required, request.num_prompt_tokens)  # fmt: skip
+                        max(0, request.num_tokens - 1 - num_cached), request.num_prompt_tokens)  # fmt: skip
+            return
+        self._claimed[request.request_id] = entry
+
+    def load_kv(self, load: KVLoad) -> LoadedTokens:
+        request = load.request
+        entry = self._claimed.pop(request.request_id, None)
+        params = request.params.kv_transfer
+        if entry is None or params is None:
             return LoadedTokens()
         assert self._kv_cache is not None
-        num_layers, _, _, num_heads, head_dim = self._kv_cache.shape
-        shape = (num_layers, 2, entry.num_tokens, num_heads, head_dim)
+        began = time.perf_counter()
         device = self._kv_cache.device
-        slots = torch.tensor(token_slots(block_ids, range(start_token, end_token), self._block_size), device=device)
-        try:  # verified when it arrived, and in this process's memory since
-            kv = serde.decode(entry.record, self.layout, shape, self._kv_cache.dtype, verify_checksum=False)
+        positions = range(load.start_token, load.end_token)
+        slots = torch.tensor(token_slots(load.block_ids, positions, self._block_size), device=device)
+        try:
+            kv = self._decode(entry)
             with torch.no_grad():
-                self._kv_cache.index_copy_(2, slots, kv[:, :, start_token:end_token].to(device))
+                self._kv_cache.index_copy_(2, slots, kv[:, :, load.start_token : load.end_token].to(device))
         except (serde.RecordError, RuntimeError) as exc:  # a record that does not fit is a miss, never a dead engine
             logger.warning("PD: transfer %s is unusable (%s); recomputing", params.transfer_id, exc)
             return LoadedTokens()
         finally:
             self.buffer.release(params.transfer_id)
-        num = end_token - start_token
-        elapsed_s = time.perf_counter() - began
+        required = max(0, request.num_tokens - 1 - load.start_token)
+        self._log_retrieved(request, entry, load.num_tokens, required, time.perf_counter() - began)
+        return LoadedTokens(load.num_tokens, ((PD_SOURCE, load.num_tokens),))
+
+    @staticmethod
+    def _log_retrieved(request: Request, entry: BufferEntry, num: int, required: int, elapsed_s: float) -> None:
         size_gb = len(entry.record) * num / max(entry.num_tokens, 1) / 1e9
         logger.info(
             "Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, cost %.2f ms, "
             "throughput: %.2f GB/s",
             num, required, request.num_prompt_tokens, size_gb, elapsed_s * 1000, size_gb / max(elapsed_s, 1e-9),
         )  # fmt: skip
-        return LoadedTokens(num, ((PD_SOURCE, num),))
 
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
         pass
@@ -371,6 +400,7 @@ class PDReceiverConnector:
         return None
 
     def request_finished(self, request: Request) -> None:
+        self._claimed.pop(request.request_id, None)
         params = request.params.kv_transfer
         if params is not None and not params.is_sender:
             self.buffer.release(params.transfer_id)  # unclaimed (e.g. aborted before admission)

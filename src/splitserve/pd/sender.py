@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from splitserve.auth import sign
-from splitserve.engine.connector import LoadedTokens, token_slots
+from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.kv_transfer import KVTransferResult
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
@@ -134,8 +134,11 @@ class PDSenderConnector:
     def lookup_tokens(self, request: Request, num_cached: int) -> tuple[tuple[str, int], ...]:
         return ()
 
-    def load(self, request: Request, block_ids: list[int], start_token: int, end_token: int) -> LoadedTokens:
-        return LoadedTokens()
+    def update_state_after_alloc(self, request: Request, num_cached: int, num_external: int) -> None:
+        pass
+
+    def load_kv(self, load: KVLoad) -> LoadedTokens:
+        return LoadedTokens()  # never a source: it offers no tokens
 
     def save_completed_chunks(self, request: Request, block_ids: list[int]) -> None:
         params = request.params.kv_transfer

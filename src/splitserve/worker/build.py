@@ -12,7 +12,7 @@ import logging
 import torch
 
 from splitserve.config import EngineConfig, Role
-from splitserve.engine.connector import KVConnectorBase, MultiConnector
+from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout, resolve_device, set_cpu_threads
 from splitserve.kv_events import KVEventSink
 from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
@@ -30,10 +30,10 @@ def build_engine(
 ) -> LLMEngine:
     """Load the model and tokenizer named by ``config.model`` and build an engine for ``role`` (blocking, seconds).
 
-    - decode role: a KV receiver (started here) and its connector, which hands pushed KV to the scheduler;
+    - decode role: a KV receiver (started here) and its connector, which loads pushed KV into the engine;
     - prefill role: the connector that pushes each finished prompt's KV to its decode worker;
     - ``config.kv_tiers`` enabled: a connector over L1/L2 (``role`` decides what it saves: the decode role
-      saves nothing unless ``save_decode_cache``).
+      saves nothing unless ``save_decode_cache``). After the PD receiver: pushed KV is the first source asked.
 
     ``events`` hears what the engine's prefix cache and the tiers hold. ``cluster_secret`` signs the prefill
     role's KV pushes (the decode role's receiver takes signed ones only) and keys the MACs of the tiers' records.
@@ -74,8 +74,7 @@ def build_engine(
         from splitserve.kvcache.connector import build_connector
 
         connectors.append(build_connector(config.kv_tiers, source.model_id, layout, role, events, cluster_secret))
-    connector = connectors[0] if len(connectors) == 1 else MultiConnector(connectors) if connectors else None
-    engine = LLMEngine(config, model, tokenizer, name, device, connector, events, receiver)
+    engine = LLMEngine(config, model, tokenizer, name, device, connectors, events, receiver)
     if receiver is not None:
         receiver.start()
     return engine
