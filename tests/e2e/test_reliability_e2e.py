@@ -203,7 +203,7 @@ def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Disaggre
 LIGHTHOUSE = " ".join(f"Night {i}: the keeper of the lighthouse on rock {i} lit the lamp at dusk." for i in range(12))
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions"])  # completions: the same code, and 20 s more of CI
 def test_a_killed_decode_workers_disaggregated_stream_resumes_with_the_same_greedy_text(
     disaggregated: Disaggregated, path: str
 ) -> None:
