@@ -75,6 +75,13 @@ class VLLMEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = _attach(self._replay, config.replay_endpoint, always_bind=True)
         self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
+        for address in (self.endpoint, self.replay_endpoint):
+            if address is not None and _reachable_from_outside(address):
+                logger.warning(
+                    "SECURITY: vLLM-format KV events on %s carry prompts' token ids and cache salts to anyone who "
+                    "connects (ZMQ, unauthenticated, as vLLM's): keep this port on the cluster network "
+                    "(bind 127.0.0.1, or a NetworkPolicy)", address,
+                )  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -171,6 +178,14 @@ class VLLMEventPublisher:
                 if seq >= start:
                     replay.send_multipart([identity, b"", *encode_frames(self._topic, seq, payload)])
             replay.send_multipart([identity, b"", b"", REPLAY_END_SEQ.to_bytes(8, "big", signed=True), b""])
+
+
+def _reachable_from_outside(address: str) -> bool:
+    """A TCP address on a wildcard or any host but the loopback one (ipc and inproc stay on this machine)."""
+    if not address.startswith("tcp://"):
+        return False
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host not in ("127.0.0.1", "localhost", "::1")
 
 
 def _attach(sock: zmq.Socket, endpoint: str, always_bind: bool = False) -> str:

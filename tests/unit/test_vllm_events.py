@@ -5,6 +5,7 @@ sends batches that a plain ZMQ SUB socket decodes, with replay."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,3 +232,15 @@ def test_a_full_queue_drops_events_and_then_clears_consumers() -> None:
     small.blocks_cached(None, [4], [4, 0], None)
     assert small._take(0) == [BlockStored([4], None, [4, 0], 2)]
     small.close()
+
+
+def test_a_publisher_reachable_from_other_machines_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    def warnings_for(endpoint: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="splitserve.vllm_publisher"):
+            VLLMEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), 2).close()
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("SECURITY")]
+
+    assert warnings_for("tcp://127.0.0.1:0") == []
+    wildcard = warnings_for("tcp://*:0")
+    assert len(wildcard) == 1 and "tcp://0.0.0.0:" in wildcard[0] and "token ids" in wildcard[0]
