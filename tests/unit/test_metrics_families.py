@@ -26,7 +26,7 @@ from splitserve.metrics import (
 )
 from splitserve.metrics.router import SlidingWindow
 from splitserve.metrics.worker import hit_source
-from splitserve.router.scrape import prefix_cache_counts
+from splitserve.router.scrape import page_totals, prefix_cache_counts
 from tests.unit.fake_engine import FakeEngine, FakeStats
 
 FAMILIES_PATH = Path(__file__).resolve().parents[1] / "data" / "vllm_0_32_metric_families.txt"
@@ -231,5 +231,5 @@ def test_host_usage_reads_proc_like_psutil(tmp_path: Path) -> None:
 def test_the_scrape_reads_a_workers_prefix_cache_counters() -> None:
     worker = WorkerMetrics("m")
     worker.set_engine_stats(FakeStats(prefix_cache_queries=100, prefix_cache_hits=40))
-    assert prefix_cache_counts(worker.render().decode()) == PrefixCacheCounts(hits=40, queries=100)
-    assert prefix_cache_counts("not { a page") is None
+    assert prefix_cache_counts(page_totals(worker.render().decode())) == PrefixCacheCounts(hits=40, queries=100)
+    assert prefix_cache_counts(page_totals("not { a page")) is None

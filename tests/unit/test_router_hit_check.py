@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.metrics import RouterMetrics, sum_samples
 from splitserve.router.hit_check import ALARM_EVERY_S, MIN_PREDICTED_TOKENS, HitPredictionCheck
-from splitserve.router.scrape import cached_prompt_tokens
+from splitserve.router.scrape import cached_prompt_tokens, page_totals
 
 W = "http://127.0.0.1:8001"
 
@@ -84,11 +84,11 @@ def test_the_cached_tokens_of_a_splitserve_or_a_vllm_page() -> None:
         '# TYPE vllm:prompt_tokens_cached counter\nvllm:prompt_tokens_cached_total{engine="0",model_name="m"} 640.0\n'
         '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0",model_name="m"} 512.0\n'
     )
-    assert cached_prompt_tokens(splitserve) == 640.0
+    assert cached_prompt_tokens(page_totals(splitserve)) == 640.0
     older_vllm = (
         '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{model_name="m"} 512.0\n'
         '# TYPE vllm:external_prefix_cache_hits counter\nvllm:external_prefix_cache_hits_total{model_name="m"} 64.0\n'
     )
-    assert cached_prompt_tokens(older_vllm) == 576.0
-    assert cached_prompt_tokens("# TYPE other counter\nother_total 1.0\n") is None
-    assert cached_prompt_tokens("not {a metrics page") is None
+    assert cached_prompt_tokens(page_totals(older_vllm)) == 576.0
+    assert cached_prompt_tokens(page_totals("# TYPE other counter\nother_total 1.0\n")) is None
+    assert cached_prompt_tokens(page_totals("not {a metrics page")) is None

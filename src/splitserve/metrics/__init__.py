@@ -36,8 +36,19 @@ __all__ = [
     "TierStatsLike",
     "WorkerMetrics",
     "WorkerRow",
+    "sample_totals",
     "sum_samples",
 ]
+
+
+def sample_totals(text: str) -> dict[str, float]:
+    """Every sample name of a Prometheus text page with the sum of its samples over all labels, from one parse
+    (``ValueError`` when the text is not such a page)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 def sum_samples(text: str, name: str, **labels: str) -> float:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.metrics import (
     EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
@@ -24,7 +23,7 @@ from splitserve.metrics import (
     PROMPT_TOKENS_CACHED_TOTAL,
     PrefixCacheCounts,
     RouterMetrics,
-    sum_samples,
+    sample_totals,
 )
 from splitserve.router.hit_check import HitPredictionCheck
 
@@ -66,9 +65,10 @@ class WorkerStatsScraper:
         workers = list(self._workers())
         pages = await asyncio.gather(*(self._page(w.url) for w in workers))
         for worker, page in zip(workers, pages, strict=True):
-            self.metrics.set_prefix_cache(worker.url, prefix_cache_counts(page) if page is not None else None)
+            totals = page_totals(page) if page is not None else None  # the page parsed once, for both readers
+            self.metrics.set_prefix_cache(worker.url, prefix_cache_counts(totals))
             if self.hit_check is not None:
-                self.hit_check.reported(worker.url, cached_prompt_tokens(page) if page is not None else None)
+                self.hit_check.reported(worker.url, cached_prompt_tokens(totals))
 
     async def _page(self, url: str) -> str | None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -83,16 +83,19 @@ class WorkerStatsScraper:
         return body.decode("utf-8", "replace")
 
 
-def cached_prompt_tokens(page: str) -> float | None:
-    """The prompt tokens a worker did not compute, cumulative: ``vllm:prompt_tokens_cached_total``, else (an
-    older vLLM) its prefix-cache hits plus its external (connector) hits; None when the page has none of them
-    or does not parse."""
-    totals: dict[str, float] = {}
+def page_totals(page: str) -> dict[str, float] | None:
+    """A worker's metrics page read once (``metrics.sample_totals``); None when it does not parse."""
     try:
-        for family in text_string_to_metric_families(page):
-            for sample in family.samples:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    except ValueError:
+        return sample_totals(page)
+    except ValueError:  # not a Prometheus text page
+        return None
+
+
+def cached_prompt_tokens(totals: Mapping[str, float] | None) -> float | None:
+    """The prompt tokens a worker did not compute, cumulative: ``vllm:prompt_tokens_cached_total``, else (an
+    older vLLM) its prefix-cache hits plus its external (connector) hits; None when the page (its
+    :func:`page_totals`) has none of them or did not parse."""
+    if totals is None:
         return None
     if PROMPT_TOKENS_CACHED_TOTAL in totals:
         return totals[PROMPT_TOKENS_CACHED_TOTAL]
@@ -101,11 +104,8 @@ def cached_prompt_tokens(page: str) -> float | None:
     return totals[PREFIX_CACHE_HITS_TOTAL] + totals.get(EXTERNAL_PREFIX_CACHE_HITS_TOTAL, 0.0)
 
 
-def prefix_cache_counts(page: str) -> PrefixCacheCounts | None:
-    """A worker's prefix-cache counters from its metrics page; None when the page does not parse."""
-    try:
-        return PrefixCacheCounts(
-            sum_samples(page, PREFIX_CACHE_HITS_TOTAL), sum_samples(page, PREFIX_CACHE_QUERIES_TOTAL)
-        )
-    except ValueError:  # not a Prometheus text page
+def prefix_cache_counts(totals: Mapping[str, float] | None) -> PrefixCacheCounts | None:
+    """A worker's prefix-cache counters from its page's :func:`page_totals`; None when the page did not parse."""
+    if totals is None:
         return None
+    return PrefixCacheCounts(totals.get(PREFIX_CACHE_HITS_TOTAL, 0.0), totals.get(PREFIX_CACHE_QUERIES_TOTAL, 0.0))
