@@ -39,7 +39,8 @@ WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    """One request to send: a completion ``prompt`` or chat ``messages`` (exactly one is set).
+    """One request to send: a completion ``prompt`` (text, or token ids) or chat ``messages`` (exactly one is
+    set).
 
     ``approx_prompt_tokens`` is the word count of the prompt (about its token count); it stands in for the
     prompt length when the server reports no usage. Requests that share a ``session_id`` are one user's
@@ -47,7 +48,7 @@ class BenchRequest:
     """
 
     max_tokens: int
-    prompt: str | None = None
+    prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
     approx_prompt_tokens: int = 0
     session_id: str | None = None
@@ -59,10 +60,11 @@ class BenchRequest:
         """The request as chat messages: its own ``messages``, or the prompt as one user message."""
         if self.messages is not None:
             return self.messages
-        return [{"role": "user", "content": self.prompt or ""}]
+        return [{"role": "user", "content": self.prompt if isinstance(self.prompt, str) else ""}]
 
-    def as_prompt(self) -> str:
-        """The request as one completion prompt: its own ``prompt``, or the message contents joined."""
+    def as_prompt(self) -> str | list[int]:
+        """The request as one completion prompt: its own ``prompt`` (token ids stay ids), or the message contents
+        joined."""
         if self.prompt is not None:
             return self.prompt
         return "\n".join(m.get("content", "") for m in self.messages or [])
