@@ -804,6 +804,20 @@ def plan_command(
     strategies: Annotated[
         str, typer.Option(help="Routing strategies to try, comma-separated.")
     ] = "roundrobin,session,prefixaware,kvaware",
+    verify: Annotated[
+        bool,
+        typer.Option(help="Bring up the pick (and the resource as written) locally, replay the workload, compare."),
+    ] = False,
+    verify_dir: Annotated[
+        Path | None, typer.Option(help="Where --verify keeps resources, logs and results (default: a temp dir).")
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="PNG: candidates; with --verify predicted against measured; with --sweep-rates the curves."),
+    ] = None,
+    sweep_rates: Annotated[
+        str | None, typer.Option(help="Predict at each of these rates (comma-separated) and state the crossover.")
+    ] = None,
 ) -> None:
     """Measure this machine, predict every layout the resource's cores allow, and recommend one."""
     from splitserve.endpoint import EndpointError
@@ -825,9 +839,13 @@ def plan_command(
             recalibrate=recalibrate,
             thresholds=parse_choices("--thresholds", thresholds, int),
             strategies=parse_choices("--strategies", strategies, RoutingStrategy),
+            verify=verify,
+            verify_dir=verify_dir,
+            plot=plot,
+            sweep_rates=parse_choices("--sweep-rates", sweep_rates, float) if sweep_rates else (),
         )
         code = run_plan(options, typer.echo, lambda line: typer.echo(line, err=True))
-    except (EndpointError, ValueError, OSError) as exc:
+    except (EndpointError, ValueError, OSError, RuntimeError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
 

@@ -7,7 +7,9 @@ The one planner module that reaches the engine (through ``calibrate``, which imp
 from __future__ import annotations
 
 import json
+import math
 import re
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import EnumMeta
@@ -16,20 +18,36 @@ from typing import Any, TypeVar
 
 from splitserve.config import RoutingStrategy
 from splitserve.deploy.plan import plan
-from splitserve.endpoint import load_endpoint
+from splitserve.endpoint import InferenceEndpointConfig, load_endpoint
 from splitserve.planner.calibrate import calibration_key, ensure_calibration
+from splitserve.planner.costs import Calibration
+from splitserve.planner.plots import plot_crossover, plot_plan
 from splitserve.planner.recommend import (
     DEFAULT_THRESHOLDS,
+    Candidate,
+    Layout,
+    Recommendation,
     allowed_cores,
     current_layout,
     format_table,
+    kv_moves,
     recommend,
     report_json,
     thread_counts,
+    topology,
     write_planned,
 )
-from splitserve.planner.simulate import Slo
-from splitserve.planner.workload import DEFAULT_RATES, WorkloadShape, describe, generate, load_trace
+from splitserve.planner.simulate import SimResult, Slo, simulate
+from splitserve.planner.verify import (
+    FIGURES,
+    ReplayWorkload,
+    VerifiedLayout,
+    format_verify_table,
+    replay_workload,
+    verify_json,
+    verify_layout,
+)
+from splitserve.planner.workload import DEFAULT_RATES, TraceRequest, WorkloadShape, describe, generate, load_trace
 
 T = TypeVar("T")
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -59,6 +77,10 @@ class PlanOptions:
     recalibrate: bool = False
     thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS
     strategies: tuple[RoutingStrategy, ...] = tuple(RoutingStrategy)
+    verify: bool = False
+    verify_dir: Path | None = None  # resources, logs and results of --verify (default: a new temporary directory)
+    plot: Path | None = None
+    sweep_rates: tuple[float, ...] = ()  # predict at each rate instead of one, and state the crossover
 
 
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*")
@@ -112,6 +134,11 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
     trace) and EndpointError (a resource that does not load or plan); returns the exit status."""
     if options.num_requests < 1:
         raise ValueError(f"--num-requests must be positive, got {options.num_requests}")
+    if options.sweep_rates and (options.trace is not None or options.verify or options.out is not None):
+        raise ValueError("--sweep-rates predicts a generated workload at several rates: it takes no --trace, "
+                         "--verify or --out")  # fmt: skip
+    if any(not rate > 0 for rate in options.sweep_rates):
+        raise ValueError(f"--sweep-rates must be positive, got {options.sweep_rates}")
     config = load_endpoint(options.file)
     endpoint = plan(config)
     flags = endpoint.roles[0].flags
@@ -124,6 +151,15 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
         else generate(options.workload, rate=options.rate, num_requests=options.num_requests, seed=options.seed,
                       max_model_len=max_model_len)
     )  # fmt: skip
+    replayed: ReplayWorkload | None = None
+    if options.verify:
+        replayed = replay_workload(requests)
+        note(
+            f"verify: the replay's prompts share {replayed.num_shared_tokens:,} prefix tokens where the workload says "
+            f"{sum(r.prefix_tokens for r in requests):,} (an engine holds its own answers, not the workload's); "
+            "the prediction is for the replayed workload"
+        )
+        requests = list(replayed.requests)
     cores = allowed_cores(config)
     threads = {*thread_counts(cores), current_layout(config, cores).num_threads}
     key = calibration_key(endpoint.model, _flag(flags, "--dtype") or "auto", _flag(flags, "--quantization") or "auto")
@@ -131,6 +167,8 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
         key, sorted(threads), recalibrate=options.recalibrate, max_model_len=max_model_len,
         progress=lambda what: note(f"calibrating: {what}"),
     )  # fmt: skip
+    if options.sweep_rates:
+        return _sweep(options, config, calibration, slo, cores, max_model_len, echo, note)
     note(f"workload: {describe(requests)}; SLO: TTFT p99 {slo.ttft_s:g} s, ITL p99 {slo.itl_s * 1000:g} ms")
     result = recommend(
         config, calibration, requests, slo, cores=cores, thresholds=options.thresholds, strategies=options.strategies
@@ -140,11 +178,166 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
     if options.out is not None:
         write_planned(str(options.out), config, result.pick.layout, note=result.reason)
         echo(f"wrote {options.out}")
+    verified = [] if replayed is None else _verify(options, config, endpoint.model, result, replayed, slo, note)
+    if verified:
+        echo("\n" + format_verify_table(verified))
+        echo(_verdict(verified))
+    if options.plot is not None:
+        plot_plan(
+            options.plot,
+            result,
+            verified,
+            simulate_layout=lambda layout: _simulated(config, calibration, layout, requests),
+        )
+        echo(f"wrote {options.plot}")
     if options.json_path is not None:
         document = report_json(result, calibration, _workload_json(options, requests, shape), slo)
+        if verified:
+            document["verify"] = verify_json(verified)
         options.json_path.write_text(json.dumps(document, indent=1) + "\n")
         echo(f"wrote {options.json_path}")
     return 0
+
+
+def _sweep(
+    options: PlanOptions,
+    config: InferenceEndpointConfig,
+    calibration: Calibration,
+    slo: Slo,
+    cores: int,
+    max_model_len: int,
+    echo: Callable[[str], None],
+    note: Callable[[str], None],
+) -> int:
+    """Predict the workload at each rate; per layout family the best candidate; the crossover in one line."""
+    rates = sorted(options.sweep_rates)
+    rows: list[dict[str, Any]] = []
+    for rate in rates:
+        requests = generate(options.workload, rate=rate, num_requests=options.num_requests, seed=options.seed,
+                            max_model_len=max_model_len)  # fmt: skip
+        note(f"sweep: {describe(requests)}")
+        result = recommend(config, calibration, requests, slo, cores=cores, thresholds=options.thresholds,
+                           strategies=options.strategies)  # fmt: skip
+        best: dict[str, Candidate] = {}
+        for candidate in result.candidates:  # ranked: the first of a family is its best
+            best.setdefault(_family(candidate.layout), candidate)
+        rows.append({"rate": rate, "pick": result.pick, "best": best})
+    families = sorted({name for row in rows for name in row["best"]}, key=_family_order)
+    echo(_sweep_table(rows, families))
+    crossover = crossover_line(options.workload, [(row["rate"], row["pick"].layout) for row in rows])
+    echo(f"\n{crossover}")
+    series = {name: [_point(row["best"].get(name)) for row in rows] for name in families}
+    if options.plot is not None:
+        limits = f"TTFT p99 {slo.ttft_s:g} s, ITL p99 {slo.itl_s * 1000:g} ms"
+        title = f"{options.workload.value}: predicted per layout (SLO {limits})"
+        plot_crossover(options.plot, title, rates, series)
+        echo(f"wrote {options.plot}")
+    if options.json_path is not None:
+        document = {
+            "workload": {"shape": options.workload.value, "num_requests": options.num_requests, "seed": options.seed},
+            "slo": {"ttft_p99_s": slo.ttft_s, "itl_p99_s": slo.itl_s},
+            "rates": rates,
+            "families": series,
+            "picks": [{"rate": row["rate"], **row["pick"].layout.to_json()} for row in rows],
+            "crossover": crossover,
+            "calibration": calibration.to_json(),
+        }
+        options.json_path.write_text(json.dumps(document, indent=1) + "\n")
+        echo(f"wrote {options.json_path}")
+    return 0
+
+
+def _family(layout: Layout) -> str:
+    """``colocated x2`` or ``1P1D``: the layouts a sweep compares, whatever their threshold and strategy."""
+    return f"colocated x{layout.num_colocated}" if layout.num_colocated else layout.name
+
+
+def _family_order(name: str) -> tuple[int, str]:
+    return (0 if name.startswith("colocated") else 1, name)
+
+
+def _point(candidate: Candidate | None) -> dict[str, float]:
+    if candidate is None:
+        return {"goodput": math.nan, "ttft_p99_s": math.nan, "itl_p99_s": math.nan}
+    p = candidate.prediction
+    return {"goodput": round(p.goodput_requests_per_s, 4), "ttft_p99_s": round(p.ttft_p99_s, 4),
+            "itl_p99_s": round(p.itl_p99_s, 5)}  # fmt: skip
+
+
+def _sweep_table(rows: Sequence[dict[str, Any]], families: Sequence[str]) -> str:
+    header = ["rate", *(f"{name} goodput / TTFT p99" for name in families), "pick"]
+    lines = [" | ".join(header)]
+    for row in rows:
+        cells = [f"{row['rate']:g}"]
+        for name in families:
+            c = row["best"].get(name)
+            cells.append("-" if c is None else
+                         f"{c.prediction.goodput_requests_per_s:.2f} / {c.prediction.ttft_p99_s:.2f} s")  # fmt: skip
+        cells.append(row["pick"].layout.describe())
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def crossover_line(shape: WorkloadShape, picks: Sequence[tuple[float, Layout]]) -> str:
+    """Where the pick turns disaggregated (and stays so) over the swept rates, in one sentence."""
+    disaggregated = [layout.num_colocated == 0 for _, layout in picks]
+    rates = [rate for rate, _ in picks]
+    if not any(disaggregated):
+        return f"{shape.value}: colocated is the pick at every rate swept ({rates[0]:g} to {rates[-1]:g} req/s)"
+    if all(disaggregated):
+        return f"{shape.value}: disaggregation is the pick at every rate swept ({rates[0]:g} to {rates[-1]:g} req/s)"
+    first = next(i for i in range(len(picks)) if all(disaggregated[i:]))
+    if first == 0 or first == len(picks):
+        return f"{shape.value}: the pick goes back and forth between colocated and disaggregated over the rates swept"
+    return (
+        f"{shape.value}: DPD ({picks[first][1].name}) pays off from {rates[first]:g} req/s "
+        f"(between {rates[first - 1]:g} and {rates[first]:g}); below that, colocated"
+    )
+
+
+def _verify(
+    options: PlanOptions,
+    config: InferenceEndpointConfig,
+    model: str,
+    result: Recommendation,
+    replayed: ReplayWorkload,
+    slo: Slo,
+    note: Callable[[str], None],
+) -> list[VerifiedLayout]:
+    """The pick, and the resource as written when it is another layout, each brought up and replayed."""
+    directory = options.verify_dir or Path(tempfile.mkdtemp(prefix="splitserve-verify-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    note(f"verify: resources, logs and results in {directory}")
+    pick, current = result.pick, result.current
+    runs: list[tuple[str, Candidate, Path]] = []
+    if pick.layout.is_current or current is None:
+        runs.append(("pick", pick, options.file))
+    else:
+        planned = directory / "pick.yaml"
+        write_planned(str(planned), config, pick.layout, note=result.reason)
+        runs += [("pick", pick, planned), ("current", current, options.file)]
+    verified = []
+    for label, candidate, resource in runs:
+        verified.append(verify_layout(
+            label, candidate.layout.describe(), resource, config.metadata.name, model, replayed,
+            candidate.prediction, slo, candidate.layout.num_workers, directory / label, note,
+        ))  # fmt: skip
+    return verified
+
+
+def _verdict(verified: Sequence[VerifiedLayout]) -> str:
+    worst = max(e for layout in verified for e in layout.errors.values())
+    lines = [f"largest relative error: {worst * 100:.1f}% (over {', '.join(FIGURES)})"]
+    if len(verified) == 2:
+        pick, current = (layout.replay.measured.goodput_requests_per_s for layout in verified)
+        lines.append(f"measured goodput: pick {pick:.3f} req/s, resource as written {current:.3f} req/s")
+    return "\n".join(lines)
+
+
+def _simulated(
+    config: InferenceEndpointConfig, calibration: Calibration, layout: Layout, requests: Sequence[TraceRequest]
+) -> SimResult:
+    return simulate(requests, topology(config, layout, calibration), kv_moves(calibration))
 
 
 def _workload_json(options: PlanOptions, requests: Sequence[Any], shape: WorkloadShape | None) -> dict[str, Any]:

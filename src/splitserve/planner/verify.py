@@ -1,0 +1,344 @@
+"""``splitserve plan --verify``: bring layouts up with the local supervisor, replay the workload against each, and
+set what the planner predicted beside what the replay measured.
+
+**The replayed workload.** A workload says how many tokens each prompt shares with earlier ones, not which
+tokens. The replay builds token ids for it (:func:`replay_workload`): a request of a group takes the group's
+history up to its ``prefix_tokens`` and then fresh tokens; the history after it is its prompt followed by fresh
+tokens standing for its answer. What a real engine holds after a turn, though, is the model's own answer, not
+those stand-ins, so a chat turn shares only the previous *prompt* with what came before, not the answer. The
+replay therefore re-states every request's ``prefix_tokens`` as the longest prefix its prompt really shares
+with an earlier prompt of its group, and the planner predicts that workload: prediction and replay see the same
+requests. Token ids are symbols until an endpoint is up; then they become ids drawn from the tokens of plain
+English words as the endpoint's own tokenizer splits them (``/tokenize``), so no special token is ever sent.
+
+**The replay** sends each request as a streamed completion of its token ids (greedy, ``ignore_eos``, exactly
+``output_tokens`` tokens) at its arrival time, open loop, after a short warm-up of fresh prompts; it measures
+what ``splitserve bench`` measures. The measured figures are summarized with the simulator's own code
+(:func:`splitserve.planner.simulate.summarize`), so both sides count percentiles, throughput and goodput alike.
+
+Torch-free: the endpoint runs in ``splitserve up`` child processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult
+from splitserve.bench.datasets import WORDS, BenchRequest
+from splitserve.bench.runner import run_requests
+from splitserve.deploy.supervisor import free_port, splitserve_command
+from splitserve.planner.simulate import Prediction, RequestTiming, SimResult, Slo, summarize
+from splitserve.planner.workload import TraceRequest
+
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "output_tokens_per_s")
+"""The figures whose relative error ``--verify`` reports (the issue's acceptance: within 25 % each)."""
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 90.0
+WARMUP_PROMPTS = (64, 512, 2048)  # tokens; each sent once per worker, one at a time, before the replay
+_SYMBOL_MIX = 0x9E3779B97F4A7C15  # a fixed odd 64-bit multiplier: symbols -> pool slots, the same in every run
+
+
+# ---------------------------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayWorkload:
+    """The requests with the prefixes their prompts really share, and each prompt as symbols."""
+
+    requests: tuple[TraceRequest, ...]
+    prompts: tuple[tuple[int, ...], ...]  # symbols: equal symbols are equal tokens, nothing else is
+
+    @property
+    def num_shared_tokens(self) -> int:
+        return sum(r.prefix_tokens for r in self.requests)
+
+    def token_ids(self, pool: Sequence[int], seed: int = 0) -> list[list[int]]:
+        """Each prompt as token ids from ``pool``: one id per symbol, spread over the pool by a fixed hash."""
+        if not pool:
+            raise ValueError("the token pool is empty")
+        size, mask = len(pool), (1 << 64) - 1
+        return [[pool[((((s + seed) * _SYMBOL_MIX) & mask) >> 32) % size] for s in p] for p in self.prompts]
+
+
+def replay_workload(requests: Sequence[TraceRequest]) -> ReplayWorkload:
+    """Build prompts (as symbols) for ``requests`` and re-state each ``prefix_tokens`` as what its prompt shares
+    with an earlier prompt of its group (module docstring)."""
+    next_symbol = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_symbol
+        next_symbol += n
+        return list(range(next_symbol - n, next_symbol))
+
+    history: dict[str, list[int]] = {}
+    earlier: dict[str, list[list[int]]] = {}
+    restated: list[TraceRequest] = []
+    prompts: list[tuple[int, ...]] = []
+    for request in requests:
+        group = request.prefix_group
+        if group is None:
+            prompt = fresh(request.prompt_tokens)
+            restated.append(request)
+        else:
+            held = history.get(group, [])
+            shared = held[: request.prefix_tokens]
+            shared += fresh(request.prefix_tokens - len(shared))
+            prompt = shared + fresh(request.prompt_tokens - len(shared))
+            common = max((_common_prefix(prompt, p) for p in earlier.get(group, [])), default=0)
+            restated.append(replace(request, prefix_tokens=min(common, request.prompt_tokens - 1)))
+            earlier.setdefault(group, []).append(prompt)
+            history[group] = prompt + fresh(request.output_tokens)  # the answer's stand-in
+        prompts.append(tuple(prompt))
+    return ReplayWorkload(tuple(restated), tuple(prompts))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- an endpoint
+
+
+class LocalEndpoint(AbstractContextManager["LocalEndpoint"]):
+    """``splitserve up -f RESOURCE`` as a child process in its own ``SPLITSERVE_HOME``, stopped on exit."""
+
+    def __init__(self, resource: Path, home: Path, name: str) -> None:
+        self.resource, self.home, self.name = resource, home, name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = home / "up.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LocalEndpoint:
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "SPLITSERVE_HOME": str(self.home)}
+        command = splitserve_command("up", "-f", str(self.resource), "--port", str(self.port))
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)  # the supervisor drains and stops its pods
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until the supervisor reports the endpoint Ready and its router answers ``/health``; RuntimeError
+        (naming the log) when the supervisor exits or the time is up."""
+        state_path = self.home / "endpoints" / self.name / "state.json"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"splitserve up exited with {self.process.returncode}; see {self.log_path}")
+            if _is_ready(state_path) and _answers(f"{self.url}/health"):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the endpoint was not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+
+def _is_ready(state_path: Path) -> bool:
+    try:
+        state = json.loads(state_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(state.get("condition", {}).get("status"))
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def token_pool(url: str, model: str) -> list[int]:
+    """The distinct token ids of plain English words, as the endpoint's tokenizer splits them."""
+    text = " ".join(WORDS)
+    response = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=60.0)
+    response.raise_for_status()
+    ids = sorted(set(int(t) for t in response.json()["tokens"]))
+    if len(ids) < 64:
+        raise RuntimeError(f"/tokenize gave only {len(ids)} distinct tokens for {len(WORDS)} words")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- the replay
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What one replay measured."""
+
+    results: tuple[RequestResult, ...]
+    duration_s: float
+    measured: Prediction
+
+
+async def _replay(
+    url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    requests: Sequence[TraceRequest],
+    warmup: Sequence[Sequence[int]],
+) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, trust_env=False) as http:
+        client = OpenAIStreamClient(http, base_url=url, model=model, kind=EndpointKind.COMPLETIONS)
+        for ids in warmup:
+            result = await client.send(BenchRequest(max_tokens=8, prompt=list(ids)))
+            if not result.success:
+                raise RuntimeError(f"a warm-up request failed: {result.error}")
+        bench = [
+            BenchRequest(max_tokens=r.output_tokens, prompt=list(p)) for r, p in zip(requests, prompts, strict=True)
+        ]
+        first = requests[0].arrival_s if requests else 0.0
+        return await run_requests(client, bench, [r.arrival_s - first for r in requests])
+
+
+def replay(url: str, model: str, workload: ReplayWorkload, pool: Sequence[int], slo: Slo, num_workers: int) -> Replay:
+    """Warm the endpoint up, send the workload at its arrival times, and summarize what came back."""
+    prompts = workload.token_ids(pool)
+    warmup = ReplayWorkload(
+        (),
+        tuple(
+            tuple(range(-(i + 1) * 10_000, -(i + 1) * 10_000 + n)) for i, n in enumerate(WARMUP_PROMPTS * num_workers)
+        ),
+    ).token_ids(pool, seed=7)
+    results, duration_s = asyncio.run(_replay(url, model, prompts, workload.requests, warmup))
+    return Replay(tuple(results), duration_s, measured_figures(results, slo))
+
+
+def measured_figures(results: Sequence[RequestResult], slo: Slo) -> Prediction:
+    """The replay's figures, counted as the simulator counts its own (failed requests are left out)."""
+    ok = [r for r in results if r.success and r.ttft_s is not None]
+    timings = []
+    for r in ok:
+        times = [r.start_s + (r.ttft_s or 0.0)]
+        for gap in r.itl_s:
+            times.append(times[-1] + gap)
+        timings.append(RequestTiming(r.start_s, times))
+    first = min((t.arrival_s for t in timings), default=0.0)
+    last = max((t.token_times_s[-1] for t in timings), default=first)
+    summary = summarize(SimResult(tuple(timings), {}, max(last - first, 1e-9)), slo)
+    # a chunk may carry several tokens: throughput counts the tokens the server reported
+    return replace(summary, output_tokens_per_s=sum(r.output_tokens for r in ok) / summary.duration_s)
+
+
+def relative_errors(predicted: Prediction, measured: Prediction) -> dict[str, float]:
+    """``|predicted - measured| / measured`` for each of :data:`FIGURES`."""
+    errors = {}
+    for name in FIGURES:
+        want, got = getattr(predicted, name), getattr(measured, name)
+        errors[name] = abs(want - got) / got if got > 0 else (0.0 if want == 0 else float("inf"))
+    return errors
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedLayout:
+    label: str  # "pick", "current" or "pick (= current)"
+    description: str
+    predicted: Prediction
+    replay: Replay
+
+    @property
+    def errors(self) -> dict[str, float]:
+        return relative_errors(self.predicted, self.replay.measured)
+
+    @property
+    def num_failed(self) -> int:
+        return sum(1 for r in self.replay.results if not r.success)
+
+
+def verify_layout(
+    label: str,
+    description: str,
+    resource: Path,
+    name: str,
+    model: str,
+    workload: ReplayWorkload,
+    predicted: Prediction,
+    slo: Slo,
+    num_workers: int,
+    home: Path,
+    note: Callable[[str], None],
+) -> VerifiedLayout:
+    """Bring ``resource`` up in ``home``, replay the workload against it, and bring it down."""
+    note(f"verify: starting {label} ({description}) from {resource}")
+    with LocalEndpoint(resource, home, name) as endpoint:
+        endpoint.wait_ready()
+        pool = token_pool(endpoint.url, model)
+        note(f"verify: replaying {len(workload.requests)} requests against {label} at {endpoint.url}")
+        result = replay(endpoint.url, model, workload, pool, slo, num_workers)
+    return VerifiedLayout(label, description, predicted, result)
+
+
+def format_verify_table(layouts: Sequence[VerifiedLayout]) -> str:
+    """Predicted against measured, per layout and figure, with the relative error."""
+    lines = [f"{'layout':<10} {'figure':<22} {'predicted':>10} {'measured':>10} {'error':>7}"]
+    for layout in layouts:
+        measured, predicted = layout.replay.measured, layout.predicted
+        rows: list[tuple[str, float, float, float | None]] = [
+            (f, getattr(predicted, f), getattr(measured, f), layout.errors[f]) for f in FIGURES
+        ]
+        rows.append(("goodput_requests_per_s", predicted.goodput_requests_per_s, measured.goodput_requests_per_s, None))
+        for figure, want, got, error in rows:
+            shown = "" if error is None else f"{error * 100:6.1f}%"
+            lines.append(f"{layout.label:<10} {figure:<22} {want:>10.3f} {got:>10.3f} {shown:>7}")
+        if layout.num_failed:
+            lines.append(f"{layout.label:<10} {layout.num_failed} request(s) failed (left out of the figures)")
+    return "\n".join(lines)
+
+
+def verify_json(layouts: Sequence[VerifiedLayout]) -> dict[str, Any]:
+    """``verify``: per layout its predicted and measured figures and errors; ``max_relative_error`` over all."""
+    from splitserve.planner.recommend import prediction_json
+
+    entries = []
+    for layout in layouts:
+        entries.append({
+            "label": layout.label,
+            "layout": layout.description,
+            "predicted": prediction_json(layout.predicted),
+            "measured": prediction_json(layout.replay.measured),
+            "relative_error": {k: round(v, 4) for k, v in layout.errors.items()},
+            "num_failed": layout.num_failed,
+            "requests": [_result_json(r) for r in layout.replay.results],
+        })  # fmt: skip
+    worst = max((e for layout in layouts for e in layout.errors.values()), default=0.0)
+    return {"figures": list(FIGURES), "max_relative_error": round(worst, 4), "layouts": entries}
+
+
+def _result_json(result: RequestResult) -> dict[str, Any]:
+    return {
+        "success": result.success,
+        "start_s": round(result.start_s, 4),
+        "ttft_s": None if result.ttft_s is None else round(result.ttft_s, 5),
+        "itl_s": [round(x, 5) for x in result.itl_s],
+        "output_tokens": result.output_tokens,
+        "error": result.error,
+    }
