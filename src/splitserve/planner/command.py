@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from enum import EnumMeta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from splitserve.bench.sweep import parse_slo
 from splitserve.config import RoutingStrategy
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import InferenceEndpointConfig, load_endpoint
@@ -81,31 +81,6 @@ class PlanOptions:
     verify_dir: Path | None = None  # resources, logs and results of --verify (default: a new temporary directory)
     plot: Path | None = None
     sweep_rates: tuple[float, ...] = ()  # predict at each rate instead of one, and state the crossover
-
-
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*")
-
-
-def parse_duration_s(text: str) -> float:
-    """``"2s"``, ``"150ms"``, ``"0.5"`` (seconds) -> seconds; ValueError otherwise."""
-    m = _DURATION.fullmatch(text)
-    if m is None:
-        raise ValueError(f"{text!r} is not a duration (examples: 2s, 150ms, 0.5)")
-    value = float(m.group(1))
-    return value / 1000 if m.group(2) == "ms" else value
-
-
-def parse_slo(text: str, default: Slo) -> Slo:
-    """``ttft_p99=2s,itl_p99=150ms`` (either part may be left out: ``default``'s then) -> an Slo."""
-    values = {"ttft_p99": default.ttft_s, "itl_p99": default.itl_s}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, value = part.partition("=")
-        if not eq or name.strip() not in values:
-            raise ValueError(f"--slo: {part!r}: expected ttft_p99=DURATION or itl_p99=DURATION (e.g. 2s, 150ms)")
-        values[name.strip()] = parse_duration_s(value)
-    if min(values.values()) <= 0:
-        raise ValueError(f"--slo: durations must be positive, got {text!r}")
-    return Slo(values["ttft_p99"], values["itl_p99"])
 
 
 def parse_choices(flag: str, text: str, parse: Callable[[str], T]) -> tuple[T, ...]:
@@ -286,8 +261,8 @@ def crossover_line(shape: WorkloadShape, picks: Sequence[tuple[float, Layout]]) 
         return f"{shape.value}: colocated is the pick at every rate swept ({rates[0]:g} to {rates[-1]:g} req/s)"
     if all(disaggregated):
         return f"{shape.value}: disaggregation is the pick at every rate swept ({rates[0]:g} to {rates[-1]:g} req/s)"
-    first = next(i for i in range(len(picks)) if all(disaggregated[i:]))
-    if first == 0 or first == len(picks):
+    first = next(i for i in range(len(picks) + 1) if all(disaggregated[i:]))
+    if any(disaggregated[:first]):
         return f"{shape.value}: the pick goes back and forth between colocated and disaggregated over the rates swept"
     return (
         f"{shape.value}: DPD ({picks[first][1].name}) pays off from {rates[first]:g} req/s "

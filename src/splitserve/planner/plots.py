@@ -1,4 +1,4 @@
-"""The planner's plots (matplotlib with the Agg backend, the ``plot`` extra), imported only when one is drawn.
+"""The planner's plots (matplotlib with the Agg backend, the ``plot`` extra, through ``bench.plots``).
 
 - :func:`plot_plan` (``splitserve plan --plot``): without ``--verify``, the best candidates' predicted goodput
   and TTFT p99; with it, predicted against measured: TTFT and ITL distributions of each verified layout (the
@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from splitserve.bench.plots import pyplot
+from splitserve.bench.series import cdf_points
 from splitserve.planner.simulate import SimResult
 from splitserve.planner.verify import FIGURES, VerifiedLayout
 
@@ -22,24 +24,6 @@ if TYPE_CHECKING:
 TOP_CANDIDATES = 10
 _FIGURE_NAMES = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99",
                  "output_tokens_per_s": "output tok/s"}  # fmt: skip
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend; RuntimeError naming the extra when matplotlib is absent."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("plots need matplotlib: pip install 'splitserve[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def cdf_points(values: Sequence[float]) -> tuple[list[float], list[float]]:
-    """Sorted values and their cumulative shares (1/n .. 1)."""
-    xs = sorted(values)
-    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
 
 
 def plot_plan(
@@ -106,7 +90,8 @@ def _plot_verified(plt: Any, verified: Sequence[VerifiedLayout], simulated: dict
     ratio_ax.axhspan(0.75, 1.25, color="0.9", zorder=0, label="within 25 %")
     ratio_ax.axhline(1.0, color="0.4", linewidth=0.8)
     ratio_ax.set_xticks([j + 0.4 - width / 2 for j in range(len(FIGURES))], [_FIGURE_NAMES[f] for f in FIGURES])
-    ratio_ax.set_ylabel("predicted / measured")
+    ratio_ax.set_yscale("log")
+    ratio_ax.set_ylabel("predicted / measured (log)")
     ratio_ax.set_title("each figure, predicted against the replay")
     for ax in (ttft_ax, itl_ax, ratio_ax):
         ax.grid(alpha=0.3)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from splitserve.bench.metrics import percentile
+from splitserve.bench.metrics import Slo, percentile
 from splitserve.config import Role, RoutingStrategy
 from splitserve.planner.costs import LoadCost, StepCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
@@ -481,14 +481,6 @@ class _Simulation:
 
 
 # ---------------------------------------------------------------------------------------------- figures
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """A request meets the SLO when its TTFT and the 99th percentile of its own ITLs are within these."""
-
-    ttft_s: float
-    itl_s: float
 
 
 @dataclass(frozen=True, slots=True)

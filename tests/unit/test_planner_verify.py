@@ -1,0 +1,149 @@
+"""The planner's replay workload, the measured figures and their errors, the rate sweep and its crossover, and
+the plots (no endpoint: ``--verify`` against real processes is tests/e2e/test_planner_verify_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from splitserve.bench.client import RequestResult
+from splitserve.cli import app
+from splitserve.config import RoutingStrategy
+from splitserve.planner.calibrate import calibration_key
+from splitserve.planner.command import crossover_line
+from splitserve.planner.costs import save_cached
+from splitserve.planner.recommend import Layout
+from splitserve.planner.simulate import Prediction, Slo
+from splitserve.planner.verify import _common_prefix, measured_figures, relative_errors, replay_workload
+from splitserve.planner.workload import TraceRequest, WorkloadShape
+from tests.unit.test_planner_recommend import EXAMPLES, calibration
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_chat_turn_shares_the_previous_prompt_not_the_answer_the_engine_never_saw() -> None:
+    turns = [
+        TraceRequest(0.0, 200, 50, "chat-0", 0),
+        TraceRequest(1.0, 300, 40, "chat-0", 250),  # the history: 200 of prompt + 50 of answer
+        TraceRequest(2.0, 400, 30, "chat-0", 340),
+    ]
+    replayed = replay_workload(turns)
+    assert [r.prefix_tokens for r in replayed.requests] == [0, 200, 300]
+    assert [len(p) for p in replayed.prompts] == [200, 300, 400]
+    first, second, third = replayed.prompts
+    assert _common_prefix(first, second) == 200 and _common_prefix(second, third) == 300
+    assert replayed.num_shared_tokens == 500
+
+
+def test_a_document_is_shared_by_its_questions_and_by_nothing_else() -> None:
+    requests = [
+        TraceRequest(0.0, 1060, 10, "doc-1", 1000),
+        TraceRequest(0.5, 80, 10),
+        TraceRequest(1.0, 1030, 10, "doc-1", 1000),
+        TraceRequest(1.5, 530, 10, "doc-2", 500),
+    ]
+    replayed = replay_workload(requests)
+    assert [r.prefix_tokens for r in replayed.requests] == [0, 0, 1000, 0]
+    a, b, c, d = replayed.prompts
+    assert _common_prefix(a, c) == 1000
+    assert not set(b) & (set(a) | set(c) | set(d)) and not set(d) & set(a)
+    assert [r.arrival_s for r in replayed.requests] == [0.0, 0.5, 1.0, 1.5]  # everything else is kept
+
+
+def test_symbols_become_ids_of_the_pool_the_same_way_every_time() -> None:
+    replayed = replay_workload([TraceRequest(0.0, 64, 4, "g", 0), TraceRequest(0.1, 96, 4, "g", 68)])
+    pool = list(range(1000, 1300))
+    ids = replayed.token_ids(pool)
+    assert ids == replayed.token_ids(pool)
+    assert all(t in pool for prompt in ids for t in prompt)
+    assert ids[1][:64] == ids[0] and len(ids[1]) == 96
+    assert len(set(ids[0])) > 40  # spread over the pool, not one id
+    with pytest.raises(ValueError, match="pool is empty"):
+        replayed.token_ids([])
+
+
+def result(start_s: float, ttft_s: float, itl_s: list[float], output_tokens: int, ok: bool = True) -> RequestResult:
+    return RequestResult(success=ok, max_tokens=output_tokens, start_s=start_s, ttft_s=ttft_s, itl_s=itl_s,
+                         output_tokens=output_tokens, usage_reported=True)  # fmt: skip
+
+
+def test_the_replay_is_counted_as_the_simulator_counts() -> None:
+    results = [
+        result(0.0, 0.5, [0.1, 0.1], 3),  # tokens at 0.5, 0.6, 0.7
+        result(1.0, 1.5, [0.3], 4),  # a chunk carried 3 tokens: tokens at 2.5 and 2.8
+        result(1.0, 9.0, [], 1, ok=False),  # failed: left out
+    ]
+    measured = measured_figures(results, Slo(ttft_s=1.0, itl_s=0.2))
+    assert measured.num_requests == 2
+    assert measured.duration_s == pytest.approx(2.8)
+    assert measured.ttft_p50_s == pytest.approx(1.0)  # of 0.5 and 1.5
+    assert measured.output_tokens_per_s == pytest.approx(7 / 2.8)  # the tokens the server reported
+    assert measured.goodput_requests_per_s == pytest.approx(1 / 2.8)  # the second: TTFT and its ITL too long
+
+
+def prediction(**figures: float) -> Prediction:
+    base = dict.fromkeys(("duration_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_tokens_per_s",
+                          "requests_per_s", "goodput_requests_per_s", "slo_attainment"), 1.0)  # fmt: skip
+    return Prediction(num_requests=1, utilization={}, **(base | figures))  # type: ignore[arg-type]
+
+
+def test_relative_errors_are_taken_against_the_measurement() -> None:
+    errors = relative_errors(prediction(ttft_p50_s=1.2, itl_p99_s=0.05), prediction(ttft_p50_s=1.0, itl_p99_s=0.1))
+    assert errors == pytest.approx({"ttft_p50_s": 0.2, "ttft_p99_s": 0.0, "itl_p99_s": 0.5, "output_tokens_per_s": 0})
+
+
+def layout(colocated: bool) -> Layout:
+    if colocated:
+        return Layout(2, 0, 0, 1, None, RoutingStrategy.ROUNDROBIN)
+    return Layout(0, 1, 1, 1, 2048, RoutingStrategy.ROUNDROBIN)
+
+
+def test_the_crossover_is_where_the_pick_turns_disaggregated_and_stays() -> None:
+    picks = [(0.1, layout(True)), (0.2, layout(True)), (0.4, layout(False)), (0.8, layout(False))]
+    line = crossover_line(WorkloadShape.LONG_CONTEXT, picks)
+    assert line == "long-context: DPD (1P1D) pays off from 0.4 req/s (between 0.2 and 0.4); below that, colocated"
+    assert "colocated is the pick at every rate" in crossover_line(WorkloadShape.CHAT, picks[:2])
+    assert "disaggregation is the pick at every rate" in crossover_line(WorkloadShape.RAG, picks[2:])
+    flapping = [(0.1, layout(False)), (0.2, layout(True)), (0.4, layout(False))]
+    assert "back and forth" in crossover_line(WorkloadShape.MIXED, flapping)
+    assert "back and forth" in crossover_line(WorkloadShape.MIXED, flapping[:2])
+
+
+def test_a_rate_sweep_writes_each_familys_curve_the_crossover_and_the_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_cached(calibration(calibration_key("smollm2")))
+    report, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    args = ["plan", "-f", str(EXAMPLES / "dpd.yaml"), "--workload", "long-context", "--num-requests", "30",
+            "--sweep-rates", "0.2,0.02,0.05", "--json", str(report), "--plot", str(png)]  # fmt: skip
+    outcome = CliRunner().invoke(app, args)
+    assert outcome.exit_code == 0, outcome.output
+    document = json.loads(report.read_text())
+    assert document["rates"] == [0.02, 0.05, 0.2]
+    assert set(document["families"]) == {"colocated x1", "colocated x2", "1P1D"}
+    assert all(len(points) == 3 for points in document["families"].values())
+    assert document["crossover"].startswith("long-context: ") and document["crossover"] in outcome.output
+    assert len(document["picks"]) == 3
+    assert png.read_bytes().startswith(PNG)
+
+
+def test_a_sweep_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    dpd = str(EXAMPLES / "dpd.yaml")
+    outcome = CliRunner().invoke(app, ["plan", "-f", dpd, "--sweep-rates", "0.1,0.2", "--verify"])
+    assert outcome.exit_code == 2 and "--sweep-rates predicts a generated workload" in outcome.output
+    outcome = CliRunner().invoke(app, ["plan", "-f", dpd, "--sweep-rates", "0.1,fast"])
+    assert outcome.exit_code == 2 and "--sweep-rates: 'fast' is not valid" in outcome.output
+
+
+def test_the_candidates_plot_is_drawn_without_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_cached(calibration(calibration_key("smollm2")))
+    png = tmp_path / "plan.png"
+    args = ["plan", "-f", str(EXAMPLES / "dpd.yaml"), "--num-requests", "30", "--plot", str(png)]
+    outcome = CliRunner().invoke(app, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert png.read_bytes().startswith(PNG)
