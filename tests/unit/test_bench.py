@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult, endpoint_url
 from splitserve.bench.datasets import WORDS, BenchRequest, DatasetConfig, default_num_prompts, get_dataset
 from splitserve.bench.metrics import percentile, summarize
-from splitserve.bench.report import PlotKind, load_json, plot_results
+from splitserve.bench.plots import PlotKind, plot_results
+from splitserve.bench.report import load_json
 from splitserve.bench.runner import ServeConfig, arrival_times, run_requests, serve, session_chains
 from splitserve.cli import app
 

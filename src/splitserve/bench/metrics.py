@@ -99,3 +99,27 @@ def _ttft_by_round(ok: Sequence[RequestResult]) -> dict[int, LatencyStats]:
         if r.session_id is not None and r.ttft_s is not None:
             ttfts_s.setdefault(r.round_index, []).append(r.ttft_s)
     return {index: LatencyStats.from_seconds(ttfts_s[index]) for index in sorted(ttfts_s)}
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Latency limits one request must meet to count towards goodput (seconds)."""
+
+    ttft_s: float
+    """The request's time to first token."""
+    itl_s: float
+    """The 99th percentile of the request's own chunk gaps."""
+
+    def validate(self) -> None:
+        if not (self.ttft_s > 0 and self.itl_s > 0):
+            raise ValueError(f"SLO limits must be > 0, got ttft_s={self.ttft_s}, itl_s={self.itl_s}")
+
+
+def meets_slo(result: RequestResult, slo: Slo) -> bool:
+    """Whether ``result`` succeeded with TTFT and its own ITL p99 within ``slo`` (no gaps: TTFT alone decides).
+
+    The planner's simulator judges its predicted requests the same way.
+    """
+    if not result.success or result.ttft_s is None:
+        return False
+    return result.ttft_s <= slo.ttft_s and (not result.itl_s or percentile(result.itl_s, 99) <= slo.itl_s)

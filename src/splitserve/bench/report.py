@@ -1,8 +1,5 @@
-"""Benchmark reports: the stdout table, the JSON result file, and PNG plots comparing several results.
-
-matplotlib is an optional dependency (``pip install 'splitserve[plot]'``), imported only by
-``plot_results``.
-"""
+"""Benchmark reports: the stdout table and the JSON result file (written, read back, and turned into values to
+plot; the plots themselves are in ``plots``)."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +21,6 @@ if TYPE_CHECKING:
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e")
 _MAX_ERRORS_SHOWN = 5
-
-
-class PlotKind(StrEnum):
-    CDF = "cdf"
-    """One line per result: the cumulative distribution of the metric over requests (chunk gaps for itl)."""
-    BAR = "bar"
-    """Grouped bars per result: the metric's mean, p50, p90 and p99 from the summary."""
 
 
 @dataclass(frozen=True)
@@ -103,18 +92,24 @@ def report_to_json(report: BenchReport) -> dict[str, Any]:
     NaN statistics (no samples) become ``null``; an API key is redacted.
     """
     requests = [dataclasses.asdict(r) | {"tpot_s": r.tpot_s} for r in report.results]
-    args = dataclasses.asdict(report.config)
-    if args["api_key"]:
-        args["api_key"] = "<redacted>"  # result files get shared; keys must not travel with them
     document: dict[str, Any] = {
         "label": report.config.label,
         "splitserve_version": splitserve.__version__,
         "started_at": report.started_at,
-        "args": args,
+        "args": config_to_json(report.config),
         "summary": dataclasses.asdict(report.summary),
         "requests": requests,
     }
     safe: dict[str, Any] = _json_safe(document)
+    return safe
+
+
+def config_to_json(config: ServeConfig) -> dict[str, Any]:
+    """The run's arguments as JSON-safe values, with an API key redacted."""
+    args = dataclasses.asdict(config)
+    if args["api_key"]:
+        args["api_key"] = "<redacted>"  # result files get shared; keys must not travel with them
+    safe: dict[str, Any] = _json_safe(args)
     return safe
 
 
@@ -143,7 +138,15 @@ def load_json(path: Path) -> dict[str, Any]:
     return document
 
 
-def _label(document: dict[str, Any], path: Path) -> str:
+def results_from_json(document: dict[str, Any]) -> list[RequestResult]:
+    """The per-request results of a loaded JSON result; fields a result file lacks (older versions) take
+    their defaults and extra ones (``tpot_s``) are dropped."""
+    names = {f.name for f in dataclasses.fields(RequestResult)}
+    return [RequestResult(**{k: v for k, v in record.items() if k in names}) for record in document["requests"]]
+
+
+def result_label(document: dict[str, Any], path: Path) -> str:
+    """The result's label, or its file name without the suffix."""
     return str(document.get("label") or path.stem)
 
 
@@ -155,52 +158,3 @@ def request_values_ms(document: dict[str, Any], metric: str) -> list[float]:
     if metric == "itl":
         return [gap * 1000.0 for r in ok for gap in r["itl_s"]]
     return [r[f"{metric}_s"] * 1000.0 for r in ok if r.get(f"{metric}_s") is not None]
-
-
-def plot_results(paths: Sequence[Path], out: Path, *, metric: str = "ttft", kind: PlotKind = PlotKind.CDF) -> None:
-    """Draw ``metric`` for each JSON result in ``paths`` into the PNG ``out``, labelled by each label."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'splitserve[plot]'") from exc
-    documents = [(load_json(p), p) for p in paths]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    if kind is PlotKind.CDF:
-        _draw_cdf(ax, documents, metric)
-    else:
-        _draw_bars(ax, documents, metric)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-
-
-def _draw_cdf(ax: Any, documents: list[tuple[dict[str, Any], Path]], metric: str) -> None:
-    for document, path in documents:
-        values = sorted(request_values_ms(document, metric))
-        fractions = [(i + 1) / len(values) for i in range(len(values))]
-        ax.step(values, fractions, where="post", label=_label(document, path))
-    ax.set_xlabel(f"{metric.upper()} (ms)")
-    ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of chunk gaps")
-    ax.set_title(f"{metric.upper()} CDF")
-
-
-def _draw_bars(ax: Any, documents: list[tuple[dict[str, Any], Path]], metric: str) -> None:
-    if metric not in LATENCY_METRICS:
-        raise ValueError(f"unknown metric {metric!r}; choose one of: {', '.join(LATENCY_METRICS)}")
-    stat_names = ["mean_ms"] + [f"p{q}_ms" for q in PERCENTILES]
-    width = 0.8 / len(documents)
-    for i, (document, path) in enumerate(documents):
-        stats = document["summary"][metric]
-        heights = [stats[name] if stats[name] is not None else 0.0 for name in stat_names]
-        positions = [x + i * width for x in range(len(stat_names))]
-        ax.bar(positions, heights, width=width, label=_label(document, path))
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(stat_names))])
-    ax.set_xticklabels([name.removesuffix("_ms") for name in stat_names])
-    ax.set_ylabel(f"{metric.upper()} (ms)")
-    ax.set_title(f"{metric.upper()} by statistic")
