@@ -22,6 +22,7 @@ from splitserve.config import (
     REDIS_USERNAME_ENV,
     BackendKind,
     L2Backend,
+    PDDecision,
     Role,
     RoutingStrategy,
     SchedulingPolicy,
@@ -456,6 +457,16 @@ def router_command(
     routing_threshold: Annotated[
         int, typer.Option(help="Prompt tokens from which a request is disaggregated.", rich_help_panel=_ROUTING)
     ] = 4096,
+    pd_decision: Annotated[
+        PDDecision,
+        typer.Option(
+            envvar="SPLITSERVE_PD_DECISION",
+            help="threshold: disaggregate every prompt from --routing-threshold (the reference rule); cost: from "
+            "there, only when prefill plus the KV push beats the decode worker prefilling it while stalling its "
+            "streams (measured costs).",
+            rich_help_panel=_ROUTING,
+        ),
+    ] = PDDecision.THRESHOLD,
     session_key: Annotated[
         str,
         typer.Option(help="Header naming the session (the body's user field also counts).", rich_help_panel=_ROUTING),
@@ -613,6 +624,7 @@ def router_command(
         decode=tuple(decode or ()),
         routing_strategy=routing_strategy,
         routing_threshold=routing_threshold,
+        pd_decision=pd_decision,
         session_key=session_key.lower(),
         block_size=block_size,
         kv_chunk_size=kv_chunk_size,
@@ -818,6 +830,10 @@ def plan_command(
     sweep_rates: Annotated[
         str | None, typer.Option(help="Predict at each of these rates (comma-separated) and state the crossover.")
     ] = None,
+    sweep_prompt_tokens: Annotated[
+        str | None,
+        typer.Option(help="Predict with every prompt this long, for each length (comma-separated): the crossover."),
+    ] = None,
 ) -> None:
     """Measure this machine, predict every layout the resource's cores allow, and recommend one."""
     from splitserve.endpoint import EndpointError
@@ -843,6 +859,9 @@ def plan_command(
             verify_dir=verify_dir,
             plot=plot,
             sweep_rates=parse_choices("--sweep-rates", sweep_rates, float) if sweep_rates else (),
+            sweep_prompt_tokens=parse_choices("--sweep-prompt-tokens", sweep_prompt_tokens, int)
+            if sweep_prompt_tokens
+            else (),
         )
         code = run_plan(options, typer.echo, lambda line: typer.echo(line, err=True))
     except (EndpointError, ValueError, OSError, RuntimeError) as exc:

@@ -364,6 +364,14 @@ class RoutingStrategy(StrEnum):
     KVAWARE = "kvaware"
 
 
+class PDDecision(StrEnum):
+    """How the router decides that a request of a disaggregated endpoint is prefilled on the prefill pool."""
+
+    THRESHOLD = "threshold"  # every request whose uncached tokens reach routingThreshold (the reference system)
+    COST = "cost"  # from the threshold up, only when prefill plus push beats the decode worker's own prefill
+    # and the stall it imposes on the streams that worker runs (router/disagg.py)
+
+
 class BackendKind(StrEnum):
     """What a worker behind the router is; it decides where ``kvaware`` gets the worker's KV events."""
 
@@ -386,6 +394,7 @@ class RouterConfig:
     decode: tuple[str, ...] = ()  # disaggregated endpoints: decode pool
     routing_strategy: RoutingStrategy = RoutingStrategy.ROUNDROBIN
     routing_threshold: int = 4096  # prompt tokens at which a request is prefilled on the prefill pool
+    pd_decision: PDDecision = PDDecision.THRESHOLD  # the threshold alone, or the threshold as a floor and costs
     session_key: str = "x-session-id"  # header carrying the session; the body's ``user`` field also counts
     block_size: int = 16  # must match the workers' (the KV key scheme)
     kv_chunk_size: int = 256  # must match the workers'

@@ -1,8 +1,10 @@
 """Disaggregated prefill/decode with real processes (smollm2, float32, one thread each): a router in front of a
 prefill worker and two decode workers (the second with a PD buffer that holds one short prompt's KV), and a colocated
-worker as the reference. Short prompts go straight to decode, long ones through prefill and a KV transfer;
-greedy outputs equal the colocated worker's on every path, including the one where the transfer fails; the
-streams of a decode worker killed mid-run go on on the other one."""
+worker as the reference. With the reference system's rule (``threshold``) short prompts go straight to decode, long
+ones through prefill and a KV transfer; greedy outputs equal the colocated worker's on every path, including the
+one where the transfer fails; the streams of a decode worker killed mid-run go on on the other one. A second router
+over the same workers decides by cost (the default): a long prompt stays on an idle decoder, and goes through
+prefill while the decoders stream."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from splitserve.config import PDDecision
 from tests.e2e.workers import RouterProcess, WorkerProcess
 from tests.waiting import wait_until
 
@@ -27,6 +30,7 @@ pytestmark = [
 FOX = "The quick brown fox jumps over the lazy dog. "
 COMMON = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "8192", "--max-num-seqs", "8"]
 THRESHOLD = 256
+PD_DECISIONS = "splitserve:router_pd_decisions_total"
 
 
 class Endpoint:
@@ -44,12 +48,17 @@ class Endpoint:
         self.workers = [self.prefill, self.decode, self.tiny, self.colocated]
         args = ["--prefill", self.prefill.url, "--decode", self.decode.url, "--decode", self.tiny.url,
                 "--routing-threshold", str(THRESHOLD), "--health-interval", "0.5"]  # fmt: skip
-        self.router = RouterProcess(log_dir / "router.log", args)
-        for process in [*self.workers, self.router]:
+
+        def router(name: str, decision: PDDecision) -> RouterProcess:
+            return RouterProcess(log_dir / f"{name}.log", [*args, "--pd-decision", decision.value])
+
+        self.router = router("router", PDDecision.THRESHOLD)  # the reference system's rule
+        self.cost_router = router("cost-router", PDDecision.COST)
+        for process in [*self.workers, self.router, self.cost_router]:
             process.wait_healthy()
 
     def stop(self) -> None:
-        for process in [self.router, *self.workers]:
+        for process in [self.router, self.cost_router, *self.workers]:
             process.stop()
 
 
@@ -99,7 +108,7 @@ def test_a_long_prompt_is_disaggregated_with_the_colocated_output_on_both_decode
     assert f"Retrieved {1000} out of {1000} required tokens (from {1001} total tokens)" in endpoint.decode.logs()
     tiny_log = endpoint.tiny.logs()  # 46 MB of KV can never fit in 20 MB: refused at once, decode recomputes
     assert "Retrieved 0 out of 1000 required tokens" in tiny_log
-    assert endpoint.router.metric("splitserve:router_pd_decisions_total", path="disaggregated") >= 2
+    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") >= 2
 
 
 def test_streaming_through_prefill_sends_the_first_token_then_the_rest(endpoint: Endpoint) -> None:
@@ -123,6 +132,35 @@ def test_concurrent_long_prompts_on_a_tiny_buffer_degrade_to_recompute(endpoint:
     assert "Failed to allocate memory object, retrying..." in endpoint.tiny.logs()
     assert endpoint.tiny.metric("splitserve:pd_buffer_allocation_retries_total") >= 1
     assert endpoint.tiny.metric("splitserve:pd_buffer_bytes_in_use") == 0
+
+
+def test_the_cost_rule_keeps_a_long_prompt_on_an_idle_decoder(endpoint: Endpoint) -> None:
+    prompt = FOX * 40 + "Once more:"  # about 400 tokens: over the floor
+    assert text_of(endpoint.cost_router.complete(prompt, 16)) == text_of(endpoint.colocated.complete(prompt, 16))
+    assert "disaggregate=False, remote_ms=" in endpoint.cost_router.logs()  # no stream to stall: no push to pay
+    assert endpoint.cost_router.metric(PD_DECISIONS, path="direct") == 1
+    assert endpoint.cost_router.metric(PD_DECISIONS, path="disaggregated") == 0
+
+
+def test_the_cost_rule_sends_a_long_prompt_through_prefill_while_the_decoders_stream(endpoint: Endpoint) -> None:
+    router = endpoint.cost_router
+    decoders = {endpoint.decode.url, endpoint.tiny.url}
+    short = [f"Count to ten, stream {i}:" for i in range(2)]  # direct, one on each decoder
+    prompt = FOX * 40 + "And again:"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(streamed_or_error, router.url, p, 200) for p in short]
+        wait_until(lambda: all(in_flight(router)[url] >= 1 for url in decoders), timeout_s=60, interval_s=0.05)
+        answer = text_of(router.complete(prompt, 16))
+        outcomes = [f.result() for f in streams]
+    assert outcomes == ["ok", "ok"]
+    assert answer == text_of(endpoint.colocated.complete(prompt, 16))
+    assert "disaggregate=True, remote_ms=" in router.logs()
+    assert router.metric(PD_DECISIONS, path="disaggregated") == 1
+
+
+def in_flight(router: RouterProcess) -> dict[str, int]:
+    states = httpx.get(f"{router.admin_url}/admin/workers", timeout=5).json()["workers"]
+    return {state["url"]: state["in_flight"] for state in states}
 
 
 def test_a_killed_decode_workers_streams_go_on_on_the_other(endpoint: Endpoint) -> None:

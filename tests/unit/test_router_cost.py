@@ -7,7 +7,14 @@ import pytest
 
 from splitserve.keys import hash_blocks
 from splitserve.kv_events import Tier
-from splitserve.router.cost import MIN_SAMPLE_TOKENS, PRIOR_S_PER_TOKEN, PrefillCostModel, cheapest
+from splitserve.router.cost import (
+    MIN_SAMPLE_TOKENS,
+    PRIOR_S_PER_TOKEN,
+    PRIOR_TRANSFER_S_PER_TOKEN,
+    PrefillCostModel,
+    cheapest,
+    pd_costs,
+)
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import PrefixIndex
 from splitserve.router.policies import KVAwarePolicy, PrefixAwarePolicy
@@ -30,6 +37,40 @@ class TestPrefillCostModel:
         model = PrefillCostModel({W0: 2e-3})
         worker = Worker(W0, pending_prefill_tokens=500)
         assert model.estimate_s(worker, 250) == pytest.approx(1.5)
+
+
+class TestTransferCost:
+    def test_the_push_rate_is_learned_from_pushes_that_moved_enough(self) -> None:
+        model = PrefillCostModel()
+        assert model.transfer_s(1000) == pytest.approx(1000 * PRIOR_TRANSFER_S_PER_TOKEN)
+        model.observe_transfer(1.0, MIN_SAMPLE_TOKENS - 1)  # mostly the connection and the reservation: ignored
+        assert model.transfer_s_per_token is None
+        model.observe_transfer(0.05, 1000)
+        assert model.transfer_s(1000) == pytest.approx(0.05)
+        model.observe_transfer(0.15, 1000)  # a slower push moves the mean a fifth of the way
+        assert model.transfer_s_per_token == pytest.approx(0.8 * 5e-5 + 0.2 * 15e-5)
+
+
+class TestPDCosts:
+    def test_remote_is_prefill_there_plus_the_push_local_is_prefill_here_harm_stalls_each_running_request(
+        self,
+    ) -> None:
+        model = PrefillCostModel({W0: 1e-3, W1: 2e-3}, transfer_s_per_token=1e-4)
+        decoder = Worker(W0, in_flight=3, pending_prefill_tokens=200)
+        prefiller = Worker(W1, pending_prefill_tokens=500)
+        costs = pd_costs(model, (decoder, 1000), (prefiller, 800), 1000)
+        assert costs.remote_s == pytest.approx((500 + 800) * 2e-3 + 1000 * 1e-4)  # 2.7 s
+        assert costs.local_s == pytest.approx((200 + 1000) * 1e-3)  # 1.2 s
+        assert costs.harm_s == pytest.approx(3 * 1000 * 1e-3)  # its own queue stalls them either way
+        assert costs.is_remote_cheaper  # 2.7 < 4.2
+        decoder.in_flight = 1
+        assert not pd_costs(model, (decoder, 1000), (prefiller, 800), 1000).is_remote_cheaper  # 2.7 > 2.2
+
+    def test_an_idle_decoder_keeps_a_prompt_that_equal_workers_would_compute_alike(self) -> None:
+        model = PrefillCostModel()
+        costs = pd_costs(model, (Worker(W0), 4096), (Worker(W1), 4096), 4096)
+        assert costs.harm_s == 0 and costs.remote_s - costs.local_s == pytest.approx(model.transfer_s(4096))
+        assert not costs.is_remote_cheaper
 
 
 class TestCheapest:

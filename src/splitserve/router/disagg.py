@@ -4,11 +4,23 @@ Per request (``Disaggregator.proxy``):
 
 1. Count the prompt's tokens with the workers' tokenizer and chat template, and pick the decode worker D
    first, with the configured strategy over the decode pool.
-2. Disaggregate when the tokens D would have to compute (the prompt minus what the strategy found D already
-   holds) reach ``--routing-threshold``; log ``Conditional routing: estimated_tokens=E, threshold=T,
-   disaggregate=B``. Otherwise forward to D as a colocated worker would be.
-3. Disaggregated: send a prefill worker P, picked by the same strategy over the prefill pool (a prefill worker
-   holding the prompt's prefix computes less), the request with ``max_tokens`` 1, not streamed, and
+2. Decide (:class:`PDDecision`). Nothing is disaggregated unless the tokens D would have to compute (the prompt
+   minus what the strategy found D already holds) reach ``--routing-threshold`` and a prefill worker P is
+   routable; P is picked by the same strategy over the prefill pool (a prefill worker holding the prompt's prefix
+   computes less). ``threshold`` (the default: the reference system's rule, which the seed's checks expect)
+   then disaggregates. ``cost`` (``--pd-decision cost``) disaggregates only when the cost model
+   (``router/cost.py``, :func:`~splitserve.router.cost.pd_costs`) says
+
+       remote_s < local_s + harm_s
+       remote_s = (P's queued prefill tokens + the tokens P must compute) x P's s/token + prompt x push s/token
+       local_s  = (D's queued prefill tokens + the tokens D must compute) x D's s/token
+       harm_s   = D's requests in flight x the tokens D must compute x D's s/token
+
+   ``harm_s`` is why: every stream D runs stalls while D prefills, so an idle D keeps a long prompt (no push to
+   pay) and a busy one sends it to P, which keeps decode latency flat. Either way the router logs
+   ``Conditional routing: estimated_tokens=E, threshold=T, disaggregate=B``, with ``remote_ms``, ``local_ms`` and
+   ``harm_ms`` appended when the cost rule decided. Not disaggregated: forward to D as a colocated worker would be.
+3. Disaggregated: send P the request with ``max_tokens`` 1, not streamed, and
    ``kv_transfer_params`` {transfer_id, decode_kv_addr} (D's KV receiver, from ``GET /kv/transfer``). P computes
    the prompt, samples the first token, pushes the KV into D's PD buffer and answers with the token and the
    push's result.
@@ -28,12 +40,15 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
 
 from splitserve.auth import sign
+from splitserve.config import PDDecision
 from splitserve.openai_chunks import answer_text, sse_event, stream_error_end, text_chunk
+from splitserve.router.cost import PDCosts, PrefillCostModel, QueuedPrefill, pd_costs
 from splitserve.router.discovery import Worker, WorkerPool, WorkerRole
 from splitserve.router.forward import Call, Forwarder
 from splitserve.router.migrate import is_migratable
@@ -52,16 +67,46 @@ CHARS_PER_TOKEN = 4  # the estimate when the prompt cannot be tokenized
 PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options", "n", "logprobs", "top_logprobs")
 
 
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """Where one request goes: D (``uncached_tokens``: what D would compute itself), and P when disaggregated."""
+
+    decode: Decision
+    prefill: Decision | None
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillAnswer:
+    status: int
+    content: bytes
+    body: dict[str, Any] | None  # the JSON object of a 200 answer, else None
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """P's ``kv_transfer_params``: the push's outcome, its timing and the first token."""
+        report = self.body.get("kv_transfer_params") if self.body is not None else None
+        return report if isinstance(report, dict) else {}
+
+
 class Disaggregator:
     """The proxy of a disaggregated endpoint. It sends requests through ``forwarder`` (the plain proxy's), picks
-    decode workers with the forwarder's policy, and prefill workers with an instance of its own."""
+    decode workers with the forwarder's policy, and prefill workers with an instance of its own; it prices
+    disaggregation with the forwarder's cost model, which it also teaches the pushes' and prefill workers' rates."""
 
-    def __init__(self, config: RouterConfig, pool: WorkerPool, kv_index: KVIndex, forwarder: Forwarder) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        kv_index: KVIndex,
+        forwarder: Forwarder,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.forwarder = forwarder
         self.metrics = forwarder.metrics
         self.threshold = config.routing_threshold
+        self.decision = config.pd_decision
+        self.cost = forwarder.cost if forwarder.cost is not None else PrefillCostModel()
         # the prefill pool gets its own instance of the configured strategy (its own prefix index, ring...)
         self.prefill_policy = build_policy(config, self.prefill_pool, kv_index)
 
@@ -76,39 +121,32 @@ class Disaggregator:
         decoders = [w for w in self.decode_pool() if w.is_routable]
         if not decoders:
             return await forwarder.forward(call, self.decode_pool)  # the 503, counted and explained
-        decision = forwarder.policy.select(call.routing, decoders)
-        estimated = self._estimated_tokens(call)
-        uncached = estimated - decision.matched_tokens
-        prefillers = [w for w in self.prefill_pool() if w.is_routable]
-        disaggregate = uncached >= self.threshold and bool(prefillers)
-        held = f" (decode worker {decision.worker.name} holds {decision.matched_tokens})"
-        logger.info(
-            "Conditional routing: estimated_tokens=%d, threshold=%d, disaggregate=%s%s",
-            estimated, self.threshold, disaggregate, held if decision.matched_tokens else "",
-        )  # fmt: skip
+        route = self._route(call, decoders)
+        decision = route.decode
         migratable = self.config.stream_migration and is_migratable(call.path, call.body)
-        if not disaggregate:
+        if route.prefill is None:
             self.metrics.pd_path("direct")
             if migratable:
                 forwarder.track(call)
             return await forwarder.forward(call, self.decode_pool, decision)
         decoder = decision.worker
-        prefiller = self.prefill_policy.select(call.routing, prefillers).worker
         addr = await self._kv_addr(decoder)
         transfer_id = f"xfer-{uuid.uuid4().hex}"
-        answer = await self._prefill(prefiller, call, transfer_id, addr) if addr is not None else None
-        if answer is not None and 400 <= answer[0] < 500 and answer[0] != 429:
-            return Response(answer[1], answer[0], media_type="application/json")  # the client's mistake
-        p_body = _json_object(answer[1]) if answer is not None and answer[0] == 200 else None
-        if p_body is None:
+        answer = await self._prefill(route.prefill, call, transfer_id, addr) if addr is not None else None
+        if answer is not None and 400 <= answer.status < 500 and answer.status != 429:
+            return Response(answer.content, answer.status, media_type="application/json")  # the client's mistake
+        p_body = answer.body if answer is not None else None
+        if answer is None or p_body is None:
             logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
             self.metrics.pd_path("fallback")
             if migratable:
                 forwarder.track(call)
             return await forwarder.forward(call, self.decode_pool, decision)
-        self.prefill_policy.on_routed(call.routing, prefiller)
-        report = p_body.get("kv_transfer_params") or {}
-        if not report.get("ok"):
+        self.prefill_policy.on_routed(call.routing, route.prefill.worker)
+        report = answer.report
+        if report.get("ok"):
+            decision = replace(decision, uncached_tokens=0)  # D loads the prompt's KV: nothing to prefill there
+        else:
             decoder.kv_transfer_addr = None  # it may have moved (a restart); ask again next time
             logger.warning("KV transfer %s failed (%s); decode recomputes", transfer_id, report.get("reason"))
         self.metrics.observe_transfer(report)
@@ -130,6 +168,38 @@ class Disaggregator:
         relay = self._stream_after_first(first_chunk, decode_call, decision)
         return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    def _route(self, call: Call, decoders: list[Worker]) -> _Route:
+        """Pick D among ``decoders``, decide whether P prefills (step 2 above), and log the decision."""
+        estimated = self._estimated_tokens(call)
+        decode = self.forwarder.policy.select(call.routing, decoders)
+        decode = replace(decode, uncached_tokens=max(0, estimated - decode.matched_tokens))  # counted queued on D
+        prefillers = [w for w in self.prefill_pool() if w.is_routable]
+        prefill: Decision | None = None
+        costs: PDCosts | None = None
+        if decode.uncached_tokens >= self.threshold and prefillers:
+            prefill = self.prefill_policy.select(call.routing, prefillers)
+            prefill = replace(prefill, uncached_tokens=max(0, estimated - prefill.matched_tokens))
+        if prefill is not None and self.decision == PDDecision.COST:
+            costs = pd_costs(
+                self.cost, (decode.worker, decode.uncached_tokens), (prefill.worker, prefill.uncached_tokens), estimated
+            )
+            prefill = prefill if costs.is_remote_cheaper else None
+        self._log_route(estimated, decode, prefill is not None, costs)
+        return _Route(decode, prefill)
+
+    def _log_route(self, estimated: int, decode: Decision, disaggregate: bool, costs: PDCosts | None) -> None:
+        priced = (
+            f", remote_ms={costs.remote_s * 1e3:.1f}, local_ms={costs.local_s * 1e3:.1f}, "
+            f"harm_ms={costs.harm_s * 1e3:.1f} ({decode.worker.in_flight} in flight on the decode worker)"
+            if costs is not None
+            else ""
+        )
+        held = f" (decode worker {decode.worker.name} holds {decode.matched_tokens})" if decode.matched_tokens else ""
+        logger.info(
+            "Conditional routing: estimated_tokens=%d, threshold=%d, disaggregate=%s%s%s",
+            estimated, self.threshold, disaggregate, priced, held,
+        )  # fmt: skip
+
     async def _stream_after_first(self, first_chunk: bytes, call: Call, decision: Decision) -> AsyncIterator[bytes]:
         """The first token's chunk at once, then D's stream (its first token's text left out)."""
         yield first_chunk
@@ -141,30 +211,46 @@ class Disaggregator:
         error = bytes(response.body) if response.status_code != 200 else b""  # decode failed before streaming
         yield stream_error_end(error.decode(errors="replace") or "no decode worker answered")
 
-    async def _prefill(self, worker: Worker, call: Call, transfer_id: str, addr: str) -> tuple[int, bytes] | None:
-        """P's status and body for the prefill request, or None when P could not be reached."""
+    async def _prefill(self, prefill: Decision, call: Call, transfer_id: str, addr: str) -> _PrefillAnswer | None:
+        """P's answer to the prefill request, or None when P could not be reached. P's uncached tokens count as
+        queued there until it answers; its answer teaches the cost model (:meth:`_learn`)."""
+        worker = prefill.worker
         body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
         params = self._signed({"transfer_id": transfer_id, "decode_kv_addr": addr})
         body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
         worker.in_flight += 1
         worker.breaker.on_attempt()
-        began = time.perf_counter()
+        queued = QueuedPrefill(worker, prefill.uncached_tokens)
         try:
             upstream = await self.forwarder.transport.post(worker.url + call.path, json.dumps(body).encode(),
                                                            call.headers)  # fmt: skip
             content = await upstream.read()
+            answer = _PrefillAnswer(upstream.status, content, _json_object(content) if upstream.status == 200 else None)
+            self._learn(queued, answer.report)
         except TransportError as exc:
             worker.breaker.record_failure()
             logger.warning("prefill worker %s failed: %s", worker.name, exc)
             return None
         finally:
             worker.in_flight -= 1
-        self.metrics.prefill_s.observe(time.perf_counter() - began)
+            queued.release()
+        self.metrics.prefill_s.observe(time.perf_counter() - queued.sent_s)
         if upstream.status >= 500:
             worker.breaker.record_failure()
         else:
             worker.breaker.record_success()
-        return upstream.status, content
+        return answer
+
+    def _learn(self, queued: QueuedPrefill, report: dict[str, Any]) -> None:
+        """From P's report: the push's seconds per token (a successful one), and P's seconds per prefill token
+        (its answer's time less the push it waited for). A report without the push's time teaches nothing."""
+        push_ms = report.get("transfer_ms")
+        if not isinstance(push_ms, int | float):
+            return
+        num_tokens = report.get("num_tokens")
+        if report.get("ok") and isinstance(num_tokens, int):
+            self.cost.observe_transfer(push_ms / 1000, num_tokens)
+        queued.answered(self.cost, not_prefill_s=push_ms / 1000)
 
     async def _kv_addr(self, worker: Worker) -> str | None:
         """D's KV receiver address (cached); None if it has none or did not answer."""

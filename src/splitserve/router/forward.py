@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from splitserve.config import RouterConfig
 from splitserve.metrics import RouterMetrics
 from splitserve.openai_chunks import sse_event, stream_error_end
-from splitserve.router.cost import PrefillCostModel
+from splitserve.router.cost import PrefillCostModel, QueuedPrefill
 from splitserve.router.discovery import Worker
 from splitserve.router.hit_check import HitPredictionCheck
 from splitserve.router.migrate import (
@@ -174,7 +174,7 @@ class Forwarder:
         worker.in_flight += 1
         self.metrics.observe_sent(worker.url)
         worker.breaker.on_attempt()
-        queued = _QueuedPrefill(worker, uncached_tokens)
+        queued = QueuedPrefill(worker, uncached_tokens)
         handed_over = False
         try:
             try:
@@ -219,7 +219,7 @@ class Forwarder:
         attempt.response = Response(content, upstream.status, media_type=upstream.content_type)
 
     async def _stream(
-        self, worker: Worker, upstream: Upstream, call: Call, queued: _QueuedPrefill, attempt: _Attempt
+        self, worker: Worker, upstream: Upstream, call: Call, queued: QueuedPrefill, attempt: _Attempt
     ) -> bool:
         """A 200 stream: wait for its first chunk, then relay it (True: the relay now holds the worker)."""
         chunks = upstream.chunks()
@@ -505,27 +505,6 @@ def _error_code(content: bytes) -> str | None:
         return None
     code = error.get("code") if isinstance(error, dict) else None
     return str(code) if code is not None else None
-
-
-class _QueuedPrefill:
-    """A request's uncached tokens, counted in its worker's queued prefill until the worker answers (or fails).
-    The first answer of a stream also teaches the cost model the worker's seconds per prefill token."""
-
-    def __init__(self, worker: Worker, tokens: int) -> None:
-        self.worker = worker
-        self.tokens = tokens
-        self.ahead = worker.pending_prefill_tokens
-        self.sent_s = time.perf_counter()
-        worker.pending_prefill_tokens += tokens
-
-    def answered(self, cost: PrefillCostModel | None) -> None:
-        if self.tokens and cost is not None:
-            cost.observe(self.worker.url, time.perf_counter() - self.sent_s, self.ahead + self.tokens)
-        self.release()
-
-    def release(self) -> None:
-        self.worker.pending_prefill_tokens -= self.tokens
-        self.tokens = 0
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -40,9 +40,9 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
             "credentials, so workers that require a key will refuse them", CLUSTER_SECRET_ENV,
         )  # fmt: skip
     logger.info(
-        "router on %s:%d, strategy %s, workers %s",
-        config.host, config.port, config.routing_strategy.value,
-        ", ".join(w.url for w in router.pool),
+        "router on %s:%d, strategy %s, workers %s%s",
+        config.host, config.port, config.routing_strategy.value, ", ".join(w.url for w in router.pool),
+        f", disaggregation decided by {config.pd_decision.value}" if config.decode else "",
     )  # fmt: skip
     admin_socket = _admin_socket(config)
     logger.info("admin routes (/admin/*) on %s:%d", config.admin_host, admin_socket.getsockname()[1])
