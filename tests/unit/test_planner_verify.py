@@ -18,7 +18,7 @@ from splitserve.planner.costs import save_cached
 from splitserve.planner.recommend import Layout
 from splitserve.planner.simulate import Prediction, Slo
 from splitserve.planner.verify import _common_prefix, measured_figures, relative_errors, replay_workload
-from splitserve.planner.workload import TraceRequest, WorkloadShape
+from splitserve.planner.workload import TraceRequest, WorkloadShape, with_prompt_tokens
 from tests.unit.test_planner_recommend import EXAMPLES, calibration
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -104,7 +104,7 @@ def layout(colocated: bool) -> Layout:
 def test_the_crossover_is_where_the_pick_turns_disaggregated_and_stays() -> None:
     picks = [(0.1, layout(True)), (0.2, layout(True)), (0.4, layout(False)), (0.8, layout(False))]
     line = crossover_line(WorkloadShape.LONG_CONTEXT, picks)
-    assert line == "long-context: DPD (1P1D) pays off from 0.4 req/s (between 0.2 and 0.4); below that, colocated"
+    assert line == "long-context: DPD (1P1D) pays off from 0.4 req/s (between 0.2 and 0.4 req/s); below that, colocated"
     assert "colocated is the pick at every rate" in crossover_line(WorkloadShape.CHAT, picks[:2])
     assert "disaggregation is the pick at every rate" in crossover_line(WorkloadShape.RAG, picks[2:])
     flapping = [(0.1, layout(False)), (0.2, layout(True)), (0.4, layout(False))]
@@ -123,7 +123,7 @@ def test_a_rate_sweep_writes_each_familys_curve_the_crossover_and_the_plot(
     outcome = CliRunner().invoke(app, args)
     assert outcome.exit_code == 0, outcome.output
     document = json.loads(report.read_text())
-    assert document["rates"] == [0.02, 0.05, 0.2]
+    assert document["axis"] == "rate" and document["rate"] == [0.02, 0.05, 0.2]
     assert set(document["families"]) == {"colocated x1", "colocated x2", "1P1D"}
     assert all(len(points) == 3 for points in document["families"].values())
     assert document["crossover"].startswith("long-context: ") and document["crossover"] in outcome.output
@@ -131,10 +131,40 @@ def test_a_rate_sweep_writes_each_familys_curve_the_crossover_and_the_plot(
     assert png.read_bytes().startswith(PNG)
 
 
+def test_a_prompt_length_sweep_sets_every_prompt_and_states_its_crossover_in_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_cached(calibration(calibration_key("smollm2")))
+    report = tmp_path / "sweep.json"
+    args = ["plan", "-f", str(EXAMPLES / "dpd.yaml"), "--workload", "long-context", "--rate", "0.05",
+            "--num-requests", "30", "--sweep-prompt-tokens", "6000,500", "--json", str(report)]  # fmt: skip
+    outcome = CliRunner().invoke(app, args)
+    assert outcome.exit_code == 0, outcome.output
+    document = json.loads(report.read_text())
+    assert document["axis"] == "prompt_tokens" and document["prompt_tokens"] == [500, 6000]
+    assert "prompt length" in document["crossover"] or "-token prompts" in document["crossover"]
+    ttft = document["families"]["colocated x1"]
+    assert ttft[0]["ttft_p99_s"] < ttft[1]["ttft_p99_s"]  # longer prompts take longer
+    picks = [(500.0, layout(True)), (6000.0, layout(False))]
+    assert crossover_line(WorkloadShape.CHAT, picks, by_rate=False) == (
+        "chat: DPD (1P1D) pays off from 6000-token prompts (between 500 and 6000 tokens); below that, colocated"
+    )
+
+
+def test_every_prompt_gets_the_length_and_keeps_its_prefix_below_it() -> None:
+    requests = [TraceRequest(0.0, 3000, 100, "doc", 2500), TraceRequest(1.0, 800, 7000)]
+    fixed = with_prompt_tokens(requests, 2000, max_model_len=8192)
+    assert [(r.prompt_tokens, r.prefix_tokens) for r in fixed] == [(2000, 1999), (2000, 0)]
+    assert fixed[1].output_tokens == 4096  # fitted into the context as generated requests are
+
+
 def test_a_sweep_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     dpd = str(EXAMPLES / "dpd.yaml")
     outcome = CliRunner().invoke(app, ["plan", "-f", dpd, "--sweep-rates", "0.1,0.2", "--verify"])
-    assert outcome.exit_code == 2 and "--sweep-rates predicts a generated workload" in outcome.output
+    assert outcome.exit_code == 2 and "they take no --trace, --verify or --out" in outcome.output
+    outcome = CliRunner().invoke(app, ["plan", "-f", dpd, "--sweep-rates", "0.1", "--sweep-prompt-tokens", "100"])
+    assert outcome.exit_code == 2 and "not both" in outcome.output
     outcome = CliRunner().invoke(app, ["plan", "-f", dpd, "--sweep-rates", "0.1,fast"])
     assert outcome.exit_code == 2 and "--sweep-rates: 'fast' is not valid" in outcome.output
 

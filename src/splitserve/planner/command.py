@@ -47,7 +47,15 @@ from splitserve.planner.verify import (
     verify_json,
     verify_layout,
 )
-from splitserve.planner.workload import DEFAULT_RATES, TraceRequest, WorkloadShape, describe, generate, load_trace
+from splitserve.planner.workload import (
+    DEFAULT_RATES,
+    TraceRequest,
+    WorkloadShape,
+    describe,
+    generate,
+    load_trace,
+    with_prompt_tokens,
+)
 
 T = TypeVar("T")
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -81,6 +89,7 @@ class PlanOptions:
     verify_dir: Path | None = None  # resources, logs and results of --verify (default: a new temporary directory)
     plot: Path | None = None
     sweep_rates: tuple[float, ...] = ()  # predict at each rate instead of one, and state the crossover
+    sweep_prompt_tokens: tuple[int, ...] = ()  # or at each prompt length (every prompt that long)
 
 
 def parse_choices(flag: str, text: str, parse: Callable[[str], T]) -> tuple[T, ...]:
@@ -109,11 +118,14 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
     trace) and EndpointError (a resource that does not load or plan); returns the exit status."""
     if options.num_requests < 1:
         raise ValueError(f"--num-requests must be positive, got {options.num_requests}")
-    if options.sweep_rates and (options.trace is not None or options.verify or options.out is not None):
-        raise ValueError("--sweep-rates predicts a generated workload at several rates: it takes no --trace, "
-                         "--verify or --out")  # fmt: skip
-    if any(not rate > 0 for rate in options.sweep_rates):
-        raise ValueError(f"--sweep-rates must be positive, got {options.sweep_rates}")
+    sweeping = bool(options.sweep_rates or options.sweep_prompt_tokens)
+    if options.sweep_rates and options.sweep_prompt_tokens:
+        raise ValueError("give --sweep-rates or --sweep-prompt-tokens, not both")
+    if sweeping and (options.trace is not None or options.verify or options.out is not None):
+        raise ValueError("--sweep-rates and --sweep-prompt-tokens predict a generated workload at several points: "
+                         "they take no --trace, --verify or --out")  # fmt: skip
+    if any(not x > 0 for x in (*options.sweep_rates, *options.sweep_prompt_tokens)):
+        raise ValueError("swept rates and prompt lengths must be positive")
     config = load_endpoint(options.file)
     endpoint = plan(config)
     flags = endpoint.roles[0].flags
@@ -142,7 +154,7 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
         key, sorted(threads), recalibrate=options.recalibrate, max_model_len=max_model_len,
         progress=lambda what: note(f"calibrating: {what}"),
     )  # fmt: skip
-    if options.sweep_rates:
+    if sweeping:
         return _sweep(options, config, calibration, slo, cores, max_model_len, echo, note)
     note(f"workload: {describe(requests)}; SLO: TTFT p99 {slo.ttft_s:g} s, ITL p99 {slo.itl_s * 1000:g} ms")
     result = recommend(
@@ -184,36 +196,46 @@ def _sweep(
     echo: Callable[[str], None],
     note: Callable[[str], None],
 ) -> int:
-    """Predict the workload at each rate; per layout family the best candidate; the crossover in one line."""
-    rates = sorted(options.sweep_rates)
+    """Predict the workload at each rate (or prompt length); per layout family the best candidate; the crossover
+    in one line."""
+    by_rate = bool(options.sweep_rates)
+    xs: list[float] = sorted(options.sweep_rates or options.sweep_prompt_tokens)
     rows: list[dict[str, Any]] = []
-    for rate in rates:
+    for x in xs:
+        rate = x if by_rate else options.rate
         requests = generate(options.workload, rate=rate, num_requests=options.num_requests, seed=options.seed,
                             max_model_len=max_model_len)  # fmt: skip
+        if not by_rate:
+            requests = with_prompt_tokens(requests, int(x), max_model_len)
         note(f"sweep: {describe(requests)}")
         result = recommend(config, calibration, requests, slo, cores=cores, thresholds=options.thresholds,
                            strategies=options.strategies)  # fmt: skip
         best: dict[str, Candidate] = {}
         for candidate in result.candidates:  # ranked: the first of a family is its best
             best.setdefault(_family(candidate.layout), candidate)
-        rows.append({"rate": rate, "pick": result.pick, "best": best})
+        rows.append({"x": x, "pick": result.pick, "best": best})
     families = sorted({name for row in rows for name in row["best"]}, key=_family_order)
-    echo(_sweep_table(rows, families))
-    crossover = crossover_line(options.workload, [(row["rate"], row["pick"].layout) for row in rows])
+    axis = "rate" if by_rate else "prompt_tokens"
+    echo(_sweep_table(axis, rows, families))
+    crossover = crossover_line(options.workload, [(row["x"], row["pick"].layout) for row in rows], by_rate)
     echo(f"\n{crossover}")
     series = {name: [_point(row["best"].get(name)) for row in rows] for name in families}
     if options.plot is not None:
         limits = f"TTFT p99 {slo.ttft_s:g} s, ITL p99 {slo.itl_s * 1000:g} ms"
-        title = f"{options.workload.value}: predicted per layout (SLO {limits})"
-        plot_crossover(options.plot, title, rates, series)
+        rate = options.rate if options.rate is not None else DEFAULT_RATES[options.workload]
+        fixed = "" if by_rate else f" at {rate:g} req/s"
+        title = f"{options.workload.value}{fixed}: predicted per layout (SLO {limits})"
+        xlabel = "request rate (req/s)" if by_rate else "prompt tokens (every prompt)"
+        plot_crossover(options.plot, title, xs, series, xlabel=xlabel, diagonal=by_rate)
         echo(f"wrote {options.plot}")
     if options.json_path is not None:
         document = {
             "workload": {"shape": options.workload.value, "num_requests": options.num_requests, "seed": options.seed},
             "slo": {"ttft_p99_s": slo.ttft_s, "itl_p99_s": slo.itl_s},
-            "rates": rates,
+            "axis": axis,
+            axis: xs,
             "families": series,
-            "picks": [{"rate": row["rate"], **row["pick"].layout.to_json()} for row in rows],
+            "picks": [{axis: row["x"], **row["pick"].layout.to_json()} for row in rows],
             "crossover": crossover,
             "calibration": calibration.to_json(),
         }
@@ -239,11 +261,11 @@ def _point(candidate: Candidate | None) -> dict[str, float]:
             "itl_p99_s": round(p.itl_p99_s, 5)}  # fmt: skip
 
 
-def _sweep_table(rows: Sequence[dict[str, Any]], families: Sequence[str]) -> str:
-    header = ["rate", *(f"{name} goodput / TTFT p99" for name in families), "pick"]
+def _sweep_table(axis: str, rows: Sequence[dict[str, Any]], families: Sequence[str]) -> str:
+    header = [axis, *(f"{name} goodput / TTFT p99" for name in families), "pick"]
     lines = [" | ".join(header)]
     for row in rows:
-        cells = [f"{row['rate']:g}"]
+        cells = [f"{row['x']:g}"]
         for name in families:
             c = row["best"].get(name)
             cells.append("-" if c is None else
@@ -253,20 +275,23 @@ def _sweep_table(rows: Sequence[dict[str, Any]], families: Sequence[str]) -> str
     return "\n".join(lines)
 
 
-def crossover_line(shape: WorkloadShape, picks: Sequence[tuple[float, Layout]]) -> str:
-    """Where the pick turns disaggregated (and stays so) over the swept rates, in one sentence."""
+def crossover_line(shape: WorkloadShape, picks: Sequence[tuple[float, Layout]], by_rate: bool = True) -> str:
+    """Where the pick turns disaggregated (and stays so) over the swept rates or prompt lengths, in one sentence."""
     disaggregated = [layout.num_colocated == 0 for _, layout in picks]
-    rates = [rate for rate, _ in picks]
+    xs = [x for x, _ in picks]
+    what, unit = ("rate", " req/s") if by_rate else ("prompt length", " tokens")
+    swept = f"{xs[0]:g} to {xs[-1]:g}{unit}"
     if not any(disaggregated):
-        return f"{shape.value}: colocated is the pick at every rate swept ({rates[0]:g} to {rates[-1]:g} req/s)"
+        return f"{shape.value}: colocated is the pick at every {what} swept ({swept})"
     if all(disaggregated):
-        return f"{shape.value}: disaggregation is the pick at every rate swept ({rates[0]:g} to {rates[-1]:g} req/s)"
+        return f"{shape.value}: disaggregation is the pick at every {what} swept ({swept})"
     first = next(i for i in range(len(picks) + 1) if all(disaggregated[i:]))
     if any(disaggregated[:first]):
-        return f"{shape.value}: the pick goes back and forth between colocated and disaggregated over the rates swept"
+        return f"{shape.value}: the pick goes back and forth between colocated and disaggregated over the {what}s swept"
+    where = f"{xs[first]:g} req/s" if by_rate else f"{xs[first]:g}-token prompts"
     return (
-        f"{shape.value}: DPD ({picks[first][1].name}) pays off from {rates[first]:g} req/s "
-        f"(between {rates[first - 1]:g} and {rates[first]:g}); below that, colocated"
+        f"{shape.value}: DPD ({picks[first][1].name}) pays off from {where} "
+        f"(between {xs[first - 1]:g} and {xs[first]:g}{unit}); below that, colocated"
     )
 
 

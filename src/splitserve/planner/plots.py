@@ -99,18 +99,28 @@ def _plot_verified(plt: Any, verified: Sequence[VerifiedLayout], simulated: dict
     return figure
 
 
-def plot_crossover(path: Path, title: str, rates: Sequence[float], series: dict[str, list[dict[str, float]]]) -> None:
-    """``series``: per layout family (``colocated``, ``1P1D``, ...), one point per rate with ``goodput`` and
-    ``ttft_p99_s`` (NaN where the family has no candidate)."""
+def plot_crossover(
+    path: Path,
+    title: str,
+    xs: Sequence[float],
+    series: dict[str, list[dict[str, float]]],
+    *,
+    xlabel: str = "request rate (req/s)",
+    diagonal: bool = True,
+) -> None:
+    """``series``: per layout family (``colocated x2``, ``1P1D``, ...), one point per x (a rate or a prompt
+    length) with ``goodput`` and ``ttft_p99_s`` (NaN where the family has no candidate). ``diagonal`` draws the
+    offered rate on the goodput panel (x is the rate)."""
     plt = pyplot()
     figure, (good_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, points in series.items():
-        good_ax.plot(rates, [p["goodput"] for p in points], marker="o", label=name)
-        ttft_ax.plot(rates, [p["ttft_p99_s"] for p in points], marker="o", label=name)
-    good_ax.plot(rates, rates, color="0.6", linestyle=":", label="offered rate")
-    good_ax.set_xlabel("request rate (req/s)")
+        good_ax.plot(xs, [p["goodput"] for p in points], marker="o", label=name)
+        ttft_ax.plot(xs, [p["ttft_p99_s"] for p in points], marker="o", label=name)
+    if diagonal:
+        good_ax.plot(xs, xs, color="0.6", linestyle=":", label="offered rate")
+    good_ax.set_xlabel(xlabel)
     good_ax.set_ylabel("predicted goodput (req/s within the SLO)")
-    ttft_ax.set_xlabel("request rate (req/s)")
+    ttft_ax.set_xlabel(xlabel)
     ttft_ax.set_ylabel("predicted TTFT p99 (s)")
     ttft_ax.set_yscale("log")
     for ax in (good_ax, ttft_ax):

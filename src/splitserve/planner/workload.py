@@ -38,7 +38,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -317,6 +317,13 @@ _GENERATORS: dict[WorkloadShape, Callable[[_Draw, float, int], list[TraceRequest
     WorkloadShape.LONG_CONTEXT: _long_context,
     WorkloadShape.MIXED: _mixed,
 }
+
+
+def with_prompt_tokens(requests: Sequence[TraceRequest], num_tokens: int, max_model_len: int) -> list[TraceRequest]:
+    """The workload with every prompt ``num_tokens`` long (fitted into the context as generated ones are); a
+    shared prefix keeps its length, less than the prompt."""
+    return [_clip(replace(r, prompt_tokens=num_tokens, prefix_tokens=min(r.prefix_tokens, num_tokens - 1)),
+                  max_model_len) for r in requests]  # fmt: skip
 
 
 def describe(requests: Sequence[TraceRequest]) -> str:
