@@ -16,6 +16,8 @@ KUBERNETES_L2_PATH in a pod); a Redis L2 without a URL is valid (a local run sta
 ``environmentVariables`` take Kubernetes' ``valueFrom.secretKeyRef`` (and nothing else as a source), and
 secrets (SECRET_ENV_NAMES: client keys, Redis' password) only from there: a literal in the resource is readable
 by whoever reads the resource. The cluster secret is splitserve's to set (CLUSTER_SECRET_ENV), never the resource's.
+``spec.worker.engine`` (splitserve's own field, default ``splitserve``) says what the workers run: ``vllm`` makes
+them vLLM's OpenAI server, colocated and without splitserve's KV tiers (``pdSpec`` and L1/L2 are errors then).
 """
 
 from __future__ import annotations
@@ -64,6 +66,13 @@ class EndpointError(ValueError):
             super().__init__(prefix + self.errors[0])
         else:
             super().__init__(f"{prefix}{len(self.errors)} errors:\n" + "\n".join(f"  {e}" for e in self.errors))
+
+
+class WorkerEngine(StrEnum):
+    """What the workers run (``spec.worker.engine``)."""
+
+    SPLITSERVE = "splitserve"  # `splitserve worker`: every feature of the resource
+    VLLM = "vllm"  # vLLM's OpenAI server (`vllm serve`), colocated, without splitserve's KV tiers
 
 
 class ModelSourceType(StrEnum):
@@ -251,7 +260,9 @@ class ModelVolumeMount(_Spec):
 
 
 class WorkerSpec(_Spec):
-    image: str | None = None  # container image (Kubernetes); unused locally
+    # splitserve (default) or vllm: vLLM's OpenAI server, whose flags spec.worker.args then are (deploy/vllm.py)
+    engine: WorkerEngine = WorkerEngine.SPLITSERVE
+    image: str | None = None  # container image (Kubernetes); unused locally; required with engine vllm
     args: list[_Text] = Field(default_factory=list)  # engine flags for every role
     model_invocation_port: ModelInvocationPort = Field(default_factory=ModelInvocationPort)
     model_volume_mount: ModelVolumeMount | None = None
@@ -422,6 +433,7 @@ def _semantic_errors(config: InferenceEndpointConfig) -> list[str]:
         )
     errors += _port_errors(spec)
     errors += _cache_errors(spec.kv_cache_spec)
+    errors += _engine_errors(spec)
     if invocation_path(spec.invocation_endpoint) not in INVOCATION_PATHS:
         allowed = ", ".join(p.lstrip("/") for p in INVOCATION_PATHS)
         errors.append(f"spec.invocationEndpoint: {spec.invocation_endpoint!r} is not one of {allowed}")
@@ -473,6 +485,27 @@ def _cache_errors(kv: KVCacheSpec | None) -> list[str]:
         )
     if l2.l2_cache_path is not None and l2.l2_cache_backend != "tieredstorage":
         errors.append(f"{where}.l2CachePath is only used when l2CacheBackend is tieredstorage")
+    return errors
+
+
+def _engine_errors(spec: EndpointSpec) -> list[str]:
+    """What vLLM workers cannot do: splitserve's prefill/decode handoff and its KV tiers (L1, L2)."""
+    if spec.worker.engine != WorkerEngine.VLLM:
+        return []
+    why = "is not supported with spec.worker.engine vllm"
+    errors = []
+    if spec.pd_spec is not None:
+        errors.append(
+            f"spec.pdSpec {why}: disaggregation hands KV over splitserve's own transfer; remove pdSpec for "
+            "colocated vLLM workers, or use engine splitserve"
+        )
+    kv = spec.kv_cache_spec
+    for field, enabled in (("enableL1Cache", "enable_l1_cache"), ("enableL2Cache", "enable_l2_cache")):
+        if kv is not None and getattr(kv, enabled):
+            errors.append(
+                f"spec.kvCacheSpec.{field} {why}: the tiers are splitserve's; give vLLM its own offloading "
+                "in spec.worker.args (e.g. --kv-transfer-config), or use engine splitserve"
+            )
     return errors
 
 

@@ -75,6 +75,8 @@ def resources() -> Iterator[tuple[str, InferenceEndpointConfig]]:
     worker = {**yaml.safe_load(EXAMPLES["kvaware"].read_text())["spec"]["worker"], "environmentVariables": [key]}
     worker["modelInvocationPort"] = {"name": "http", "containerPort": 9000}
     yield "kvaware-key-port", variant("kvaware", worker=worker, metrics={"enabled": False})
+    vllm_worker = {**yaml.safe_load(EXAMPLES["vllm"].read_text())["spec"]["worker"], "environmentVariables": [key]}
+    yield "vllm-key-roundrobin", variant("vllm", worker=vllm_worker, intelligentRoutingSpec={"enabled": False})
 
 
 RENDERED = [(name, render(config)) for name, config in resources()]
@@ -204,8 +206,9 @@ def test_every_splitserve_container_gets_the_cluster_secret_from_the_secret(
     seen = set()
     for pod_name, _, c in containers(manifests):
         env = {var["name"]: var for var in c.get("env", [])}
-        if c["name"] in SPLITSERVE_CONTAINERS:
-            assert env["SPLITSERVE_CLUSTER_SECRET"] == {"name": "SPLITSERVE_CLUSTER_SECRET", "valueFrom": reference}
+        if c["name"] in SPLITSERVE_CONTAINERS:  # a vLLM worker takes it as its key: the router sends it
+            name = "VLLM_API_KEY" if c["command"] == ["vllm", "serve"] else "SPLITSERVE_CLUSTER_SECRET"
+            assert env[name] == {"name": name, "valueFrom": reference}
             seen.add(c["name"])
         for var in env.values():  # every reference to this endpoint's Secret names a key it has
             ref = var.get("valueFrom", {}).get("secretKeyRef")
@@ -344,6 +347,23 @@ def test_the_router_reaches_only_the_workers_http_port(name: str, manifests: lis
     assert redis is None or not allowed(policies, router, redis, 6379)
     assert not allowed(policies, router, OUTSIDE, 80) and allowed(policies, router, OUTSIDE, DNS, "UDP")
     assert allowed(policies, router, OUTSIDE, 443)  # the API server, for the discovery sidecar
+
+
+@pytest.mark.parametrize(("name", "manifests"), RENDERED, ids=IDS)
+def test_vllm_workers_kv_event_sockets_are_the_routers_alone(name: str, manifests: list[Manifest]) -> None:
+    policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    worker = component_of(manifests, "worker")
+    if worker is None or worker["spec"]["containers"][0]["command"] != ["vllm", "serve"]:
+        pytest.skip("no vLLM workers")
+    ports = {p["name"]: p["containerPort"] for p in worker["spec"]["containers"][0]["ports"]}
+    router, peer = peer_of(manifests, "router"), Peer(worker["metadata"]["labels"])
+    assert router is not None
+    for port in (ports.get("kv-events"), ports.get("kv-replay")):
+        if port is not None:  # under a kvaware router only
+            assert allowed(policies, router, peer, port)
+            assert not allowed(policies, OUTSIDE, peer, port) and not allowed(policies, peer, peer, port)
+    client_keys = [e for e in worker["spec"]["containers"][0]["env"] if e["name"] == "SPLITSERVE_API_KEY"]
+    assert not client_keys  # the router checks the clients' keys; vLLM's key is the cluster secret
 
 
 @pytest.mark.parametrize(("name", "manifests"), RENDERED, ids=IDS)

@@ -32,6 +32,7 @@ from splitserve.endpoint import (
     REFERENCE_API_VERSION,
     EndpointError,
     InferenceEndpointConfig,
+    WorkerEngine,
     load_endpoint,
     loads_endpoint,
     merge_args,
@@ -174,11 +175,14 @@ def cli_command(name: str) -> Any:
 def test_every_example_loads_and_plans_to_flags_the_real_cli_accepts(path: Path) -> None:
     config = load_endpoint(path)
     endpoint_plan = plan(config, redis_url=REDIS_URL if config.needs_local_redis else None)
+    urls = [t for r in endpoint_plan.roles for t in (ROLE_URL_FLAG[r.role], f"http://{r.name}:8000")]
+    cli_command("router").make_context("router", [*endpoint_plan.router.flags, *urls])
+    if endpoint_plan.engine == WorkerEngine.VLLM:  # vLLM's flags (tests/unit/test_vllm_deploy.py); a folder
+        assert endpoint_plan.model.endswith("/smollm2-135m-instruct")
+        return
     assert endpoint_plan.model == "smollm2"
     for role in endpoint_plan.roles:
         cli_command("worker").make_context("worker", [*role.flags, "--host", "127.0.0.1", "--port", "8001"])
-    urls = [t for r in endpoint_plan.roles for t in (ROLE_URL_FLAG[r.role], f"http://{r.name}:8000")]
-    cli_command("router").make_context("router", [*endpoint_plan.router.flags, *urls])
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -566,7 +570,9 @@ def test_a_port_in_the_args_must_equal_the_container_port() -> None:
 
 def test_an_unknown_field_names_its_path_and_the_allowed_ones() -> None:
     error = error_of(manifest({"worker": {"argz": ["--seed", "1"]}}))
-    assert error.errors[0].startswith("spec.worker.argz: unknown field (did you mean args?); allowed: image, args, ")
+    assert error.errors[0].startswith(
+        "spec.worker.argz: unknown field (did you mean args?); allowed: engine, image, args, "
+    )
     deep = error_of(manifest({"pdSpec": {"prefillSpec": {"replica": 2}}}))
     assert deep.errors[0].startswith("spec.pdSpec.prefillSpec.replica: unknown field (did you mean replicas?)")
     listed = error_of(manifest({"worker": {"environmentVariables": [{"name": "A", "valeu": "1"}]}}))

@@ -28,10 +28,18 @@ from types import FrameType
 from typing import Any
 
 from splitserve.config import L2Backend
+from splitserve.deploy import vllm
 from splitserve.deploy.plan import local_model
 from splitserve.deploy.pods import format_pods, open_private_log
 from splitserve.deploy.supervisor import READY_TIMEOUT_S, Supervisor, default_run_root, splitserve_command
-from splitserve.endpoint import EndpointError, InferenceEndpointConfig, load_endpoint, local_l2_path, secret_refs
+from splitserve.endpoint import (
+    EndpointError,
+    InferenceEndpointConfig,
+    WorkerEngine,
+    load_endpoint,
+    local_l2_path,
+    secret_refs,
+)
 
 logger = logging.getLogger("splitserve.supervisor")
 
@@ -52,7 +60,7 @@ def load_for_local_run(path: Path) -> InferenceEndpointConfig:
     """The resource, checked for a local run (a model that needs no network, no Secret to read). Raises
     ``EndpointError``."""
     config = load_endpoint(path)
-    local_model(config)
+    (vllm.local_model if config.spec.worker.engine == WorkerEngine.VLLM else local_model)(config)
     refs = secret_refs(config)
     if refs:
         why = (

@@ -4,9 +4,10 @@
 - ``<endpoint>-default-deny`` selects every pod of the endpoint and allows nothing, in or out; the policies
   below each open one path (policies add up).
 - the router (``<endpoint>-router``): anyone may reach its HTTP port (the clients, and the workers' KV
-  events); it reaches the workers' HTTP port, the API server (its discovery sidecar lists pods: TCP 443 and
-  6443 to any address, since a NetworkPolicy cannot name the API server) and DNS.
-- workers (``<endpoint>-worker``, or ``-prefill`` and ``-decode``): only the router reaches their HTTP port;
+  events); it reaches the workers' HTTP port (and vLLM workers' KV event ports), the API server (its discovery
+  sidecar lists pods: TCP 443 and 6443 to any address, since a NetworkPolicy cannot name the API server) and DNS.
+- workers (``<endpoint>-worker``, or ``-prefill`` and ``-decode``): only the router reaches their HTTP port
+  (and a vLLM worker's ZMQ KV event and replay ports, which anyone reaching them could read);
   only prefill pods reach a decode pod's KV port. Prefill pods reach decode KV ports; every worker reaches the
   router (KV events, when the router takes them), Redis (the in-cluster one by its labels, a Redis the resource
   names by its port) and DNS.
@@ -40,6 +41,7 @@ class Network:
     labels: dict[str, str]  # every policy's own labels (the resource's and the managed-by ones)
     worker_components: tuple[str, ...]  # ("worker",) or ("prefill", "decode")
     worker_port: int  # every worker's HTTP port
+    worker_event_ports: tuple[int, ...]  # vLLM workers' KV event publisher and replay ports; () without
     kv_port: int | None  # decode workers' KV receiver; None when colocated
     router_port: int
     router_takes_events: bool  # workers send KV events to the router
@@ -62,12 +64,14 @@ def network_policies(net: Network) -> list[Manifest]:
 
 def _router_rules(net: Network) -> tuple[list[Manifest], list[Manifest]]:
     ingress = [_rule("from", None, [net.router_port])]  # clients, wherever they are
-    egress = [_rule("to", _workers(net), [net.worker_port]), _rule("to", None, API_SERVER_PORTS), _dns()]
+    worker_ports = [net.worker_port, *net.worker_event_ports]
+    egress = [_rule("to", _workers(net), worker_ports), _rule("to", None, API_SERVER_PORTS), _dns()]
     return ingress, egress
 
 
 def _worker_rules(net: Network, component: str) -> tuple[list[Manifest], list[Manifest]]:
-    ingress = [_rule("from", [{"podSelector": {"matchLabels": _pods(net, "router")}}], [net.worker_port])]
+    from_router = [{"podSelector": {"matchLabels": _pods(net, "router")}}]
+    ingress = [_rule("from", from_router, [net.worker_port, *net.worker_event_ports])]
     egress = [_dns()]
     if component == "decode" and net.kv_port is not None:
         ingress.append(_rule("from", [{"podSelector": {"matchLabels": _pods(net, "prefill")}}], [net.kv_port]))

@@ -9,7 +9,9 @@ holds the engine and router flag tables that decide which ``args`` a worker can 
 
 Where the seeds are silent, the choices are made here and documented at the code that makes them: a Redis L2
 without a URL is planned against the Redis the caller starts; engine flags that splitserve does not know are
-errors, except a short list of vLLM flags that mean nothing here, which are dropped with a warning.
+errors, except a short list of vLLM flags that mean nothing here, which are dropped with a warning. With
+``spec.worker.engine: vllm`` the workers are vLLM's OpenAI server instead, and ``splitserve.deploy.vllm`` makes
+their flags, environment and model, and the router's flags for them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, NamedTuple
 
 from splitserve import lmcache_env
 from splitserve.config import L2Backend, Role, RoutingStrategy
+from splitserve.deploy import vllm
 from splitserve.endpoint import (
     KUBERNETES_L2_PATH,
     EndpointError,
@@ -30,6 +33,7 @@ from splitserve.endpoint import (
     InferenceEndpointConfig,
     ModelSourceType,
     ResourceRequirements,
+    WorkerEngine,
     args_lists,
     invocation_path,
     last_flag,
@@ -104,8 +108,11 @@ class RolePlan:
     role: Role
     name: str  # "<endpoint>" (colocated), "prefill-<endpoint>", "decode-<endpoint>": the deployment's name
     replicas: int
-    flags: tuple[str, ...]  # `splitserve worker` arguments, without --host, --port and the per-instance flags
+    # `splitserve worker` arguments, or `vllm serve` ones (from --model on) with engine vllm; without --host,
+    # --port and the per-instance flags
+    flags: tuple[str, ...]
     env: dict[str, str]  # spec.worker.environmentVariables with a value, in order (secretKeyRefs: render only)
+    engine_env: dict[str, str]  # what splitserve adds for the engine (vLLM's CPU settings); env wins over it
     resources: ResourcePlan
     container_port: int  # the port a worker listens on in its pod (locally, each instance gets its own)
     num_threads: int | None  # --num-threads in flags (from args, else from the CPU resources); None: all CPUs
@@ -123,6 +130,7 @@ class RouterPlan:
     health_check_path: str  # probed on the router and on every worker
     flags: tuple[str, ...]  # `splitserve router` arguments, without --host, --port and the worker URLs
     kv_events: bool  # workers should send --kv-events-url <router>/kv/events (kvaware; DPD's cache-aware split)
+    vllm_events: bool  # the router follows vLLM workers' ZMQ KV events: they get --kv-events-config (kvaware)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +142,7 @@ class EndpointPlan:
     name: str
     namespace: str
     target: Target
+    engine: WorkerEngine  # what the workers run: `splitserve worker` or `vllm serve`
     model: str  # the --model of every worker and of the router
     is_disaggregated: bool
     roles: tuple[RolePlan, ...]  # (colocated,) or (prefill, decode)
@@ -170,18 +179,24 @@ def plan(
     splitserve cannot take, a model a local run cannot load, a Redis L2 with no URL at all, and KV block or
     chunk sizes that differ between roles.
     """
-    warnings = _config_warnings(config)
+    warnings = _config_warnings(config, target)
     model = _plan_model(config, target, warnings)
     cache_flags, l2_url, l2_path = _cache_flags(config, target, redis_url)
-    roles = tuple(_role_plan(config, part, model, cache_flags, warnings) for part in _role_inputs(config))
+    inputs = _role_inputs(config)
+    roles = tuple(_role_plan(config, part, model, cache_flags, warnings, target) for part in inputs)
+    router = _router_plan(config, model, roles, target)
+    in_pod_vllm = target == Target.KUBERNETES and config.spec.worker.engine == WorkerEngine.VLLM
+    if in_pod_vllm and (errors := vllm.kubernetes_errors(config, router.vllm_events)):
+        raise EndpointError(errors)
     return EndpointPlan(
         name=config.metadata.name,
         namespace=config.metadata.namespace,
         target=target,
+        engine=config.spec.worker.engine,
         model=model,
         is_disaggregated=config.is_disaggregated,
         roles=roles,
-        router=_router_plan(config, model, roles),
+        router=router,
         l2_backend=config.l2_backend,
         l2_url=l2_url,
         l2_path=l2_path,
@@ -209,17 +224,23 @@ def _role_inputs(config: InferenceEndpointConfig) -> list[_RoleInput]:
 
 
 def _role_plan(
-    config: InferenceEndpointConfig, part: _RoleInput, model: str, cache_flags: list[str], warnings: list[str]
+    config: InferenceEndpointConfig,
+    part: _RoleInput,
+    model: str,
+    cache_flags: list[str],
+    warnings: list[str],
+    target: Target,
 ) -> RolePlan:
-    passed = _worker_flags(part.flags, warnings)
     resources = resource_plan(part.resources)
-    written_threads = last_flag(passed, "num-threads")
-    num_threads = int(written_threads.value or 0) if written_threads is not None else resources.num_threads
-    flags = ["--model", model, "--role", part.role.value, *(t for f in passed for t in f.tokens()), *cache_flags]
-    if written_threads is None and num_threads is not None:
-        flags += ["--num-threads", str(num_threads)]
-    if resources.num_gpus > 1:
-        warnings.append(f"{part.name}: {resources.num_gpus} GPUs requested; a splitserve worker uses one")
+    engine_env: dict[str, str] = {}
+    if config.spec.worker.engine == WorkerEngine.VLLM:
+        flags, num_threads = vllm.serve_flags(model, config.spec.model_name, part.flags), resources.num_threads
+        memory = resources.memory_limit_bytes or resources.memory_request_bytes
+        names = [var.name for var in config.spec.worker.environment_variables]
+        engine_env = vllm.engine_env(num_gpus=resources.num_gpus, memory_bytes=memory, num_threads=num_threads,
+                                     in_pod=target == Target.KUBERNETES, resource_env=names)  # fmt: skip
+    else:
+        flags, num_threads = _splitserve_flags(part, model, cache_flags, resources, warnings)
     labels = {} if part.role == Role.COLOCATED else {f"{config.api_group}/dpd-role": part.role.value}
     return RolePlan(
         role=part.role,
@@ -227,11 +248,27 @@ def _role_plan(
         replicas=part.replicas,
         flags=tuple(flags),
         env={var.name: var.value or "" for var in config.spec.worker.environment_variables if var.value_from is None},
+        engine_env=engine_env,
         resources=resources,
         container_port=config.spec.worker.model_invocation_port.container_port,
         num_threads=num_threads,
         labels=labels,
     )
+
+
+def _splitserve_flags(
+    part: _RoleInput, model: str, cache_flags: list[str], resources: ResourcePlan, warnings: list[str]
+) -> tuple[list[str], int | None]:
+    """A role's `splitserve worker` flags and its thread count (``--num-threads``, else from the CPU resources)."""
+    passed = _worker_flags(part.flags, warnings)
+    written_threads = last_flag(passed, "num-threads")
+    num_threads = int(written_threads.value or 0) if written_threads is not None else resources.num_threads
+    flags = ["--model", model, "--role", part.role.value, *(t for f in passed for t in f.tokens()), *cache_flags]
+    if written_threads is None and num_threads is not None:
+        flags += ["--num-threads", str(num_threads)]
+    if resources.num_gpus > 1:
+        warnings.append(f"{part.name}: {resources.num_gpus} GPUs requested; a splitserve worker uses one")
+    return flags, num_threads
 
 
 def _cache_flags(
@@ -261,19 +298,19 @@ def _cache_flags(
     return [*flags, "--l2-backend", backend.value, "--l2-url", url], url, None
 
 
-def _router_plan(config: InferenceEndpointConfig, model: str, roles: Sequence[RolePlan]) -> RouterPlan:
+def _router_plan(config: InferenceEndpointConfig, model: str, roles: Sequence[RolePlan], target: Target) -> RouterPlan:
     spec, strategy = config.spec, config.routing_strategy
     threshold = spec.pd_spec.routing_threshold if spec.pd_spec is not None else None
     flags = ["--model", model, "--routing-strategy", strategy.value]
     if threshold is not None:
         flags += ["--routing-threshold", str(threshold)]
-    for flag, default in (("--block-size", "16"), ("--kv-chunk-size", "256")):
-        values = {role.name: _token_value(role.flags, flag) or default for role in roles}
-        if len(set(values.values())) > 1:
-            shown = ", ".join(f"{name} {value}" for name, value in values.items())
-            raise EndpointError(f"spec.pdSpec: {flag} differs between roles ({shown}); the KV keys would not match")
-        if set(values.values()) != {default}:
-            flags += [flag, next(iter(values.values()))]
+    is_vllm = spec.worker.engine == WorkerEngine.VLLM
+    vllm_events = is_vllm and strategy == RoutingStrategy.KVAWARE
+    if is_vllm:
+        sizes = [size for role in roles if (size := _token_value(role.flags, "--block-size")) is not None]
+        flags += vllm.router_flags(in_pod=target == Target.KUBERNETES, kv_events=vllm_events, block_sizes=sizes)
+    else:
+        flags += _block_flags(roles)
     return RouterPlan(
         name=f"{config.metadata.name}-router",
         strategy=strategy,
@@ -281,8 +318,22 @@ def _router_plan(config: InferenceEndpointConfig, model: str, roles: Sequence[Ro
         invocation_path=invocation_path(spec.invocation_endpoint),
         health_check_path=spec.load_balancer.health_check_path,
         flags=tuple(flags),
-        kv_events=strategy == RoutingStrategy.KVAWARE or config.is_disaggregated,
+        kv_events=not is_vllm and (strategy == RoutingStrategy.KVAWARE or config.is_disaggregated),
+        vllm_events=vllm_events,
     )
+
+
+def _block_flags(roles: Sequence[RolePlan]) -> list[str]:
+    """The router's --block-size and --kv-chunk-size: the workers' (EndpointError when roles differ)."""
+    flags: list[str] = []
+    for flag, default in (("--block-size", "16"), ("--kv-chunk-size", "256")):
+        values = {role.name: _token_value(role.flags, flag) or default for role in roles}
+        if len(set(values.values())) > 1:
+            shown = ", ".join(f"{name} {value}" for name, value in values.items())
+            raise EndpointError(f"spec.pdSpec: {flag} differs between roles ({shown}); the KV keys would not match")
+        if set(values.values()) != {default}:
+            flags += [flag, next(iter(values.values()))]
+    return flags
 
 
 def _token_value(tokens: Sequence[str], flag: str) -> str | None:
@@ -290,9 +341,13 @@ def _token_value(tokens: Sequence[str], flag: str) -> str | None:
     return tokens[positions[-1] + 1] if positions else None
 
 
-def _config_warnings(config: InferenceEndpointConfig) -> list[str]:
+def _config_warnings(config: InferenceEndpointConfig, target: Target) -> list[str]:
     """What the resource says that has no effect (kept apart from errors: the seeds allow it)."""
     spec, warnings = config.spec, []
+    is_vllm = spec.worker.engine == WorkerEngine.VLLM
+    if target == Target.KUBERNETES and not is_vllm and vllm.looks_like_vllm_image(spec.worker.image):
+        warnings.append(f"spec.worker.image {spec.worker.image} looks like vLLM's, but spec.worker.engine is "
+                        "splitserve: its pods run `splitserve worker`; set spec.worker.engine: vllm")  # fmt: skip
     if spec.pd_spec is not None:
         if "replicas" in spec.model_fields_set:
             warnings.append("spec.replicas is ignored with spec.pdSpec: set prefillSpec and decodingSpec replicas")
@@ -317,7 +372,7 @@ def _config_warnings(config: InferenceEndpointConfig) -> list[str]:
         path = spec.load_balancer.health_check_path
         warnings.append(f"spec.loadBalancer.healthCheckPath {path}: splitserve serves /health and /ping (SageMaker's); "
                         "other probes fail")  # fmt: skip
-    return warnings + _lmcache_warnings(config)
+    return warnings if is_vllm else warnings + _lmcache_warnings(config)  # vLLM reads LMCACHE_* itself
 
 
 def _lmcache_warnings(config: InferenceEndpointConfig) -> list[str]:
@@ -379,9 +434,12 @@ def _plan_model(config: InferenceEndpointConfig, target: Target, warnings: list[
         if (flag := last_flag(parse_args(args, path), "model")) is not None:
             raise EndpointError(f"{flag.path}: --model cannot differ per role; set spec.modelSourceConfig")
     written = last_flag(parse_args(config.spec.worker.args, "spec.worker.args"), "model")
+    is_vllm = config.spec.worker.engine == WorkerEngine.VLLM
     if target == Target.KUBERNETES:
+        if is_vllm:
+            return vllm.kubernetes_model(config)
         return _kubernetes_model(config) if written is None else written.value or ""
-    model = local_model(config)
+    model = vllm.local_model(config) if is_vllm else local_model(config)
     if written is not None and written.value != model:
         warnings.append(f"{written.path}: --model {written.value} is replaced by {model} for a local run")
     return model

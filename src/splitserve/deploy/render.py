@@ -40,6 +40,14 @@ capability dropped, seccomp ``RuntimeDefault``, a read-only root filesystem with
 process writes (``/tmp``; ``HOME``, where the native kernels and other caches go; Redis' ``/data``), and no
 service-account token (``automountServiceAccountToken: false``) except in the discovery sidecar.
 
+vLLM workers (``spec.worker.engine: vllm``; ``splitserve.deploy.vllm``): the worker container runs
+``vllm serve --model <model>`` from ``spec.worker.image`` with the plan's flags plus ``--host 0.0.0.0 --port
+<containerPort>`` and, under a kvaware router, ``--kv-events-config`` publishing on ports ``kv-events`` (5557) and
+``kv-replay`` (5558), which the Service exposes and the NetworkPolicies open to the router's pods only. vLLM's
+key (``VLLM_API_KEY``) is the cluster secret, by reference, which the router sends; the resource's client keys
+go to the router only. The pod also gets a memory ``emptyDir`` at ``/dev/shm`` (vLLM's processes share memory
+there). The router and its sidecar keep splitserve's image (``default_image``).
+
 Labels (``splitserve.deploy.labels``): ``app.kubernetes.io/name=splitserve``, ``instance=<name>``,
 ``component=worker|prefill|decode|router|redis``, ``managed-by=splitserve``; prefill and decode pods also carry
 ``splitserve.io/dpd-role`` (and the plan's role label, which for the reference apiVersion is the seed's). The
@@ -61,6 +69,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from splitserve.config import REDIS_PASSWORD_ENV, L2Backend, Role
+from splitserve.deploy import vllm
 from splitserve.deploy.labels import (
     COMPONENTS,
     LABEL_COMPONENT,
@@ -74,7 +83,7 @@ from splitserve.deploy.labels import (
 )
 from splitserve.deploy.netpol import Network, network_policies
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
-from splitserve.endpoint import CLUSTER_SECRET_ENV, InferenceEndpointConfig
+from splitserve.endpoint import CLUSTER_SECRET_ENV, InferenceEndpointConfig, WorkerEngine
 
 __all__ = [
     "COMPONENTS", "LABEL_COMPONENT", "LABEL_INSTANCE", "LABEL_MANAGED_BY", "LABEL_NAME", "LABEL_ROLE", "MANAGED_BY",
@@ -96,6 +105,7 @@ REDIS_SCRIPT = 'exec redis-server "$@" - <<EOF\nrequirepass $REDIS_PASSWORD\nEOF
 HTTP_PORT_NAME = "http"  # the router's and Redis' port name (workers use modelInvocationPort.name)
 KV_TRANSFER_PORT_NAME = "kv-transfer"
 L2_VOLUME, TMP_VOLUME, HOME_VOLUME, API_VOLUME, REDIS_DATA_VOLUME = "l2-cache", "tmp", "home", "kube-api", "data"
+SHM_VOLUME, SHM_SIZE = "dshm", "1Gi"  # vLLM workers' /dev/shm (memory: counts against the pod's limit)
 POD_NAME_ENV, POD_IP_ENV, POD_NAMESPACE_ENV = "SPLITSERVE_POD_NAME", "SPLITSERVE_POD_IP", "SPLITSERVE_POD_NAMESPACE"
 # the resource's variables the router gets too: it checks the client keys and makes each one a tenant
 ROUTER_ENV_NAMES = ("SPLITSERVE_API_KEY", "VLLM_API_KEY", "SPLITSERVE_SALT_PER_API_KEY")
@@ -130,8 +140,13 @@ class _Endpoint:
 
     config: InferenceEndpointConfig
     plan: EndpointPlan  # for Target.KUBERNETES
-    image: str
+    image: str  # the workers'
+    router_image: str  # the router's and its sidecar's: splitserve's, also in front of vLLM workers
     secrets: dict[str, str] = field(repr=False)  # the Secret's keys and values
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.plan.engine == WorkerEngine.VLLM
 
     @property
     def name(self) -> str:
@@ -157,7 +172,9 @@ def render(
     """
     endpoint_plan = plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config))
     values = _secret_values(config, secret_values or {})
-    ep = _Endpoint(config, endpoint_plan, config.spec.worker.image or default_image, values)
+    image = config.spec.worker.image or default_image
+    router_image = default_image if endpoint_plan.engine == WorkerEngine.VLLM else image
+    ep = _Endpoint(config, endpoint_plan, image, router_image, values)
     manifests = [_secret(ep), *network_policies(_network(ep)), *_router_rbac(ep)]
     if config.needs_local_redis:
         manifests += [_redis_deployment(ep), _service(ep, f"{ep.name}-redis", "redis", _redis_ports())]
@@ -254,14 +271,16 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
     labels = {**_labels(ep, COMPONENTS[role.role]), **role.labels}
     if role.role != Role.COLOCATED:
         labels[LABEL_ROLE] = role.role.value
+    command = ["vllm", "serve"] if ep.is_vllm else ["splitserve", "worker"]
+    args = _vllm_args(ep, role) if ep.is_vllm else _worker_args(ep, role)
     container = {
         "name": "worker",
         "image": ep.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["splitserve", "worker"],
-        "args": _worker_args(ep, role),
+        "command": command,
+        "args": args,
         "ports": _worker_ports(ep, role),
-        "env": _worker_env(ep),
+        "env": _vllm_env(ep, role) if ep.is_vllm else _worker_env(ep),
         "resources": _resources(role.resources.requests, role.resources.limits),
         **_worker_probes(ep.config.spec.load_balancer.health_check_path, _port_name(ep)),
         "lifecycle": _pre_stop(),
@@ -269,6 +288,8 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
         "volumeMounts": _worker_mounts(ep),
     }
     volumes = _model_volumes(ep) + _scratch_volumes() + ([_l2_volume()] if ep.plan.l2_path is not None else [])
+    if ep.is_vllm:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
     pod_spec = _pod_spec([_pruned(container)], volumes, terminationGracePeriodSeconds=TERMINATION_GRACE_S)
     pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": pod_spec}
     return _deployment(ep, role.name, COMPONENTS[role.role], role.replicas, pod)
@@ -287,6 +308,20 @@ def _worker_args(ep: _Endpoint, role: RolePlan) -> list[str]:
     return args
 
 
+def _vllm_args(ep: _Endpoint, role: RolePlan) -> list[str]:
+    """``vllm serve``'s arguments: the plan's (from ``--model`` on), then the address and the KV events."""
+    return [*role.flags, *vllm.instance_args("0.0.0.0", role.container_port, ep.plan.router.vllm_events, in_pod=True)]
+
+
+def _vllm_env(ep: _Endpoint, role: RolePlan) -> list[Manifest]:
+    """HOME, the cluster secret as vLLM's key (a reference), the plan's engine settings, then the resource's
+    variables but its client keys (the router checks those; vLLM's key is the one the router sends)."""
+    own = [{"name": name, "value": value} for name, value in role.engine_env.items()]
+    env = [_home_env(), _secret_env(ep, vllm.API_KEY_ENV), *own]
+    variables = ep.config.spec.worker.environment_variables
+    return env + [var.manifest() for var in variables if var.name not in vllm.CLIENT_KEY_ENV]
+
+
 def _worker_env(ep: _Endpoint) -> list[Manifest]:
     """The pod's own (downward API), HOME, the secrets (references), then the resource's, in its order."""
     env = [*_downward_env(), _home_env(), _secret_env(ep, CLUSTER_SECRET_ENV)]
@@ -297,6 +332,9 @@ def _worker_env(ep: _Endpoint) -> list[Manifest]:
 
 def _worker_ports(ep: _Endpoint, role: RolePlan) -> list[Manifest]:
     ports = [_port(_port_name(ep), role.container_port)]
+    if ep.plan.router.vllm_events:
+        events, replay = vllm.event_ports(role.container_port, in_pod=True)
+        ports += [_port(vllm.EVENTS_PORT_NAME, events), _port(vllm.REPLAY_PORT_NAME, replay)]
     if role.role == Role.DECODE:
         ports.append(_port(KV_TRANSFER_PORT_NAME, kv_transfer_port(role.container_port)))
     return ports
@@ -326,6 +364,8 @@ def _pre_stop() -> Manifest:
 
 def _worker_mounts(ep: _Endpoint) -> list[Manifest]:
     mounts = _model_mounts(ep) + _scratch_mounts()
+    if ep.is_vllm:
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if ep.plan.l2_path is not None:
         mounts.append({"name": L2_VOLUME, "mountPath": ep.plan.l2_path})
     return mounts
@@ -364,7 +404,7 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
     ]  # until the sidecar's first update: the Services (the router needs a worker of each kind to start)
     container = {
         "name": "router",
-        "image": ep.image,
+        "image": ep.router_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["splitserve", "router"],
         "args": [
@@ -407,7 +447,7 @@ def _discovery_container(ep: _Endpoint) -> Manifest:
     token = {"name": API_VOLUME, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}
     return {
         "name": "discovery",
-        "image": ep.image,
+        "image": ep.router_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["splitserve", "k8s-discovery"],
         "args": _discovery_args(ep),
@@ -493,6 +533,7 @@ def _network(ep: _Endpoint) -> Network:
         labels={k: v for k, v in _labels(ep, "").items() if k != LABEL_COMPONENT},  # netpol sets the component
         worker_components=tuple(COMPONENTS[role.role] for role in ep.plan.roles),
         worker_port=port,
+        worker_event_ports=vllm.event_ports(port, in_pod=True) if ep.plan.router.vllm_events else (),
         kv_port=kv_transfer_port(port) if ep.plan.is_disaggregated else None,
         router_port=ROUTER_PORT,
         router_takes_events=ep.plan.router.kv_events,

@@ -11,6 +11,12 @@ Each worker gets ``resources.limits.cpu`` (or ``--num-threads``) threads and as 
 each), ``CUDA_VISIBLE_DEVICES`` for a GPU request, a free port, and ``--kv-events-url`` to the router when the
 router uses KV events. The state (pods, the ``Ready`` condition) is written to ``state.json`` in the run
 directory, where ``splitserve get`` and ``logs`` read it.
+
+vLLM workers (``spec.worker.engine: vllm``, ``deploy.vllm``) run ``vllm serve`` from the environment
+``vllm.local_command`` finds (``SPLITSERVE_VLLM_PYTHON``, else ``vllm`` on PATH, else the peer environment of
+``scripts/setup_vllm_cpu.sh``), checked before anything changes. Each gets a free port with the two after it
+free too (its KV event and replay sockets, under a kvaware router), binds the supervisor's host, takes the
+cluster secret as ``VLLM_API_KEY`` (its environment, never argv) and binds its threads to its own cores.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ import httpx
 
 from splitserve.auth import bearer_header
 from splitserve.config import REDIS_PASSWORD_ENV, Role
+from splitserve.deploy import vllm
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
 from splitserve.deploy.render import REDIS_MAX_MEMORY
-from splitserve.endpoint import InferenceEndpointConfig
+from splitserve.endpoint import InferenceEndpointConfig, WorkerEngine
 from splitserve.metrics import sum_samples
 
 logger = logging.getLogger("splitserve.supervisor")
@@ -53,10 +60,24 @@ def splitserve_command(*args: str) -> tuple[str, ...]:
     return (sys.executable, "-c", "from splitserve.cli import main; main()", *args)
 
 
-def free_port() -> int:
+def free_port(num_ports: int = 1, attempts: int = 100) -> int:
+    """A free port on 127.0.0.1 whose next ``num_ports - 1`` ports are free too (a vLLM worker's event sockets)."""
+    for _ in range(attempts):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port + num_ports <= 65536 and all(_is_free(port + i) for i in range(1, num_ports)):
+            return port
+    raise RuntimeError(f"found no {num_ports} free ports in a row on 127.0.0.1")
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def default_run_root() -> Path:
@@ -89,9 +110,10 @@ class _Template:
 
     role: Role
     flags: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
+    env: tuple[tuple[str, str], ...]  # the engine's and the resource's
     num_threads: int | None
     num_gpus: int
+    vllm_events: bool  # a vLLM worker publishes KV events (--kv-events-config): kvaware only
 
 
 class Supervisor:
@@ -107,6 +129,7 @@ class Supervisor:
         self._router: Pod | None = None
         self._router_flags: tuple[str, ...] = ()
         self._redis: Pod | None = None
+        self._vllm_command: tuple[str, ...] = ()  # `vllm serve` here (vllm.local_command), for vLLM workers
         self._cpus = DeviceAllocator(sorted(os.sched_getaffinity(0)))
         self._gpus = DeviceAllocator(list(range(_num_gpus())))
         self._gpus_of: dict[str, tuple[int, ...]] = {}
@@ -132,6 +155,8 @@ class Supervisor:
         ``revision`` names what was applied (a digest of the file); ``state.json`` reports it once done.
         """
         plan(config, Target.LOCAL, redis_url="redis://127.0.0.1:6379/0")  # every EndpointError before any change
+        if config.spec.worker.engine == WorkerEngine.VLLM:
+            self._vllm_command = vllm.local_command(os.environ)  # RuntimeError before any change, too
         redis_url = self._ensure_redis(config)
         new_plan = plan(config, Target.LOCAL, redis_url=redis_url)
         for warning in new_plan.warnings:
@@ -141,7 +166,7 @@ class Supervisor:
         kept: list[Pod] = []
         added: list[Pod] = []
         for role_plan in new_plan.roles:
-            template = self._template(role_plan)
+            template = self._template(role_plan, new_plan.router.vllm_events)
             same = [p for p in self.pods.by_role(role_plan.role.value) if self._templates.get(p.name) == template]
             kept += same[: role_plan.replicas]
             added += [self._start_worker(new_plan, role_plan, template) for _ in range(role_plan.replicas - len(same))]
@@ -190,19 +215,16 @@ class Supervisor:
 
     # -- pods ---------------------------------------------------------------------------------------------
 
-    def _template(self, role_plan: RolePlan) -> _Template:
-        return _Template(role_plan.role, tuple(role_plan.flags), tuple(sorted(role_plan.env.items())),
-                         role_plan.num_threads, role_plan.resources.num_gpus)  # fmt: skip
+    def _template(self, role_plan: RolePlan, vllm_events: bool) -> _Template:
+        env = {**role_plan.engine_env, **role_plan.env}
+        return _Template(role_plan.role, tuple(role_plan.flags), tuple(sorted(env.items())),
+                         role_plan.num_threads, role_plan.resources.num_gpus, vllm_events)  # fmt: skip
 
     def _start_worker(self, endpoint: EndpointPlan, role_plan: RolePlan, template: _Template) -> Pod:
-        port = free_port()
+        is_vllm = endpoint.engine == WorkerEngine.VLLM
+        port = free_port(3 if is_vllm else 1)
         name = pod_name(role_plan.role.value, endpoint.name)
-        flags = [*role_plan.flags, "--host", self.host, "--port", str(port), "--worker-id", name,
-                 "--advertise-url", f"http://127.0.0.1:{port}",
-                 "--cluster-secret-file", str(self.secret_file)]  # fmt: skip
-        if endpoint.router.kv_events:
-            flags += ["--kv-events-url", f"{self.router_url}/kv/events"]
-        env = dict(role_plan.env)
+        env = dict(template.env)
         if self._redis is not None:
             env[REDIS_PASSWORD_ENV] = self.redis_password
         gpus: tuple[int, ...] = ()
@@ -210,11 +232,26 @@ class Supervisor:
             gpus = self._gpus.take(template.num_gpus)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         cpus = self._cpus.take(template.num_threads) if template.num_threads else ()
-        spec = PodSpec(role_plan.role.value, splitserve_command("worker", *flags), port, tuple(env.items()), cpus)
+        if is_vllm:
+            env |= vllm.local_env(() if gpus else cpus, role_plan.env, self._secret)
+            command = (*self._vllm_command, *role_plan.flags,
+                       *vllm.instance_args(self.host, port, template.vllm_events, in_pod=False))  # fmt: skip
+        else:
+            command = splitserve_command("worker", *self._worker_flags(endpoint, role_plan, name, port))
+        spec = PodSpec(role_plan.role.value, command, port, tuple(env.items()), cpus)
         pod = self.pods.add(spec, name)
         self._templates[name] = template
         self._gpus_of[name] = gpus
         return pod
+
+    def _worker_flags(self, endpoint: EndpointPlan, role_plan: RolePlan, name: str, port: int) -> list[str]:
+        """`splitserve worker`'s flags: the plan's, its address and name, the secret file, the router's events."""
+        flags = [*role_plan.flags, "--host", self.host, "--port", str(port), "--worker-id", name,
+                 "--advertise-url", f"http://127.0.0.1:{port}",
+                 "--cluster-secret-file", str(self.secret_file)]  # fmt: skip
+        if endpoint.router.kv_events:
+            flags += ["--kv-events-url", f"{self.router_url}/kv/events"]
+        return flags
 
     def _router_base_flags(self, endpoint: EndpointPlan) -> tuple[str, ...]:
         return (*endpoint.router.flags, "--disaggregated" if endpoint.is_disaggregated else "--colocated")
