@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from splitserve.planner import calibrate
 from splitserve.planner.calibrate import MeasurePlan, build_calibration_engine, calibration_key, ensure_calibration
-from splitserve.planner.costs import Calibration, load_cached, save_cached
+from splitserve.planner.costs import Calibration, ServedScale, load_cached, save_cached
 
 SMALL = MeasurePlan(
     prefill_lengths=(64, 128, 256, 512),
@@ -53,10 +54,30 @@ def test_calibration_fits_the_engines_own_step_times(measured: Calibration) -> N
     assert set(measured.fit_errors) == {"prefill", "decode", "transfer", "mixed_step"}
 
 
+@pytest.fixture(scope="module")
+def served(measured: Calibration) -> Calibration:
+    return replace(measured, served=calibrate.measure_served(measured, 1024))
+
+
+@pytest.mark.slow
+def test_a_pinned_served_worker_scales_the_bare_engines_costs(served: Calibration, measured: Calibration) -> None:
+    scale = served.served
+    assert scale is not None
+    assert [what for what, *_ in scale.samples] == ["decode batch 1", "decode batch 8", "decode batch 16",
+                                                    "prefill 512", "prefill 1008"]  # fmt: skip
+    assert all(s > 0 and b > 0 for _, s, b in scale.samples)
+    assert 0.5 <= scale.decode <= 4.0 and 0.5 <= scale.prefill <= 4.0
+    one, bare = served.step_cost(1), measured.step_cost(1)
+    assert one.decode.step_s(8, 8 * 300) == pytest.approx(bare.decode.step_s(8, 8 * 300) * scale.decode)
+    assert one.prefill.prompt_s(512) == pytest.approx(bare.prefill.prompt_s(512) * scale.prefill)
+    assert Calibration.from_json(served.to_json()) == served
+
+
 @pytest.mark.slow
 def test_a_cached_calibration_is_used_and_only_what_is_missing_measured(
-    measured: Calibration, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: Calibration, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    measured = served
     save_cached(measured, tmp_path)
     assert load_cached(measured.key, tmp_path) == measured
 
@@ -69,3 +90,8 @@ def test_a_cached_calibration_is_used_and_only_what_is_missing_measured(
         ensure_calibration(measured.key, (1, 4), directory=tmp_path)  # 4 threads: never measured
     with pytest.raises(RuntimeError, match="would measure"):
         ensure_calibration(measured.key, (1,), directory=tmp_path, recalibrate=True)
+    # a calibration cached before the served scale existed gets it measured, and nothing else
+    save_cached(replace(measured, served=None), tmp_path)
+    monkeypatch.setattr(calibrate, "measure_served", lambda c, n: ServedScale(1.5, 1.25))
+    assert ensure_calibration(measured.key, (1, 2), directory=tmp_path).served == ServedScale(1.5, 1.25)
+    assert load_cached(measured.key, tmp_path) == replace(measured, served=ServedScale(1.5, 1.25))

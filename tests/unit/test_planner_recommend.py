@@ -24,6 +24,7 @@ from splitserve.planner.costs import (
     DecodeCost,
     LoadCost,
     PrefillCost,
+    ServedScale,
     ThreadScale,
     TransferCost,
     fit_nonnegative,
@@ -64,6 +65,7 @@ def calibration(key: CalibrationKey | None = None) -> Calibration:
         fit_errors={"prefill": 0.1},
         measured_at="2026-12-02T00:00:00+00:00",
         duration_s=30.0,
+        served=ServedScale(prefill=1.2, decode=1.1, samples=(("decode batch 8", 0.044, 0.040),)),
     )
 
 
@@ -105,11 +107,12 @@ def test_the_cache_file_name_is_stable_across_processes() -> None:
     assert len(names) == 1
 
 
-def test_more_threads_divide_the_variable_costs_by_the_measured_speedup() -> None:
-    two = calibration().step_cost(2)
-    assert two.prefill.per_token_s == pytest.approx(6.0e-4 / 1.6)
-    assert two.decode.per_seq_s == pytest.approx(0.0036 / 1.45)
-    assert two.decode.base_s == 0.017
+def test_more_threads_divide_the_variable_costs_by_the_measured_speedup_and_serving_scales_all() -> None:
+    two = calibration().step_cost(2)  # served scale: prefill 1.2, decode 1.1
+    assert two.prefill.per_token_s == pytest.approx(6.0e-4 / 1.6 * 1.2)
+    assert two.decode.per_seq_s == pytest.approx(0.0036 / 1.45 * 1.1)
+    assert two.decode.base_s == pytest.approx(0.017 * 1.1)
+    assert calibration().step_cost(1).prefill.per_token_pair_s == pytest.approx(2.6e-7 * 1.2)
     with pytest.raises(KeyError, match="4 threads"):
         calibration().step_cost(4)
 

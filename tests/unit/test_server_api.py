@@ -14,10 +14,11 @@ import openai
 import pytest
 
 from splitserve import __version__
-from splitserve.config import ServerConfig
+from splitserve.config import KVEventsConfig, ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import detect_cpu
+from splitserve.router.vllm_events import VLLMSource
 from splitserve.server.app import build_app
 from tests.unit.fake_engine import REPLY, FakeEngine, ServerThread
 from tests.waiting import wait_until
@@ -537,6 +538,24 @@ def test_max_tokens_limit_caps_requests_and_is_the_default() -> None:
         assert unset.status_code == 200 and unset.json()["usage"]["completion_tokens"] == 3
         over = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
         assert over.status_code == 400 and "at most 3" in over.json()["error"]["message"]
+
+
+def test_kv_event_sources_names_the_vllm_format_publisher_as_vllm_does() -> None:
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:6557", replay_endpoint="tcp://*:6558")
+    engine = AsyncEngine(lambda: FakeEngine(), WorkerMetrics(MODEL))
+    with (
+        ServerThread(build_app(engine, ServerConfig(kv_events_config=events))) as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as http,
+    ):
+        sources = http.get("/kv_event_sources").json()
+    assert sources["0"]["endpoint"] == "tcp://*:6557" and sources["0"]["replay_endpoint"] == "tcp://*:6558"
+    assert sources["0"]["publisher"] == "zmq" and sources["0"]["enable_kv_cache_events"] is True
+    # what a router following vLLM workers makes of it: the ports, at the worker's host
+    assert VLLMSource().endpoints("http://10.0.0.7:8000", sources) == ("tcp://10.0.0.7:6557", "tcp://10.0.0.7:6558")
+
+
+def test_kv_event_sources_is_empty_without_the_publisher(http: httpx.Client) -> None:
+    assert http.get("/kv_event_sources").json() == {}
 
 
 class TestTokenIds:

@@ -21,21 +21,30 @@ speed-up of a thread count not yet measured. :func:`measure` does the whole meas
   temporary directory (the page cache is warm: a local disk's best case). Redis is not measured.
 - **threads**: for each other thread count a role may get, the same prefill and decode sample with that
   many threads against one thread, back to back (:class:`~splitserve.planner.costs.ThreadScale`).
+- **served**: a real worker (``splitserve worker --num-threads 1``), pinned to one core as the supervisor pins
+  it, serving streamed completions over HTTP: decode ITLs at batches 1, 8 and 16 and TTFTs of fresh 512- and
+  2,048-token prompts against what the bare engine's fit predicts (its chunking included). The medians of the
+  ratios scale every prefill and decode cost (:class:`~splitserve.planner.costs.ServedScale`): the HTTP streams,
+  the engine thread's hand-offs and the core they share are what a deployed worker pays and the bare engine
+  does not (on the project's 2-core Xeon, 1.1x to 1.5x).
 
 Torch and the engine are imported inside the functions: importing this module is cheap and torch-free.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from splitserve.planner.costs import (
     Calibration,
@@ -44,6 +53,7 @@ from splitserve.planner.costs import (
     LoadCost,
     PrefillCost,
     SampleTable,
+    ServedScale,
     StepCost,
     ThreadScale,
     TransferCost,
@@ -108,18 +118,24 @@ def ensure_calibration(
     (and caching) what it lacks; everything when ``recalibrate``."""
     cached = None if recalibrate else load_cached(key, directory)
     missing = sorted({t for t in thread_counts if cached is None or not cached.has_threads(t)})
-    if cached is not None and not missing:
+    if cached is not None and not missing and cached.served is not None:
         return cached
-    engine = build_calibration_engine(key, max_model_len)
-    try:
-        if cached is None:
-            calibration = measure(engine, key, MeasurePlan().fitted_to(max_model_len), missing, progress)
-        else:
-            scales = measure_scales(engine, missing, progress, min(1024, max_model_len - 32))
-            calibration = replace(cached, scales=_merged(cached.scales, scales))
-    finally:
-        engine.close()
-    save_cached(calibration, directory)
+    calibration = cached
+    if calibration is None or missing:
+        engine = build_calibration_engine(key, max_model_len)
+        try:
+            if calibration is None:
+                calibration = measure(engine, key, MeasurePlan().fitted_to(max_model_len), missing, progress)
+            else:
+                scales = measure_scales(engine, missing, progress, min(1024, max_model_len - 32))
+                calibration = replace(calibration, scales=_merged(calibration.scales, scales))
+        finally:
+            engine.close()
+        save_cached(calibration, directory)
+    if calibration.served is None:
+        progress("a served worker")
+        calibration = replace(calibration, served=measure_served(calibration, max_model_len))
+        save_cached(calibration, directory)
     return calibration
 
 
@@ -404,6 +420,109 @@ def measure_scales(
         many_prefill, many_decode = times[num_threads][0]
         scales.append(ThreadScale(num_threads, one_prefill / many_prefill, one_decode / many_decode))
     return scales
+
+
+SERVED_DECODE_BATCHES = (1, 8, 16)
+SERVED_PROMPTS = (512, 2048)
+SERVED_STEP_BUDGET = 1024  # a worker's default --max-num-batched-tokens: the chunks a served prompt is computed in
+SERVED_READY_S = 300.0
+
+
+def measure_served(calibration: Calibration, max_model_len: int) -> ServedScale:
+    """Run a one-thread worker pinned to one core, as the supervisor runs it, and compare its streamed ITLs and
+    TTFTs with what ``calibration``'s bare-engine fit predicts (module docstring)."""
+    from splitserve.deploy.supervisor import free_port, splitserve_command
+
+    key, port = calibration.key, free_port()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = (lambda: os.sched_setaffinity(0, {cpus[-1]})) if cpus else None
+    command = splitserve_command(
+        "worker", "--model", key.model, "--dtype", key.dtype, "--quantization", key.quantization,
+        "--num-threads", "1", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}  # this machine's defaults only
+    with tempfile.TemporaryFile() as log:
+        worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(worker, url, log)
+            prompts = sorted({min(n, max_model_len - 16) for n in SERVED_PROMPTS})
+            samples = asyncio.run(_served_samples(url, key.model, bare_step_cost(calibration), prompts))
+        finally:
+            worker.terminate()
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
+    def factor(kind: str) -> float:
+        ratios = [served / bare for what, served, bare in samples if what.startswith(kind) and bare > 0]
+        return min(max(statistics.median(ratios), 0.5), 4.0)
+
+    return ServedScale(prefill=factor("prefill"), decode=factor("decode"), samples=tuple(samples))
+
+
+def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + SERVED_READY_S
+    while time.monotonic() < deadline:
+        if worker.poll() is not None:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"the calibration's worker exited with {worker.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the calibration's worker was not healthy after {SERVED_READY_S:.0f} s")
+
+
+def bare_step_cost(calibration: Calibration) -> StepCost:
+    """One thread's step costs as the bare engine measured them (no served scale)."""
+    return StepCost(calibration.prefill, calibration.decode)
+
+
+async def _served_samples(
+    url: str, model: str, bare: StepCost, prompts: Sequence[int]
+) -> list[tuple[str, float, float]]:
+    """(what, served seconds, bare-engine prediction) for each decode batch and prompt length."""
+    import httpx
+
+    from splitserve.bench.client import EndpointKind, OpenAIStreamClient
+    from splitserve.bench.datasets import BenchRequest
+    from splitserve.planner.verify import token_pool
+
+    pool = await asyncio.to_thread(token_pool, url, model)
+    rng = random.Random(2)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.choice(pool) for _ in range(n)]
+
+    samples: list[tuple[str, float, float]] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as http:
+        client = OpenAIStreamClient(http, base_url=url, model=model, kind=EndpointKind.COMPLETIONS)
+        await client.send(BenchRequest(max_tokens=8, prompt=prompt(256)))  # warm-up
+        context, steps = 256, 48
+        for batch in SERVED_DECODE_BATCHES:
+            results = await asyncio.gather(
+                *(client.send(BenchRequest(max_tokens=steps, prompt=prompt(context))) for _ in range(batch))
+            )
+            gaps = [gap for r in results for gap in r.itl_s[steps // 4 :]]  # every prompt is done by then
+            if gaps:
+                predicted = bare.step_s([], [context + steps // 2] * batch)
+                samples.append((f"decode batch {batch}", statistics.median(gaps), predicted))
+        for n in prompts:
+            result = await client.send(BenchRequest(max_tokens=2, prompt=prompt(n)))
+            chunks = [(s, min(s + SERVED_STEP_BUDGET, n)) for s in range(0, n, SERVED_STEP_BUDGET)]
+            if result.ttft_s is not None:
+                predicted = sum(bare.step_s([chunk], []) for chunk in chunks)
+                samples.append((f"prefill {n}", result.ttft_s, predicted))
+    return samples
 
 
 def _fit_errors(

@@ -97,6 +97,17 @@ class ThreadScale:
 
 
 @dataclass(frozen=True, slots=True)
+class ServedScale:
+    """How much slower the engine's steps are in a worker as the supervisor runs it (its own process, pinned to
+    one core, serving HTTP streams from the same core) than in the calibration's bare engine: measured by
+    :func:`~splitserve.planner.calibrate.measure_served` (>= 1 is slower)."""
+
+    prefill: float
+    decode: float
+    samples: tuple[tuple[str, float, float], ...] = ()  # (what, served seconds, bare-engine prediction)
+
+
+@dataclass(frozen=True, slots=True)
 class StepCost:
     """The step times of one worker (its thread count applied)."""
 
@@ -147,20 +158,23 @@ class Calibration:
     measured_at: str  # ISO time
     duration_s: float  # how long measuring took
     version: int = CALIBRATION_VERSION
+    served: ServedScale | None = None  # None: not measured (the bare engine's costs are used as they are)
 
     def step_cost(self, num_threads: int = 1) -> StepCost:
-        """The step times of a worker with ``num_threads`` threads; KeyError when that count was not measured."""
-        if num_threads == 1:
-            return StepCost(self.prefill, self.decode)
-        scale = next((s for s in self.scales if s.num_threads == num_threads), None)
-        if scale is None:
-            raise KeyError(f"no thread scale measured for {num_threads} threads")
+        """The step times of a served worker with ``num_threads`` threads (the served scale applied, when
+        measured); KeyError when that thread count was not measured."""
         p, d = self.prefill, self.decode
-        prefill = PrefillCost(
-            p.base_s, p.per_token_s / scale.prefill_speedup, p.per_token_pair_s / scale.prefill_speedup
-        )
-        decode = DecodeCost(d.base_s, d.per_seq_s / scale.decode_speedup, d.per_context_token_s / scale.decode_speedup)
-        return StepCost(prefill, decode)
+        if num_threads != 1:
+            scale = next((s for s in self.scales if s.num_threads == num_threads), None)
+            if scale is None:
+                raise KeyError(f"no thread scale measured for {num_threads} threads")
+            p = PrefillCost(p.base_s, p.per_token_s / scale.prefill_speedup, p.per_token_pair_s / scale.prefill_speedup)
+            d = DecodeCost(d.base_s, d.per_seq_s / scale.decode_speedup, d.per_context_token_s / scale.decode_speedup)
+        if self.served is not None:
+            f, g = self.served.prefill, self.served.decode
+            p = PrefillCost(p.base_s * f, p.per_token_s * f, p.per_token_pair_s * f)
+            d = DecodeCost(d.base_s * g, d.per_seq_s * g, d.per_context_token_s * g)
+        return StepCost(p, d)
 
     def has_threads(self, num_threads: int) -> bool:
         return num_threads == 1 or any(s.num_threads == num_threads for s in self.scales)
@@ -190,9 +204,17 @@ class Calibration:
                 fit_errors={k: float(v) for k, v in data["fit_errors"].items()},
                 measured_at=str(data["measured_at"]),
                 duration_s=float(data["duration_s"]),
+                served=_served_from_json(data.get("served")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed calibration: {exc!r}") from None
+
+
+def _served_from_json(data: Any) -> ServedScale | None:
+    if data is None:
+        return None
+    samples = tuple((str(what), float(s), float(b)) for what, s, b in data.get("samples", ()))
+    return ServedScale(float(data["prefill"]), float(data["decode"]), samples)
 
 
 # ---------------------------------------------------------------------------------------------- the machine

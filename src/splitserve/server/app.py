@@ -7,6 +7,7 @@ a 400/404/413 with OpenAI's error body, never FastAPI's default 422 or a 500, an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -103,6 +104,15 @@ def build_app(
     async def version() -> Response:
         cpu = await asyncio.to_thread(describe_cpu)
         return _json({"version": __version__, "cpu": cpu})
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> Response:
+        """vLLM's route: where this worker publishes its KV events in vLLM's format, per data-parallel rank (its
+        ``--kv-events-config``, rank 0 only); ``{}`` when it does not publish them."""
+        events_config = config.kv_events_config
+        if events_config is None or not events_config.is_enabled:
+            return _json({})
+        return _json({"0": dataclasses.asdict(events_config)})
 
     @app.get("/v1/models")
     async def models() -> Response:
