@@ -342,6 +342,23 @@ def test_client_counts_chunks_when_the_server_reports_no_usage() -> None:
     assert not result.usage_reported and result.prompt_tokens == 3  # the prompt's word count
 
 
+def test_client_keeps_the_cached_prompt_tokens_the_server_reports() -> None:
+    events = [
+        {"choices": [{"text": "a"}]},
+        {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 1,
+                                  "prompt_tokens_details": {"cached_tokens": 32}}},
+    ]  # fmt: skip
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+    async def send() -> RequestResult:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as http:
+            return await OpenAIStreamClient(http, base_url="http://x", model="m").send(BenchRequest(1))
+
+    result = asyncio.run(send())
+    assert result.success and result.prompt_tokens == 40 and result.cached_tokens == 32
+
+
 def test_client_returns_http_errors_and_exceptions_as_failed_results() -> None:
     failed = asyncio.run(_send(FakeOpenAI(fail_every=1), BenchRequest(3, prompt=" a")))
     assert not failed.success and failed.status_code == 500 and failed.error == "HTTP 500: boom"

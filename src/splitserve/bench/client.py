@@ -52,6 +52,7 @@ class RequestResult:
     output_tokens: int = 0
     num_chunks: int = 0
     usage_reported: bool = False
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     status_code: int | None = None
     error: str = ""
     session_id: str | None = None
@@ -195,6 +196,9 @@ def _read_usage(event: dict[str, Any], result: RequestResult) -> None:
         result.usage_reported = True
     if usage.get("prompt_tokens") is not None:
         result.prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        result.cached_tokens = details["cached_tokens"]
 
 
 def _fill_defaults(result: RequestResult, request: BenchRequest) -> None:

@@ -309,6 +309,8 @@ def format_verify_table(layouts: Sequence[VerifiedLayout]) -> str:
         for figure, want, got, error in rows:
             shown = "" if error is None else f"{error * 100:6.1f}%"
             lines.append(f"{layout.label:<10} {figure:<22} {want:>10.3f} {got:>10.3f} {shown:>7}")
+        cached = sum(r.cached_tokens for r in layout.replay.results)
+        lines.append(f"{layout.label:<10} prompt tokens the engines reported cached: {cached:,}")
         if layout.num_failed:
             lines.append(f"{layout.label:<10} {layout.num_failed} request(s) failed (left out of the figures)")
     return "\n".join(lines)
@@ -340,5 +342,6 @@ def _result_json(result: RequestResult) -> dict[str, Any]:
         "ttft_s": None if result.ttft_s is None else round(result.ttft_s, 5),
         "itl_s": [round(x, 5) for x in result.itl_s],
         "output_tokens": result.output_tokens,
+        "cached_tokens": result.cached_tokens,
         "error": result.error,
     }
