@@ -13,9 +13,9 @@ from splitserve.bench.client import RequestResult
 from splitserve.cli import app
 from splitserve.config import RoutingStrategy
 from splitserve.planner.calibrate import calibration_key
-from splitserve.planner.command import crossover_line
+from splitserve.planner.command import _crossover, crossover_line
 from splitserve.planner.costs import save_cached
-from splitserve.planner.recommend import Layout
+from splitserve.planner.recommend import Candidate, Layout
 from splitserve.planner.simulate import Prediction, Slo
 from splitserve.planner.verify import _common_prefix, measured_figures, relative_errors, replay_workload
 from splitserve.planner.workload import TraceRequest, WorkloadShape, with_prompt_tokens
@@ -108,8 +108,25 @@ def test_the_crossover_is_where_the_pick_turns_disaggregated_and_stays() -> None
     assert "colocated is the pick at every rate" in crossover_line(WorkloadShape.CHAT, picks[:2])
     assert "disaggregation is the pick at every rate" in crossover_line(WorkloadShape.RAG, picks[2:])
     flapping = [(0.1, layout(False)), (0.2, layout(True)), (0.4, layout(False))]
-    assert "back and forth" in crossover_line(WorkloadShape.MIXED, flapping)
-    assert "back and forth" in crossover_line(WorkloadShape.MIXED, flapping[:2])
+    assert crossover_line(WorkloadShape.MIXED, flapping) == (
+        "mixed: the pick changes over the rates swept: DPD at 0.1 req/s; colocated at 0.2 req/s; DPD at 0.4 req/s"
+    )
+    band = [(500.0, layout(True)), (2000.0, layout(False)), (4000.0, layout(False)), (6000.0, layout(True))]
+    assert crossover_line(WorkloadShape.LONG_CONTEXT, band, by_rate=False) == (
+        "long-context: the pick changes over the prompt lengths swept: colocated at 500 tokens; "
+        "DPD from 2000 to 4000 tokens; colocated at 6000 tokens"
+    )
+
+
+def test_points_where_no_layout_serves_are_named_not_counted_in_the_crossover() -> None:
+    def row(x: float, colocated: bool, attainment: float) -> dict[str, object]:
+        return {"x": x, "pick": Candidate(layout(colocated), prediction(slo_attainment=attainment))}
+
+    rows = [row(0.1, True, 0.9), row(0.2, False, 0.7), row(0.4, False, 0.3), row(0.8, True, 0.02)]
+    assert _crossover(WorkloadShape.MIXED, rows, by_rate=True) == (
+        "mixed: DPD (1P1D) pays off from 0.2 req/s (between 0.1 and 0.2 req/s); below that, colocated; "
+        "at 0.8 req/s no layout keeps 10% of the requests within the SLO"
+    )
 
 
 def test_a_rate_sweep_writes_each_familys_curve_the_crossover_and_the_plot(

@@ -217,7 +217,7 @@ def _sweep(
     families = sorted({name for row in rows for name in row["best"]}, key=_family_order)
     axis = "rate" if by_rate else "prompt_tokens"
     echo(_sweep_table(axis, rows, families))
-    crossover = crossover_line(options.workload, [(row["x"], row["pick"].layout) for row in rows], by_rate)
+    crossover = _crossover(options.workload, rows, by_rate)
     echo(f"\n{crossover}")
     series = {name: [_point(row["best"].get(name)) for row in rows] for name in families}
     if options.plot is not None:
@@ -275,6 +275,20 @@ def _sweep_table(axis: str, rows: Sequence[dict[str, Any]], families: Sequence[s
     return "\n".join(lines)
 
 
+MIN_ATTAINMENT = 0.1  # a sweep point where no layout keeps this share of requests within the SLO says nothing
+
+
+def _crossover(shape: WorkloadShape, rows: Sequence[dict[str, Any]], by_rate: bool) -> str:
+    """The crossover over the points where some layout still serves, and the points where none does."""
+    served = [(row["x"], row["pick"].layout) for row in rows if row["pick"].prediction.slo_attainment >= MIN_ATTAINMENT]
+    lost = [f"{row['x']:g}" for row in rows if row["pick"].prediction.slo_attainment < MIN_ATTAINMENT]
+    unit = " req/s" if by_rate else "-token prompts"
+    line = crossover_line(shape, served, by_rate) if served else f"{shape.value}: no point swept is served"
+    if lost:
+        line += f"; at {', '.join(lost)}{unit} no layout keeps {MIN_ATTAINMENT:.0%} of the requests within the SLO"
+    return line
+
+
 def crossover_line(shape: WorkloadShape, picks: Sequence[tuple[float, Layout]], by_rate: bool = True) -> str:
     """Where the pick turns disaggregated (and stays so) over the swept rates or prompt lengths, in one sentence."""
     disaggregated = [layout.num_colocated == 0 for _, layout in picks]
@@ -286,13 +300,24 @@ def crossover_line(shape: WorkloadShape, picks: Sequence[tuple[float, Layout]], 
     if all(disaggregated):
         return f"{shape.value}: disaggregation is the pick at every {what} swept ({swept})"
     first = next(i for i in range(len(picks) + 1) if all(disaggregated[i:]))
-    if any(disaggregated[:first]):
-        return f"{shape.value}: the pick goes back and forth between colocated and disaggregated over the {what}s swept"
-    where = f"{xs[first]:g} req/s" if by_rate else f"{xs[first]:g}-token prompts"
-    return (
-        f"{shape.value}: DPD ({picks[first][1].name}) pays off from {where} "
-        f"(between {xs[first - 1]:g} and {xs[first]:g}{unit}); below that, colocated"
-    )
+    if not any(disaggregated[:first]):
+        where = f"{xs[first]:g} req/s" if by_rate else f"{xs[first]:g}-token prompts"
+        return (
+            f"{shape.value}: DPD ({picks[first][1].name}) pays off from {where} "
+            f"(between {xs[first - 1]:g} and {xs[first]:g}{unit}); below that, colocated"
+        )
+    runs: list[tuple[bool, list[float]]] = []  # consecutive points with the same kind of pick
+    for x, is_dpd in zip(xs, disaggregated, strict=True):
+        if runs and runs[-1][0] == is_dpd:
+            runs[-1][1].append(x)
+        else:
+            runs.append((is_dpd, [x]))
+    parts = [
+        f"{'DPD' if is_dpd else 'colocated'} at {span[0]:g}{unit}" if len(span) == 1
+        else f"{'DPD' if is_dpd else 'colocated'} from {span[0]:g} to {span[-1]:g}{unit}"
+        for is_dpd, span in runs
+    ]  # fmt: skip
+    return f"{shape.value}: the pick changes over the {what}s swept: {'; '.join(parts)}"
 
 
 def _verify(
