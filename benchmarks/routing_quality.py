@@ -14,18 +14,26 @@ system prompt, then question/answer turns); requests arrive at a Poisson rate, a
 sent no earlier than when its previous answer is complete.
 The KV hit rate is the workers' ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` over the
 run. Results go to ``benchmarks/results/routing_quality.json``.
+
+``--worker-kind vllm`` puts vLLM workers behind the router instead (issue 17): vLLM's OpenAI server from
+``$SPLITSERVE_VLLM_PYTHON`` or the peer venv (``scripts/setup_vllm_cpu.sh``; never a splitserve dependency), on
+the Hugging Face folder ``--vllm-model`` (``export_hf_folder`` in ``serving_vs_peers.py`` writes it), each
+worker bound to its own core, with its KV events on (``--kv-events-config``, as ``splitserve up`` starts it);
+the router gets ``--backend-kind vllm`` and the events ports. The hit rate is then vLLM's own counters.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from splitserve.deploy import vllm
 from splitserve.metrics import sum_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,14 +58,21 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     extra = ["--scheduling-policy", "fcfs", "--long-prefill-token-threshold", "0"] if variant == "fcfs" else []
     name = strategy.replace("/", "-")
     workers = []
+    router_extra: list[str] = []
     try:
         for i, port in enumerate(worker_ports):
-            cmd = [*SPLITSERVE, "worker", "--port", str(port), "--num-threads", "1", "--max-model-len", "4096",
-                   "--kv-cache-memory", args.kv_cache_memory, *extra]  # fmt: skip
-            workers.append(start_server(cmd, port, log_dir / f"{name}-worker{i}.log"))
+            if args.worker_kind == "vllm":
+                cmd, env = vllm_worker(args, port, cpu=i % len(os.sched_getaffinity(0)))
+                router_extra = [*vllm.router_flags(in_pod=False, kv_events=True, block_sizes=()),
+                                "--model", str(args.vllm_model)]  # fmt: skip
+            else:
+                cmd = [*SPLITSERVE, "worker", "--port", str(port), "--num-threads", "1", "--max-model-len", "4096",
+                       "--kv-cache-memory", args.kv_cache_memory, *extra]  # fmt: skip
+                env = None
+            workers.append(start_server(cmd, port, log_dir / f"{name}-{args.worker_kind}-worker{i}.log", env=env))
         backends = [arg for port in worker_ports for arg in ("--backend", f"http://127.0.0.1:{port}")]
         router_cmd = [*SPLITSERVE, "router", "--port", str(router_port), "--admin-port", str(free_port()),
-                      "--routing-strategy", policy, *backends]  # fmt: skip
+                      "--routing-strategy", policy, *backends, *router_extra]  # fmt: skip
         if variant == "cost":
             router_cmd.append("--routing-cost-model")
         router = start_server(router_cmd, router_port, log_dir / f"{name}-router.log")
@@ -93,6 +108,18 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     }
 
 
+def vllm_worker(args: argparse.Namespace, port: int, cpu: int) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one vLLM worker on ``cpu``, as ``splitserve up`` starts it (no key: the
+    router here has no cluster secret to send)."""
+    command = [*vllm.local_command(os.environ),
+               *vllm.serve_flags(str(args.vllm_model), "smollm2", ()),
+               "--max-model-len", str(args.vllm_max_model_len), "--enforce-eager",
+               *vllm.instance_args("127.0.0.1", port, True, in_pod=False)]  # fmt: skip
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
+    return command, env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -106,6 +133,12 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=3.0, help="Poisson arrivals per second")
     parser.add_argument("--kv-cache-memory", default="512MiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker-kind", choices=("splitserve", "vllm"), default="splitserve")
+    parser.add_argument(
+        "--vllm-model", type=Path, default=Path("~/.cache/splitserve/hf/smollm2-135m-instruct").expanduser()
+    )
+    parser.add_argument("--vllm-max-model-len", type=int, default=4096)
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "routing_quality.json")
     args = parser.parse_args()
     log_dir = RESULTS / "logs"
