@@ -17,7 +17,7 @@ from splitserve.planner.command import _crossover, crossover_line
 from splitserve.planner.costs import save_cached
 from splitserve.planner.recommend import Candidate, Layout
 from splitserve.planner.simulate import Prediction, Slo
-from splitserve.planner.verify import _common_prefix, measured_figures, relative_errors, replay_workload
+from splitserve.planner.verify import _common_prefix, client_headers, measured_figures, relative_errors, replay_workload
 from splitserve.planner.workload import TraceRequest, WorkloadShape, with_prompt_tokens
 from tests.unit.test_planner_recommend import EXAMPLES, calibration
 
@@ -63,6 +63,18 @@ def test_symbols_become_ids_of_the_pool_the_same_way_every_time() -> None:
     assert len(set(ids[0])) > 40  # spread over the pool, not one id
     with pytest.raises(ValueError, match="pool is empty"):
         replayed.token_ids([])
+
+
+def test_the_replay_sends_the_client_key_the_endpoint_gets_from_this_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert client_headers() == {}
+    monkeypatch.setenv("VLLM_API_KEY", "k2")
+    assert client_headers() == {"Authorization": "Bearer k2"}
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "k1")
+    assert client_headers() == {"Authorization": "Bearer k1"}
 
 
 def result(start_s: float, ttft_s: float, itl_s: list[float], output_tokens: int, ok: bool = True) -> RequestResult:

@@ -440,7 +440,8 @@ def measure_served(calibration: Calibration, max_model_len: int) -> ServedScale:
         "worker", "--model", key.model, "--dtype", key.dtype, "--quantization", key.quantization,
         "--num-threads", "1", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}  # this machine's defaults only
+    # this machine's defaults only: no settings or keys of the user's (the worker serves this process alone)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPLITSERVE_", "VLLM_", "LMCACHE_"))}
     with tempfile.TemporaryFile() as log:
         worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
         try:

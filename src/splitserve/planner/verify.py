@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.auth import API_KEY_ENV, VLLM_API_KEY_ENV, api_keys
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult
 from splitserve.bench.datasets import WORDS, BenchRequest
 from splitserve.bench.runner import run_requests
@@ -176,10 +177,19 @@ def _answers(url: str) -> bool:
         return False
 
 
+def client_headers() -> dict[str, str]:
+    """A client key for the endpoint, when ``splitserve up`` gives its router one (``SPLITSERVE_API_KEY`` or
+    ``VLLM_API_KEY`` in this environment, which the endpoint inherits); none otherwise."""
+    keys = api_keys((), (API_KEY_ENV, VLLM_API_KEY_ENV))
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
 def token_pool(url: str, model: str) -> list[int]:
     """The distinct token ids of plain English words, as the endpoint's tokenizer splits them."""
     text = " ".join(WORDS)
-    response = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=60.0)
+    response = httpx.post(
+        f"{url}/tokenize", json={"model": model, "prompt": text}, headers=client_headers(), timeout=60.0
+    )
     response.raise_for_status()
     ids = sorted(set(int(t) for t in response.json()["tokens"]))
     if len(ids) < 64:
@@ -207,7 +217,8 @@ async def _replay(
     warmup: Sequence[Sequence[int]],
 ) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, trust_env=False) as http:
+    headers = client_headers()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers, trust_env=False) as http:
         client = OpenAIStreamClient(http, base_url=url, model=model, kind=EndpointKind.COMPLETIONS)
         for ids in warmup:
             result = await client.send(BenchRequest(max_tokens=8, prompt=list(ids)))
