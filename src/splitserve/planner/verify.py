@@ -184,6 +184,16 @@ def client_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 
+def served_model(url: str, default: str) -> str:
+    """The model name the endpoint serves (its ``/v1/models``), else ``default``."""
+    try:
+        response = httpx.get(f"{url}/v1/models", headers=client_headers(), timeout=30.0)
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return default
+
+
 def token_pool(url: str, model: str) -> list[int]:
     """The distinct token ids of plain English words, as the endpoint's tokenizer splits them."""
     text = " ".join(WORDS)
@@ -302,6 +312,7 @@ def verify_layout(
     note(f"verify: starting {label} ({description}) from {resource}")
     with LocalEndpoint(resource, home, name) as endpoint:
         endpoint.wait_ready()
+        model = served_model(endpoint.url, model)
         pool = token_pool(endpoint.url, model)
         note(f"verify: replaying {len(workload.requests)} requests against {label} at {endpoint.url}")
         result = replay(endpoint.url, model, workload, pool, slo, num_workers)
