@@ -465,7 +465,7 @@ def measure_served(calibration: Calibration, max_model_len: int) -> ServedScale:
 
 
 def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes]) -> None:
-    import httpx
+    from splitserve.planner.verify import answers_ok
 
     deadline = time.monotonic() + SERVED_READY_S
     while time.monotonic() < deadline:
@@ -473,11 +473,8 @@ def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes]) -> 
             log.seek(0)
             tail = log.read().decode(errors="replace")[-2000:]
             raise RuntimeError(f"the calibration's worker exited with {worker.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if answers_ok(f"{url}/health"):
+            return
         time.sleep(0.5)
     raise RuntimeError(f"the calibration's worker was not healthy after {SERVED_READY_S:.0f} s")
 

@@ -40,6 +40,7 @@ from splitserve.auth import API_KEY_ENV, VLLM_API_KEY_ENV, api_keys
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult
 from splitserve.bench.datasets import WORDS, BenchRequest
 from splitserve.bench.runner import run_requests
+from splitserve.bench.series import chunk_times_s
 from splitserve.deploy.supervisor import free_port, splitserve_command
 from splitserve.planner.simulate import Prediction, RequestTiming, SimResult, Slo, summarize
 from splitserve.planner.workload import TraceRequest
@@ -156,7 +157,7 @@ class LocalEndpoint(AbstractContextManager["LocalEndpoint"]):
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"splitserve up exited with {self.process.returncode}; see {self.log_path}")
-            if _is_ready(state_path) and _answers(f"{self.url}/health"):
+            if _is_ready(state_path) and answers_ok(f"{self.url}/health"):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the endpoint was not ready after {timeout_s:.0f} s; see {self.log_path}")
@@ -170,7 +171,8 @@ def _is_ready(state_path: Path) -> bool:
     return bool(state.get("condition", {}).get("status"))
 
 
-def _answers(url: str) -> bool:
+def answers_ok(url: str) -> bool:
+    """Whether ``GET url`` answers 200 now."""
     try:
         return httpx.get(url, timeout=5.0).status_code == 200
     except httpx.HTTPError:
@@ -257,12 +259,7 @@ def replay(url: str, model: str, workload: ReplayWorkload, pool: Sequence[int], 
 def measured_figures(results: Sequence[RequestResult], slo: Slo) -> Prediction:
     """The replay's figures, counted as the simulator counts its own (failed requests are left out)."""
     ok = [r for r in results if r.success and r.ttft_s is not None]
-    timings = []
-    for r in ok:
-        times = [r.start_s + (r.ttft_s or 0.0)]
-        for gap in r.itl_s:
-            times.append(times[-1] + gap)
-        timings.append(RequestTiming(r.start_s, times))
+    timings = [RequestTiming(r.start_s, chunk_times_s(r)) for r in ok]
     first = min((t.arrival_s for t in timings), default=0.0)
     last = max((t.token_times_s[-1] for t in timings), default=first)
     summary = summarize(SimResult(tuple(timings), {}, max(last - first, 1e-9)), slo)
