@@ -1,4 +1,4 @@
-"""The native CPU kernels (decode attention, add + RMSNorm) against PyTorch, and prefill attention against softmax."""
+"""The native CPU kernels (decode and prefill attention, add + RMSNorm, SiLU x up, rotary) against PyTorch."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import splitserve.engine.model_runner as model_runner
 import splitserve.model.attention as attention
+import splitserve.model.kernels as kernels_module
 import splitserve.model.llama as llama
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
@@ -111,6 +112,75 @@ def test_prefill_attention_matches_reference(dtype: torch.dtype, num_q: int, num
     assert torch.allclose(out.double(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
+# shapes around the kernel's edges: one query, a partial block of 16 queries, keys in blocks of 32 with a
+# partial last one, a whole causal chunk, a chunk over a cached prefix, the last chunk of a 2,500-token prompt
+PREFILL_SHAPES = [(1, 1), (5, 5), (17, 40), (16, 33), (100, 100), (33, 1000), (300, 301), (452, 2500)]
+
+
+@pytest.mark.parametrize(("num_q", "num_ctx"), PREFILL_SHAPES)
+def test_prefill_attention_kernel_matches_reference(kernels: NativeKernels, num_q: int, num_ctx: int) -> None:
+    """The AMX kernel where this build has it; every other build declines (and SDPA serves)."""
+    num_blocks = -(-(num_ctx + 40) // BLOCK)
+    k_cache, v_cache = _cache(num_blocks, torch.bfloat16, seed=num_ctx)
+    k_cache.mul_(3)  # peaked scores, so that the running max moves and the accumulators get rescaled
+    gen = torch.Generator().manual_seed(num_q)
+    slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:num_ctx]
+    qkv = torch.randn(num_q, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    q = qkv[:, :HEADS]  # strided rows, as the model passes them
+    out = kernels.prefill_attention(q, k_cache, v_cache, slots, HEAD_DIM**-0.5)
+    if kernels.level.name != "amx":
+        assert out is None
+        return
+    assert out is not None
+    ref = _reference(q, k_cache[slots], v_cache[slots])
+    sdpa = attention._prefill_attention(
+        q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), HEAD_DIM**-0.5
+    ) if num_q > 4 else out  # fmt: skip
+    ours, theirs = (out.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
+    assert ours < 3e-2 and ours <= 2 * theirs + 1e-2, (ours, theirs)  # as close as PyTorch's bf16 flash kernel
+
+
+def test_prefill_attention_kernel_declines_what_it_cannot_take(kernels: NativeKernels) -> None:
+    k_cache, v_cache = _cache(4, torch.bfloat16)
+    slots = torch.arange(20)
+    q = torch.randn(20, HEADS, HEAD_DIM).bfloat16()
+    assert kernels.prefill_attention(q.float(), k_cache.float(), v_cache.float(), slots, 1.0) is None
+    assert kernels.prefill_attention(q, k_cache, v_cache, slots.int(), 1.0) is None
+    wide = torch.randn(64, KV_HEADS, 128).bfloat16()  # head size 128: not one this kernel takes
+    assert kernels.prefill_attention(torch.randn(20, HEADS, 128).bfloat16(), wide, wide, slots, 1.0) is None
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 300])
+def test_silu_mul_matches_float64(kernels: NativeKernels, num_rows: int) -> None:
+    gen = torch.Generator().manual_seed(num_rows)
+    wide = (torch.randn(num_rows, 2 * 1536 + 40, generator=gen) * 4).bfloat16()
+    gate_up = wide[:, : 2 * 1536]  # strided rows
+    out = kernels.silu_mul(gate_up)
+    assert out is not None and out.shape == (num_rows, 1536) and out.dtype == torch.bfloat16
+    ref = F.silu(gate_up[:, :1536].double()) * gate_up[:, 1536:].double()
+    assert torch.allclose(out.double(), ref, rtol=2**-8, atol=1e-6)  # one bfloat16 rounding
+    odd = (torch.randn(3, 2 * 13, generator=gen) * 4).bfloat16()  # a width that is no multiple of the lanes
+    ref = F.silu(odd[:, :13].double()) * odd[:, 13:].double()
+    assert torch.allclose(kernels.silu_mul(odd).double(), ref, rtol=2**-8, atol=1e-6)  # type: ignore[union-attr]
+    assert kernels.silu_mul(gate_up.float()) is None
+
+
+def test_rotary_matches_float64_and_leaves_other_heads(kernels: NativeKernels) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(29, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    rotary = llama.RotaryEmbedding(HEAD_DIM, 4096, 10000.0)
+    cos, sin = rotary.tables(torch.randint(0, 4096, (29,), generator=gen), torch.bfloat16)
+    qk = x[:, : HEADS + KV_HEADS]
+    half = HEAD_DIM // 2
+    rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+    ref = qk.double() * cos.double() + rotated.double() * sin.double()
+    out = x.clone()
+    assert kernels.rotary(out[:, : HEADS + KV_HEADS], cos, sin)
+    assert torch.allclose(out[:, : HEADS + KV_HEADS].double(), ref, rtol=2**-8, atol=1e-3)
+    assert torch.equal(out[:, HEADS + KV_HEADS :], x[:, HEADS + KV_HEADS :])  # v untouched
+    assert not kernels.rotary(qk.float(), cos.float(), sin.float())
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 16, 300])  # 300 rows take the threaded path
 @pytest.mark.parametrize("with_delta", [True, False])
@@ -159,6 +229,19 @@ def test_a_failing_build_leaves_nothing_and_falls_back(fresh_native: Path, monke
     assert list(fresh_native.iterdir()) == []
 
 
+def test_a_level_that_does_not_build_falls_back_to_the_next(
+    fresh_native: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older compiler without the best level's flags (AMX needs GCC 11) still gets the level below."""
+    levels = detect_cpu().levels
+    if len(levels) < 2:
+        pytest.skip("this CPU runs only the portable build")
+    real = kernels_module.kernels_for
+    monkeypatch.setattr(kernels_module, "kernels_for", lambda level: None if level == levels[-1] else real(level))
+    loaded = native()
+    assert loaded is not None and loaded.level == levels[-2]
+
+
 def test_the_build_is_cached(fresh_native: Path) -> None:
     assert native() is not None
     built = list(fresh_native.iterdir())
@@ -192,12 +275,21 @@ def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for ours, theirs in zip(native_logits, torch_logits, strict=True):
         assert torch.allclose(ours, theirs, atol=tol, rtol=tol)
+        if dtype == torch.bfloat16 and not torch.equal(ours.argmax(-1), theirs.argmax(-1)):
+            # The native bfloat16 kernels round once where PyTorch rounds after every op: a near-tie of this
+            # random model may go the other way, and from there the two runs continue different texts.
+            break
+
+
+SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                   "avx512_bf16", "amx_tile", "amx_bf16"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("arch", "flags", "levels", "isa_class"),
     [
         ("x86_64", {"avx2", "fma", "f16c"}, ["scalar", "avx2"], "avx2"),
+        ("x86_64", SAPPHIRE_RAPIDS, ["scalar", "avx2", "avxvnni", "avx512", "amx"], "amx"),
         ("x86_64", {"sse2"}, ["scalar"], "scalar"),
         ("aarch64", {"asimd", "asimddp"}, ["scalar", "neon", "neon-dotprod"], "neon-dotprod"),
         ("riscv64", set(), ["scalar"], "scalar"),

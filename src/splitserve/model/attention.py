@@ -7,7 +7,8 @@ slot ``block_table[p // block_size] * block_size + p % block_size``. The runner 
 
 Decode attention runs in the native kernel (``kernels.py``), which reads each sequence's blocks in place;
 where it is unavailable, the PyTorch path gathers the contexts into a padded batch and runs SDPA. Prefill
-attention is PyTorch's fused (flash) SDPA over the chunk's gathered context.
+attention in bfloat16 runs on AMX tiles where the CPU has them (``csrc/prefill_attention.c``), and elsewhere in
+PyTorch's fused (flash) SDPA over the chunk's gathered context.
 
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
 in the order of ``prefills``.
@@ -136,6 +137,11 @@ def _prefill_attention(
 ) -> torch.Tensor:  # [Q, H, D]
     if chunk.as_decodes is not None:
         return _decode_attention(q, k_cache, v_cache, chunk.as_decodes, scale)
+    kernels = native() if q.device.type == "cpu" and q.dtype == torch.bfloat16 else None
+    if kernels is not None:  # AMX tiles where the CPU has them (kernels.py: the amx build); None elsewhere
+        out = kernels.prefill_attention(q, k_cache, v_cache, chunk.context_slots, scale)
+        if out is not None:
+            return out
     num_q, num_ctx = q.shape[0], chunk.num_context_tokens
     k = k_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
     v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)

@@ -68,6 +68,13 @@ X86_LEVELS = (
         ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
          "-mprefer-vector-width=512", "-mtune=native"),
     ),
+    IsaLevel(
+        "amx",
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+         "amx_tile", "amx_bf16"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+         "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512", "-mtune=native"),
+    ),
 )  # fmt: skip
 GENERIC_LEVEL = IsaLevel("scalar", (), ("-DSS_SCALAR",))  # any other architecture: portable C only
 ARM_LEVELS = (
@@ -240,6 +247,15 @@ class NativeKernels:
         self.decode_step = library.ss_decode_step
         self.decode_step.argtypes = [_P, _P, _I, _P, _P, _P, _I64, _P, _P, _I]
         self.decode_step.restype = ctypes.c_int
+        self._prefill = library.ss_prefill_attention_bf16
+        self._prefill.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I, _I, _I, _F, _I]
+        self._prefill.restype = ctypes.c_int
+        self._silu_mul = library.ss_silu_mul_bf16
+        self._silu_mul.argtypes = [_P, _I64, _I64, _I64, _P, _I]
+        self._silu_mul.restype = None
+        self._rotary = library.ss_rotary_bf16
+        self._rotary.argtypes = [_P, _I64, _I64, _I, _I, _P, _P, _I]
+        self._rotary.restype = None
         self._dequantize = library.ss_dequantize_rows
         self._dequantize.argtypes = [_P, _I, _I64, _I64, _I64, _P]
         self._dequantize.restype = ctypes.c_int
@@ -332,6 +348,75 @@ class NativeKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of a bfloat16 [T, 2I] gate/up output, as [T, I]; None where the kernel does not apply."""
+        if (
+            gate_up.dtype != torch.bfloat16
+            or gate_up.device.type != "cpu"
+            or gate_up.dim() != 2
+            or gate_up.stride(1) != 1
+            or gate_up.shape[1] % 2
+        ):
+            return None
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, n, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate-half rotary of bfloat16 x [T, heads, D] in place, with cos/sin [T, 1, D]; False if not applied."""
+        num_tokens, num_heads, head_dim = x.shape
+        if (
+            x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or x.stride(2) != 1
+            or x.stride(1) != head_dim
+            or head_dim % 2
+            or not (cos.dtype == sin.dtype == x.dtype)
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or cos.numel() != num_tokens * head_dim
+            or sin.numel() != num_tokens * head_dim
+        ):
+            return False
+        self._rotary(
+            x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return True
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,  # [Q, H, D] bfloat16, heads packed; rows may be strided
+        k_cache: torch.Tensor,  # [slots, Hkv, D] contiguous, this chunk's K already written
+        v_cache: torch.Tensor,
+        context_slots: torch.Tensor,  # [C] int64: the slot of each context position
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Causal attention of a prefill chunk over its context ([Q, H, D]), query i at position C - Q + i.
+
+        Only the ``amx`` build computes it (bfloat16, head size 64); None elsewhere, and the caller uses SDPA.
+        """
+        if (
+            self.level.name != "amx"
+            or q.dtype != torch.bfloat16
+            or q.device.type != "cpu"
+            or not (k_cache.dtype == v_cache.dtype == q.dtype)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or q.stride(2) != 1
+            or q.stride(1) != q.shape[2]
+            or context_slots.dtype != torch.int64
+            or not context_slots.is_contiguous()
+        ):
+            return None
+        num_q, num_heads, head_dim = q.shape
+        out = torch.empty(num_q, num_heads, head_dim, dtype=q.dtype)
+        status = self._prefill(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), context_slots.data_ptr(),
+            context_slots.shape[0], num_q, out.data_ptr(), num_heads, k_cache.shape[1], head_dim, scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out if status == 0 else None
 
     def paged_decode_attention(
         self,
@@ -466,6 +551,12 @@ def native() -> NativeKernels | None:
     cpu = detect_cpu()
     level = select_level(cpu)
     kernels = kernels_for(level)
+    if kernels is None and os.environ.get("SPLITSERVE_KERNEL_ISA", "").strip().lower() in ("", "auto"):
+        # an older compiler may lack the best level's flags (AMX needs GCC 11): take the next level down
+        for lower in reversed(cpu.levels[: cpu.levels.index(level)]):
+            if (kernels := kernels_for(lower)) is not None:
+                level = lower
+                break
     if kernels is not None:
         logger.info(
             "CPU %s (%s; %s): native kernels built for %s",

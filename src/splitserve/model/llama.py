@@ -125,7 +125,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D]."""
+    """x: [T, heads, D]; cos/sin: [T, 1, D]. bfloat16 rotates in place in one native pass where it can."""
+    kernels = native() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
+    if kernels is not None and kernels.rotary(x, cos, sin):
+        return x
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -174,8 +177,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, quantized: bool = True) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, quantized)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up, quantized)
+        kernels = native() if gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16 else None
+        act = kernels.silu_mul(gate_up) if kernels is not None else None  # one pass instead of two strided ops
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act, quantized)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,7 +1,8 @@
 /*
  * What every kernel source shares: scalar conversions between float32 and the 16-bit storage formats, and
  * the instruction-set switches. Each source is compiled once per instruction-set level (kernels.py: scalar,
- * avx2, avx512 on x86; scalar, neon on ARM), so every path below is chosen by the compiler's own macros.
+ * avx2, avxvnni, avx512, amx on x86; scalar, neon on ARM), so every path below is chosen by the compiler's own
+ * macros.
  */
 #ifndef SPLITSERVE_COMMON_H
 #define SPLITSERVE_COMMON_H
@@ -22,6 +23,9 @@
 #elif defined(SS_AVX2) && defined(__AVXVNNI__)
 #define SS_VNNI 1
 #define SS_AVXVNNI 1 /* the VEX-encoded dpbusd (Alder Lake and later, without AVX-512) */
+#endif
+#if defined(SS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SS_AMX 1 /* AMX-BF16 tiles: prefill attention (prefill_attention.c) */
 #endif
 #if !defined(SS_SCALAR) && defined(__ARM_NEON)
 #define SS_NEON 1

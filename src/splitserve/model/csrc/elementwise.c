@@ -1,0 +1,128 @@
+/*
+ * The prefill's elementwise steps in bfloat16, one pass each: SiLU(gate) x up over the fused gate/up matmul's
+ * output, and the rotate-half rotary embedding in place. PyTorch runs the first as two ops over a strided
+ * view (about a quarter of a bf16 prefill on 2 cores) and the second as five. Both compute in float32 and
+ * round to bfloat16 once. The float32 model keeps PyTorch's ops, so that it matches transformers bit for bit.
+ */
+#include "common.h"
+
+#if defined(SS_AVX512)
+#define LANES 16
+typedef __m512 vf;
+static inline vf vload(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN here: finite inputs) */
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+#define vset1 _mm512_set1_ps
+#define vmul _mm512_mul_ps
+#define vfmadd _mm512_fmadd_ps
+#define vfmsub _mm512_fmsub_ps
+#define vfnmadd _mm512_fnmadd_ps
+#define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
+#define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vscale2(p, k) _mm512_scalef_ps((p), (k)) /* p * 2^k */
+static inline vf vrecip(vf d) { /* 14-bit estimate and one Newton step */
+    const vf y = _mm512_rcp14_ps(d);
+    return vmul(y, vfnmadd(d, y, vset1(2.f)));
+}
+#elif defined(SS_AVX2)
+#define LANES 8
+typedef __m256 vf;
+static inline vf vload(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline void vstore(uint16_t *p, vf v) {
+    __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    bits = _mm256_srli_epi32(bits, 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+#define vset1 _mm256_set1_ps
+#define vmul _mm256_mul_ps
+#define vfmadd _mm256_fmadd_ps
+#define vfmsub _mm256_fmsub_ps
+#define vfnmadd _mm256_fnmadd_ps
+#define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
+#define vround(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline vf vscale2(vf p, vf k) { /* p * 2^k, 2^k built in the exponent bits (|k| <= 127) */
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return vmul(p, _mm256_castsi256_ps(bits));
+}
+static inline vf vrecip(vf d) {
+    const vf y = _mm256_rcp_ps(d);
+    return vmul(y, vfnmadd(d, y, vset1(2.f)));
+}
+#endif
+
+#if defined(LANES)
+static inline vf vexp(vf x) { /* Cody-Waite reduction, degree-6 polynomial: relative error about 2e-7 */
+    x = vmin(vmax(x, vset1(-87.f)), vset1(88.f));
+    const vf k = vround(vmul(x, vset1(1.44269504f)));
+    const vf r = vfnmadd(k, vset1(-2.12194440e-4f), vfnmadd(k, vset1(0.693359375f), x));
+    vf p = vset1(1.f / 720.f);
+    p = vfmadd(p, r, vset1(1.f / 120.f));
+    p = vfmadd(p, r, vset1(1.f / 24.f));
+    p = vfmadd(p, r, vset1(1.f / 6.f));
+    p = vfmadd(p, r, vset1(0.5f));
+    p = vfmadd(p, r, vset1(1.f));
+    p = vfmadd(p, r, vset1(1.f));
+    return vscale2(p, k);
+}
+#endif
+
+static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+/* out[r][i] = silu(gu[r][i]) * gu[r][n + i] for r < rows, i < n; gu's rows are gu_stride elements apart. */
+void ss_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int64_t rows, int64_t n, uint16_t *out,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * gu_stride, *u = g + n;
+        uint16_t *o = out + r * n;
+        int64_t i = 0;
+#if defined(LANES)
+        for (; i + LANES <= n; i += LANES) {
+            const vf x = vload(g + i);
+            const vf sig = vrecip(vfmadd(vexp(vmul(x, vset1(-1.f))), vset1(1.f), vset1(1.f)));
+            vstore(o + i, vmul(vmul(x, sig), vload(u + i)));
+        }
+#endif
+        for (; i < n; i++) o[i] = f32_to_bf16(silu_mul(bf16_to_f32(g[i]), bf16_to_f32(u[i])));
+    }
+}
+
+/* x [tokens, heads, head_dim] in place (token rows row_stride elements apart): rotate-half rotary with each
+ * token's cos/sin rows ([tokens, head_dim], bfloat16). */
+void ss_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int num_heads, int head_dim,
+                    const uint16_t *cos, const uint16_t *sin, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const uint16_t *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int h = 0; h < num_heads; h++) {
+            uint16_t *v = x + t * row_stride + (int64_t)h * head_dim;
+            int d = 0;
+#if defined(LANES)
+            for (; d + LANES <= half; d += LANES) {
+                const vf a = vload(v + d), b = vload(v + d + half);
+                vstore(v + d, vfmsub(a, vload(c + d), vmul(b, vload(s + d))));
+                vstore(v + d + half, vfmadd(b, vload(c + d + half), vmul(a, vload(s + d + half))));
+            }
+#endif
+            for (; d < half; d++) {
+                const float a = bf16_to_f32(v[d]), b = bf16_to_f32(v[d + half]);
+                v[d] = f32_to_bf16(a * bf16_to_f32(c[d]) - b * bf16_to_f32(s[d]));
+                v[d + half] = f32_to_bf16(b * bf16_to_f32(c[d + half]) + a * bf16_to_f32(s[d + half]));
+            }
+        }
+    }
+}
