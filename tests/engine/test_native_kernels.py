@@ -282,7 +282,7 @@ def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
 
 
 SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-                   "avx512_bf16", "amx_tile", "amx_bf16"}  # fmt: skip
+                   "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

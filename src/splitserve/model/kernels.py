@@ -71,9 +71,9 @@ X86_LEVELS = (
     IsaLevel(
         "amx",
         ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
-         "amx_tile", "amx_bf16"),
+         "amx_tile", "amx_bf16", "amx_int8"),
         ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-         "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512", "-mtune=native"),
+         "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mprefer-vector-width=512", "-mtune=native"),
     ),
 )  # fmt: skip
 GENERIC_LEVEL = IsaLevel("scalar", (), ("-DSS_SCALAR",))  # any other architecture: portable C only

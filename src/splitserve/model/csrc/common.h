@@ -24,8 +24,14 @@
 #define SS_VNNI 1
 #define SS_AVXVNNI 1 /* the VEX-encoded dpbusd (Alder Lake and later, without AVX-512) */
 #endif
-#if defined(SS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SS_AMX 1 /* AMX-BF16 tiles: prefill attention (prefill_attention.c) */
+#if defined(SS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
+    defined(__AVX512BF16__)
+#define SS_AMX 1 /* AMX tiles: prefill attention in bf16, quantized matmuls of several rows in int8 */
+typedef struct { /* the LDTILECFG operand */
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ss_tile_config;
 #endif
 #if !defined(SS_SCALAR) && defined(__ARM_NEON)
 #define SS_NEON 1

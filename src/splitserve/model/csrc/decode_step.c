@@ -99,11 +99,7 @@ int ss_decode_step(const ss_model *m, float *x, int num_seqs, const int64_t *pos
         add_rms_norm_f32_to_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->gate_up, L->gate_up_type, 2 * inter, wide, SS_F32,
                                   2 * inter, scratch, num_threads);
-        for (int64_t t = 0; t < b; t++) {
-            const float *g = wide + t * 2 * inter, *u = g + inter;
-            float *a = act + t * inter;
-            for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        ss_silu_mul_f32(wide, 2 * inter, b, inter, act, num_threads);
         status |= ss_quant_matmul(act, SS_F32, inter, b, inter, L->down, L->down_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
     }

@@ -6,6 +6,20 @@
  */
 #include "common.h"
 
+#if defined(SS_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out AMX tile state only on request, once per process (prefill_attention.c, quant_matmul.c). */
+int ss_amx_permitted(void) {
+    static int state; /* 0: not asked, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+#else
+int ss_amx_permitted(void) { return 0; }
+#endif
+
 #if defined(SS_AVX512)
 #define LANES 16
 typedef __m512 vf;
@@ -19,6 +33,8 @@ static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN 
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 #define vset1 _mm512_set1_ps
+#define vloadf _mm512_loadu_ps
+#define vstoref _mm512_storeu_ps
 #define vmul _mm512_mul_ps
 #define vfmadd _mm512_fmadd_ps
 #define vfmsub _mm512_fmsub_ps
@@ -46,6 +62,8 @@ static inline void vstore(uint16_t *p, vf v) {
     _mm_storeu_si128((__m128i *)p, packed);
 }
 #define vset1 _mm256_set1_ps
+#define vloadf _mm256_loadu_ps
+#define vstoref _mm256_storeu_ps
 #define vmul _mm256_mul_ps
 #define vfmadd _mm256_fmadd_ps
 #define vfmsub _mm256_fmsub_ps
@@ -77,28 +95,45 @@ static inline vf vexp(vf x) { /* Cody-Waite reduction, degree-6 polynomial: rela
     p = vfmadd(p, r, vset1(1.f));
     return vscale2(p, k);
 }
+static inline vf vsigmoid(vf x) { return vrecip(vfmadd(vexp(vmul(x, vset1(-1.f))), vset1(1.f), vset1(1.f))); }
 #endif
 
 static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
-/* out[r][i] = silu(gu[r][i]) * gu[r][n + i] for r < rows, i < n; gu's rows are gu_stride elements apart. */
-void ss_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int64_t rows, int64_t n, uint16_t *out,
-                      int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gu + r * gu_stride, *u = g + n;
-        uint16_t *o = out + r * n;
-        int64_t i = 0;
-#if defined(LANES)
-        for (; i + LANES <= n; i += LANES) {
-            const vf x = vload(g + i);
-            const vf sig = vrecip(vfmadd(vexp(vmul(x, vset1(-1.f))), vset1(1.f), vset1(1.f)));
-            vstore(o + i, vmul(vmul(x, sig), vload(u + i)));
-        }
-#endif
-        for (; i < n; i++) o[i] = f32_to_bf16(silu_mul(bf16_to_f32(g[i]), bf16_to_f32(u[i])));
-    }
+static inline uint16_t silu_mul_bf16(uint16_t g, uint16_t u) {
+    return f32_to_bf16(silu_mul(bf16_to_f32(g), bf16_to_f32(u)));
 }
+#if defined(LANES)
+#define SILU_LANES LANES
+#else /* no vector path: the vector loop below is dead code */
+#define SILU_LANES 0
+#define vload(p) 0
+#define vloadf(p) 0
+#define vstore(p, v) (void)(v)
+#define vstoref(p, v) (void)(v)
+#define vsigmoid(x) (x)
+#define vmul(a, b) (a)
+typedef float vf;
+#endif
+
+/* out[r][i] = silu(gu[r][i]) * gu[r][n + i] for r < rows, i < n; gu's rows are gu_stride elements apart. Once
+ * for bfloat16 (the prefill's MLP), once for float32 (the one-call decode step's). */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, SCALAR)                                                        \
+    void NAME(const T *gu, int64_t gu_stride, int64_t rows, int64_t n, T *out, int num_threads) {            \
+        const int threads = rows * n >= (1 << 14) ? num_threads : 1;                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t r = 0; r < rows; r++) { \
+            const T *g = gu + r * gu_stride, *u = g + n;                                                     \
+            T *o = out + r * n;                                                                              \
+            int64_t i = 0;                                                                                   \
+            for (; SILU_LANES > 0 && i + SILU_LANES <= n; i += SILU_LANES) {                                 \
+                const vf x = LOAD(g + i);                                                                    \
+                STORE(o + i, vmul(vmul(x, vsigmoid(x)), LOAD(u + i)));                                       \
+            }                                                                                                \
+            for (; i < n; i++) o[i] = SCALAR(g[i], u[i]);                                                    \
+        }                                                                                                    \
+    }
+DEFINE_SILU_MUL(ss_silu_mul_bf16, uint16_t, vload, vstore, silu_mul_bf16)
+DEFINE_SILU_MUL(ss_silu_mul_f32, float, vloadf, vstoref, silu_mul)
 
 /* x [tokens, heads, head_dim] in place (token rows row_stride elements apart): rotate-half rotary with each
  * token's cos/sin rows ([tokens, head_dim], bfloat16). */

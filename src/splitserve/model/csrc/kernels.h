@@ -17,5 +17,7 @@ void add_rms_norm_f32_to_f32(float *x, const float *delta, const float *weight, 
 int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
                     int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
 int64_t ss_act_block_bytes(void);
+int ss_amx_permitted(void);
+void ss_silu_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads);
 
 #endif

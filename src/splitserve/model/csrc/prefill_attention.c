@@ -21,35 +21,18 @@
  * one work item per (head, 16 queries), heaviest (last) query blocks first.
  */
 #include "common.h"
+#include "kernels.h"
 
 #include <stdlib.h>
 
 #if defined(SS_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define KEYS 32        /* keys per block: one B tile of P^T (16 pairs) */
 #define QROWS 16       /* queries per work item: the lanes of a vector */
 #define HEAD_DIM 64    /* the one head size this kernel takes */
 #define RESCALE_AT 8.f /* log2 units: rescale the accumulators only when a max grows by more than 2^8 */
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands out AMX state only on request (once per process). */
-static int amx_permitted(void) {
-    static int state; /* 0: not asked, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state > 0;
-}
-
 static void configure_tiles(void) {
-    tile_config cfg;
+    ss_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {
@@ -304,7 +287,7 @@ int ss_prefill_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uin
                               uint16_t *out, int num_heads, int num_kv_heads, int head_dim, float scale,
                               int num_threads) {
 #if defined(SS_AMX)
-    if (head_dim != HEAD_DIM || num_q < 1 || num_ctx < num_q || num_heads % num_kv_heads || !amx_permitted())
+    if (head_dim != HEAD_DIM || num_q < 1 || num_ctx < num_q || num_heads % num_kv_heads || !ss_amx_permitted())
         return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t num_blocks = (num_ctx + KEYS - 1) / KEYS, padded = num_blocks * KEYS;
