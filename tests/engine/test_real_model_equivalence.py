@@ -8,6 +8,7 @@ a fresh ``LLMEngine`` around it. One thread, as in ``test_model_vs_transformers.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from splitserve.config import SchedulingPolicy
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.kernels import detect_cpu, kernels_for
 from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.registry import load_model
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -137,6 +140,24 @@ def test_batch_of_eight_mixed_lengths_matches_alone(real: Real) -> None:
     together = token_lists(run(engine, real.prompts))
     assert together == real.alone
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_amx_tiles_decode_as_the_vnni_kernel_does(real: Real) -> None:
+    """A batch of 8 decodes its quantized matmuls on AMX-INT8 tiles (5 rows and more) in the ``amx`` build, and
+    row by row in the ``avx512`` one: the same integers and the same float sums, so the same tokens."""
+    levels = {level.name: level for level in detect_cpu().levels}
+    if "amx" not in levels:
+        pytest.skip("this CPU has no AMX")
+    blocks = load_gguf_quantized(resolve_model("smollm2").path, real.model.config)
+    outputs = {}
+    for name in ("avx512", "amx"):
+        kernels = kernels_for(levels[name])
+        assert kernels is not None
+        model = copy.deepcopy(real.model)
+        assert model.load_quantized_weights(blocks, kernels) > 0
+        outputs[name] = token_lists(run(build_engine(model, real.tokenizer, max_num_seqs=8), real.prompts))
+    assert outputs["amx"] == outputs["avx512"]
+    assert "Paris" in real.tokenizer.decode(outputs["amx"]["france"])
 
 
 def test_prefix_cache_hit_gives_same_output(real: Real) -> None:

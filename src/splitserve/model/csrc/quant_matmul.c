@@ -454,7 +454,8 @@ static void qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const blo
 
 #define AMX_MIN_ROWS 5 /* from here the tiles beat the VNNI kernel (measured: equal at 4, 1.2x at 6, 1.6x at 16) */
 #define AMX_AHEAD 2 /* blocks between writing a buffer and reading it */
-#define AMX_RING 4  /* buffers: more than 2 * AMX_AHEAD would be idle */
+#define AMX_RING 8  /* more than 2 * AMX_AHEAD: block kb - AMX_AHEAD's scales are read after block kb +
+                       * AMX_AHEAD's are written */
 
 static void amx_configure(int rows) {
     ss_tile_config cfg;
