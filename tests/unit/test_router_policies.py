@@ -62,6 +62,11 @@ def route(policy: RoutingPolicy, request: RoutingRequest, candidates: Sequence[W
     return decision
 
 
+def picked(decision: Decision) -> tuple[Worker, str, int]:
+    """The worker, outcome and matched tokens of a decision (its uncached tokens are tested apart)."""
+    return decision.worker, decision.outcome, decision.matched_tokens
+
+
 def guard() -> LoadGuard:
     defaults = RouterConfig()
     return LoadGuard(defaults.balance_abs_threshold, defaults.balance_rel_threshold)  # 4 and 1.5
@@ -110,7 +115,7 @@ class TestBuildPolicy:
         owner, other = make_workers(2)
         route(policy, routing(prompt(2)), [owner])
         owner.in_flight = 1
-        assert policy.select(routing(prompt(2)), [owner, other]) == Decision(other, "load_guard")
+        assert picked(policy.select(routing(prompt(2)), [owner, other])) == (other, "load_guard", 0)
 
 
 # -- roundrobin and session --------------------------------------------------------------------------------
@@ -148,7 +153,7 @@ class TestSession:
         handover = policy.select(routing(session_id="alice"), others)
         assert handover.outcome == "handover" and handover.worker is not owner
         assert policy.select(routing(session_id="alice"), others).worker is handover.worker  # stable meanwhile
-        assert policy.select(routing(session_id="alice"), workers) == Decision(owner, "session")
+        assert picked(policy.select(routing(session_id="alice"), workers)) == (owner, "session", 0)
 
     def test_removing_a_worker_moves_only_the_sessions_it_owned(self) -> None:
         workers = make_workers(4)
@@ -176,7 +181,7 @@ class TestSession:
         workers = make_workers(3)
         workers[0].in_flight, workers[1].in_flight, workers[2].in_flight = 3, 1, 2
         policy = SessionPolicy(lambda: workers, guard())
-        assert policy.select(routing(), workers) == Decision(workers[1], "least_loaded")
+        assert picked(policy.select(routing(), workers)) == (workers[1], "least_loaded", 0)
 
 
 # -- prefixaware -------------------------------------------------------------------------------------------
@@ -191,7 +196,7 @@ class TestPrefixAware:
         policy, workers = self.policy(), make_workers(3)
         first = route(policy, routing(prompt(3)), workers)
         assert first.outcome == "fallback"
-        assert route(policy, routing(prompt(5)), workers) == Decision(first.worker, "matched", 3 * BLOCK_SIZE)
+        assert picked(route(policy, routing(prompt(5)), workers)) == (first.worker, "matched", 3 * BLOCK_SIZE)
         for num_blocks in range(6, 10):  # ties among idle workers rotate; the index must hold it in place
             assert route(policy, routing(prompt(num_blocks)), workers).worker is first.worker
 
@@ -200,22 +205,22 @@ class TestPrefixAware:
         deep, shallow = make_workers(2)
         route(policy, routing(prompt(4)), [deep])  # deep holds blocks 0-3
         route(policy, routing(prompt(2)), [shallow])  # deep was unroutable: shallow now holds blocks 0-1
-        assert policy.select(routing(prompt(6)), [deep, shallow]) == Decision(deep, "matched", 4 * BLOCK_SIZE)
+        assert picked(policy.select(routing(prompt(6)), [deep, shallow])) == (deep, "matched", 4 * BLOCK_SIZE)
         branch = prompt(2) + prompt(2, start=9000)  # shares only blocks 0-1
-        assert policy.select(routing(branch), [deep, shallow]) == Decision(shallow, "matched", 2 * BLOCK_SIZE)
+        assert picked(policy.select(routing(branch), [deep, shallow])) == (shallow, "matched", 2 * BLOCK_SIZE)
 
     def test_no_match_goes_to_the_least_loaded_worker(self) -> None:
         policy, workers = self.policy(), make_workers(3)
         route(policy, routing(prompt(3)), [workers[0]])
         workers[0].in_flight, workers[1].in_flight, workers[2].in_flight = 0, 2, 1
-        assert policy.select(routing(prompt(3, start=5000)), workers) == Decision(workers[0], "fallback")
+        assert picked(policy.select(routing(prompt(3, start=5000)), workers)) == (workers[0], "fallback", 0)
         workers[0].in_flight = 5
-        assert policy.select(routing(prompt(3, start=5000)), workers) == Decision(workers[2], "fallback")
+        assert picked(policy.select(routing(prompt(3, start=5000)), workers)) == (workers[2], "fallback", 0)
 
     def test_an_owner_that_is_not_a_candidate_falls_back(self) -> None:
         policy, (owner, other) = self.policy(), make_workers(2)
         route(policy, routing(prompt(3)), [owner])
-        assert policy.select(routing(prompt(3)), [other]) == Decision(other, "fallback")
+        assert picked(policy.select(routing(prompt(3)), [other])) == (other, "fallback", 0)
 
     @pytest.mark.parametrize(
         ("owner_load", "other_load", "outcome"),
@@ -397,17 +402,17 @@ class TestKVAware:
         stored(index, W0, Tier.ENGINE, hashes[:2])
         stored(index, W1, Tier.L1, [hashes[3]])
         w0, w1 = Worker(W0), Worker(W1)
-        assert self.policy(index).select(routing(ids), [w0, w1]) == Decision(w1, "matched", 16)
+        assert picked(self.policy(index).select(routing(ids), [w0, w1])) == (w1, "matched", 16)
         stored(index, W0, Tier.ENGINE, hashes[2:5])
-        assert self.policy(index).select(routing(ids), [w0, w1]) == Decision(w0, "matched", 20)
+        assert picked(self.policy(index).select(routing(ids), [w0, w1])) == (w0, "matched", 20)
 
     def test_l2_alone_counts_alike_for_every_worker_so_the_least_loaded_wins(self) -> None:
         index, ids = kv_index(), prompt(8)
         stored(index, W0, Tier.L2, [hash_blocks(ids, BLOCK_SIZE)[3]])
         w0, w1 = Worker(W0, in_flight=2), Worker(W1, in_flight=1)
-        assert self.policy(index).select(routing(ids), [w0, w1]) == Decision(w1, "matched", 16)
+        assert picked(self.policy(index).select(routing(ids), [w0, w1])) == (w1, "matched", 16)
         w1.in_flight = 3
-        assert self.policy(index).select(routing(ids), [w0, w1]) == Decision(w0, "matched", 16)
+        assert picked(self.policy(index).select(routing(ids), [w0, w1])) == (w0, "matched", 16)
 
     def test_l2_weighs_less_than_a_workers_own_cache(self) -> None:
         index, ids = kv_index(), prompt(8)
@@ -415,19 +420,19 @@ class TestKVAware:
         stored(index, W0, Tier.L2, [hashes[3], hashes[7]])  # 32 tokens at 0.5 for both
         stored(index, W1, Tier.ENGINE, hashes[:1])  # 4 tokens in full, then 28 from L2 at 0.5
         w0, w1 = Worker(W0), Worker(W1)
-        assert self.policy(index).select(routing(ids), [w0, w1]) == Decision(w1, "matched", 32)
+        assert picked(self.policy(index).select(routing(ids), [w0, w1])) == (w1, "matched", 32)
 
     def test_nothing_held_anywhere_falls_back_to_the_least_loaded(self) -> None:
         index = kv_index()
         w0, w1 = Worker(W0, in_flight=1), Worker(W1)
-        assert self.policy(index).select(routing(prompt(8)), [w0, w1]) == Decision(w1, "fallback")
-        assert self.policy(index).select(routing(None), [w0, w1]) == Decision(w1, "fallback")
+        assert picked(self.policy(index).select(routing(prompt(8)), [w0, w1])) == (w1, "fallback", 0)
+        assert picked(self.policy(index).select(routing(None), [w0, w1])) == (w1, "fallback", 0)
 
     def test_with_zero_l2_weight_an_l2_only_match_is_a_fallback(self) -> None:
         index, ids = kv_index(), prompt(4)
         stored(index, W0, Tier.L2, [hash_blocks(ids, BLOCK_SIZE)[3]])
         w0 = Worker(W0)
-        assert self.policy(index, l2_weight=0.0).select(routing(ids), [w0]) == Decision(w0, "fallback")
+        assert picked(self.policy(index, l2_weight=0.0).select(routing(ids), [w0])) == (w0, "fallback", 0)
 
     @pytest.mark.parametrize(("holder_load", "outcome"), [(10, "load_guard"), (4, "matched")])
     def test_the_load_guard_applies(self, holder_load: int, outcome: str) -> None:
@@ -701,6 +706,30 @@ def test_a_match_under_the_cache_threshold_goes_to_the_least_loaded_worker(strat
     kv_index.apply(owner.url, "owner", True, [(Tier.ENGINE, EventKind.STORED, hash_blocks(system, BLOCK_SIZE))])
     owner.in_flight = 1
     new_conversation = [*system, *prompt(8, start=1000)]
-    assert policy.select(routing(new_conversation), [owner, other]) == Decision(other, "below_threshold")
+    assert picked(policy.select(routing(new_conversation), [owner, other])) == (other, "below_threshold", 0)
     follow_up = [*system, *prompt(2, start=1000)]  # half of it held by the owner
     assert policy.select(routing(follow_up), [owner, other]).worker is owner
+
+
+@pytest.mark.parametrize("strategy", [RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE])
+def test_cold_prompts_go_where_the_least_prefill_is_queued(strategy: RoutingStrategy) -> None:
+    """Every cache-aware decision says what the worker must compute (the forwarder counts it as queued there
+    until the worker answers), and a prompt that no worker holds goes where the least of that is queued, not
+    where the fewest requests are: one worker prefilling a long cold prompt is busier than one streaming two
+    cached follow-ups."""
+    kv_index = KVIndex(BLOCK_SIZE, CHUNK_SIZE, 1000)
+    policy = build_policy(RouterConfig(routing_strategy=strategy, block_size=BLOCK_SIZE), list, kv_index)
+    busy, streaming = make_workers(2)
+    cold = prompt(10, start=5000)
+    first = policy.select(routing(cold), [busy])
+    assert (first.matched_tokens, first.uncached_tokens) == (0, 10 * BLOCK_SIZE)
+    busy.pending_prefill_tokens, busy.in_flight = first.uncached_tokens, 1  # what the forwarder does
+    streaming.in_flight = 2
+    assert policy.select(routing(prompt(10, start=9000)), [busy, streaming]).worker is streaming
+    busy.pending_prefill_tokens = 0  # it answered: the two are compared by requests in flight again
+    assert policy.select(routing(prompt(10, start=9000)), [busy, streaming]).worker is busy
+    # a match: the uncached tokens are the prompt's less what the worker holds
+    route(policy, routing(cold), [busy])
+    kv_index.apply(busy.url, "busy", True, [(Tier.ENGINE, EventKind.STORED, hash_blocks(cold, BLOCK_SIZE))])
+    follow_up = policy.select(routing([*cold, *prompt(2, start=7000)]), [busy, streaming])
+    assert (follow_up.worker, follow_up.matched_tokens, follow_up.uncached_tokens) == (busy, 40, 8)

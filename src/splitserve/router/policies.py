@@ -55,7 +55,7 @@ class Decision:
     worker: Worker
     outcome: str  # for metrics and logs: roundrobin, session, matched, prefix_index, fallback, load_guard, ...
     matched_tokens: int = 0
-    uncached_tokens: int = 0  # cost model: what the worker must compute (counted as queued there until it answers)
+    uncached_tokens: int = 0  # what the worker must compute (counted as queued prefill there until it answers)
 
 
 class RoutingPolicy(Protocol):
@@ -85,15 +85,22 @@ class LoadGuard:
         ``cache_threshold`` of the prompt's tokens, or ``chosen`` is too busy."""
         num_tokens = len(request.token_ids or [])
         if num_tokens and worth < self.cache_threshold * num_tokens:
-            return Decision(self.least_loaded(candidates), "below_threshold")
+            return Decision(self.least_loaded(candidates), "below_threshold", 0, num_tokens)
         if self.is_skewed(chosen, candidates):
-            return Decision(self.least_loaded(candidates), "load_guard")
-        return Decision(chosen, "matched", matched)
+            return Decision(self.least_loaded(candidates), "load_guard", 0, num_tokens)
+        return Decision(chosen, "matched", matched, max(0, num_tokens - matched))
 
     def least_loaded(self, candidates: Sequence[Worker]) -> Worker:
-        """The worker with the fewest requests in flight; ties rotate."""
-        least = min(w.in_flight for w in candidates)
-        tied = [w for w in candidates if w.in_flight == least]
+        """The worker with the least prefill this router has queued on it (the uncached tokens of requests sent
+        there that have not started to answer), then the fewest requests in flight; ties rotate. A new
+        conversation's cold prompt then waits behind as little prefill as it can: counting requests alone, a
+        worker busy with one long cold prompt looked as free as one streaming a short answer."""
+
+        def load(worker: Worker) -> tuple[int, int]:
+            return worker.pending_prefill_tokens, worker.in_flight
+
+        least = min(load(w) for w in candidates)
+        tied = [w for w in candidates if load(w) == least]
         return tied[next(self._tie) % len(tied)]
 
     def is_skewed(self, chosen: Worker, candidates: Sequence[Worker]) -> bool:
@@ -178,7 +185,7 @@ class PrefixAwarePolicy:
             held = {chosen.url: matched} if chosen is not None else {}
             return cost_decision(self.cost, request, candidates, held, next(self._turn), "matched")
         if chosen is None:
-            return Decision(self._guard.least_loaded(candidates), "fallback")
+            return Decision(self._guard.least_loaded(candidates), "fallback", 0, len(request.token_ids or []))
         return self._guard.check(chosen, request, candidates, matched, matched)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
