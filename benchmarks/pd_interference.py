@@ -8,11 +8,14 @@ Set-ups, each behind a ``splitserve router`` (so both pay the same proxy):
   sending prompts of ``--routing-threshold`` (1,024) tokens or more through prefill.
 
 Load, per set-up: 8 short streams (64 prompt tokens, 256 output tokens, ``ignore_eos``) alone, then again while
-6 long prompts (~2,500 tokens, 16 output tokens) arrive one per second. Reported: the short streams'
-inter-token latency p50/p99 (gaps between streamed chunks) and the long prompts' TTFT. Then, on the
-disaggregated set-up alone: a 4,000-token prompt's prefill time and KV transfer time, and the KV transfer
-throughput against a raw loopback socket moving the same bytes in this process. Results go to
-``benchmarks/results/pd_interference.json``.
+6 long prompts (~2,500 tokens, 16 output tokens) arrive one per second, then 6 long prompts alone, arriving
+faster (``--long-only-interval``, 0.5 s) than one prefill worker serves them. Reported: the short streams'
+inter-token latency p50/p99 (gaps between streamed chunks) and the long prompts' TTFT. The disaggregated set-up
+runs once per ``--pd-decisions`` (``threshold``: every prompt from the threshold up is prefilled remotely;
+``cost``: only where the prefill worker's queue, prefill and push beat the decode worker's own prefill plus the
+stall it would cause its streams). Then, on the first disaggregated set-up: a 4,000-token prompt's prefill time
+and KV transfer time, and the KV transfer throughput against a raw loopback socket moving the same bytes in
+this process. Results go to ``benchmarks/results/pd_interference.json``.
 """
 
 from __future__ import annotations
@@ -85,7 +88,10 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
     return times
 
 
-async def run_load(url: str, short: list[str], long: list[str], args: argparse.Namespace) -> dict[str, Any]:
+async def run_load(
+    url: str, short: list[str], long: list[str], args: argparse.Namespace, interval_s: float | None = None
+) -> dict[str, Any]:
+    interval_s = args.long_interval if interval_s is None else interval_s
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), trust_env=False) as client:
         started = time.perf_counter()
         short_tasks = [asyncio.create_task(stream(client, url, p, args.short_output)) for p in short]
@@ -96,7 +102,7 @@ async def run_load(url: str, short: list[str], long: list[str], args: argparse.N
             times = await stream(client, url, prompt, args.long_output)
             return times[0] - sent
 
-        long_tasks = [asyncio.create_task(long_one(p, 1.0 + i * args.long_interval)) for i, p in enumerate(long)]
+        long_tasks = [asyncio.create_task(long_one(p, 1.0 + i * interval_s)) for i, p in enumerate(long)]
         short_times = await asyncio.gather(*short_tasks)
         long_ttft = await asyncio.gather(*long_tasks)
         duration = time.perf_counter() - started
@@ -104,7 +110,7 @@ async def run_load(url: str, short: list[str], long: list[str], args: argparse.N
     return {
         "itl_ms_p50": percentile(itl_ms, 0.5),
         "itl_ms_p99": percentile(itl_ms, 0.99),
-        "itl_ms_max": max(itl_ms),
+        "itl_ms_max": max(itl_ms, default=float("nan")),
         "num_itl_samples": len(itl_ms),
         "long_ttft_ms": [round(t * 1000, 1) for t in long_ttft],
         "long_ttft_ms_p50": percentile([t * 1000 for t in long_ttft], 0.5) if long_ttft else None,
@@ -168,7 +174,9 @@ def main() -> None:
     parser.add_argument("--long-input", type=int, default=2500)
     parser.add_argument("--long-output", type=int, default=16)
     parser.add_argument("--long-interval", type=float, default=1.0)
+    parser.add_argument("--long-only-interval", type=float, default=0.5)
     parser.add_argument("--threshold", type=int, default=1024)
+    parser.add_argument("--pd-decisions", default="threshold,cost", help="the router's --pd-decision, one run each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "pd_interference.json")
     args = parser.parse_args()
@@ -184,6 +192,9 @@ def main() -> None:
         long = [prompts.make(args.long_input) for _ in range(args.num_long)]
         results[f"{label}/with_long"] = asyncio.run(run_load(url, short, long, args))
         print(label, "with long prompts", json.dumps(results[f"{label}/with_long"]), flush=True)
+        long = [prompts.make(args.long_input) for _ in range(args.num_long)]
+        results[f"{label}/long_only"] = asyncio.run(run_load(url, [], long, args, args.long_only_interval))
+        print(label, "long prompts alone", json.dumps(results[f"{label}/long_only"]), flush=True)
 
     # colocated
     worker_port, router_port = free_port(), free_port()
@@ -196,29 +207,53 @@ def main() -> None:
         stop_server(router)
         stop_server(worker)
 
-    # disaggregated
-    p_port, d_port, router_port = free_port(), free_port(), free_port()
-    prefill = start_server(worker_cmd(p_port, "0", "--role", "prefill", "--num-threads", "1"), p_port,
-                           LOGS / "pd-prefill.log")  # fmt: skip
-    decode = start_server(worker_cmd(d_port, "1", "--role", "decode", "--num-threads", "1"), d_port,
-                          LOGS / "pd-decode.log")  # fmt: skip
-    router = start_server(router_cmd(router_port, "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
-                                     f"http://127.0.0.1:{d_port}", "--routing-threshold", str(args.threshold)),
-                          router_port, LOGS / "pd-router.log")  # fmt: skip
-    url = f"http://127.0.0.1:{router_port}"
-    try:
-        load_pair(url, "disaggregated")
-        before = len(transfer_lines((LOGS / "pd-prefill.log").read_text()))
-        metrics_before = httpx.get(f"{url}/metrics", timeout=10).text
-        began = time.perf_counter()
-        times = asyncio.run(_one(url, prompts.make(4000)))
-        total_ttft_ms = (times[0] - began) * 1000
-        lines = transfer_lines((LOGS / "pd-prefill.log").read_text())
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    finally:
-        stop_server(router)
-        stop_server(decode)
-        stop_server(prefill)
+    # disaggregated, once per DPD decision rule; the transfer figures come from the threshold rule's (the cost
+    # rule keeps a prompt on an idle decode worker: nothing to push)
+    labels, measured = [], None
+    for decision in args.pd_decisions.split(","):
+        label = "disaggregated" if decision == "threshold" else f"disaggregated-{decision}"
+        labels.append(label)
+        p_port, d_port, router_port = free_port(), free_port(), free_port()
+        prefill = start_server(worker_cmd(p_port, "0", "--role", "prefill", "--num-threads", "1"), p_port,
+                               LOGS / f"pd-prefill-{decision}.log")  # fmt: skip
+        decode = start_server(worker_cmd(d_port, "1", "--role", "decode", "--num-threads", "1"), d_port,
+                              LOGS / f"pd-decode-{decision}.log")  # fmt: skip
+        router = start_server(router_cmd(router_port, "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
+                                         f"http://127.0.0.1:{d_port}", "--routing-threshold", str(args.threshold),
+                                         "--pd-decision", decision),
+                              router_port, LOGS / f"pd-router-{decision}.log")  # fmt: skip
+        url = f"http://127.0.0.1:{router_port}"
+        try:
+            load_pair(url, label)
+            results[f"{label}/remote_prefills"] = len(transfer_lines((LOGS / f"pd-prefill-{decision}.log").read_text()))
+            if decision != "threshold":
+                continue
+            log = LOGS / f"pd-prefill-{decision}.log"
+            before = len(transfer_lines(log.read_text()))
+            metrics_before = httpx.get(f"{url}/metrics", timeout=10).text
+            began = time.perf_counter()
+            times = asyncio.run(_one(url, prompts.make(4000)))
+            total_ttft_ms = (times[0] - began) * 1000
+            lines = transfer_lines(log.read_text())
+            measured = (before, lines, metrics_before, httpx.get(f"{url}/metrics", timeout=10).text, total_ttft_ms)
+        finally:
+            stop_server(router)
+            stop_server(decode)
+            stop_server(prefill)
+    if measured is not None:
+        _transfer_figures(results, *measured)
+    _print_table(results, ["colocated", *labels])
+    write_result(args.out, "pd_interference", args, results)
+
+
+def _transfer_figures(
+    results: dict[str, Any],
+    before: int,
+    lines: list[tuple[int, float, float]],
+    metrics_before: str,
+    metrics: str,
+    total_ttft_ms: float,
+) -> None:
     tokens, mb, ms = lines[before]
     prefill_s = _histogram_mean_between(metrics_before, metrics, "splitserve:prefill_time_seconds")
     transfers = [(m, t) for _, m, t in lines]
@@ -236,8 +271,6 @@ def main() -> None:
         "kv_transfer_gbps_median": kv_gbps, "ratio": kv_gbps / raw_gbps, "num_transfers": len(transfers),
     }  # fmt: skip
     print(json.dumps(results["transfer_4000"]), json.dumps(results["throughput"]))
-    _print_table(results)
-    write_result(args.out, "pd_interference", args, results)
 
 
 async def _one(url: str, prompt: str) -> list[float]:
@@ -252,15 +285,16 @@ def _histogram_mean_between(before: str, after: str, name: str) -> float | None:
     return (sum_samples(after, f"{name}_sum") - sum_samples(before, f"{name}_sum")) / num if num > 0 else None
 
 
-def _print_table(results: dict[str, Any]) -> None:
+def _print_table(results: dict[str, Any], labels: list[str]) -> None:
     print("\n| set-up | short streams alone: ITL p50 / p99 ms | with long prompts: ITL p50 / p99 ms | p99 ratio | "
-          "long prompts' TTFT p50 ms |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    for label in ("colocated", "disaggregated"):
-        alone, loaded = results[f"{label}/alone"], results[f"{label}/with_long"]
+          "long prompts' TTFT p50 ms | long prompts alone: TTFT p50 ms | remote prefills |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for label in labels:
+        alone, loaded, only = results[f"{label}/alone"], results[f"{label}/with_long"], results[f"{label}/long_only"]
         print(f"| {label} | {alone['itl_ms_p50']:.0f} / {alone['itl_ms_p99']:.0f} | {loaded['itl_ms_p50']:.0f} / "
               f"{loaded['itl_ms_p99']:.0f} | {loaded['itl_ms_p99'] / alone['itl_ms_p99']:.2f}x | "
-              f"{loaded['long_ttft_ms_p50']:.0f} |")  # fmt: skip
+              f"{loaded['long_ttft_ms_p50']:.0f} | {only['long_ttft_ms_p50']:.0f} | "
+              f"{results.get(f'{label}/remote_prefills', '-')} |")  # fmt: skip
 
 
 if __name__ == "__main__":
