@@ -137,7 +137,7 @@ def test_prefill_attention_kernel_matches_reference(kernels: NativeKernels, num_
         q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), HEAD_DIM**-0.5
     ) if num_q > 4 else out  # fmt: skip
     ours, theirs = (out.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
-    assert ours < 3e-2 and ours <= 2 * theirs + 1e-2, (ours, theirs)  # as close as PyTorch's bf16 flash kernel
+    assert ours < 3e-2 and ours <= 1.25 * theirs + 1e-3, (ours, theirs)  # as close as PyTorch's bf16 flash kernel
 
 
 def test_prefill_attention_kernel_declines_what_it_cannot_take(kernels: NativeKernels) -> None:

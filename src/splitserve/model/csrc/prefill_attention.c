@@ -55,6 +55,10 @@ static inline __m512 exp2_ps(__m512 t) {
     return _mm512_scalef_ps(p, n);
 }
 
+static inline __m512 bf16x16_to_ps(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* Sixteen vectors of 16 32-bit elements, transposed in place (row i, lane j -> row j, lane i). */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -205,10 +209,12 @@ static inline void probabilities(float s[KEYS][16], int masked, int64_t key0, __
             p0 = _mm512_maskz_mov_ps(visible[r], p0);
             p1 = _mm512_maskz_mov_ps(visible[r + 1], p1);
         }
-        sum0 = _mm512_add_ps(sum0, p0);
-        sum1 = _mm512_add_ps(sum1, p1);
         /* keys r and r+1 as row r/2 of the VNNI tile: [query][key pair] */
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0 in words 0-15, p1 in 16-31 */
+        /* the sum takes the probabilities as the tile multiplies them (rounded to bfloat16): the weights then
+         * sum to one exactly as used, which matters when one key dominates and its weight is not a power of 2 */
+        sum0 = _mm512_add_ps(sum0, bf16x16_to_ps(_mm512_castsi512_si256(both)));
+        sum1 = _mm512_add_ps(sum1, bf16x16_to_ps(_mm512_extracti64x4_epi64(both, 1)));
         _mm512_store_si512(pt[r / 2], _mm512_permutexvar_epi16(interleave, both));
     }
     st->l = _mm512_add_ps(st->l, _mm512_add_ps(sum0, sum1));
