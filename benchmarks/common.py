@@ -85,6 +85,20 @@ def bench_serve(url: str, model: str, label: str, args: Sequence[str]) -> dict[s
     return document
 
 
+def time_calls(owner: Any, name: str, part: str, spent: dict[str, float]) -> None:
+    """Replace ``owner.name`` by a wrapper that adds each call's seconds to ``spent[part]`` (profiling by part)."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[part] = spent.get(part, 0.0) + time.perf_counter() - began
+
+    setattr(owner, name, wrapper)
+
+
 def machine_description() -> str:
     cpu = "unknown CPU"
     try:

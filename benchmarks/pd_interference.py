@@ -214,8 +214,9 @@ def main() -> None:
         label = "disaggregated" if decision == "threshold" else f"disaggregated-{decision}"
         labels.append(label)
         p_port, d_port, router_port = free_port(), free_port(), free_port()
+        prefill_log = LOGS / f"pd-prefill-{decision}.log"
         prefill = start_server(worker_cmd(p_port, "0", "--role", "prefill", "--num-threads", "1"), p_port,
-                               LOGS / f"pd-prefill-{decision}.log")  # fmt: skip
+                               prefill_log)  # fmt: skip
         decode = start_server(worker_cmd(d_port, "1", "--role", "decode", "--num-threads", "1"), d_port,
                               LOGS / f"pd-decode-{decision}.log")  # fmt: skip
         router = start_server(router_cmd(router_port, "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
@@ -225,16 +226,15 @@ def main() -> None:
         url = f"http://127.0.0.1:{router_port}"
         try:
             load_pair(url, label)
-            results[f"{label}/remote_prefills"] = len(transfer_lines((LOGS / f"pd-prefill-{decision}.log").read_text()))
+            before = len(transfer_lines(prefill_log.read_text()))  # the load's remote prefills
+            results[f"{label}/remote_prefills"] = before
             if decision != "threshold":
                 continue
-            log = LOGS / f"pd-prefill-{decision}.log"
-            before = len(transfer_lines(log.read_text()))
             metrics_before = httpx.get(f"{url}/metrics", timeout=10).text
             began = time.perf_counter()
             times = asyncio.run(_one(url, prompts.make(4000)))
             total_ttft_ms = (times[0] - began) * 1000
-            lines = transfer_lines(log.read_text())
+            lines = transfer_lines(prefill_log.read_text())
             measured = (before, lines, metrics_before, httpx.get(f"{url}/metrics", timeout=10).text, total_ttft_ms)
         finally:
             stop_server(router)

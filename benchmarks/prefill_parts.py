@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, write_result
+from common import REPO, time_calls, write_result
 
 CONFIGS = ("native", "pytorch")
 
@@ -50,32 +50,17 @@ def measure(config: str, threads: int, prompt_tokens: int, repeats: int) -> dict
         )
     )
     spent: dict[str, float] = {}
-    inside_mlp = [False]
-
-    def timed(owner: Any, name: str, part: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            if part == "mlp":
-                inside_mlp[0] = True
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                took = time.perf_counter() - began
-                spent[part] = spent.get(part, 0.0) + took
-                if part == "mlp":
-                    inside_mlp[0] = False
-                elif part == "matmuls" and inside_mlp[0]:
-                    spent["mlp matmuls"] = spent.get("mlp matmuls", 0.0) + took
-
-        setattr(owner, name, wrapper)
-
-    timed(llama.Linear, "forward", "matmuls")
-    timed(llama.LlamaMLP, "forward", "mlp")
-    timed(attention, "_prefill_attention", "attention")
-    timed(llama, "apply_rotary", "rotary")
-    timed(llama, "add_rms_norm", "add + RMSNorm")
+    for part, (owner, name) in {
+        "matmuls": (llama.Linear, "forward"),
+        "mlp": (llama.LlamaMLP, "forward"),
+        "attention": (attention, "_prefill_attention"),
+        "rotary": (llama, "apply_rotary"),
+        "add + RMSNorm": (llama, "add_rms_norm"),
+    }.items():
+        time_calls(owner, name, part, spent)
+    for layer in eng.runner.model.layers:  # the MLP's own matmuls, also counted in "matmuls" (the class's wrapper)
+        time_calls(layer.mlp.gate_up_proj, "forward", "mlp matmuls", spent)
+        time_calls(layer.mlp.down_proj, "forward", "mlp matmuls", spent)
     rng = random.Random(0)
     runs: list[dict[str, float]] = []
     for i in range(repeats + 2):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, write_result
+from common import REPO, time_calls, write_result
 
 PEAK_FLOP_PER_CYCLE = {  # per core: vector FMA units x lanes x 2, or AMX's bf16 tile multiply
     "amx": 1024,
@@ -162,16 +162,7 @@ def profile(threads: int, quantization: str) -> dict[str, float]:
     spent: dict[str, float] = {}
 
     def timed(owner: Any, name: str, part: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[part] = spent.get(part, 0.0) + time.perf_counter() - began
-
-        setattr(owner, name, wrapper)
+        time_calls(owner, name, part, spent)
 
     model = eng.runner.model
     timed(llama.Linear, "forward", "matmuls (120 linear layers)")
