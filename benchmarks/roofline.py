@@ -54,12 +54,15 @@ def triad_gb_s(threads: int) -> float:
     return 3 * n * 4 / statistics.median(times) / 1e9
 
 
-def engine(threads: int, quantization: str = "auto") -> Any:
+def engine(threads: int, quantization: str = "auto", dtype: str = "auto") -> Any:
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from splitserve.worker.build import build_engine
 
+    model = ModelConfig(
+        model="smollm2", max_model_len=4096, num_threads=threads, quantization=quantization, dtype=dtype
+    )
     config = EngineConfig(
-        model=ModelConfig(model="smollm2", max_model_len=4096, num_threads=threads, quantization=quantization),
+        model=model,
         cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
     )
@@ -67,12 +70,16 @@ def engine(threads: int, quantization: str = "auto") -> Any:
 
 
 def prefill_isa(isa_class: str, dtype: str) -> str:
-    """The instruction set prefill matmuls run on: AMX tiles for bfloat16 on AMX CPUs, else the vector width."""
+    """The instruction set prefill matmuls run on: AMX tiles for bfloat16 on AMX CPUs, else the vector width
+    PyTorch runs (``ATEN_CPU_CAPABILITY`` may hold it below the CPU's, as ``serving_vs_peers.py --isa avx2``)."""
+    import torch
+
     if isa_class == "amx" and dtype == "torch.bfloat16":
         return "amx"
-    if isa_class.startswith("avx512"):
+    capability = torch.backends.cpu.get_cpu_capability()
+    if isa_class.startswith(("amx", "avx512")) and capability.startswith("AVX512"):
         return "avx512"
-    return "avx2" if isa_class == "avx2" else "neon"
+    return "avx2" if capability == "AVX2" else "neon"
 
 
 def cpu_mhz() -> float:
@@ -114,10 +121,10 @@ def run_one(eng: Any, request_id: str, num_prompt: int, max_tokens: int) -> list
     return times
 
 
-def measure(threads: int) -> dict[str, Any]:
+def measure(threads: int, dtype: str) -> dict[str, Any]:
     from splitserve.model.kernels import detect_cpu, native
 
-    eng = engine(threads)
+    eng = engine(threads, dtype=dtype)
     results: dict[str, Any] = {"triad_gb_s": triad_gb_s(threads)}
     run_one(eng, "warm", 64, 4)
     began = time.perf_counter()
@@ -151,14 +158,14 @@ def measure(threads: int) -> dict[str, Any]:
     return results
 
 
-def profile(threads: int, quantization: str) -> dict[str, float]:
+def profile(threads: int, quantization: str, dtype: str) -> dict[str, float]:
     """Per-part times of a single-stream decode step (ms), by wrapping the functions that do each part."""
     import torch
 
     from splitserve.engine.sampling_params import SamplingParams
     from splitserve.model import llama
 
-    eng = engine(threads, quantization)
+    eng = engine(threads, quantization, dtype)
     spent: dict[str, float] = {}
 
     def timed(owner: Any, name: str, part: str) -> None:
@@ -199,6 +206,7 @@ def profile(threads: int, quantization: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="float32 for the AVX2 class (see serving_vs_peers.py --isa)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "roofline.json")
     args = parser.parse_args()
@@ -206,16 +214,18 @@ def main() -> None:
         quantization, _, step = args.child.partition(":")
         if step == "0":
             os.environ["SPLITSERVE_DECODE_STEP"] = "0"
-        print(json.dumps(profile(args.threads, quantization)))
+        print(json.dumps(profile(args.threads, quantization, args.dtype)))
         return
-    results: dict[str, Any] = {"roofline": measure(args.threads), "profiles": {}}
+    results: dict[str, Any] = {"roofline": measure(args.threads, args.dtype), "profiles": {}}
     print(json.dumps(results["roofline"], indent=2), flush=True)
     for label, child in (
         ("before: bf16 + PyTorch int4, module by module", "int4:0"),
         ("quantized kernels, module by module", "auto:0"),
         ("quantized kernels, one-call decode step (default)", "auto:1"),
     ):
-        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", child]
+        if child.startswith("int4") and args.dtype not in ("auto", "bfloat16"):
+            continue  # PyTorch's int4 kernel was the bfloat16 path
+        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--dtype", args.dtype, "--child", child]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results["profiles"][label] = json.loads(out.strip().splitlines()[-1])
         print(label, results["profiles"][label], flush=True)

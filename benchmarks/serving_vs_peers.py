@@ -15,6 +15,14 @@ reads, with 2 threads, ``--parallel 16`` and continuous batching. ``scripts/setu
 runs in its best configuration here: every core (``VLLM_CPU_OMP_THREADS_BIND``, no reserved CPU), bfloat16
 where the CPU has AVX-512 BF16, else float32. Results (with ``lscpu``'s model name and flags) go to
 ``benchmarks/results/serving_vs_peers.json``.
+
+``--isa avx2`` stands in for the AVX2 class on an AVX-512 machine: every system is held to AVX2 (+FMA, F16C).
+splitserve loads its ``avx2`` kernel build and runs float32 (what ``--dtype auto`` picks without AVX-512
+BF16); PyTorch's own kernels, oneDNN and MKL are capped at AVX2 by their environment variables, in splitserve
+and in vLLM (float32), which also loads its ``_C_AVX2`` kernel library (``avx2_stand_in/sitecustomize.py``
+makes PyTorch's CPU probes answer as an AVX2 CPU's); llama.cpp runs the build of ``LLAMA_ISA=avx2
+scripts/build_llama_server.sh``. Caches, memory and clock stay this machine's: it measures the code paths, not
+an AMD CPU.
 """
 
 from __future__ import annotations
@@ -36,6 +44,13 @@ import httpx
 from common import REPO, SPLITSERVE, bench_serve, free_port, machine_description, start_server, stop_server
 
 CPU_COUNT = os.cpu_count() or 1
+# --isa avx2: PyTorch's ATen kernels, oneDNN and MKL held to AVX2, and splitserve's avx2 kernel build
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "SPLITSERVE_KERNEL_ISA": "avx2",
+}
 SINGLE = [
     "--dataset",
     "random",
@@ -106,12 +121,12 @@ def prompt_ttfts(url: str, model: str) -> tuple[float, float]:
     return statistics.median(cold), statistics.median(cached)
 
 
-def run_splitserve(dtype: str, quantization: str, logs: Path) -> dict[str, Any]:
+def run_splitserve(dtype: str, quantization: str, logs: Path, env: dict[str, str]) -> dict[str, Any]:
     port = free_port()
     cmd = [*SPLITSERVE, "worker", "--model", "smollm2", "--port", str(port), "--dtype", dtype]
     cmd += ["--quantization", quantization, "--max-model-len", "4096"]
     label = f"splitserve-{dtype}-{quantization}"
-    proc = start_server(cmd, port, logs / f"{label}.log")
+    proc = start_server(cmd, port, logs / f"{label}.log", env=env)
     try:
         return bench_endpoint(f"http://127.0.0.1:{port}", "smollm2", label)
     finally:
@@ -168,23 +183,23 @@ def export_hf_folder(folder: Path) -> None:
     tokenizer.hf.save_pretrained(folder)
 
 
-def run_llama_server(binary: str, logs: Path) -> dict[str, Any]:
+def run_llama_server(binary: str, logs: Path, env: dict[str, str]) -> dict[str, Any]:
     """llama.cpp on the GGUF splitserve reads: 2 threads, 16 slots of 4,096 tokens, continuous batching."""
     from splitserve.model.source import resolve_model
 
     port = free_port()
     cmd = [binary, "-m", str(resolve_model("smollm2").path), "--port", str(port), "-t", str(CPU_COUNT)]
     cmd += ["--parallel", "16", "-c", str(16 * 4096), "--cont-batching", "--alias", "smollm2"]
-    proc = start_server(cmd, port, logs / "llama-server.log")
+    proc = start_server(cmd, port, logs / "llama-server.log", env=env)
     try:
         return bench_endpoint(f"http://127.0.0.1:{port}", "smollm2", "llama-server")
     finally:
         stop_server(proc)
 
 
-def vllm_dtype() -> str:
+def vllm_dtype(isa: str) -> str:
     """vLLM's best dtype here: bfloat16 only where the CPU computes it natively (AVX-512 BF16)."""
-    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
+    return "bfloat16" if isa == "native" and "avx512_bf16" in cpu_flags() else "float32"
 
 
 def cpu_flags() -> set[str]:
@@ -201,7 +216,7 @@ def lscpu() -> dict[str, str]:
     return {"model_name": fields.get("Model name", "").strip(), "flags": fields.get("Flags", "").strip()}
 
 
-def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str) -> dict[str, Any]:
+def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str, dtype: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "smollm2-hf"
         export_hf_folder(folder)
@@ -217,7 +232,7 @@ def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str) -> d
             "--port",
             str(port),
             "--dtype",
-            vllm_dtype(),
+            dtype,
             "--max-model-len",
             "4096",
         ]
@@ -234,6 +249,9 @@ def main() -> None:
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (scripts/build_llama_server.sh)")
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu installed")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--isa", choices=("native", "avx2"), default="native", help="avx2: hold every system to AVX2 (see above)"
+    )
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serving_vs_peers.json")
     args = parser.parse_args()
@@ -244,18 +262,24 @@ def main() -> None:
         "machine": machine_description(),
         "lscpu": lscpu(),
         "dtype": args.dtype,
+        "isa": args.isa,
     }
+    isa_env = AVX2_ENV if args.isa == "avx2" else {}
+    dtype = "float32" if args.isa == "avx2" and args.dtype == "auto" else args.dtype
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("splitserve", lambda: run_splitserve(args.dtype, "auto", logs)),
-        ("splitserve-unquantized", lambda: run_splitserve(args.dtype, "none", logs)),
+        ("splitserve", lambda: run_splitserve(dtype, "auto", logs, isa_env)),
+        ("splitserve-unquantized", lambda: run_splitserve(dtype, "none", logs, isa_env)),
     ]
     if args.llama_server:
-        runs.append(("llama.cpp", lambda: run_llama_server(args.llama_server, logs)))
+        runs.append(("llama.cpp", lambda: run_llama_server(args.llama_server, logs, isa_env)))
     if args.vllm_python:
-        both = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{CPU_COUNT - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        runs.append((f"vllm-{vllm_dtype()}", lambda: run_vllm(args.vllm_python, logs, both, "vllm")))
+        both = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{CPU_COUNT - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **isa_env}
+        if args.isa == "avx2":
+            both["PYTHONPATH"] = str(REPO / "benchmarks" / "avx2_stand_in")
+        vdtype = vllm_dtype(args.isa)
+        runs.append((f"vllm-{vdtype}", lambda: run_vllm(args.vllm_python, logs, both, "vllm", vdtype)))
     if args.transformers:
-        runs.append(("transformers", lambda: run_transformers("bfloat16" if args.dtype == "auto" else args.dtype)))
+        runs.append(("transformers", lambda: run_transformers("bfloat16" if dtype == "auto" else dtype)))
     for name, run in runs:
         results[name] = run()
         print(name, results[name], flush=True)

