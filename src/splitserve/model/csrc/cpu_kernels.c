@@ -358,9 +358,10 @@ DEFINE_PARTITION(partition_bf16, uint16_t, bf16_to_f32)
 DEFINE_PARTITION(partition_f32, float, LOAD_F32)
 
 /* Tokens per work item: PARTITION, halved while the step would have fewer than MIN_ITEMS_PER_THREAD items per
- * thread and the half is still a whole number of blocks. */
+ * thread and the half is still a whole number of blocks. One thread keeps whole partitions (nothing to share). */
 static int64_t partition_size(const int64_t *lens, int num_seqs, int block_size, int num_threads) {
     int64_t part = PARTITION;
+    if (num_threads < 2) return part;
     for (;;) {
         int64_t items = 0;
         for (int b = 0; b < num_seqs; b++) items += (lens[b] + part - 1) / part;
