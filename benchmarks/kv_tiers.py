@@ -14,7 +14,8 @@ Sources:
 - engine prefix cache: worker A, the same prompt again at once.
 - L2 Redis: worker B (fresh process, empty L1, the same Redis), the prompts A computed.
 - L2 disk: worker D2 (fresh process, empty L1), the directory worker D1 filled by computing the prompts.
-- L1: worker C, whose engine KV cache holds ~3,000 tokens (``--kv-cache-memory 68MiB``) and an L1 of 2 GiB;
+- L1: worker C, whose engine KV cache holds ~3,000 tokens (``--kv-cache-memory 68MiB``; 136MiB for a float32
+  cache) and an L1 of 2 GiB;
   every prompt is computed once, and asked again after two other prompts have evicted it from the engine.
 """
 
@@ -58,7 +59,8 @@ NUM_FACTS = 130  # about 2,500 tokens
 TOPICS = ("apricot", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor")
 COLORS = ("red", "blue", "green", "amber", "violet", "teal", "ochre", "grey")
 BASE_ARGS = ["--model", MODEL, "--num-threads", "2"]  # the default dtype: bfloat16 on this machine
-SMALL_ENGINE_CACHE = ["--max-model-len", "3072", "--kv-cache-memory", "68MiB"]  # 193 blocks of 16 tokens
+# 193 blocks of 16 tokens in bfloat16, twice the bytes for a float32 KV cache (the AVX2 class)
+SMALL_ENGINE_CACHE_MIB = 68
 
 # the record of one 256-token chunk of SmolLM2 (30 layers, 3 KV heads of 64) in bfloat16: 5.9 MB
 CHUNK_SHAPE = (30, 2, 256, 3, 64)
@@ -196,7 +198,9 @@ def measure_ttft(redis_url: str, logs: Path, disk_dir: Path) -> dict[str, list[S
         samples["cold_disk_worker"] = each_prompt(prompts, d1.ask)
     with worker(disk_l2, logs / "kv-tiers-d2.log") as d2:
         samples["l2_disk"] = each_prompt(prompts, d2.ask)
-    with worker([*SMALL_ENGINE_CACHE, "--l1-cache", "--l1-cache-bytes", "2GiB"], logs / "kv-tiers-c.log") as c:
+    small_mib = SMALL_ENGINE_CACHE_MIB * (2 if logged_dtype(logs / "kv-tiers-a.log") == "torch.float32" else 1)
+    small_cache = ["--max-model-len", "3072", "--kv-cache-memory", f"{small_mib}MiB"]
+    with worker([*small_cache, "--l1-cache", "--l1-cache-bytes", "2GiB"], logs / "kv-tiers-c.log") as c:
         samples["cold_small_cache_worker"] = each_prompt(prompts, c.ask)
         samples["l1"] = each_prompt(prompts, c.ask)  # two prompts later, nothing of it is left in the engine
     return samples
