@@ -36,37 +36,32 @@ from splitserve.model.source import resolve_model
 ROWS = (1, 16, 256)
 
 
-def shapes() -> dict[str, GGUFRows]:
-    path = resolve_model("smollm2").path
-    config, _ = load_gguf(path)
-    weights = load_gguf_quantized(path, config)
-    layer = "model.layers.0."
-    fused = GGUFRows.concat([weights[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"])
-    gate_up = GGUFRows.concat([weights[layer + f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
-    assert fused is not None and gate_up is not None
-    return {
-        "qkv": fused,
-        "o": weights[layer + "self_attn.o_proj.weight"],
-        "gate_up": gate_up,
-        "down": weights[layer + "mlp.down_proj.weight"],
-        "head (Q8_0)": weights["model.embed_tokens.weight"],
-    }
+# Each decode-step matmul of a layer and the HF weights it stacks, as the model fuses them
+LAYER_MATMULS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
 
 
-def model_matrices() -> list[GGUFRows]:
+def model_matrices() -> list[tuple[str, GGUFRows]]:
     """Every matmul of a decode step in order, fused as the model runs them, and the output head last."""
     path = resolve_model("smollm2").path
     config, _ = load_gguf(path)
     weights = load_gguf_quantized(path, config)
-    out: list[GGUFRows] = []
+    out: list[tuple[str, GGUFRows]] = []
     for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-                      ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)):  # fmt: skip
-            rows = [weights[layer + part + ".weight"] for part in parts]
-            fused = GGUFRows.concat(rows)
-            out += [fused] if fused is not None else rows
-    return [*out, weights["model.embed_tokens.weight"]]
+        for name, parts in LAYER_MATMULS.items():
+            fused = GGUFRows.concat([weights[f"model.layers.{i}.{part}.weight"] for part in parts])
+            assert fused is not None, f"layer {i} {name}: parts of different formats"
+            out.append((name, fused))
+    return [*out, ("head (Q8_0)", weights["model.embed_tokens.weight"])]
+
+
+def shapes(matrices: list[tuple[str, GGUFRows]]) -> dict[str, GGUFRows]:
+    """Layer 0's matmuls and the output head."""
+    return dict([*matrices[: len(LAYER_MATMULS)], matrices[-1]])
 
 
 def median_s(fn: Callable[[], Any], budget_s: float = 0.3) -> float:
@@ -88,7 +83,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu = detect_cpu()
     results: dict[str, Any] = {"cpu": cpu.model_name, "isa_class": cpu.isa_class, "rows": {}}
-    weights = shapes()
+    matrices = model_matrices()
+    weights = shapes(matrices)
     for level in cpu.levels:
         kernels = kernels_for(level)
         if kernels is None:
@@ -112,12 +108,11 @@ def main() -> None:
                 print(f"{level.name:9s} {name:12s} m={m:<4d} {row['us']:9.1f} us {row['gb_s']:6.1f} GB/s "
                       f"{row['gmac_s']:6.1f} GMAC/s   torch f32 {row['torch_f32_us']:9.1f} us", flush=True)  # fmt: skip
     results["model_pass"] = {}
-    matrices = model_matrices()
     for level in cpu.levels:
         kernels = kernels_for(level)
         if kernels is None or level.name == "scalar":
             continue
-        packed_all = [kernels.pack(w.rows, w.wtype, w.k) for w in matrices]
+        packed_all = [kernels.pack(w.rows, w.wtype, w.k) for _, w in matrices]
         total = sum(p.nbytes for p in packed_all)
         for m in (1, 4, 16):
             inputs = {p.k: torch.randn(m, p.k) for p in packed_all}
