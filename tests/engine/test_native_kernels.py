@@ -87,7 +87,7 @@ def test_decode_kernel_matches_reference_and_torch_path(
     qk = torch.randn(len(lengths), HEADS + KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(dtype)
     q = qk[:, :HEADS]
     scale = HEAD_DIM**-0.5
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK, scale)
+    out = kernels.paged_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK, scale)
     assert out is not None and out.dtype == dtype and out.shape == (len(lengths), HEADS, HEAD_DIM)
     torch_out = attention._decode_attention_torch(q, k_cache, v_cache, decode, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -101,10 +101,7 @@ def test_decode_kernel_declines_what_it_cannot_take(kernels: NativeKernels) -> N
     k_cache, v_cache = _cache(4, torch.float16)
     decode = _decode_batch([10], 4)
     q = torch.randn(1, HEADS, HEAD_DIM, dtype=torch.float16)
-    assert (
-        kernels.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK, 1.0)
-        is None
-    )
+    assert kernels.paged_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK, 1.0) is None
     # the attention entry point then takes the PyTorch path
     out = attention._decode_attention(q, k_cache, v_cache, decode, 1.0)
     assert out.shape == (1, HEADS, HEAD_DIM)
@@ -293,6 +290,7 @@ def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
 
 SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                    "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}  # fmt: skip
+ZEN_4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
 
 
 @pytest.mark.parametrize(
@@ -300,6 +298,7 @@ SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "av
     [
         ("x86_64", {"avx2", "fma", "f16c"}, ["scalar", "avx2"], "avx2"),
         ("x86_64", SAPPHIRE_RAPIDS, ["scalar", "avx2", "avxvnni", "avx512", "amx"], "amx"),
+        ("x86_64", ZEN_4, ["scalar", "avx2", "avx512"], "avx512-bf16"),
         ("x86_64", {"sse2"}, ["scalar"], "scalar"),
         ("aarch64", {"asimd", "asimddp"}, ["scalar", "neon", "neon-dotprod"], "neon-dotprod"),
         ("riscv64", set(), ["scalar"], "scalar"),

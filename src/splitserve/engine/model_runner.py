@@ -15,7 +15,7 @@ import torch
 from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
 from splitserve.model.kernels import native
 from splitserve.model.llama import LlamaForCausalLM
 
@@ -147,13 +147,32 @@ class ModelRunner:
             if s.completes_prompt:
                 sample_indices.append(offset - 1)
                 sampled.append(s)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.device.type == "cpu":
+            meta.rows = self._step_rows(decodes + prefills, meta.decode if not prefills else None, position_ids)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            positions=position_ids,
             meta=meta,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=self.device),
             sampled=sampled,
         )
+
+    def _step_rows(
+        self, scheduled: list[ScheduledRequest], decode: DecodeBatch | None, positions: torch.Tensor
+    ) -> StepRows:
+        """The step row by row: each token's block table (its request's) and context (itself and before)."""
+        if decode is not None:  # decodes only: one row per sequence, tables as the decode batch has them
+            return StepRows(decode.block_tables, torch.arange(len(scheduled)), decode.context_lens)
+        ends = [s.request.num_computed_tokens + s.num_new_tokens for s in scheduled]
+        max_blocks = -(-max(ends) // self.block_size)
+        tables = []
+        for s, end in zip(scheduled, ends, strict=True):
+            row = s.block_ids[: -(-end // self.block_size)]
+            tables.append(row + [0] * (max_blocks - len(row)))
+        counts = torch.tensor([s.num_new_tokens for s in scheduled])
+        row_seq = torch.repeat_interleave(torch.arange(len(scheduled)), counts)
+        return StepRows(torch.tensor(tables, dtype=torch.long), row_seq, positions + 1)
 
     def _slots_for(self, scheduled: list[ScheduledRequest], positions: list[int]) -> torch.Tensor:
         """The KV slot of every input token: its block (from the request's table) and offset in it."""

@@ -5,10 +5,12 @@ The KV cache of one layer is two tensors ``k_cache`` and ``v_cache`` of shape
 slot ``block_table[p // block_size] * block_size + p % block_size``. The runner builds one
 ``AttentionMetadata`` per step, shared by every layer.
 
-Decode attention runs in the native kernel (``kernels.py``), which reads each sequence's blocks in place;
-where it is unavailable, the PyTorch path gathers the contexts into a padded batch and runs SDPA. Prefill
-attention in bfloat16 runs on AMX tiles where the CPU has them (``csrc/prefill_attention.c``), and elsewhere in
-PyTorch's fused (flash) SDPA over the chunk's gathered context.
+A model with the GGUF's quantized blocks runs whole steps in the native forward step, whose attention reads
+``AttentionMetadata.rows``: every token a query over its own context, computed the same way in a decode step
+and in a prefill chunk. The module path (float models, and a fallback) reads the rest: decode attention in the
+same native kernel, which reads each sequence's blocks in place, or where it is unavailable a padded gather and
+SDPA; prefill attention in bfloat16 on AMX tiles where the CPU has them (``csrc/prefill_attention.c``), and
+elsewhere in PyTorch's fused (flash) SDPA over the chunk's gathered context.
 
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
 in the order of ``prefills``.
@@ -58,11 +60,21 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class StepRows:
+    """Every token of a step as one query row over its own context: what the native forward step reads."""
+
+    block_tables: torch.Tensor  # [S, max_blocks] int64: a table per scheduled sequence, rows padded with 0
+    row_seq: torch.Tensor  # [T] int64: the table of each token
+    context_lens: torch.Tensor  # [T] int64: the token attends to positions 0 .. len - 1, its own included
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each input token's K/V is written
     num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
     decode: DecodeBatch | None  # present when num_decode_tokens > 0
     prefills: list[PrefillChunk]
+    rows: StepRows | None = None  # the same step row by row (CPU), for the native forward step
 
 
 def write_kv(
@@ -103,7 +115,7 @@ def _decode_attention(
 ) -> torch.Tensor:  # [B, H, D]
     kernels = native() if q.device.type == "cpu" else None
     if kernels is not None:
-        out = kernels.paged_decode_attention(
+        out = kernels.paged_attention(
             q, k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
         )
         if out is not None:

@@ -7,6 +7,7 @@ set of compiler flags the code's ``#if`` branches key on (``csrc/common.h``):
 - ``avx2``: x86 with AVX2 + FMA + F16C (Haswell, Zen 1-3: the common cloud baseline);
 - ``avxvnni``: the same with AVX-VNNI's 8-bit dot products (Alder Lake and later without AVX-512);
 - ``avx512``: x86 with AVX-512 F/BW/VL/DQ and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later);
+- ``amx``: the same with AMX tiles (Sapphire Rapids and later);
 - ``neon``, ``neon-dotprod``: ARMv8, and ARMv8.2 with 8-bit dot products (Graviton 2 and later).
 
 ``detect_cpu()`` reads the CPU's features once; ``native()`` loads the best level the CPU runs, or the one
@@ -44,7 +45,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# -ffp-contract=off: a * b + c is fused only where the source says so (an fma intrinsic), the same in every
+# copy of a function, so that results do not depend on how the compiler inlined it
+BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +186,18 @@ def select_level(cpu: CpuInfo) -> IsaLevel:
 
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# q, q_row_stride, k_cache, v_cache, tables, max_blocks, lens, out, num_seqs, num_heads, num_kv_heads,
+# q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows, num_heads, num_kv_heads,
 # head_dim, block_size, scale, num_threads
-_DECODE_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I, _I, _I, _I, _I, _F, _I]
+_ATTENTION_ARGTYPES: list[type[_SimpleCData[Any]]] = [
+    _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I
+]  # fmt: skip
 # x, delta, weight, out, num_rows, n, eps, num_threads
 _NORM_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _P, _P, _P, _I64, _I64, _F, _I]
 # x, x_dtype, x_stride, m, k, w, wtype, n, y, out_dtype, ldy, scratch, num_threads
 _QMATMUL_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _I, _I64, _I64, _I64, _P, _I, _I64, _P, _I, _I64, _P, _I]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Paged attention's partition (csrc/cpu_kernels.c PARTITION): block sizes must divide it
+ATTENTION_PARTITION_TOKENS = 256
 # GGML type numbers of the weight formats the quantized matmul takes
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
@@ -216,12 +223,12 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL, level: IsaLevel) -> None:
         self.level = level
-        self.decode = {
-            torch.bfloat16: library.paged_decode_attention_bf16,
-            torch.float32: library.paged_decode_attention_f32,
+        self.attention = {
+            torch.bfloat16: library.ss_paged_attention_bf16,
+            torch.float32: library.ss_paged_attention_f32,
         }
-        for fn in self.decode.values():
-            fn.argtypes = _DECODE_ARGTYPES
+        for fn in self.attention.values():
+            fn.argtypes = _ATTENTION_ARGTYPES
             fn.restype = ctypes.c_int
         # keyed by the output dtype, which the delta shares; the residual stream is always float32. These are
         # the model's two layouts: float32 throughout, and a float32 stream with bfloat16 matmul inputs
@@ -244,9 +251,12 @@ class NativeKernels:
         self._repack = library.ss_repack
         self._repack.argtypes = [_P, _I, _I64, _I64, _P]
         self._repack.restype = ctypes.c_int
-        self.decode_step = library.ss_decode_step
-        self.decode_step.argtypes = [_P, _P, _I, _P, _P, _P, _I64, _P, _P, _I]
-        self.decode_step.restype = ctypes.c_int
+        self.forward_step = library.ss_forward_step
+        self.forward_step.argtypes = [_P, _P, _I, _P, _P, _P, _I64, _P, _P, _P, _I]
+        self.forward_step.restype = ctypes.c_int
+        self._dot_rows = library.ss_dot_rows_f32
+        self._dot_rows.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I]
+        self._dot_rows.restype = None
         self._prefill = library.ss_prefill_attention_bf16
         self._prefill.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I, _I, _I, _F, _I]
         self._prefill.restype = ctypes.c_int
@@ -418,19 +428,24 @@ class NativeKernels:
         )  # fmt: skip
         return out if status == 0 else None
 
-    def paged_decode_attention(
+    def paged_attention(
         self,
-        q: torch.Tensor,  # [B, H, D], heads packed; rows may be strided
-        k_cache: torch.Tensor,  # [slots, Hkv, D] contiguous
+        q: torch.Tensor,  # [T, H, D], heads packed; rows may be strided
+        k_cache: torch.Tensor,  # [slots, Hkv, D] contiguous, the rows' own K/V already written
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,  # [B, max_blocks] int64 contiguous
-        context_lens: torch.Tensor,  # [B] int64: tokens each query attends to, its own included
+        block_tables: torch.Tensor,  # [S, max_blocks] int64 contiguous
+        context_lens: torch.Tensor,  # [T] int64: tokens each query attends to, its own included
         block_size: int,
         scale: float,
+        row_seq: torch.Tensor | None = None,  # [T] int64: each row's table (None: row i uses table i)
     ) -> torch.Tensor | None:
-        """[B, H, D] attention output, or None when these tensors are not ones the kernel takes."""
-        fn = self.decode.get(q.dtype)
-        num_seqs, num_heads, head_dim = q.shape
+        """[T, H, D] attention output, or None when these tensors are not ones the kernel takes.
+
+        Each row's result depends on its query, its context length and the cache alone (``csrc/cpu_kernels.c``):
+        the same bits whichever rows run beside it and however many threads run them.
+        """
+        fn = self.attention.get(q.dtype)
+        num_rows, num_heads, head_dim = q.shape
         if (
             fn is None
             or q.device.type != "cpu"
@@ -438,18 +453,43 @@ class NativeKernels:
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or q.stride(2) != 1
             or q.stride(1) != head_dim
-            or block_tables.dtype != torch.int64
-            or context_lens.dtype != torch.int64
-            or not (block_tables.is_contiguous() and context_lens.is_contiguous())
+            or not _int64_rows(block_tables, context_lens, row_seq)
         ):
             return None
-        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
+        out = torch.empty(num_rows, num_heads, head_dim, dtype=q.dtype)
         status = fn(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-            num_seqs, num_heads, k_cache.shape[1], head_dim, block_size, scale, torch.get_num_threads(),
+            block_tables.data_ptr(), block_tables.shape[1], None if row_seq is None else row_seq.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, k_cache.shape[1], head_dim, block_size,
+            scale, torch.get_num_threads(),
         )  # fmt: skip
         return out if status == 0 else None
+
+    def dot_rows(self, x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """``out[i, j] = x[i] . weight[rows[i, j]]`` in float32, each dot product in one fixed order (so a row's
+        values never depend on the others or the thread count); None where the kernel does not apply."""
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or rows.dtype != torch.int64
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or rows.dim() != 2
+            or rows.shape[0] != x.shape[0]
+            or weight.shape[1] != x.shape[1]
+            or not (x.is_contiguous() and weight.is_contiguous() and rows.is_contiguous())
+        ):
+            return None
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        self._dot_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), rows.data_ptr(), rows.shape[1], out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def _int64_rows(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.int64 and t.is_contiguous()) for t in tensors)
 
 
 class _Layer(ctypes.Structure):
@@ -471,8 +511,8 @@ class _Model(ctypes.Structure):
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeLayer:
-    """One decoder layer's tensors for ``DecodeStep``: float32 norm weights and packed matmul weights."""
+class StepLayer:
+    """One decoder layer's tensors for ``ForwardStep``: float32 norm weights and packed matmul weights."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -482,8 +522,9 @@ class DecodeLayer:
     down: PackedWeight
 
 
-class DecodeStep:
-    """A whole decode step in one native call (``csrc/decode_step.c``), over the model's tensors.
+class ForwardStep:
+    """A whole step, decode rows and prefill chunks alike, in one native call (``csrc/forward_step.c``), over
+    the model's tensors: every row computed from that row alone, in one fixed order.
 
     Built once per model and KV cache; holds references to every tensor it points at, so they outlive it.
     """
@@ -491,7 +532,7 @@ class DecodeStep:
     def __init__(
         self,
         kernels: NativeKernels,
-        layers: list[DecodeLayer],
+        layers: list[StepLayer],
         final_norm: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [max_positions, head_dim] float32
         kv_cache: torch.Tensor,  # [layers, 2, slots, kv_heads, head_dim]
@@ -515,22 +556,25 @@ class DecodeStep:
             kv_cache.shape[2], _DTYPE_CODES[kv_cache.dtype], block_size,
         )  # fmt: skip
         self.hidden = hidden
-        self._fn = kernels.decode_step
+        self._fn = kernels.forward_step
 
     def __call__(
         self,
-        x: torch.Tensor,  # [B, hidden] float32 embeddings, overwritten
-        positions: torch.Tensor,  # [B] int64
-        slots: torch.Tensor,  # [B] int64
-        block_tables: torch.Tensor,  # [B, max_blocks] int64
-        context_lens: torch.Tensor,  # [B] int64
+        x: torch.Tensor,  # [T, hidden] float32 embeddings, overwritten
+        positions: torch.Tensor,  # [T] int64
+        slots: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [S, max_blocks] int64
+        row_seq: torch.Tensor,  # [T] int64: the table of each row
+        context_lens: torch.Tensor,  # [T] int64: what each row attends to, itself included
     ) -> torch.Tensor | None:
-        """The final-normed hidden states [B, hidden] float32, or None where the step cannot run here."""
+        """The final-normed hidden states [T, hidden] float32, or None where the step cannot run here."""
+        if not _int64_rows(positions, slots, block_tables, row_seq, context_lens):
+            return None
         out = torch.empty_like(x)
         status = self._fn(
             ctypes.byref(self._model), x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-            torch.get_num_threads(),
+            block_tables.data_ptr(), block_tables.shape[1], row_seq.data_ptr(), context_lens.data_ptr(),
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out if status == 0 else None
 

@@ -17,7 +17,14 @@ from torch import nn
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.model.config import LlamaConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
-from splitserve.model.kernels import DecodeLayer, DecodeStep, NativeKernels, PackedWeight, native
+from splitserve.model.kernels import (
+    ATTENTION_PARTITION_TOKENS,
+    ForwardStep,
+    NativeKernels,
+    PackedWeight,
+    StepLayer,
+    native,
+)
 from splitserve.model.quant import GGUFRows
 
 # Matmuls with at most this many rows use 4-bit weights when the layer has them (see ``model/int4.py``):
@@ -26,21 +33,12 @@ from splitserve.model.quant import GGUFRows
 INT4_MAX_ROWS = 4
 # With low-precision weights, this many top logits per row are recomputed in float32 (see compute_logits).
 REFINE_TOP_K = 32
-# Steps that carry prompt tokens (prefill chunks) run their matmuls in --dtype from the dequantized weights;
-# pure decode steps use the GGUF's quantized blocks. Prefill stays as exact as the float model, and its first
-# token with it: 8-bit activations move each matmul by about 0.5%, enough to flip a near-tied first token
-# ("What is the capital of France?" starts "L'" instead of "The capital" in float32). Where oneDNN runs
-# bfloat16 in hardware (AVX-512 BF16, AMX), decode batches of more than QUANT_MAX_ROWS_BESIDE_BF16 rows use
-# the bf16 weights too: one SmolLM2 MLP matmul on 2 AMX cores takes 0.10 ms quantized vs 0.12 ms in bf16 at
-# 16 rows, 0.34 vs 0.14 ms at 32. Elsewhere (AVX2, AVX-512 without BF16, ARM) quantized decode always wins.
-QUANT_MAX_ROWS_BESIDE_BF16 = 16
-QUANT_MAX_ROWS = 1 << 62  # no limit
-# A float step of this many rows (the last token of a prompt whose every other token was cached) reads the
-# quantized blocks with float activations (NativeKernels.quant_matmul): the float model's arithmetic from
-# 4-bit weights' memory traffic. One row through SmolLM2's 120 matmuls on 2 AMX cores: 11 ms against 30 ms for
-# oneDNN's pre-packed bfloat16, whose weights (212 MB) no cache holds; the kernel converts every weight to
-# float, so from 2 rows on it loses that lead (a 3072 x 576 matmul: 125 us for 1 row, 407 us for 4).
-FLOAT_ACTIVATION_MAX_ROWS = 1
+# With the GGUF's quantized blocks, every step (decode rows, prefill chunks, the one token a cached prompt
+# recomputes) runs through the one native forward step (``ForwardStep``): 8-bit activations and integer block
+# products, as llama.cpp computes, every row on its own in one fixed order. That is what makes a token's K/V
+# and logits the same bits on every path (cold, cached, chunked, batched, migrated, another worker's prefill)
+# and at any thread count. The float prefill this replaced had the float model's first token but another
+# arithmetic than decode's, so a prefix-cache hit could change the answer.
 
 
 class Linear(nn.Linear):
@@ -48,16 +46,15 @@ class Linear(nn.Linear):
 
     ``pack()``: plain ``F.linear`` in bfloat16 on CPU re-lays-out the weight on every call; packing it once
     for oneDNN (as Inductor's freezing pass does) makes bfloat16 matmuls 2-4x faster on CPUs with AVX-512
-    BF16 / AMX. ``set_quantized()``: decode steps read the GGUF's quantized blocks through the native kernels
+    BF16 / AMX. ``set_quantized()``: every matmul reads the GGUF's quantized blocks through the native kernels
     (``model/quant.py``). ``set_int4()``: decode-sized inputs (few rows) read 4-bit weights through PyTorch's
-    int4 kernel instead. The original ``weight`` stays for ``state_dict``, prefill and everything else.
+    int4 kernel instead. The original ``weight`` stays for ``state_dict`` and the float paths.
     """
 
     packed_weight: torch.Tensor | None = None
     int4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed codes, scales_and_zeros)
     quant: PackedWeight | None = None  # the GGUF's blocks, repacked for the native kernels
     quant_kernels: NativeKernels | None = None
-    quant_max_rows = QUANT_MAX_ROWS  # inputs with more rows take the float path
 
     def pack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -76,15 +73,11 @@ class Linear(nn.Linear):
         self.quant = kernels.pack(weight.rows, weight.wtype, weight.k)
         self.quant_kernels = kernels
 
-    def forward(self, x: torch.Tensor, quantized: bool = True) -> torch.Tensor:
-        """``x @ W.T``; ``quantized=False`` keeps the float weights even where quantized ones are set."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T``, from the quantized blocks where they are set."""
         kernels = self.quant_kernels
         if kernels is not None and self.quant is not None:
-            out = None
-            if quantized and x.shape[0] <= self.quant_max_rows:
-                out = kernels.quant_matmul(x, self.quant)
-            elif not quantized and x.shape[0] <= FLOAT_ACTIVATION_MAX_ROWS:
-                out = kernels.quant_matmul(x, self.quant, float_activations=True)
+            out = kernels.quant_matmul(x, self.quant)
             if out is not None:
                 return out
         if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
@@ -156,8 +149,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        quantized = not meta.prefills  # prefill runs in float (see QUANT_MAX_ROWS_BESIDE_BF16)
-        qkv = self.qkv_proj(x, quantized)
+        qkv = self.qkv_proj(x)
         # q and k heads side by side, rotated in one go: [T, Hq + Hkv, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rotary(qk, cos, sin)
@@ -165,7 +157,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size), quantized)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -175,14 +167,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, quantized: bool = True) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, quantized)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         kernels = native() if gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16 else None
         act = kernels.silu_mul(gate_up) if kernels is not None else None  # one pass instead of two strided ops
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act, quantized)
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -209,7 +201,7 @@ class LlamaDecoderLayer(nn.Module):
         h = add_rms_norm(x, delta, self.input_layernorm, self.eps, matmul_dtype)
         attn = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
         h = add_rms_norm(x, attn, self.post_attention_layernorm, self.eps, matmul_dtype)
-        return x, self.mlp(h, not meta.prefills)
+        return x, self.mlp(h)
 
 
 def add_rms_norm(
@@ -243,9 +235,7 @@ class LlamaForCausalLM(nn.Module):
         self._fp32_lm_head: torch.Tensor | None = None  # for refining the top logits
         self._packed_head: torch.Tensor | None = None
         self._quant_head: tuple[PackedWeight, NativeKernels] | None = None  # the head's quantized blocks
-        self._quant_head_max_rows = QUANT_MAX_ROWS
-        self._decode_step: DecodeStep | None = None  # the one-call native decode step (bind_kv_cache)
-        self._decode_step_max_rows = 0
+        self._forward_step: ForwardStep | None = None  # the one-call native step (bind_kv_cache)
         self.residual_dtype: torch.dtype | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
@@ -262,11 +252,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        step, decode = self._decode_step, meta.decode
-        fits = len(input_ids) <= self._decode_step_max_rows
-        if step is not None and decode is not None and not meta.prefills and fits:
+        step, rows = self._forward_step, meta.rows
+        if step is not None and rows is not None:
             x = self.embed_tokens(input_ids).float()
-            out = step(x, positions, meta.slot_mapping, decode.block_tables, decode.context_lens)
+            out = step(x, positions, meta.slot_mapping, rows.block_tables, rows.row_seq, rows.context_lens)
             if out is not None:
                 return out
         x = self.embed_tokens(input_ids)
@@ -283,15 +272,21 @@ class LlamaForCausalLM(nn.Module):
         if self._fp32_lm_head is None:
             return F.linear(hidden, self._head_weight()).float()
         # Low-precision logits for the whole vocabulary (cheap), then the leading candidates recomputed
-        # in float32: greedy choices are as float32 would make them, at a third of the cost.
+        # in float32: greedy choices are as float32 would make them, at a third of the cost. From the
+        # quantized head, and with the native dot products, each row's logits are the same bits whatever
+        # rows share the step.
+        hidden = hidden.float().contiguous()
         logits = None
-        if self._quant_head is not None and hidden.shape[0] <= self._quant_head_max_rows:
+        if self._quant_head is not None:
             head, kernels = self._quant_head
-            logits = kernels.quant_matmul(hidden.float(), head)
+            logits = kernels.quant_matmul(hidden, head)
         if logits is None:
             logits = self._head(hidden.to(self.dtype)).float()
         top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1).indices  # [N, k]
-        exact = torch.einsum("nd,nkd->nk", hidden.float(), self._fp32_lm_head[top])
+        cpu_kernels = native() if hidden.device.type == "cpu" else None
+        exact = cpu_kernels.dot_rows(hidden, self._fp32_lm_head, top) if cpu_kernels is not None else None
+        if exact is None:
+            exact = torch.einsum("nd,nkd->nk", hidden, self._fp32_lm_head[top])
         return logits.scatter_(1, top, exact)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -310,12 +305,8 @@ class LlamaForCausalLM(nn.Module):
         """
         dtype = self.dtype
         beside_bf16 = can_pack_linear(self.embed_tokens.weight.device, dtype)
-        for module in [*self.modules()]:
-            if isinstance(module, Linear) and module.quant is not None:
-                module.quant_max_rows = QUANT_MAX_ROWS_BESIDE_BF16 if beside_bf16 else QUANT_MAX_ROWS
         if self._quant_head is not None:
-            self._quant_head_max_rows = QUANT_MAX_ROWS_BESIDE_BF16 if beside_bf16 else QUANT_MAX_ROWS
-            self._fp32_lm_head = self._head_weight().detach().float()
+            self._fp32_lm_head = self._head_weight().detach().float().contiguous()
         if dtype != torch.float32:
             self.residual_dtype = torch.float32
             for layer in self.layers:
@@ -324,49 +315,51 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.data = layer.input_layernorm.data.float()
                 layer.post_attention_layernorm.data = layer.post_attention_layernorm.data.float()
             self.norm.data = self.norm.data.float()
-            self._fp32_lm_head = self._head_weight().detach().float()
-        if beside_bf16:
+            self._fp32_lm_head = self._head_weight().detach().float().contiguous()
+        if beside_bf16:  # for the float matmuls: layers with quantized blocks never run one
             for module in self.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear) and module.quant is None:
                     module.pack()
-            self._packed_head = torch.ops.mkldnn._reorder_linear_weight(self._head_weight().detach(), 1)
+            if self._quant_head is None:
+                self._packed_head = torch.ops.mkldnn._reorder_linear_weight(self._head_weight().detach(), 1)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        """Run pure decode steps in one native call over ``kv_cache`` ([layers, 2, slots, kv_heads, head_dim])
-        where every layer has quantized weights for the native kernels; otherwise leave the module path.
+        """Run every step in one native call over ``kv_cache`` ([layers, 2, slots, kv_heads, head_dim]) where
+        every layer has quantized weights for the native kernels; otherwise leave the module path.
 
-        Call after ``prepare_for_inference``. ``SPLITSERVE_DECODE_STEP=0`` keeps the module path (to compare).
+        Call after ``prepare_for_inference``. ``SPLITSERVE_FORWARD_STEP=0`` keeps the module path, to compare
+        speeds only: its prefill rounds activations to ``--dtype`` and runs PyTorch's attention, so its tokens
+        are not the same on every path.
         """
-        self._decode_step = None
+        self._forward_step = None
         cfg = self.config
         linears = list(self._linear_sources())  # qkv, o, gate_up, down of each layer in turn
         kernels = linears[0].quant_kernels if linears else None
         if (
             kernels is None
-            or os.environ.get("SPLITSERVE_DECODE_STEP", "1") == "0"
+            or os.environ.get("SPLITSERVE_FORWARD_STEP", "1") == "0"
             or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous()
             or kv_cache.dtype not in (torch.float32, torch.bfloat16)
             or cfg.head_dim > 256
             or cfg.num_attention_heads % cfg.num_key_value_heads
-            or 256 % block_size
+            or ATTENTION_PARTITION_TOKENS % block_size
             or self.norm.dtype != torch.float32
         ):
             return
-        layers: list[DecodeLayer] = []
+        layers: list[StepLayer] = []
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             packed = [lin.quant for lin in linears[4 * i : 4 * i + 4] if lin.quant_kernels is kernels]
             norms = (layer.input_layernorm.detach(), layer.post_attention_layernorm.detach())
             if any(p is None for p in packed) or len(packed) < 4 or any(n.dtype != torch.float32 for n in norms):
                 return
-            layers.append(DecodeLayer(*norms, *packed))  # type: ignore[arg-type]
+            layers.append(StepLayer(*norms, *packed))  # type: ignore[arg-type]
         shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         rotary = (self.rotary.cos, self.rotary.sin)
-        self._decode_step = DecodeStep(
+        self._forward_step = ForwardStep(
             kernels, layers, self.norm.detach(), rotary, kv_cache, shape, cfg.rms_norm_eps, block_size
         )
-        self._decode_step_max_rows = linears[0].quant_max_rows
 
     def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
         """Give each linear layer whose HF weights are all present its 4-bit form; returns how many got one."""

@@ -38,6 +38,15 @@ typedef struct { /* the LDTILECFG operand */
 #include <arm_neon.h>
 #endif
 
+/* A function whose one compiled body serves every caller: never inlined, cloned or specialised, so that the
+ * rows of every step run the same instructions (paged attention's partition and merge). With the build's
+ * -ffp-contract=off, no a * b + c is fused in one copy of the code and not in another. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define SS_ONE_BODY __attribute__((noipa))
+#else
+#define SS_ONE_BODY __attribute__((noinline))
+#endif
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;

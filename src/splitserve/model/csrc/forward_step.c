@@ -1,13 +1,20 @@
 /*
- * A whole decode step of a Llama-family model in one call: for B sequences with one new token each, every
- * layer's add + RMSNorm, q/k/v matmul, rotary embedding, KV write, paged attention, output matmul, add +
- * RMSNorm, gate/up matmul, SiLU-and-multiply and down matmul, then the final norm. At 135M parameters a
- * decode step is about 10 ms of arithmetic; run as PyTorch ops it also pays about 600 op dispatches (5-8 us
- * each) and the Python between them. Here only the kernels run, each with its own OpenMP team.
+ * A whole step of a Llama-family model in one call, for any mix of rows: decode tokens and prefill chunks
+ * alike. For each layer: add + RMSNorm, q/k/v matmul, rotary embedding, KV write, paged attention, output
+ * matmul, add + RMSNorm, gate/up matmul, SiLU-and-multiply and down matmul; then the final norm. At 135M
+ * parameters a decode step is about 10 ms of arithmetic; run as PyTorch ops it also pays about 600 op
+ * dispatches (5-8 us each) and the Python between them. Here only the kernels run, each with its own OpenMP
+ * team.
  *
- * The matmuls read the GGUF's quantized blocks (quant_matmul.c); the residual stream, norms and rotary are
- * float32; the KV cache is float32 or bfloat16 with attention.py's layout. Same arithmetic as the module
- * path in llama.py (which rounds q/k/v to the cache dtype before the rotary, this path after it).
+ * **One arithmetic per token.** Every kernel here computes a row from that row alone, in a fixed order: the
+ * matmuls quantize each activation row on its own and sum its integer block products in block order
+ * (quant_matmul.c, on VNNI or AMX tiles alike), the norms, rotary and SiLU work row by row, and attention
+ * follows cpu_kernels.c's fixed partitions. So a token's K/V and logits are the same bits whether it was
+ * computed in a decode step, a prefill chunk of any size, the one token a cached prompt recomputes, a
+ * migrated stream's recompute or another worker's prefill, at any batch composition and thread count.
+ *
+ * The matmuls read the GGUF's quantized blocks; the residual stream, norms and rotary are float32; the KV
+ * cache is float32 or bfloat16 with attention.py's layout (q and the attention output are rounded to it too).
  */
 #include <stdlib.h>
 
@@ -50,12 +57,17 @@ static void rotary(float *x, int num_tokens, int num_heads, int head_dim, int64_
     }
 }
 
-/* Returns 0; -1 for shapes the step does not take (the caller falls back to the module path) or no memory. */
-int ss_decode_step(const ss_model *m, float *x, int num_seqs, const int64_t *positions, const int64_t *slots,
-                   const int64_t *tables, int64_t max_blocks, const int64_t *lens, float *out, int num_threads) {
+/* x: [num_rows, hidden] float32 embeddings (overwritten); row r is the token at positions[r], whose K/V goes to
+ * slots[r] and which attends to positions 0 .. lens[r] - 1 of the sequence with block table
+ * tables[row_seq[r]] (tables[r] when row_seq is NULL); rows of one prefill chunk share a table and come in
+ * position order. out: [num_rows, hidden], the final-normed hidden states. Returns 0; -1 for shapes the step
+ * does not take (the caller falls back to the module path) or no memory. */
+int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *positions, const int64_t *slots,
+                    const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens, float *out,
+                    int num_threads) {
     const int64_t hd = m->hidden, nq = (int64_t)m->num_heads * m->head_dim, nkv = (int64_t)m->num_kv_heads * m->head_dim;
-    const int64_t nqkv = nq + 2 * nkv, inter = m->intermediate, b = num_seqs;
-    for (int t = 0; t < num_seqs; t++)
+    const int64_t nqkv = nq + 2 * nkv, inter = m->intermediate, b = num_rows;
+    for (int t = 0; t < num_rows; t++)
         if (positions[t] < 0 || positions[t] >= m->max_positions || slots[t] < 0 || slots[t] >= m->num_slots) return -1;
     const int64_t widest = nqkv > 2 * inter ? nqkv : 2 * inter;
     float *h = malloc(sizeof(float) * (size_t)(b * (hd + widest + inter + hd)));
@@ -76,8 +88,8 @@ int ss_decode_step(const ss_model *m, float *x, int num_seqs, const int64_t *pos
         uint8_t *v_cache = k_cache + (size_t)layer_elems * elem;
         add_rms_norm_f32_to_f32(x, l == 0 ? NULL : delta, L->input_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->qkv, L->qkv_type, nqkv, wide, SS_F32, nqkv, scratch, num_threads);
-        rotary(wide, num_seqs, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
-        for (int t = 0; t < num_seqs; t++) { /* K/V to the cache, q to the cache dtype for attention */
+        rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
+        for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to the cache dtype for attention */
             const float *row = wide + t * nqkv;
             for (int64_t i = 0; i < nkv; i++) {
                 store_elem(k_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + i]);
@@ -87,13 +99,13 @@ int ss_decode_step(const ss_model *m, float *x, int num_seqs, const int64_t *pos
         }
         void *attn_out = (uint8_t *)q_cache + (size_t)(b * nq) * elem;
         if (m->kv_dtype == SS_BF16)
-            status |= paged_decode_attention_bf16(q_cache, nq, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                                                  tables, max_blocks, lens, attn_out, num_seqs, m->num_heads,
-                                                  m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
+            status |= ss_paged_attention_bf16(q_cache, nq, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables,
+                                              max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
+                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
         else
-            status |= paged_decode_attention_f32(q_cache, nq, (const float *)k_cache, (const float *)v_cache, tables,
-                                                 max_blocks, lens, attn_out, num_seqs, m->num_heads, m->num_kv_heads,
-                                                 m->head_dim, m->block_size, m->scale, num_threads);
+            status |= ss_paged_attention_f32(q_cache, nq, (const float *)k_cache, (const float *)v_cache, tables,
+                                             max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
+                                             m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
         status |= ss_quant_matmul(attn_out, m->kv_dtype, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
         add_rms_norm_f32_to_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
