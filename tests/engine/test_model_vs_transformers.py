@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import load_gguf
 from splitserve.model.reference import transformers_model
@@ -59,27 +59,39 @@ def load_models() -> Models:
 
 
 class PagedRunner:
-    """Drives our model like /tmp/t_llama.py: one prefill chunk, then one decode token per step, slots 0..n."""
+    """Drives our model like /tmp/t_llama.py: one prefill chunk, then one decode token per step, slots 0..n.
 
-    def __init__(self, model: LlamaForCausalLM, num_slots: int) -> None:
+    ``kv_dtype`` set: the cache is one tensor in that dtype, bound to the model as ``ModelRunner`` binds it, so a
+    model with quantized weights runs its steps in the native forward step; otherwise per-layer float32
+    caches and the module path.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
-        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim)
         self.model = model
-        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        cache = torch.zeros(shape, dtype=kv_dtype or torch.float32)
+        self.kv = [(layer[0], layer[1]) for layer in cache]
+        if kv_dtype is not None:
+            model.bind_kv_cache(cache, block_size=1)
         self.slots = torch.arange(num_slots)
         self.num_tokens = 0
 
     def prefill(self, ids: list[int]) -> torch.Tensor:  # [n, vocab]
         n = len(ids)
         meta = AttentionMetadata(self.slots[:n], 0, None, [PrefillChunk(n, self.slots[:n], n)])
+        # block size 1: the block table is the slot list
+        meta.rows = StepRows(
+            self.slots[None, :n].contiguous(), torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1)
+        )
         self.num_tokens = n
         return self.model.compute_logits(self.model(torch.tensor(ids), torch.arange(n), self.kv, meta))
 
     def decode(self, token: int) -> torch.Tensor:  # [vocab]
         p = self.num_tokens
-        # block size 1: the block table is the slot list
         decode = DecodeBatch(self.slots[None, : p + 1].contiguous(), torch.tensor([p + 1]), block_size=1)
         meta = AttentionMetadata(self.slots[p : p + 1], 1, decode, [])
+        meta.rows = StepRows(decode.block_tables, torch.zeros(1, dtype=torch.long), decode.context_lens)
         self.num_tokens += 1
         return self.model.compute_logits(self.model(torch.tensor([token]), torch.tensor([p]), self.kv, meta))[0]
 
@@ -129,11 +141,12 @@ def test_answers_the_capital_of_france(models: Models) -> None:
 
 
 def test_load_model_in_bfloat16_answers_too(models: Models) -> None:
-    """The model as the engine prepares it, in the dtype ``auto`` picks on a bf16-capable CPU.
+    """The model as the engine prepares it, in the dtype ``auto`` picks on a bf16-capable CPU, with the GGUF's
+    quantized blocks and its bfloat16 cache bound (so every step runs in the native forward step).
 
     Raw bfloat16 (residual stream and logits in bf16 too) flips this prompt's first token, a near-tie
     (fp32 margin 0.08): "L'Étoile..." instead of "The capital...". ``prepare_for_inference`` keeps those in
-    float32, as ``ModelRunner`` does.
+    float32, as ``ModelRunner`` does; the forward step keeps the matmuls' activations in float32 too.
     """
     source = resolve_model("smollm2")
     model = load_model(source, torch.bfloat16, torch.device("cpu"))
@@ -142,8 +155,8 @@ def test_load_model_in_bfloat16_answers_too(models: Models) -> None:
     assert not model.training
     apply_quantization(model, source, "auto")
     model.prepare_for_inference()
-    runner = PagedRunner(model, 64)
-    runner.kv = [(k.bfloat16(), v.bfloat16()) for k, v in runner.kv]
+    runner = PagedRunner(model, 64, kv_dtype=torch.bfloat16)
+    assert model._forward_step is not None
     ids = models.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = [int(runner.prefill(ids)[-1].argmax())]
     while len(out) < 16 and out[-1] not in models.tokenizer.stop_token_ids:

@@ -1,0 +1,146 @@
+"""Batch invariance of every kernel build this CPU runs (the portable scalar one always; NEON under qemu in
+``test_quant_kernels.py``): a row's result is the same bits whatever rows run beside it, however they are
+grouped and however many threads run them. That is what makes a token's K/V and logits the same on every path
+(``csrc/forward_step.c``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for
+from splitserve.model.llama import LlamaForCausalLM
+from tests.engine.conftest import build_engine, run_to_completion, tokens_of
+from tests.engine.test_quant_kernels import gguf_rows, quantize_model
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+@pytest.fixture(params=[level.name for level in detect_cpu().levels])
+def kernels(request: pytest.FixtureRequest) -> NativeKernels:
+    built = kernels_for(next(level for level in detect_cpu().levels if level.name == request.param))
+    if built is None:
+        pytest.fail("the native kernels did not build (is a C compiler with OpenMP installed?)")
+    return built
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sequence(length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache holding one sequence of ``length`` tokens in shuffled blocks, and a query for each position."""
+    gen = torch.Generator().manual_seed(length)
+    num_blocks = -(-length // BLOCK) + 3
+    k = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).mul_(2).to(dtype)
+    v = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[None, : -(-length // BLOCK)].contiguous()
+    q = torch.randn(length, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return k, v, table, q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequences(
+    kernels: NativeKernels, threads: int, dtype: torch.dtype
+) -> None:
+    length = 700  # three partitions, the last a partial one
+    k, v, table, q = _sequence(length, dtype)
+    scale = HEAD_DIM**-0.5
+    lens = torch.arange(1, length + 1)
+    # the whole prompt as one prefill chunk (tiles of queries)
+    whole = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, torch.zeros(length, dtype=torch.long))
+    assert whole is not None
+    # chunks of 37 queries, each beside a decode row of another sequence (its table: the same blocks reversed)
+    tables = torch.cat([table, table.flip(1)]).contiguous()
+    for start in range(0, length, 37):
+        rows = torch.arange(start, min(start + 37, length))
+        batch_q = torch.cat([q[rows], q[:1]])
+        batch_lens = torch.cat([lens[rows], torch.tensor([length])])
+        row_seq = torch.cat([torch.zeros(len(rows), dtype=torch.long), torch.ones(1, dtype=torch.long)])
+        out = kernels.paged_attention(batch_q, k, v, tables, batch_lens, BLOCK, scale, row_seq)
+        assert out is not None
+        assert torch.equal(out[: len(rows)], whole[rows]), f"chunk at {start}"
+    # rows alone, as decodes: the first and last of a block, of a partition, the very first and last
+    for position in (0, 15, 16, 255, 256, 257, 511, 699):
+        alone = kernels.paged_attention(q[position : position + 1], k, v, table, lens[position : position + 1],
+                                        BLOCK, scale)  # fmt: skip
+        assert alone is not None and torch.equal(alone[0], whole[position]), position
+
+
+@pytest.mark.parametrize("wtype", [2, 3, 8])
+def test_a_quantized_matmul_row_is_the_same_at_any_row_count(kernels: NativeKernels, threads: int, wtype: int) -> None:
+    """1 to 4 rows take the integer kernels' row tiles, 5 and more AMX tiles where the build has them."""
+    rng = np.random.default_rng(wtype)
+    rows = gguf_rows(rng.normal(0, 0.3, (72, 128)), wtype)
+    packed = kernels.pack(rows.rows, wtype, 128)
+    x = torch.from_numpy(rng.normal(0, 1, (37, 128)).astype(np.float32))
+    whole = kernels.quant_matmul(x, packed)
+    assert whole is not None
+    for count in (1, 2, 4, 5, 16, 17):
+        for start in (0, 37 - count):
+            part = kernels.quant_matmul(x[start : start + count], packed)
+            assert part is not None and torch.equal(part, whole[start : start + count]), (count, start)
+
+
+def test_dot_rows_is_the_same_at_any_row_count(kernels: NativeKernels, threads: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(9, 576, generator=gen), torch.randn(300, 576, generator=gen)
+    picks = torch.randint(0, 300, (9, 32), generator=gen)
+    whole = kernels.dot_rows(x, weight, picks)
+    assert whole is not None
+    torch.testing.assert_close(whole, torch.einsum("nd,nkd->nk", x, weight[picks]), rtol=1e-5, atol=1e-4)
+    for i in range(9):
+        alone = kernels.dot_rows(x[i : i + 1], weight, picks[i : i + 1].contiguous())
+        assert alone is not None and torch.equal(alone[0], whole[i]), i
+
+
+def test_the_forward_step_gives_each_token_the_same_logits_on_every_path(
+    tiny_model: LlamaForCausalLM, kernels: NativeKernels, threads: int
+) -> None:
+    """A tiny quantized model through whole engines: one prompt's tokens and logits alone, chunked by 7, beside
+    other requests, and from the prefix cache, to the bit."""
+    model = quantize_model(tiny_model, kernels, 3)
+    prompt = [int(t) for t in torch.randint(1, 500, (83,), generator=torch.Generator().manual_seed(9))]
+    others = {f"o{i}": [int(t) for t in torch.randint(1, 500, (20 + 9 * i,))] for i in range(4)}
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def run(
+        engine_kwargs: dict[str, int], batch: dict[str, list[int]], repeat: bool = False
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        logits: list[torch.Tensor] = []
+        engine = build_engine(model, **engine_kwargs)
+        compute = model.compute_logits
+        model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]  # type: ignore[method-assign]
+        try:
+            if repeat:
+                run_to_completion(engine, {"first": prompt}, params)
+                logits.clear()
+            outputs = run_to_completion(engine, {"p": prompt, **batch}, params)
+        finally:
+            del model.compute_logits
+        if repeat:  # everything but the last prompt token came from the cache
+            assert outputs["p"][0].num_cached_tokens == len(prompt) - 1
+        return tokens_of(outputs["p"]), logits
+
+    alone_tokens, alone_logits = run({}, {})
+    for label, kwargs, batch, repeat in (
+        ("chunks of 7", {"max_num_batched_tokens": 7, "long_prefill_token_threshold": 0}, {}, False),
+        ("beside others", {}, others, False),
+        ("from the prefix cache", {}, {}, True),
+    ):
+        tokens, logits = run(kwargs, batch, repeat)
+        assert tokens == alone_tokens, label
+        if not batch:  # one request: the same logits step by step (with others, each step has more rows)
+            assert len(logits) == len(alone_logits) and all(
+                torch.equal(a, b) for a, b in zip(logits, alone_logits, strict=True)
+            ), label

@@ -1,0 +1,134 @@
+"""The same tokens on every path, on the real SmolLM2-135M-Instruct with the defaults a worker starts with
+(``--dtype auto``, ``--quantization auto``: the GGUF's quantized blocks): 200 greedy tokens of several prompts
+cold, from the prefix cache, recomputed after eviction, chunked, beside eight other streams, with one thread
+and two, and resumed from a prefix of the answer (what stream migration and a preemption replay). Seeded
+sampling too. The paths through processes (L1/L2, disaggregation, a killed worker) are in ``tests/e2e``.
+
+A path that computes a token's K/V another way changes the answer a few dozen tokens in (the prefix-cache hit
+did, before every step ran through the one native forward step): hence outputs this long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
+from splitserve.model.source import resolve_model
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+from tests.engine.conftest import build_engine, run_to_completion, tokens_of
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 200
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+QUESTIONS = {
+    "lighthouse": "Write a long story about a lighthouse keeper.",
+    "france": "What is the capital of France?",
+    "bread": "I want to bake my first loaf of bread at home. Give me a simple recipe with quantities and timings.",
+}
+
+
+@dataclass
+class Real:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    prompts: dict[str, list[int]]
+    cold: dict[str, list[int]]  # each prompt's greedy answer, alone on a fresh engine, two threads
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[Real]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        source = resolve_model("smollm2")
+        model = load_model(source, resolve_dtype("auto", torch.device("cpu")), torch.device("cpu"))
+        assert apply_quantization(model, source, "auto")  # the worker's default: the GGUF's blocks
+        tokenizer = load_tokenizer(source)
+        prompts = {k: tokenizer.apply_chat_template([{"role": "user", "content": q}]) for k, q in QUESTIONS.items()}
+        setup = Real(model, tokenizer, prompts, {})
+        setup.cold = {k: answer(engine(setup), p) for k, p in prompts.items()}
+        yield setup
+    finally:
+        torch.set_num_threads(threads)
+
+
+def engine(real: Real, **kwargs: Any) -> LLMEngine:
+    options = {"num_blocks": 600, "max_model_len": 2048, "max_num_seqs": 16, **kwargs}
+    return build_engine(real.model, real.tokenizer, **options)
+
+
+def answer(eng: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY, request_id: str = "r") -> list[int]:
+    return tokens_of(run_to_completion(eng, {request_id: prompt}, params)[request_id])
+
+
+def test_the_answers_are_real_text(real: Real) -> None:
+    assert all(len(tokens) == NUM_TOKENS for tokens in real.cold.values())
+    assert "Paris" in real.tokenizer.decode(real.cold["france"])
+    assert real.model._forward_step is not None  # every step runs the native forward step
+
+
+def test_a_repeated_request_answers_from_the_prefix_cache_as_it_did_cold(real: Real) -> None:
+    eng = engine(real)
+    for name, prompt in real.prompts.items():
+        first = run_to_completion(eng, {f"{name}-1": prompt}, GREEDY)[f"{name}-1"]
+        again = run_to_completion(eng, {f"{name}-2": prompt}, GREEDY)[f"{name}-2"]
+        assert again[0].num_cached_tokens == len(prompt) - 1  # every prompt token but the last from the cache
+        assert tokens_of(first) == tokens_of(again) == real.cold[name], name
+
+
+def test_a_prompt_recomputed_after_eviction_answers_the_same(real: Real) -> None:
+    # 30 blocks of 16 hold one request at a time: each new prompt evicts the last one's blocks
+    eng = engine(real, num_blocks=30, max_model_len=480)
+    for _round in range(2):
+        for name, prompt in real.prompts.items():
+            assert answer(eng, prompt) == real.cold[name], name
+
+
+def test_chunked_prefill_and_eight_streams_beside_change_nothing(real: Real) -> None:
+    distractors = {f"d{i}": real.prompts[name][: 20 + 7 * i] for i, name in enumerate(list(real.prompts) * 3)}
+    batch = {**{f"p-{name}": p for name, p in real.prompts.items()}, **dict(list(distractors.items())[:8])}
+    outputs = run_to_completion(engine(real, max_num_batched_tokens=16, long_prefill_token_threshold=0), batch, GREEDY)
+    for name in real.prompts:
+        assert tokens_of(outputs[f"p-{name}"]) == real.cold[name], name
+
+
+def test_one_thread_answers_as_two_do(real: Real) -> None:
+    torch.set_num_threads(1)
+    try:
+        for name, prompt in real.prompts.items():
+            assert answer(engine(real), prompt) == real.cold[name], name
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_a_resumed_answer_continues_as_the_uninterrupted_one(real: Real) -> None:
+    """What migration sends another worker: the prompt and the tokens so far, recomputed as one prompt."""
+    for name, prompt in real.prompts.items():
+        for cut in (1, 57, 150):
+            rest = SamplingParams(max_tokens=NUM_TOKENS - cut, temperature=0.0, ignore_eos=True)
+            resumed = answer(engine(real), prompt + real.cold[name][:cut], rest)
+            assert real.cold[name][:cut] + resumed == real.cold[name], (name, cut)
+
+
+def test_seeded_sampling_is_the_same_cold_cached_beside_others_and_resumed(real: Real) -> None:
+    prompt = real.prompts["lighthouse"]
+    cold = answer(engine(real), prompt, SEEDED)
+    eng = engine(real)
+    answer(eng, prompt, SEEDED, "warm-up")
+    assert answer(eng, prompt, SEEDED, "cached") == cold
+    beside = run_to_completion(engine(real), {"p": prompt, "q": real.prompts["bread"]}, SEEDED)
+    assert tokens_of(beside["p"]) == cold
+    rest = SamplingParams(max_tokens=NUM_TOKENS - 80, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    assert cold[:80] + answer(engine(real), prompt + cold[:80], rest) == cold
+    greedy = real.cold["lighthouse"]
+    assert cold != greedy  # it did sample
