@@ -110,6 +110,15 @@ def worker_command(
             rich_help_panel=_ENGINE,
         ),
     ] = 256,
+    verify_sample_rate: Annotated[
+        float,
+        typer.Option(
+            help="Fraction of the requests that reused KV (prefix cache, L1/L2, a prefill worker's push, a "
+            "resumed stream) that are recomputed cold when nothing else waits and compared token by token; a "
+            "mismatch counts in splitserve:exactness_mismatches_total and is logged (0: never).",
+            rich_help_panel=_ENGINE,
+        ),
+    ] = 0.001,
     seed: Annotated[int, typer.Option(help="Seed for unseeded sampling.", rich_help_panel=_ENGINE)] = 0,
     quantization: Annotated[
         str,
@@ -367,6 +376,7 @@ def worker_command(
             policy=scheduling_policy,
             max_wait_s=scheduling_max_wait,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            verify_sample_rate=verify_sample_rate,
         ),
         kv_tiers=kv_tiers,
         pd=PDConfig(

@@ -142,8 +142,13 @@ class SchedulerConfig:
     # prefill take at most this many tokens per step between them, and the rest admits short requests whole:
     # a cached follow-up gets its first token in one short step; 0: no limit
     long_prefill_token_threshold: int = 256
+    # the fraction of requests that reused KV (engine cache, L1/L2, a prefill worker's push, a resumed stream)
+    # recomputed cold when nothing else waits and compared token by token (engine.verifier); 0: never
+    verify_sample_rate: float = 0.001
 
     def validate(self) -> None:
+        if not 0.0 <= self.verify_sample_rate <= 1.0:
+            raise ValueError(f"--verify-sample-rate must be in [0, 1], got {self.verify_sample_rate}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -15,6 +15,11 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+# On a stream the router resumes on another worker (router/migrate.py): the original prompt's length in tokens,
+# the rest of the resumed prompt being what the first worker generated. The worker's --verify-sample-rate
+# check replays the stream from the original prompt with it.
+RESUMED_PROMPT_TOKENS_HEADER = "x-splitserve-resumed-prompt-tokens"
+
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 KEEP_ALIVE_S = 5

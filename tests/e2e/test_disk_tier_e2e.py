@@ -24,7 +24,7 @@ class DiskWorker(WorkerProcess):
     """A worker with only a disk L2 (no L1, so every hit of a fresh process comes from the directory)."""
 
     def __init__(self, log_path: Path, l2_path: Path) -> None:
-        args = ["--dtype", "float32", "--num-threads", "2", "--max-model-len", "2048", "--max-num-seqs", "2",
+        args = ["--num-threads", "2", "--max-model-len", "2048", "--max-num-seqs", "2",
                 "--kv-cache-memory", "128MiB", "--l2-backend", "tieredstorage", "--l2-path", str(l2_path)]  # fmt: skip
         super().__init__(log_path, args)
 
@@ -53,7 +53,7 @@ def test_a_restarted_worker_answers_from_the_directory_the_last_one_filled(tmp_p
     first = started(tmp_path / "worker-1.log", l2_path)
     try:
         t0 = time.monotonic()
-        cold = first.complete(prompt)
+        cold = first.complete(prompt, max_tokens=200, ignore_eos=True)
         cold_s = time.monotonic() - t0
         assert cold.status_code == 200, cold.text
         num_prompt = cold.json()["usage"]["prompt_tokens"]
@@ -69,7 +69,7 @@ def test_a_restarted_worker_answers_from_the_directory_the_last_one_filled(tmp_p
     try:
         assert f"disk KV tier {l2_path}: {num_records} records" in second.logs()
         t0 = time.monotonic()
-        warm = second.complete(prompt)
+        warm = second.complete(prompt, max_tokens=200, ignore_eos=True)
         warm_s = time.monotonic() - t0
         assert warm.status_code == 200, warm.text
         assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
@@ -87,7 +87,7 @@ def test_a_worker_whose_l2_path_cannot_be_created_starts_degraded_and_answers(tm
     worker = started(tmp_path / "worker.log", tmp_path / "file" / "kv")
     try:
         assert "is unavailable; the KV cache will operate in degraded mode (recompute)" in worker.logs()
-        response = worker.complete(long_prompt(20, "jar"))
+        response = worker.complete(long_prompt(20, "jar"), ignore_eos=True)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"]
         assert worker.metric("splitserve:kv_tier_errors_total", tier="disk") > 0  # the writes, counted not raised

@@ -1,7 +1,7 @@
-"""Two real ``splitserve worker`` processes (smollm2, float32, one thread each) sharing a real Redis L2 started by
-the test: worker B answers a ~2,000-token prompt first seen by worker A from L2 (whole chunks and the prompt's
-shorter tail) with A's (cold) greedy output, and its metrics show the hit tokens; killing Redis mid-run loses
-no request."""
+"""Two real ``splitserve worker`` processes (smollm2, the default dtype and quantization, one thread each)
+sharing a real Redis L2 started by the test: worker B answers a ~2,000-token prompt first seen by worker A from
+L2 (whole chunks and the prompt's shorter tail) with A's (cold) greedy output, 200 tokens of it, and its metrics
+show the hit tokens; killing Redis mid-run loses no request."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class TierWorker(WorkerProcess):
     """A worker process with L1 and a Redis L2; its output goes to a log file."""
 
     def __init__(self, log_path: Path, redis_url: str, max_num_seqs: int = 4, kv_cache: str = "320MiB") -> None:
-        args = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", "4096",
+        args = ["--num-threads", "1", "--max-model-len", "4096",
                 "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory", kv_cache, "--l1-cache",
                 "--l1-cache-bytes", "256MiB", "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
         super().__init__(log_path, args)
@@ -66,7 +66,7 @@ def test_worker_b_answers_from_l2_what_worker_a_computed(workers: list[TierWorke
         assert "LMCacheManager initialized successfully" in worker.logs()
     prompt = long_prompt(110, "box")
     started = time.monotonic()
-    cold = worker_a.complete(prompt)
+    cold = worker_a.complete(prompt, max_tokens=200, ignore_eos=True)
     cold_s = time.monotonic() - started
     assert cold.status_code == 200, cold.text
     num_prompt = cold.json()["usage"]["prompt_tokens"]
@@ -81,7 +81,7 @@ def test_worker_b_answers_from_l2_what_worker_a_computed(workers: list[TierWorke
     admin.close()
 
     started = time.monotonic()
-    warm = worker_b.complete(prompt)
+    warm = worker_b.complete(prompt, max_tokens=200, ignore_eos=True)
     warm_s = time.monotonic() - started
     assert warm.status_code == 200, warm.text
     assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]

@@ -67,6 +67,8 @@ class FakeStats:
     iteration_tokens: CumulativeHistogram = field(default_factory=lambda: CumulativeHistogram((1.0, 8.0)))
     kv_cache: None = None
     pd_buffer: None = None
+    exactness_checks: dict[str, int] = field(default_factory=dict)
+    exactness_mismatches: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -97,6 +99,7 @@ class FakeEngine:
     num_prompt_tokens: int = 0
     is_closed: bool = False
     seen_prompts: list[list[int]] = field(default_factory=list)
+    seen_params: list[SamplingParams] = field(default_factory=list)
     cache_config_info: dict[str, str] = field(default_factory=lambda: {"block_size": "4"})
 
     def _called(self) -> None:
@@ -112,6 +115,7 @@ class FakeEngine:
             raise ValueError(f"prompt token ids must be in [0, {VOCAB_SIZE})")
         num_cached = self.lookup_prefix(prompt_token_ids)["engine"]
         self.seen_prompts.append(list(prompt_token_ids))
+        self.seen_params.append(params)
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
         self.requests[request_id] = _FakeRequest(list(prompt_token_ids), params, num_cached=num_cached)

@@ -211,6 +211,8 @@ def test_a_completion_stream_resumes_on_another_worker(workers: list[FakeWorker]
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
     assert workers[1].engine.seen_prompts[before:] == [[72, 105, 80, 97]]  # prompt + generated, 3 tokens left
+    # the original prompt's length, from the router's header: what the worker's exactness check replays from
+    assert workers[1].engine.seen_params[-1].resumed_prompt_tokens == 2
     assert router.metrics.migrations.labels("resumed")._value.get() == 1
 
 

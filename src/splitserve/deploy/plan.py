@@ -468,6 +468,7 @@ WORKER_FLAGS: dict[str, str] = {
     "kv-cache-memory": "str", "gpu-memory-utilization": "float", "enable-prefix-caching": "bool",
     "l1-cache-bytes": "str", "l2-max-bytes": "str", "kv-chunk-size": "int", "save-decode-cache": "bool",
     "pd-buffer-size": "str", "kv-transfer-timeout": "float", "uvicorn-log-level": "str",
+    "verify-sample-rate": "float",
 }  # fmt: skip
 # Flags the resource itself sets: writing them in args is an error that points at the field.
 SET_BY_RESOURCE: dict[str, str] = {

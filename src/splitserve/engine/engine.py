@@ -25,6 +25,7 @@ from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.verifier import ExactnessVerifier
 from splitserve.keys import kv_layout
 from splitserve.kv_events import BlockContentSink, KVEventSink, Tier
 from splitserve.metrics import (
@@ -64,6 +65,9 @@ class EngineStats:
     iteration_tokens: CumulativeHistogram  # tokens computed per step
     kv_cache: KVCacheStatsLike | None = None  # the KV connector's counters (L1/L2 tiers), if it has one
     pd_buffer: PDBufferStatsLike | None = None  # decode role: the PD buffer's state
+    # --verify-sample-rate: requests recomputed cold and compared, and those that differed, by path
+    exactness_checks: dict[str, int] = dataclasses.field(default_factory=dict)
+    exactness_mismatches: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class LLMEngine:
@@ -122,6 +126,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # requests with a tokenizer: text and stops
         self.kv_receiver = kv_receiver
+        rate = sched_cfg.verify_sample_rate
+        self.verifier = ExactnessVerifier(rate) if rate > 0 else None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.iteration_tokens = CumulativeHistogram(tuple(map(float, ITERATION_TOKENS_BUCKETS)))
@@ -211,8 +217,9 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         cache = self.kv.stats
+        verifier = self.verifier
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=sum(not r.is_shadow for r in self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_waiting_deferred=self.scheduler.num_deferred,
             kv_cache_usage=self.pool.usage,
@@ -227,6 +234,8 @@ class LLMEngine:
             iteration_tokens=self.iteration_tokens.copy(),
             kv_cache=next((s for c in self.connectors if (s := c.stats()) is not None), None),
             pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
+            exactness_checks=dict(verifier.checks) if verifier is not None else {},
+            exactness_mismatches=dict(verifier.mismatches) if verifier is not None else {},
         )
 
     def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -258,6 +267,9 @@ class LLMEngine:
                 continue  # rolled back (Scheduler.finish_loads): the next step computes it
             num_tokens += s.num_new_tokens
             request.num_computed_tokens += s.num_new_tokens
+            if request.is_shadow:
+                self._shadow_step(request, ran.sampled.get(request.request_id))
+                continue
             self.kv.cache_computed_blocks(request)
             self.kv.cache_prompt_tail(request)
             for connector in self.connectors:
@@ -295,6 +307,9 @@ class LLMEngine:
             self.scheduler.finish(request, reason, stop_reason)  # type: ignore[arg-type]
             del self.requests[request.request_id]
             self._forget(request.request_id)
+            shadow = self.verifier.shadow_for(request) if self.verifier is not None else None
+            if shadow is not None:
+                self.scheduler.add_shadow(shadow)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token],
@@ -309,6 +324,17 @@ class LLMEngine:
             cached_tokens_by_source=request.cached_tokens_by_source,
             timing=_timing(request) if finished else None,
         )
+
+    def _shadow_step(self, shadow: Request, token: int | None) -> None:
+        """A shadow's token (none: a prompt chunk); when it has them all, it is compared and dropped. Its blocks
+        are never published and no connector sees it, so it leaves the caches as they were."""
+        if token is None:
+            return
+        shadow.append_output_token(token)
+        if shadow.num_output_tokens >= shadow.params.max_tokens:
+            self.scheduler.finish(shadow, FinishReason.LENGTH)
+            assert self.verifier is not None
+            self.verifier.finished(shadow)
 
     def _forget(self, request_id: str) -> None:
         """A request ended: drop what the engine kept for it besides the request itself."""

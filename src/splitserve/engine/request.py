@@ -39,6 +39,9 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
     num_preemptions: int = 0
+    # a cold recompute of a finished request, checked against it (``engine.verifier``): no cached or loaded KV,
+    # nothing published or saved, admitted only when no client request waits, its output sent to nobody
+    is_shadow: bool = False
     # engine clock (time.monotonic), for the metrics: first scheduled (kept over preemptions), first and last token
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -34,6 +34,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     kv_transfer: KVTransferParams | None = None  # disaggregated prefill/decode (see ``kv_transfer``)
     cache_salt: str | None = None  # isolates this request's cached prefixes from other salts' (``keys.salt_root``)
+    # a stream resumed here after its worker failed (the router's migration): the length of the original
+    # prompt, which the prompt continues with the tokens generated before; what --verify-sample-rate replays
+    resumed_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,5 +68,7 @@ class SamplingParams:
                 raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r}")
         if self.cache_salt is not None and not is_valid_cache_salt(self.cache_salt):
             raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, all encodable as UTF-8")
+        if self.resumed_prompt_tokens is not None and self.resumed_prompt_tokens < 1:
+            raise ValueError(f"the resumed prompt's length must be positive, got {self.resumed_prompt_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")

@@ -24,6 +24,10 @@ computes from where its KV really ends.
 A connector may answer that it is still fetching a request's KV (from L2, on its own thread): that request
 keeps its place at the front of the queue, and the ones behind it are admitted meanwhile.
 
+Shadow requests (``engine.verifier``: a cold recompute of a finished request, to check it) wait in a queue of
+their own and are admitted one at a time, only when no other request waits, with no cached or loaded KV; a
+preempted shadow goes back to that queue.
+
 When every full block of a request is cached and another request left the same partial last block (a
 repeated prompt), that block is copied too (``block_copies``) and only the last token is computed.
 """
@@ -92,6 +96,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.connectors = tuple(connectors)
         self.waiting: deque[Request] = deque()
+        self.shadows: deque[Request] = deque()
         self.running: list[Request] = []
         self._held_back = False  # this step: a running prompt got less than it could, for a short request
         self.num_preemptions = 0
@@ -99,10 +104,14 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.shadows) + len(self.running)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def add_shadow(self, shadow: Request) -> None:
+        """Queue a shadow request (``Request.is_shadow``): it runs when nothing else waits."""
+        self.shadows.append(shadow)
 
     def schedule(self) -> SchedulerOutput:
         self.kv.release_pins()  # the previous step, which copied them, has run
@@ -113,8 +122,22 @@ class Scheduler:
         self.num_deferred = 0
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
         if not out.preempted:
-            self._schedule_waiting(out, budget, whole_only=self._held_back)
+            budget = self._schedule_waiting(out, budget, whole_only=self._held_back)
+            if self.shadows and not self.waiting and not any(r.is_shadow for r in self.running):
+                self._admit_shadow(out, budget)
         return out
+
+    def _admit_shadow(self, out: SchedulerOutput, budget: int) -> None:
+        """Start the first shadow from nothing (no prefix cache, no connector), as far as the budget goes."""
+        shadow = self.shadows[0]
+        num_new = min(shadow.num_tokens, budget)
+        if budget == 0 or len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(shadow, num_new):
+            return
+        self.shadows.popleft()
+        shadow.num_computed_tokens = 0
+        shadow.status = RequestStatus.RUNNING
+        self.running.append(shadow)
+        out.scheduled.append(ScheduledRequest(shadow, num_new, self.kv.block_ids(shadow.request_id)))
 
     def _running_prefill_cap(self) -> int | None:
         """Tokens the running requests still in prefill may take this step: the threshold when the request
@@ -174,20 +197,24 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        if request.is_shadow:  # back to its own queue: recomputed from nothing, when nothing else waits
+            self.shadows.appendleft(request)
+            return
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_only: bool = False) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_only: bool = False) -> int:
         """Admit waiting requests in the policy's order; one whose KV the connector is still fetching is passed
-        over. ``whole_only`` (a running prompt was held back for them): only requests whose prompt fits whole."""
+        over. ``whole_only`` (a running prompt was held back for them): only requests whose prompt fits whole.
+        Returns the budget left."""
         fetching: list[Request] = []
         try:
-            self._admit(out, budget, fetching, whole_only)
+            return self._admit(out, budget, fetching, whole_only)
         finally:
             self.waiting.extendleft(reversed(fetching))  # they keep their place at the front
             self.num_deferred = len(fetching)
 
-    def _admit(self, out: SchedulerOutput, budget: int, fetching: list[Request], whole_only: bool = False) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, fetching: list[Request], whole_only: bool = False) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
@@ -218,6 +245,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+        return budget
 
     def _start_past_cached(
         self,
@@ -297,9 +325,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            (self.shadows if request.is_shadow else self.waiting).remove(request)
         self.kv.free(request)
-        for connector in self.connectors:
+        for connector in self.connectors if not request.is_shadow else ():
             connector.request_finished(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

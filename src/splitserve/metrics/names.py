@@ -98,6 +98,10 @@ PD_BUFFER_BYTES_IN_USE = "splitserve:pd_buffer_bytes_in_use"
 PD_BUFFER_CAPACITY_BYTES = "splitserve:pd_buffer_capacity_bytes"
 PD_BUFFER_ALLOCATION_RETRIES_TOTAL = "splitserve:pd_buffer_allocation_retries_total"
 PD_BUFFER_EXPIRED_TOTAL = "splitserve:pd_buffer_expired_total"
+EXACTNESS_CHECKS_TOTAL = "splitserve:exactness_checks_total"
+EXACTNESS_MISMATCHES_TOTAL = "splitserve:exactness_mismatches_total"
+# the paths that reuse KV, as --verify-sample-rate's shadow checks name them (engine.verifier.PATHS)
+EXACTNESS_PATHS = ("prefix_cache", "l1", "l2", "pd", "migration")
 
 # ---- the router: production-stack's router metrics (label ``server``) ---------------------------------------
 
@@ -147,6 +151,7 @@ ENGINE_INDEX = "0"  # one engine per worker process: vLLM's engine 0
 VLLM_LABELS = (MODEL_NAME_LABEL, ENGINE_LABEL)
 FINISHED_REASON_LABEL = "finished_reason"
 SOURCE_LABEL = "source"
+PATH_LABEL = "path"
 REASON_LABEL = "reason"
 SLEEP_STATE_LABEL = "sleep_state"
 TIER_LABEL = "tier"

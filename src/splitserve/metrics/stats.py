@@ -181,3 +181,9 @@ class EngineStatsLike(Protocol):
 
     @property
     def pd_buffer(self) -> PDBufferStatsLike | None: ...  # None: not a decode worker
+
+    @property
+    def exactness_checks(self) -> Mapping[str, int]: ...  # --verify-sample-rate's shadow checks, by path
+
+    @property
+    def exactness_mismatches(self) -> Mapping[str, int]: ...  # those whose tokens differed, by path

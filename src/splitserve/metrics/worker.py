@@ -104,6 +104,18 @@ class _EngineStatsCollector(Collector):
             yield from _tier_metrics(self._model_name, kv)
         if stats.pd_buffer is not None:
             yield from self._pd_buffer_metrics(stats)
+        yield from self._exactness_counters(stats)
+
+    def _exactness_counters(self, stats: EngineStatsLike) -> Iterator[Metric]:
+        """--verify-sample-rate's checks and mismatches, every path listed (zero until one happens)."""
+        labels = [n.MODEL_NAME_LABEL, n.PATH_LABEL]
+        for name, doc, counts in (
+            (n.EXACTNESS_CHECKS_TOTAL, "Requests that reused KV, recomputed cold and compared token by token.",
+             stats.exactness_checks),
+            (n.EXACTNESS_MISMATCHES_TOTAL, "Of those, requests whose tokens differed from the cold recompute.",
+             stats.exactness_mismatches),
+        ):  # fmt: skip
+            yield _counter(name, doc, labels, [([self._model_name, p], counts.get(p, 0)) for p in n.EXACTNESS_PATHS])
 
     def _scheduler_gauges(self, stats: EngineStatsLike) -> Iterator[Metric]:
         for name, doc, value in (

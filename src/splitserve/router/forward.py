@@ -28,6 +28,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.config import RouterConfig
+from splitserve.httpserver import RESUMED_PROMPT_TOKENS_HEADER
 from splitserve.metrics import RouterMetrics
 from splitserve.openai_chunks import sse_event, stream_error_end
 from splitserve.router.cost import PrefillCostModel, QueuedPrefill
@@ -357,7 +358,8 @@ class Forwarder:
             body = resume_body(tracker, call.body, await self._max_model_len(worker))
             if body is None:
                 return None
-            opened = await self._open_resumed(worker, body, call.headers, lease)
+            resumed = {**call.headers, RESUMED_PROMPT_TOKENS_HEADER: str(len(tracker.prompt_ids or ()))}
+            opened = await self._open_resumed(worker, body, resumed, lease)
             if opened is None:
                 continue
             if isinstance(opened, _Refused):

@@ -155,7 +155,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         body = _salted(body, raw, config.salt_per_api_key)
-        engine_input = await serving.completion_input(body)
+        engine_input = await serving.completion_input(body, _resumed_prompt_tokens(raw))
         stream = await serving.submit(engine_input)
         if body.stream:
             return _sse(serving.stream_completion(engine_input, stream, body.include_usage(), body.continuous_usage()))
@@ -188,6 +188,12 @@ def build_app(
             raise validation_error(exc.errors()) from exc
 
     return app
+
+
+def _resumed_prompt_tokens(raw: Request) -> int | None:
+    """The original prompt's length of a stream the router resumes here (None when it is not one)."""
+    value = raw.headers.get(httpserver.RESUMED_PROMPT_TOKENS_HEADER, "")
+    return int(value) if value.isdigit() else None
 
 
 async def _json_body(raw: Request) -> Any:

@@ -8,6 +8,7 @@ block the event loop and the tokenizer is never used by two threads of ours at o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -144,13 +145,19 @@ class OpenAIServing:
 
     # ---- request -> engine input -----------------------------------------------------------------------
 
-    async def completion_input(self, request: CompletionRequest) -> EngineInput:
+    async def completion_input(
+        self, request: CompletionRequest, resumed_prompt_tokens: int | None = None
+    ) -> EngineInput:
+        """``resumed_prompt_tokens``: the router resumes a stream here, and the original prompt was this long
+        (what the exactness check replays from); ignored unless it leaves generated tokens in the prompt."""
         self._check_common(request)
         prompt_ids = await self._completion_prompt_ids(request.prompt)
         max_tokens = self._resolve_max_tokens(
             request.max_tokens, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
         )
         params = _sampling_params(request, max_tokens)
+        if resumed_prompt_tokens is not None and 0 < resumed_prompt_tokens < len(prompt_ids):
+            params = dataclasses.replace(params, resumed_prompt_tokens=resumed_prompt_tokens)
         return EngineInput(random_id("cmpl"), prompt_ids, params, bool(request.return_token_ids))
 
     async def chat_input(self, request: ChatCompletionRequest) -> EngineInput:
