@@ -1,9 +1,9 @@
 /*
  * A self-contained check of the quantized matmul for builds this machine cannot run natively (ARM NEON under
  * qemu on an x86 machine): random GGUF blocks of each format, ss_quant_matmul against a float64 reference
- * over ss_dequantize_rows (plain C) and activations rounded as the kernels round them, and ss_quant_matmul_f
- * against the same reference with the activations as they are. Prints "ok" and exits
- * 0 when every case agrees; tests/engine/test_quant_kernels.py builds and runs it.
+ * over ss_dequantize_rows (plain C) and activations rounded as the kernels round them; then batch invariance:
+ * a matmul row and an attention row give the same bits alone as in a batch (a prefill chunk beside a decode
+ * row), with 1 and 2 threads. Prints "ok" and exits 0 when every case agrees; tests/engine/test_quant_kernels.py builds and runs it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,9 +16,11 @@ int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k);
 int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst);
 int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
                     int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
-int ss_quant_matmul_f(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
-                      int64_t n, void *y, int out_dtype, int64_t ldy, int num_threads);
 int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out);
+int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                           const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                           float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, int num_threads);
 
 static uint32_t state = 12345u;
 static uint32_t next(void) {
@@ -43,7 +45,7 @@ static void random_rows(uint8_t *rows, int wtype, int64_t n, int64_t k) {
     }
 }
 
-static int check(int wtype, int64_t m, int64_t n, int64_t k, int float_activations) {
+static int check(int wtype, int64_t m, int64_t n, int64_t k) {
     uint8_t *rows = malloc((size_t)(n * ss_quant_row_bytes(wtype, k)));
     uint8_t *packed = malloc((size_t)ss_packed_bytes(wtype, n, k));
     float *w = malloc(sizeof(float) * (size_t)(n * k)), *x = malloc(sizeof(float) * (size_t)(m * k));
@@ -52,8 +54,7 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k, int float_activatio
     for (int64_t i = 0; i < m * k; i++) x[i] = (uniform() - 0.5f) * 4.0f;
     x[1] = 30.0f; /* an outlier */
     if (ss_repack(rows, wtype, n, k, packed) || ss_dequantize_rows(rows, wtype, k, 0, n, w) ||
-        (float_activations ? ss_quant_matmul_f(x, 0, k, m, k, packed, wtype, n, y, 0, n, 2)
-                           : ss_quant_matmul(x, 0, k, m, k, packed, wtype, n, y, 0, n, NULL, 2))) {
+        ss_quant_matmul(x, 0, k, m, k, packed, wtype, n, y, 0, n, NULL, 2)) {
         printf("type %d: a call failed\n", wtype);
         return 1;
     }
@@ -65,8 +66,7 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k, int float_activatio
             for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(x[i * k + b * 32 + j]));
             const float inv = top > 0.0f ? 127.0f / top : 0.0f;
             for (int j = 0; j < 32; j++)
-                xq[b * 32 + j] = float_activations ? x[i * k + b * 32 + j]
-                                                   : nearbyintf(x[i * k + b * 32 + j] * inv) * (double)(top / 127.0f);
+                xq[b * 32 + j] = nearbyintf(x[i * k + b * 32 + j] * inv) * (double)(top / 127.0f);
         }
         for (int64_t r = 0; r < n; r++) {
             double ref = 0.0, scale = 0.0;
@@ -80,10 +80,56 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k, int float_activatio
     }
     free(rows), free(packed), free(w), free(x), free(y);
     if (worst > 1e-5) {
-        printf("type %d, m %ld, float activations %d: relative error %g\n", wtype, (long)m, float_activations, worst);
+        printf("type %d, m %ld: relative error %g\n", wtype, (long)m, worst);
         return 1;
     }
     return 0;
+}
+
+/* Rows of a 37-row matmul against each row alone, at 1 and 2 threads: the same bits. */
+static int matmul_invariance(int wtype) {
+    const int64_t m = 37, n = 40, k = 128;
+    uint8_t *rows = malloc((size_t)(n * ss_quant_row_bytes(wtype, k)));
+    uint8_t *packed = malloc((size_t)ss_packed_bytes(wtype, n, k));
+    float *x = malloc(sizeof(float) * (size_t)(m * k)), *all = malloc(sizeof(float) * (size_t)(m * n));
+    float one[40];
+    random_rows(rows, wtype, n, k);
+    for (int64_t i = 0; i < m * k; i++) x[i] = (uniform() - 0.5f) * 4.0f;
+    int failures = ss_repack(rows, wtype, n, k, packed) || ss_quant_matmul(x, 0, k, m, k, packed, wtype, n, all, 0, n, NULL, 2);
+    for (int threads = 1; threads <= 2; threads++)
+        for (int64_t i = 0; i < m; i++) {
+            failures += ss_quant_matmul(x + i * k, 0, k, 1, k, packed, wtype, n, one, 0, n, NULL, threads) != 0;
+            failures += memcmp(one, all + i * n, sizeof one) != 0;
+        }
+    free(rows), free(packed), free(x), free(all);
+    if (failures) printf("type %d: a matmul row depends on the batch\n", wtype);
+    return failures != 0;
+}
+
+/* A 300-token sequence's queries as one prefill chunk beside a decode row of another sequence, against each
+ * query alone, at 1 and 2 threads: the same bits. */
+static int attention_invariance(void) {
+    enum { LEN = 300, H = 4, HKV = 2, D = 32, BS = 16, BLOCKS = (LEN + BS - 1) / BS };
+    float *k = malloc(sizeof(float) * BLOCKS * BS * HKV * D), *v = malloc(sizeof(float) * BLOCKS * BS * HKV * D);
+    float *q = malloc(sizeof(float) * (LEN + 1) * H * D), *all = malloc(sizeof(float) * (LEN + 1) * H * D);
+    float one[H * D];
+    int64_t tables[2 * BLOCKS], seq[LEN + 1], lens[LEN + 1];
+    for (int i = 0; i < BLOCKS * BS * HKV * D; i++) k[i] = (uniform() - 0.5f) * 6.0f, v[i] = uniform() - 0.5f;
+    for (int i = 0; i < (LEN + 1) * H * D; i++) q[i] = uniform() - 0.5f;
+    for (int b = 0; b < BLOCKS; b++) tables[b] = (b * 7) % BLOCKS, tables[BLOCKS + b] = BLOCKS - 1 - b;
+    for (int r = 0; r < LEN; r++) seq[r] = 0, lens[r] = r + 1;
+    seq[LEN] = 1, lens[LEN] = LEN;
+    int failures = ss_paged_attention_f32(q, H * D, k, v, tables, BLOCKS, seq, lens, all, LEN + 1, H, HKV, D, BS,
+                                          0.17f, 2);
+    for (int threads = 1; threads <= 2; threads++)
+        for (int r = 0; r <= LEN; r += 13) {
+            failures += ss_paged_attention_f32(q + r * H * D, H * D, k, v, tables + seq[r] * BLOCKS, BLOCKS, NULL,
+                                               lens + r, one, 1, H, HKV, D, BS, 0.17f, threads);
+            failures += memcmp(one, all + r * H * D, sizeof one) != 0;
+        }
+    free(k), free(v), free(q), free(all);
+    if (failures) printf("an attention row depends on the batch\n");
+    return failures != 0;
 }
 
 int main(void) {
@@ -91,8 +137,9 @@ int main(void) {
     const int64_t rows[] = {1, 3, 4, 5, 17};
     int failures = 0;
     for (int t = 0; t < 3; t++)
-        for (int r = 0; r < 5; r++)
-            for (int f = 0; f < 2; f++) failures += check(types[t], rows[r], 44, 96, f);
+        for (int r = 0; r < 5; r++) failures += check(types[t], rows[r], 44, 96);
+    for (int t = 0; t < 3; t++) failures += matmul_invariance(types[t]);
+    failures += attention_invariance();
     printf(failures ? "failed\n" : "ok\n");
     return failures != 0;
 }

@@ -242,9 +242,6 @@ class NativeKernels:
         self._qmatmul = library.ss_quant_matmul
         self._qmatmul.argtypes = _QMATMUL_ARGTYPES
         self._qmatmul.restype = ctypes.c_int
-        self._qmatmul_f = library.ss_quant_matmul_f
-        self._qmatmul_f.argtypes = [*_QMATMUL_ARGTYPES[:11], _I]
-        self._qmatmul_f.restype = ctypes.c_int
         self._packed_bytes = library.ss_packed_bytes
         self._packed_bytes.argtypes = [_I, _I64, _I64]
         self._packed_bytes.restype = _I64
@@ -294,15 +291,12 @@ class NativeKernels:
             raise ValueError(f"cannot dequantize GGML type {wtype}")
         return out
 
-    def quant_matmul(
-        self, x: torch.Tensor, weight: PackedWeight, float_activations: bool = False
-    ) -> torch.Tensor | None:
+    def quant_matmul(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor | None:
         """``x @ W.T`` ([m, k] float32/bfloat16 -> [m, n] in x's dtype); None where the kernel does not apply.
 
-        Activations are quantized to 8 bits per block of 32 on the way in (llama.cpp's Q8 scheme), unless
-        ``float_activations``: then each weight is dequantized in registers and multiplied in float32, which
-        gives the float model's result from the quantized weights' memory traffic (few rows only: it does
-        per weight the float work the integer path does per block).
+        Activations are quantized to 8 bits per block of 32 on the way in (llama.cpp's Q8 scheme), and each
+        row's block products are summed in block order: a row's result is the same at any row count and
+        thread count (the 5+ row AMX tiles included).
         """
         code = _DTYPE_CODES.get(x.dtype)
         if (
@@ -315,12 +309,6 @@ class NativeKernels:
         ):
             return None
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
-        if float_activations:
-            status = self._qmatmul_f(
-                x.data_ptr(), code, x.stride(0), x.shape[0], weight.k, weight.data.data_ptr(), weight.wtype,
-                weight.n, out.data_ptr(), code, weight.n, torch.get_num_threads(),
-            )  # fmt: skip
-            return out if status == 0 else None
         status = self._qmatmul(
             x.data_ptr(), code, x.stride(0), x.shape[0], weight.k, weight.data.data_ptr(), weight.wtype, weight.n,
             out.data_ptr(), code, weight.n, None, torch.get_num_threads(),
