@@ -1,4 +1,4 @@
-"""A slow L2 leaves decode steps alone: a real worker (smollm2, float32) streams 8 requests while a long prompt
+"""A slow L2 leaves decode steps alone: a real worker (smollm2, the default dtype) streams 8 requests while a long prompt
 whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
 piece of Redis traffic held 500 ms each way by the fault proxy (``tests/faults.py``). No gap between two
 tokens of a stream may grow by the delay, and the ITL p99 stays within 1.5x of the fast run's.
@@ -88,9 +88,9 @@ def long_prompt_during_streams(worker: WorkerProcess, prompt: str) -> tuple[list
 
 def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: RedisServer) -> None:
     prompts = [long_prompt(100, "shelf"), long_prompt(100, "drawer")]
-    writer = WorkerProcess(tmp_path / "writer.log", ["--dtype", "float32", "--num-threads", "1",
-                                                       "--max-model-len", "4096", "--l2-backend", "redis",
-                                                       "--l2-url", redis_server.url])  # fmt: skip
+    # the default dtype, as TierWorker: the same model arithmetic, so the same answers from L2
+    writer = WorkerProcess(tmp_path / "writer.log", ["--num-threads", "1", "--max-model-len", "4096",
+                                                       "--l2-backend", "redis", "--l2-url", redis_server.url])  # fmt: skip
     try:
         writer.wait_healthy()
         cold = [writer.complete(prompt) for prompt in prompts]

@@ -70,7 +70,9 @@ class Up:
         self.log.close()
 
 
-def chat(url: str, content: str = "What is the capital of France?", max_tokens: int = 12) -> httpx.Response:
+def chat(
+    url: str, content: str = "What is the capital of France? Answer in one sentence.", max_tokens: int = 12
+) -> httpx.Response:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)

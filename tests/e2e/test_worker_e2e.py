@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 MODEL = "smollm2"
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 class Worker(WorkerProcess):

@@ -32,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
 QUESTIONS = {
     "lighthouse": "Write a long story about a lighthouse keeper.",
-    "france": "What is the capital of France?",
+    "france": "What is the capital of France? Answer in one sentence.",
     "bread": "I want to bake my first loaf of bread at home. Give me a simple recipe with quantities and timings.",
 }
 

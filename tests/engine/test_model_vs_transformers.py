@@ -144,9 +144,10 @@ def test_load_model_in_bfloat16_answers_too(models: Models) -> None:
     """The model as the engine prepares it, in the dtype ``auto`` picks on a bf16-capable CPU, with the GGUF's
     quantized blocks and its bfloat16 cache bound (so every step runs in the native forward step).
 
-    Raw bfloat16 (residual stream and logits in bf16 too) flips this prompt's first token, a near-tie
-    (fp32 margin 0.08): "L'Étoile..." instead of "The capital...". ``prepare_for_inference`` keeps those in
-    float32, as ``ModelRunner`` does; the forward step keeps the matmuls' activations in float32 too.
+    Raw bfloat16 (residual stream and logits in bf16 too) flips the first token of "What is the capital of
+    France?", a near-tie (fp32 margin 0.08): "L'Étoile..." instead of "The capital...". ``prepare_for_inference``
+    keeps those in float32, as ``ModelRunner`` does. The quantized model's 8-bit activations tip that near-tie
+    too, on some kernel builds and dtypes, so this asks for one sentence.
     """
     source = resolve_model("smollm2")
     model = load_model(source, torch.bfloat16, torch.device("cpu"))
@@ -157,7 +158,10 @@ def test_load_model_in_bfloat16_answers_too(models: Models) -> None:
     model.prepare_for_inference()
     runner = PagedRunner(model, 64, kv_dtype=torch.bfloat16)
     assert model._forward_step is not None
-    ids = models.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    # the bare question is a near-tie that 8-bit activations tip either way, by kernel build and dtype
+    ids = models.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    )
     out = [int(runner.prefill(ids)[-1].argmax())]
     while len(out) < 16 and out[-1] not in models.tokenizer.stop_token_ids:
         out.append(int(runner.decode(out[-1]).argmax()))

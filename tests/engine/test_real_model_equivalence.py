@@ -55,7 +55,7 @@ TUTOR_SYSTEM = (
     "numbers in examples, and end with one short exercise the student can try alone."
 )
 CONVERSATIONS: dict[str, list[dict[str, str]]] = {
-    "france": [{"role": "user", "content": "What is the capital of France?"}],
+    "france": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     "tent": [
         {"role": "system", "content": LONG_SYSTEM},
         {"role": "user", "content": "My tent pole broke on the second trip. Can you fix it, and what does it cost?"},

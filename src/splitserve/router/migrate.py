@@ -13,8 +13,9 @@ completion), id, ``created`` and model, and its usage counts the tokens of the w
 
 What it guarantees:
 - greedy output: the tokens an uninterrupted run gives, provided the model computes the same logits from a
-  prefill of those tokens as from their decode (exact in float32 without quantized decode, which
-  ``--quantization none --dtype float32`` gives);
+  prefill of those tokens as from their decode (bit for bit with the GGUF's quantized blocks, a worker's
+  default: docs/exactness.md); the resumed request names the original prompt's length
+  (``RESUMED_PROMPT_TOKENS_HEADER``), so the new worker's exactness check can replay the whole answer;
 - seeded sampling on splitserve workers: the same tokens too (a seeded draw depends on the seed and the
   token's position only, see ``engine/sampler.py``); unseeded sampling goes on from a fresh draw;
 - text: the same characters. Text a worker held back when it died (a possible stop string) is recovered from
