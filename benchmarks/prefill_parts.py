@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/prefill_parts.py [--threads 2] [--prompt-tokens 2500] [--repeats 5]
 
-One 2,500-token prompt (prefix caching off, the default chunks of 1,024 tokens, ``max_tokens`` 1) in the
+The float path (``--quantization none``): the default, the GGUF's blocks, runs every step in the one native
+forward step, which these part timers cannot see into. One 2,500-token prompt (prefix caching off, the default
+chunks of 1,024 tokens, ``max_tokens`` 1) in the
 default dtype, each configuration in a fresh process:
 - ``native``: the default: attention on AMX tiles where the CPU has them (``csrc/prefill_attention.c``),
   SiLU x up and the rotary embedding in one native pass each (``csrc/elementwise.c``);
@@ -44,7 +46,7 @@ def measure(config: str, threads: int, prompt_tokens: int, repeats: int) -> dict
         kernels.NativeKernels.rotary = lambda *args, **kwargs: False  # type: ignore[method-assign]
     eng = build_engine(
         EngineConfig(
-            model=ModelConfig(model="smollm2", max_model_len=4096, num_threads=threads),
+            model=ModelConfig(model="smollm2", max_model_len=4096, num_threads=threads, quantization="none"),
             cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024),
         )

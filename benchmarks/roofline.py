@@ -12,7 +12,7 @@ In this process (no server):
   causal attention) per second against the CPU's stated peak for the instruction set the matmuls use.
 Then, each in a fresh process, the parts of a single-stream decode step for: the previous default (bf16 with
 PyTorch's int4 kernel, one module at a time), the quantized kernels one module at a time
-(``SPLITSERVE_DECODE_STEP=0``), and the one-call native step (today's default). Results go to
+(``SPLITSERVE_FORWARD_STEP=0``), and the one-call native step (today's default). Results go to
 ``benchmarks/results/roofline.json``.
 """
 
@@ -176,8 +176,8 @@ def profile(threads: int, quantization: str, dtype: str) -> dict[str, float]:
     timed(llama, "paged_attention", "attention")
     timed(llama, "add_rms_norm", "add + RMSNorm")
     timed(model, "forward", "forward")
-    if model._decode_step is not None:
-        timed(model, "_decode_step", "native decode step (every layer, one call)")
+    if model._forward_step is not None:
+        timed(model, "_forward_step", "native forward step (every layer, one call)")
     timed(model, "compute_logits", "output head + top-32 refinement")
     timed(eng.runner, "sampler", "sampler")
     timed(eng.runner, "prepare", "step inputs (runner)")
@@ -213,7 +213,7 @@ def main() -> None:
     if args.child:
         quantization, _, step = args.child.partition(":")
         if step == "0":
-            os.environ["SPLITSERVE_DECODE_STEP"] = "0"
+            os.environ["SPLITSERVE_FORWARD_STEP"] = "0"
         print(json.dumps(profile(args.threads, quantization, args.dtype)))
         return
     results: dict[str, Any] = {"roofline": measure(args.threads, args.dtype), "profiles": {}}
