@@ -3,7 +3,8 @@ two verification requests through the router, show how it routed them, and keep 
 
 Runs ``splitserve up -f examples/dpd.yaml`` as a child process (its log goes to this terminal), waits until the
 endpoint reports ``DPD prefill and decode deployments are ready``, then asks:
-- a short chat message ("What is the capital of France? Answer in one sentence."), which goes straight to the decode worker;
+- a short chat message ("What is the capital of France? Answer in one sentence."), which goes straight to the
+  decode worker;
 - ``The quick brown fox jumps over the lazy dog. `` repeated 600 times (about 6,000 tokens, over the 4,096-token
   routing threshold) with ``max_tokens`` 30, which is prefilled on the prefill worker and decoded from the KV it
   pushed to the decode worker.

@@ -128,8 +128,8 @@ def test_the_openai_client_sees_cached_tokens_and_sagemaker_routes_serve(endpoin
         assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 16, name
 
         assert httpx.get(f"{base}/ping").status_code == 200
-        question = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 12,
-                    "temperature": 0}  # fmt: skip
+        question = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+                    "max_tokens": 12, "temperature": 0}  # fmt: skip
         answer = httpx.post(f"{base}/invocations", json=question, timeout=60)
         assert answer.status_code == 200, answer.text
         assert "Paris" in answer.json()["choices"][0]["message"]["content"], name

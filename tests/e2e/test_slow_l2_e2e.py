@@ -1,9 +1,9 @@
-"""A slow L2 leaves decode steps alone: a real worker (smollm2, the default dtype) streams 8 requests while a long prompt
-whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
+"""A slow L2 leaves decode steps alone: a real worker (smollm2, the default dtype) streams 8 requests while a long
+prompt whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
 piece of Redis traffic held 500 ms each way by the fault proxy (``tests/faults.py``). No gap between two
 tokens of a stream may grow by the delay, and the ITL p99 stays within 1.5x of the fast run's.
 
-Both runs admit the same kind of prompt (loading ~1,800 tokens of KV and computing the rest in float, which
+Both runs admit the same kind of prompt (loading ~1,800 tokens of KV and computing the rest, which
 costs a few decode steps' time), so comparing them isolates what L2's latency adds. The connector reads L2 on
 its own prefetch thread (``kvcache/connector.py``); before, the engine thread ran the lookups and the MGET
 inside ``schedule()``, and every stream got one gap of 1.4 s. The max gap is the sharp check: the p99 does
@@ -89,8 +89,8 @@ def long_prompt_during_streams(worker: WorkerProcess, prompt: str) -> tuple[list
 def test_a_slow_l2_leaves_decode_steps_alone(tmp_path: Path, redis_server: RedisServer) -> None:
     prompts = [long_prompt(100, "shelf"), long_prompt(100, "drawer")]
     # the default dtype, as TierWorker: the same model arithmetic, so the same answers from L2
-    writer = WorkerProcess(tmp_path / "writer.log", ["--num-threads", "1", "--max-model-len", "4096",
-                                                       "--l2-backend", "redis", "--l2-url", redis_server.url])  # fmt: skip
+    args = ["--num-threads", "1", "--max-model-len", "4096", "--l2-backend", "redis", "--l2-url", redis_server.url]
+    writer = WorkerProcess(tmp_path / "writer.log", args)
     try:
         writer.wait_healthy()
         cold = [writer.complete(prompt) for prompt in prompts]
