@@ -75,6 +75,11 @@ def test_the_shadow_waits_while_a_client_request_waits(model: LlamaForCausalLM) 
         engine.step()
         assert not any(r.is_shadow for r in engine.scheduler.running)
     assert len(engine.scheduler.shadows) == 1
+    engine.step()  # nothing waits: the shadow starts
+    assert [r.is_shadow for r in engine.scheduler.running] == [True]
+    engine.add_request("another", random_prompts(1, 30, 30, seed=13)["r0"], GREEDY)
+    engine.step()  # a client arrived: the shadow gives its seat back
+    assert [r.request_id for r in engine.scheduler.running] == ["another"] and len(engine.scheduler.shadows) == 1
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats().exactness_checks == {"prefix_cache": 1}

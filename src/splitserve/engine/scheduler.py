@@ -25,8 +25,9 @@ A connector may answer that it is still fetching a request's KV (from L2, on its
 keeps its place at the front of the queue, and the ones behind it are admitted meanwhile.
 
 Shadow requests (``engine.verifier``: a cold recompute of a finished request, to check it) wait in a queue of
-their own and are admitted one at a time, only when no other request waits, with no cached or loaded KV; a
-preempted shadow goes back to that queue.
+their own and are admitted one at a time, only when no other request waits, with no cached or loaded KV. When a
+client request arrives, a running shadow is preempted back to that queue, so it never holds a seat or a block
+a client could use.
 
 When every full block of a request is cached and another request left the same partial last block (a
 repeated prompt), that block is copied too (``block_copies``) and only the last token is computed.
@@ -120,6 +121,10 @@ class Scheduler:
             self._order_by_uncached_tokens()
         self._held_back = False
         self.num_deferred = 0
+        if self.waiting:  # a client request waits: a running shadow gives its seat and blocks back
+            for shadow in [r for r in self.running if r.is_shadow]:
+                self.running.remove(shadow)
+                self._preempt(shadow)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
         if not out.preempted:
             budget = self._schedule_waiting(out, budget, whole_only=self._held_back)
