@@ -13,6 +13,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.config import LlamaConfig
+from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.tokenizer import Tokenizer
 
@@ -106,3 +107,12 @@ def random_prompts(num: int, min_len: int, max_len: int, seed: int = 1) -> dict[
         length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
         prompts[f"r{i}"] = torch.randint(0, TINY.vocab_size, (length,), generator=gen).tolist()
     return prompts
+
+
+@pytest.fixture(params=[level.name for level in detect_cpu().levels])
+def kernels(request: pytest.FixtureRequest) -> NativeKernels:
+    """Each instruction-set build this CPU runs (the portable scalar one always)."""
+    built = kernels_for(next(level for level in detect_cpu().levels if level.name == request.param))
+    if built is None:
+        pytest.fail("the native kernels did not build (is a C compiler with OpenMP installed?)")
+    return built

@@ -12,20 +12,12 @@ import pytest
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for
+from splitserve.model.kernels import NativeKernels
 from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import build_engine, run_to_completion, tokens_of
 from tests.engine.test_quant_kernels import gguf_rows, quantize_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
-
-@pytest.fixture(params=[level.name for level in detect_cpu().levels])
-def kernels(request: pytest.FixtureRequest) -> NativeKernels:
-    built = kernels_for(next(level for level in detect_cpu().levels if level.name == request.param))
-    if built is None:
-        pytest.fail("the native kernels did not build (is a C compiler with OpenMP installed?)")
-    return built
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

@@ -60,15 +60,6 @@ def _context(k_cache: torch.Tensor, decode: DecodeBatch, row: int) -> torch.Tens
     return k_cache[slots]
 
 
-@pytest.fixture(params=[level.name for level in detect_cpu().levels])
-def kernels(request: pytest.FixtureRequest) -> NativeKernels:
-    """Each instruction-set build this CPU runs (the portable scalar one always)."""
-    built = kernels_for(next(level for level in detect_cpu().levels if level.name == request.param))
-    if built is None:
-        pytest.fail("the native kernels did not build (is a C compiler with OpenMP installed?)")
-    return built
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "lengths",
