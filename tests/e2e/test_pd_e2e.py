@@ -125,9 +125,11 @@ def test_the_seed_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) 
 
 
 def test_concurrent_long_prompts_on_a_tiny_buffer_degrade_to_recompute(endpoint: Endpoint) -> None:
-    # ~14 MB of KV each, half of them to the 20 MB buffer: enough at once that pushes overlap even when the
-    # decoder frees each reservation within milliseconds
-    prompts = [FOX * 30 + f"Story {i}:" for i in range(12)]
+    # ~14 MB of KV each (300 tokens in float32, 600 in bfloat16: the workers run the default dtype), half of
+    # them to the 20 MB buffer: enough at once that pushes overlap even when the decoder frees each
+    # reservation within milliseconds
+    repeats = 60 if "dtype torch.bfloat16" in endpoint.tiny.logs() else 30
+    prompts = [FOX * repeats + f"Story {i}:" for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(lambda p: endpoint.router.complete(p, 8), prompts))
     assert [a.status_code for a in answers] == [200] * 12

@@ -69,6 +69,7 @@ def build_engine(
             chunked,
             policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            verify_sample_rate=0.0,  # no random shadow checks in tests that count steps (test_verifier.py sets it)
         ),
     )
     return LLMEngine(config, model, tokenizer, "test", torch.device("cpu"))
