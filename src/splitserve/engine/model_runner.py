@@ -148,7 +148,7 @@ class ModelRunner:
                 sample_indices.append(offset - 1)
                 sampled.append(s)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.device.type == "cpu":
+        if self.model.runs_forward_step:
             meta.rows = self._step_rows(decodes + prefills, meta.decode if not prefills else None, position_ids)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.metrics.names import EXACTNESS_PATHS
 
 logger = logging.getLogger(__name__)
 
 SHADOW_PREFIX = "verify-"
-# the path a request's reused KV took, by its deepest source (request.cached_tokens_by_source's names)
+# the path a request's reused KV took: its deepest source (request.cached_tokens_by_source's names), in this
+# order; with "migration", the paths metrics.names.EXACTNESS_PATHS lists
 PATH_OF_SOURCE = {"pd": "pd", "l2": "l2", "l1": "l1", "engine": "prefix_cache"}
-PATHS = EXACTNESS_PATHS
 
 
 @dataclass(slots=True)
@@ -80,11 +79,12 @@ class ExactnessVerifier:
 
 
 def path_of(request: Request) -> str | None:
-    """The path a request's reused KV took (``PATHS``), or None when it computed everything itself."""
+    """The path a request's reused KV took (one of ``metrics.names.EXACTNESS_PATHS``), or None when it computed
+    everything itself."""
     if request.params.resumed_prompt_tokens:
         return "migration"
     used = {name for name, num_tokens in request.cached_tokens_by_source if num_tokens > 0}
-    return next((PATH_OF_SOURCE[s] for s in ("pd", "l2", "l1", "engine") if s in used), None)
+    return next((path for source, path in PATH_OF_SOURCE.items() if source in used), None)
 
 
 def shadow_params(params: SamplingParams, num_tokens: int) -> SamplingParams:

@@ -100,7 +100,7 @@ PD_BUFFER_ALLOCATION_RETRIES_TOTAL = "splitserve:pd_buffer_allocation_retries_to
 PD_BUFFER_EXPIRED_TOTAL = "splitserve:pd_buffer_expired_total"
 EXACTNESS_CHECKS_TOTAL = "splitserve:exactness_checks_total"
 EXACTNESS_MISMATCHES_TOTAL = "splitserve:exactness_mismatches_total"
-# the paths that reuse KV, as --verify-sample-rate's shadow checks name them (engine.verifier.PATHS)
+# the paths that reuse KV, as --verify-sample-rate's checks name them (engine.verifier.PATH_OF_SOURCE, migration)
 EXACTNESS_PATHS = ("prefix_cache", "l1", "l2", "pd", "migration")
 
 # ---- the router: production-stack's router metrics (label ``server``) ---------------------------------------

@@ -240,6 +240,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
     @property
+    def runs_forward_step(self) -> bool:
+        """Whether steps run in the one native call (``bind_kv_cache``), which reads ``AttentionMetadata.rows``."""
+        return self._forward_step is not None
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype of the weights, matmul inputs and KV cache."""
         return self.embed_tokens.weight.dtype
