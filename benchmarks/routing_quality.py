@@ -7,7 +7,7 @@ Per strategy, fresh processes: two ``splitserve worker`` s (SmolLM2-135M, defaul
 each, so the two share the machine's 2 cores; engine prefix cache on, no L1/L2, so a hit needs the right
 worker) behind a ``splitserve router`` with that strategy, and no other flags: the router pulls the workers' KV
 events itself. A strategy written ``kvaware/fcfs`` runs the workers with the scheduling of before issue 17
-(``--scheduling-policy fcfs --long-prefill-token-threshold 0``), to measure what the scheduling adds;
+(``--scheduling-policy fcfs --running-prefill-cap 0``), to measure what the scheduling adds;
 ``kvaware/cost`` runs the router with ``--routing-cost-model``. The workload is
 ``splitserve bench serve --dataset multiround``: U users, each R rounds of a chat whose history grows (a shared
 system prompt, then question/answer turns); requests arrive at a Poisson rate, and a user's next round is
@@ -55,7 +55,7 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     router_port = free_port()
     worker_ports = [free_port() for _ in range(args.num_workers)]
     policy, _, variant = strategy.partition("/")
-    extra = ["--scheduling-policy", "fcfs", "--long-prefill-token-threshold", "0"] if variant == "fcfs" else []
+    extra = ["--scheduling-policy", "fcfs", "--running-prefill-cap", "0"] if variant == "fcfs" else []
     name = strategy.replace("/", "-")
     workers = []
     router_extra: list[str] = []

@@ -27,42 +27,17 @@ import hashlib
 import hmac
 import json
 import logging
-import os
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve import envs
+
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "SPLITSERVE_API_KEY"
-VLLM_API_KEY_ENV = "VLLM_API_KEY"
-CLUSTER_SECRET_ENV = "SPLITSERVE_CLUSTER_SECRET"
 CLIENT_PATHS = ("/v1/", "/invocations", "/tokenize", "/detokenize")  # prefixes of the routes keys guard
 INTERNAL_PATHS = ("/admin/", "/kv/")  # prefixes of the routes only the cluster secret opens
-
-
-def api_keys(flags: Iterable[str], env_names: Sequence[str] = (API_KEY_ENV,)) -> tuple[str, ...]:
-    """The client keys from ``--api-key`` flags and the environment variables ``env_names`` (in that order)."""
-    keys = [key.strip() for key in flags]
-    keys += [os.environ[name].strip() for name in env_names if os.environ.get(name, "").strip()]
-    if any(not key for key in keys):
-        raise ValueError("--api-key must not be empty")
-    return tuple(dict.fromkeys(keys))
-
-
-def cluster_secret(path: str | None) -> str | None:
-    """The cluster secret from ``--cluster-secret-file`` (first line), else ``SPLITSERVE_CLUSTER_SECRET``."""
-    if path:
-        try:
-            secret = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read --cluster-secret-file {path}: {exc.strerror}") from None
-        if not secret:
-            raise ValueError(f"--cluster-secret-file {path} is empty")
-        return secret
-    return os.environ.get(CLUSTER_SECRET_ENV, "").strip() or None
 
 
 MAC_FIELD = "mac"
@@ -108,7 +83,7 @@ def warn_if_open(process: str, keys: Sequence[str], secret: str | None) -> None:
         logger.warning(
             "SECURITY: anyone who can reach this %s may use %s. Set --api-key (or %s) and the cluster secret "
             "(%s or --cluster-secret-file).",
-            process, " and ".join(open_routes), API_KEY_ENV, CLUSTER_SECRET_ENV,
+            process, " and ".join(open_routes), envs.API_KEY.name, envs.CLUSTER_SECRET.name,
         )  # fmt: skip
 
 

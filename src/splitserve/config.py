@@ -1,7 +1,9 @@
 """Typed, frozen configuration for every part, validated in one place.
 
-Environment variables, YAML and the command line are read only at the edges (``cli.py``, ``endpoint.py``);
-everything below them receives these objects.
+Each field a user can set is declared here once, with its help, flag and environment variable
+(``splitserve.settings``): the command line, the resource file's flag rules and ``docs/configuration.md`` are
+derived from these declarations. Environment variables, YAML and the command line are read only at the edges
+(``cli.py``, ``endpoint.py``, ``envs.py``); everything below them receives these objects.
 """
 
 from __future__ import annotations
@@ -9,9 +11,24 @@ from __future__ import annotations
 import json
 import re
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from splitserve import envs
+from splitserve.settings import Section, Use, build, setting
+
+ENGINE_PANEL = "Engine options"
+CACHE_PANEL = "KV cache options"
+TIERS_PANEL = "KV cache tier options (L1 memory, L2 Redis or disk)"
+PD_PANEL = "Disaggregation options (KV transfer)"
+SERVER_PANEL = "Server options"
+ROUTING_PANEL = "Routing options"
+FAULTS_PANEL = "Health and retry options"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _SIZE_UNITS = {
     "": 1,
@@ -62,19 +79,32 @@ class Role(StrEnum):
 class ModelConfig:
     """Which model to load and how."""
 
-    model: str = "smollm2"  # a registry name or a path to a GGUF file or a Hugging Face folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto (CUDA when present, else CPU) | cpu | cuda
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0  # seeds the random-weight test model and unseeded sampling
-    served_model_name: str | None = None  # the name the API answers to; None: the model argument
-    num_threads: int | None = None  # CPU threads for torch ops; None: the CPUs this process may run on
-    # Where matmul weights come from: "gguf" runs every matmul from a Q4_0/Q4_1/Q8_0 GGUF's own blocks in the
-    # native CPU kernels; "int4" uses PyTorch's int4 kernel for decode-sized matmuls (bfloat16 on CPU);
-    # "auto" takes gguf, else int4, where they can run; "none" always uses the dequantized --dtype weights.
-    quantization: str = "auto"
+    model: str = setting(
+        "smollm2", "Model: a registry name (smollm2), a GGUF file or a Hugging Face folder.", use=Use.PLANNED,
+        why="the plan gives every worker the resource's one model (spec.modelSourceConfig)",
+    )  # fmt: skip
+    served_model_name: str | None = setting(None, "The model name the API answers to (default: --model).")
+    dtype: str = setting("auto", "auto, float32, bfloat16 or float16.")
+    device: str = setting("auto", "auto (CUDA if present), cpu or cuda.")
+    max_model_len: int | None = setting(None, "Context length (default: the model's).")
+    seed: int = setting(0, "Seed of unseeded sampling (and of the random-weight test model).")
+    num_threads: int | None = setting(None, "CPU threads for the engine (default: the CPUs this process may use).")
+    quantization: str = setting(
+        "auto",
+        "gguf: every CPU matmul from a Q4_0/Q4_1/Q8_0 GGUF's own blocks (native kernels); int4: PyTorch's int4 "
+        "kernel for decode steps (bf16 CPU); auto: gguf, else int4, where they run; none: always the dequantized "
+        "--dtype weights.",
+    )
+    tensor_parallel_size: int = setting(1, "Only 1 is supported (one engine per worker).")
+    pipeline_parallel_size: int = setting(1, "Only 1 is supported (one engine per worker).")
 
     def validate(self) -> None:
+        for flag, size in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+        ):
+            if size != 1:
+                raise ValueError(f"{flag} {size} is not supported: splitserve runs one engine per worker (use 1)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -91,12 +121,13 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache held by the engine."""
 
-    block_size: int = 16  # tokens per KV block; also the unit of the key scheme
-    # KV cache size: bytes ("2GiB", "1073741824") or a fraction of free memory ("0.3"). None: 2 GiB on CPU;
-    # on CUDA, what --gpu-memory-utilization leaves after weights and activations.
-    kv_cache_memory: str | None = None
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for weights + activations + KV
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "Tokens per KV block; also the unit of the KV key scheme.")
+    # on CUDA, None is what --gpu-memory-utilization leaves after weights and activations
+    kv_cache_memory: str | None = setting(
+        None, "KV cache size in bytes (2GiB) or as a fraction of free memory (0.3); default 2GiB on CPU."
+    )
+    gpu_memory_utilization: float = setting(0.9, "CUDA: the fraction of device memory for weights, activations and KV.")
+    enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of shared prompt prefixes.")
     num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
 
     def validate(self) -> None:
@@ -133,18 +164,30 @@ class SchedulingPolicy(StrEnum):
 class SchedulerConfig:
     """Continuous batching limits, and who goes first."""
 
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 1024  # tokens computed per engine step (prefill chunks + decodes)
-    enable_chunked_prefill: bool = True  # off: a prompt is prefilled in one step, budget permitting
-    policy: SchedulingPolicy = SchedulingPolicy.LPM
-    max_wait_s: float = 5.0  # lpm: a request waiting longer than this is admitted first, in arrival order
-    # when the next waiting request is short (its uncached tokens fit beside this), the running ones still in
-    # prefill take at most this many tokens per step between them, and the rest admits short requests whole:
-    # a cached follow-up gets its first token in one short step; 0: no limit
-    long_prefill_token_threshold: int = 256
-    # the fraction of requests that reused KV (engine cache, L1/L2, a prefill worker's push, a resumed stream)
-    # recomputed cold when nothing else waits and compared token by token (engine.verifier); 0: never
-    verify_sample_rate: float = 0.001
+    max_num_seqs: int = setting(64, "Requests running at once.")
+    max_num_batched_tokens: int = setting(1024, "Tokens computed per engine step (prefill chunks and decodes).")
+    enable_chunked_prefill: bool = setting(True, "Split long prompts across steps (off: one step, budget permitting).")
+    policy: SchedulingPolicy = setting(
+        SchedulingPolicy.LPM,
+        "Which waiting request goes first: lpm (fewest tokens left to compute, so cache hits pass cold prompts; "
+        "oldest first past --scheduling-max-wait) or fcfs (arrival order).",
+        flag="scheduling-policy",
+    )
+    max_wait_s: float = setting(
+        5.0, "lpm: seconds after which a waiting request goes first, in arrival order.", flag="scheduling-max-wait"
+    )
+    # the rest of the step admits short requests whole, so a cached follow-up gets its first token in one step
+    running_prefill_cap: int = setting(
+        256,
+        "When the request next in line is short (its uncached tokens fit beside this cap), the prompts already "
+        "in prefill share at most this many tokens that step and the rest admits it whole (0: no cap).",
+    )
+    verify_sample_rate: float = setting(
+        0.001,
+        "Fraction of the requests that reused KV (prefix cache, L1/L2, a prefill worker's push, a resumed "
+        "stream) that are recomputed cold when nothing else waits and compared token by token; a mismatch "
+        "counts in splitserve:exactness_mismatches_total and is logged (0: never).",
+    )
 
     def validate(self) -> None:
         if not 0.0 <= self.verify_sample_rate <= 1.0:
@@ -153,8 +196,8 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.running_prefill_cap < 0:
+            raise ValueError(f"--running-prefill-cap must be >= 0, got {self.running_prefill_cap}")
         if not self.max_wait_s >= 0:
             raise ValueError(f"--scheduling-max-wait must be >= 0, got {self.max_wait_s}")
 
@@ -166,8 +209,6 @@ class L2Backend(StrEnum):
 
 
 _REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
-REDIS_PASSWORD_ENV = "SPLITSERVE_REDIS_PASSWORD"
-REDIS_USERNAME_ENV = "SPLITSERVE_REDIS_USERNAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,17 +219,43 @@ class KVTierConfig:
     admission and saves completed ones after each step. Off (the default) when neither tier is enabled.
     """
 
-    l1_cache: bool = False  # keep saved chunks in this process's memory (LRU)
-    l1_cache_bytes: int = 1 << 30  # L1 budget in bytes
-    l2_backend: L2Backend = L2Backend.NONE
-    l2_url: str | None = None  # redis://host:port/db (or rediss:// for TLS), for the redis backend
-    l2_username: str | None = None  # Redis ACL user, when the URL names none (SPLITSERVE_REDIS_USERNAME)
-    l2_password: str | None = field(default=None, repr=False)  # when the URL has none (SPLITSERVE_REDIS_PASSWORD)
-    l2_key_prefix: str = ""  # put before every Redis key, so endpoints can share one Redis apart
-    l2_path: str | None = None  # a directory, for the tieredstorage backend
-    l2_max_bytes: int = 10 << 30  # tieredstorage: byte budget of the directory (this worker's view)
-    kv_chunk_size: int = 256  # tokens per stored chunk; a multiple of the block size
-    save_decode_cache: bool = False  # also save generated tokens (and, on the decode role, anything at all)
+    l1_cache: bool = setting(
+        False, "Keep computed KV chunks in this process's memory (L1, LRU).", env=True, use=Use.RESOURCE,
+        why="spec.kvCacheSpec.enableL1Cache",
+    )  # fmt: skip
+    l1_cache_bytes: int = setting(
+        1 << 30, "L1 size (1GiB, 512MB or bytes).", env=True, convert=parse_bytes, option_type=str,
+        option_default="1GiB",
+    )  # fmt: skip
+    l2_backend: L2Backend = setting(
+        L2Backend.NONE, "Shared L2 tier: redis (--l2-url) or tieredstorage (a directory, --l2-path).", env=True,
+        use=Use.RESOURCE, why="spec.kvCacheSpec.l2CacheSpec.l2CacheBackend",
+    )  # fmt: skip
+    l2_url: str | None = setting(
+        None, "Redis URL, redis://host:port/db (rediss:// for TLS).", env=True, use=Use.RESOURCE,
+        why="spec.kvCacheSpec.l2CacheSpec.l2CacheLocalUrl",
+    )  # fmt: skip
+    l2_username: str | None = None  # Redis ACL user, when the URL names none (envs.REDIS_USERNAME)
+    l2_password: str | None = field(default=None, repr=False)  # when the URL has none (envs.REDIS_PASSWORD)
+    l2_key_prefix: str = setting(
+        "",
+        "Prefix of every Redis key (endpoints sharing one Redis stay apart). The Redis password and ACL user "
+        f"come from the URL or {envs.REDIS_PASSWORD.name} / {envs.REDIS_USERNAME.name}, never a flag.",
+        env=True,
+    )
+    l2_path: str | None = setting(
+        None, "Directory of the tieredstorage tier.", env=True, use=Use.RESOURCE,
+        why="spec.kvCacheSpec.l2CacheSpec.l2CachePath",
+    )  # fmt: skip
+    l2_max_bytes: int = setting(
+        10 << 30, "tieredstorage: the directory's byte budget, as this worker sees it (10GiB or bytes).", env=True,
+        convert=parse_bytes, option_type=str, option_default="10GiB",
+    )  # fmt: skip
+    kv_chunk_size: int = setting(256, "Tokens per stored KV chunk (a multiple of --block-size).", env=True)
+    save_decode_cache: bool = setting(
+        False, "Also store generated tokens' KV (and, on the decode role, store anything at all).", env=True,
+        env_aliases=("LMCACHE_SAVE_DECODE_CACHE",),
+    )  # fmt: skip
 
     @property
     def is_enabled(self) -> bool:
@@ -229,11 +296,21 @@ DEFAULT_PD_BUFFER_BYTES = 1 << 30  # ~18 prompts of 2,500 tokens of SmolLM2 KV i
 class PDConfig:
     """KV transfer between prefill (sender) and decode (receiver) workers."""
 
-    kv_transfer_host: str = "127.0.0.1"  # where a decode worker's receiver listens
+    kv_transfer_host: str = "127.0.0.1"  # where a decode worker's receiver listens (the worker's --host)
     kv_transfer_advertise_host: str | None = None  # the host prefill workers connect to (default: the bound one)
-    kv_transfer_port: int = 0  # 0: a free port, reported at GET /kv/transfer
-    pd_buffer_size: int = DEFAULT_PD_BUFFER_BYTES  # bytes of pushed KV a decode worker holds until claimed
-    transfer_deadline_s: float = 10.0  # a prefill worker gives up pushing after this (then decode recomputes)
+    kv_transfer_port: int = setting(
+        0, "Decode role: port of the KV receiver prefill workers push to (0: any free port, shown at "
+        "GET /kv/transfer).", use=Use.INSTANCE,
+    )  # fmt: skip
+    pd_buffer_size: int = setting(
+        DEFAULT_PD_BUFFER_BYTES, "Decode role: bytes of pushed KV held until their requests arrive (1GiB, 512MB or "
+        "bytes).", env=True, env_aliases=("PD_BUFFER_SIZE",), convert=parse_bytes, option_type=str,
+        option_default="1GiB",
+    )  # fmt: skip
+    transfer_deadline_s: float = setting(
+        10.0, "Prefill role: seconds to keep retrying a KV push (a full PD buffer); then decode recomputes.",
+        flag="kv-transfer-timeout",
+    )  # fmt: skip
 
     def validate(self) -> None:
         if not 0 <= self.kv_transfer_port < 65536:
@@ -316,20 +393,60 @@ class KVEventsConfig:
 class ServerConfig:
     """The worker's HTTP server."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    role: Role = Role.COLOCATED
+    host: str = setting("127.0.0.1", "Address to bind.", use=Use.PLANNED, why="the supervisor or operator binds "
+                        "each worker")  # fmt: skip
+    port: int = setting(8000, "Port to bind.", use=Use.PLANNED, why="the supervisor or operator binds each worker")
+    role: Role = setting(
+        Role.COLOCATED, "colocated, prefill (KV sender) or decode (KV receiver).", use=Use.RESOURCE,
+        why="spec.pdSpec (its presence and the role)",
+    )  # fmt: skip
     max_request_body_bytes: int = 16 << 20
-    max_tokens_limit: int | None = None  # cap on max_tokens, and the default when none is set; None: the context
-    max_queued_requests: int | None = None  # requests waiting for their first token before a 429; None: no bound
-    shutdown_timeout_s: float = 30.0  # SIGTERM: how long requests in flight may run on before they are cut
-    kv_events_url: str | None = None  # where KV events go (the router's /kv/events); None: not sent
-    kv_events_config: KVEventsConfig | None = None  # vLLM-format KV events over ZMQ; None: not published
-    worker_id: str | None = None  # None: host:port
-    advertise_url: str | None = None  # how others reach this worker; None: http://host:port
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
-    salt_per_api_key: bool = False  # every client key a cache tenant (auth.tenant_salt)
-    cluster_secret: str | None = field(default=None, repr=False)  # the router's credential; accepted like a key
+    max_tokens_limit: int | None = setting(
+        None, "The most max_tokens a request may ask for, and what it gets when it sets none (default: the "
+        "context left).",
+    )  # fmt: skip
+    max_queued_requests: int | None = setting(
+        None, "Requests that may wait for their first token; past that, new ones get a 429 with Retry-After "
+        "(default: no bound).",
+    )  # fmt: skip
+    shutdown_timeout_s: float = setting(
+        30.0, "On SIGTERM the worker drains: it takes no new requests and lets those in flight finish, for at most "
+        "this many seconds.", flag="shutdown-timeout",
+    )  # fmt: skip
+    kv_events_url: str | None = setting(
+        None, "Send KV events (registration, cached blocks and chunks per tier) to this URL, normally the "
+        "router's http://HOST:PORT/kv/events, for its kvaware routing.", env=True, use=Use.INSTANCE,
+    )  # fmt: skip
+    kv_events_config: KVEventsConfig | None = setting(
+        None, "Also publish the engine's KV events in vLLM's format over ZMQ, configured as vLLM's flag is: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (for llm-d, Dynamo, a vLLM-kind router).',
+        option_type=str | None, convert=lambda text: None if text is None else KVEventsConfig.from_json(text),
+        use=Use.REFUSED, why="its ZMQ ports are one per process, so replicas on one machine would collide; a "
+        "splitserve router follows splitserve workers over HTTP (kvaware)",
+    )  # fmt: skip
+    worker_id: str | None = setting(None, "This worker's name in KV events (default: host:port).", use=Use.INSTANCE)
+    advertise_url: str | None = setting(
+        None, "The URL the router reaches this worker at (default: http://host:port).", use=Use.INSTANCE
+    )
+    api_keys: tuple[str, ...] = setting(
+        (), f"A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
+        f"{envs.API_KEY.name} and {envs.VLLM_API_KEY.name}. Without one, /v1/* is open.", flag="api-key",
+        convert=lambda flags: client_keys(flags or ()), use=Use.REFUSED,
+        why=f"client keys are credentials: give {envs.API_KEY.name} from a Secret (spec.worker.environmentVariables "
+        "with valueFrom)", secret=True,
+    )  # fmt: skip
+    salt_per_api_key: bool = setting(
+        False, "Make each client key a cache tenant: its requests share cached prefixes with no other key's (a "
+        "cache_salt derived from the key, then the request's own cache_salt).", env=True,
+    )  # fmt: skip
+    cluster_secret: str | None = setting(
+        None, f"A file holding the cluster secret, the router's credential here (default: the "
+        f"{envs.CLUSTER_SECRET.name} environment variable).", flag="cluster-secret-file", option_type=str | None,
+        convert=lambda path: cluster_secret(path), use=Use.REFUSED,
+        why="splitserve makes the cluster secret itself and hands it to every worker", secret=True,
+    )  # fmt: skip
+    log_level: str = setting("info", "debug, info, warning or error.", flag="uvicorn-log-level")
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -345,6 +462,8 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"--shutdown-timeout must be at least 0, got {self.shutdown_timeout_s}")
+        if self.log_level.lower() not in (*LOG_LEVELS, "trace"):
+            raise ValueError(f"--uvicorn-log-level must be one of debug, info, warning, error; got {self.log_level!r}")
         if self.kv_events_config is not None:
             self.kv_events_config.validate()
 
@@ -389,54 +508,131 @@ class BackendKind(StrEnum):
 class RouterConfig:
     """The router: where it listens, its workers, how it picks one, and how it treats failures."""
 
-    model: str = "smollm2"  # names the tokenizer and chat template only
-    host: str = "127.0.0.1"
-    port: int = 8080
-    admin_host: str = "127.0.0.1"  # the admin listener (/admin/*): loopback unless asked otherwise
-    admin_port: int | None = None  # None: ``port`` + 1
-    backends: tuple[str, ...] = ()
-    prefill: tuple[str, ...] = ()  # disaggregated endpoints: prefill pool (the DPD issue)
-    decode: tuple[str, ...] = ()  # disaggregated endpoints: decode pool
-    routing_strategy: RoutingStrategy = RoutingStrategy.ROUNDROBIN
-    routing_threshold: int = 4096  # prompt tokens at which a request is prefilled on the prefill pool
-    pd_decision: PDDecision = PDDecision.THRESHOLD  # the threshold alone, or the threshold as a floor and costs
-    session_key: str = "x-session-id"  # header carrying the session; the body's ``user`` field also counts
-    block_size: int = 16  # must match the workers' (the KV key scheme)
-    kv_chunk_size: int = 256  # must match the workers'
-    prefix_index_max_blocks: int = 200_000  # prefixaware: block hashes remembered (LRU)
-    kv_index_max_blocks: int = 1_000_000  # kvaware: block hashes kept per worker and tier (and for the shared L2)
-    l2_weight: float = 0.5  # kvaware: a token in the shared L2 counts this much next to one in a worker
-    backend_kind: BackendKind = BackendKind.AUTO  # kvaware: what the workers are (their KV events' source)
-    # kvaware: a vLLM worker's KV events (its --kv-events-config endpoint, tcp://<worker host>:PORT): "PORT", or
-    # "+N" for the worker's HTTP port plus N (several vLLM workers on one host); None: what the worker's
-    # GET /kv_event_sources names, else 5557. The replay port likewise (its replay_endpoint; None: as the worker
-    # names it, if it does: without one, missed events drop what the router knew of that worker).
-    vllm_kv_events_port: str | None = None
-    vllm_kv_replay_port: str | None = None
-    # cache-aware: pick the lowest estimated TTFT (router/cost.py) instead of the thresholds below. Off by default:
-    # on the long-history chat it kept fewer users on their cache than the thresholds do (docs/benchmarks.md)
-    routing_cost_model: bool = False
-    cache_threshold: float = 0.4  # cache-aware: a match under this share of the prompt goes to the least loaded
-    balance_abs_threshold: int = 4  # load guard: in-flight gap to the least-loaded worker that counts as skew...
-    balance_rel_threshold: float = 1.5  # ...when also this many times its load (+1)
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 2.0
-    health_failure_threshold: int = 2  # consecutive failed probes that mark a worker unhealthy
-    health_success_threshold: int = 1  # consecutive good probes that mark it healthy again
-    connect_timeout_s: float = 2.0
-    read_timeout_s: float = 600.0  # between bytes from a worker
-    max_retries: int = 2  # extra attempts, each on a worker not yet tried
-    retry_backoff_s: float = 0.05  # base of the jittered exponential back-off between attempts
-    breaker_failure_threshold: int = 3  # consecutive request failures that open a worker's breaker
-    breaker_cooldown_s: float = 5.0  # open -> half-open after this (doubles while trials fail, up to 60 s)
-    stream_migration: bool = True  # resume a stream whose worker fails mid-answer on another worker
-    max_concurrent_requests: int | None = None  # client requests at once; as many more wait; None: no bound
-    queue_timeout_s: float = 10.0  # how long a request past max_concurrent_requests waits for a slot
-    shutdown_timeout_s: int = 30  # SIGTERM: how long streams in flight may run on before they are cut
+    backends: tuple[str, ...] = setting((), "A worker's base URL (repeatable).", flag="backend", panel=ROUTING_PANEL)
+    prefill: tuple[str, ...] = setting((), "A prefill worker's URL (repeatable; disaggregated).", panel=ROUTING_PANEL)
+    decode: tuple[str, ...] = setting((), "A decode worker's URL (repeatable; disaggregated).", panel=ROUTING_PANEL)
+    model: str = setting("smollm2", "The model whose tokenizer and chat template routing uses.")
+    host: str = setting("127.0.0.1", "Address to bind.")
+    port: int = setting(8080, "Port to bind.")
+    admin_host: str = setting("127.0.0.1", "Interface of the admin listener (/admin/*: the worker lists).")
+    admin_port: int | None = setting(None, "Port of the admin listener (default: --port + 1).", show_default=False)
+    routing_strategy: RoutingStrategy = setting(
+        RoutingStrategy.ROUNDROBIN, "roundrobin, session, prefixaware or kvaware.", panel=ROUTING_PANEL
+    )
+    routing_threshold: int = setting(
+        4096, "Prompt tokens from which a request is prefilled on the prefill pool.", panel=ROUTING_PANEL
+    )
+    pd_decision: PDDecision = setting(
+        PDDecision.THRESHOLD, "threshold: disaggregate every prompt from --routing-threshold (the reference rule); "
+        "cost: from there, only when prefill plus the KV push beats the decode worker prefilling it while stalling "
+        "its streams (measured costs).", env=True, panel=ROUTING_PANEL,
+    )  # fmt: skip
+    session_key: str = setting(
+        "x-session-id", "Header naming the session (the body's user field also counts).", convert=str.lower,
+        panel=ROUTING_PANEL,
+    )  # fmt: skip
+    block_size: int = setting(16, "The workers' KV block size (the KV key scheme).", panel=ROUTING_PANEL)
+    kv_chunk_size: int = setting(256, "The workers' KV chunk size.", panel=ROUTING_PANEL)
+    prefix_index_max_blocks: int = setting(200_000, "prefixaware: block hashes remembered (LRU).", panel=ROUTING_PANEL)
+    kv_index_max_blocks: int = setting(
+        1_000_000, "kvaware: block hashes kept per worker and tier (and for the shared L2).", panel=ROUTING_PANEL
+    )
+    l2_weight: float = setting(
+        0.5, "kvaware: what a token in the shared L2 counts next to one in a worker (0..1).", flag="kv-l2-weight",
+        panel=ROUTING_PANEL,
+    )  # fmt: skip
+    backend_kind: BackendKind = setting(
+        BackendKind.AUTO, "kvaware: what the workers are, hence where their KV events come from: splitserve "
+        "(GET /kv/events), vllm (its ZMQ publisher, --kv-events-config) or auto (ask each worker's /version).",
+        panel=ROUTING_PANEL,
+    )  # fmt: skip
+    vllm_kv_events_port: str | None = setting(
+        None, "kvaware: a vLLM worker's KV event port (its --kv-events-config endpoint), reached at "
+        "tcp://<worker host>:PORT; +N means the worker's HTTP port plus N (default: what the worker's "
+        "/kv_event_sources names, else 5557).", panel=ROUTING_PANEL,
+    )  # fmt: skip
+    vllm_kv_replay_port: str | None = setting(
+        None, "kvaware: a vLLM worker's replay port (its replay_endpoint), the same way (default: as the worker "
+        "names it, if it does; without one, missed events make the router forget that worker's blocks).",
+        panel=ROUTING_PANEL,
+    )  # fmt: skip
+    # off by default: on the long-history chat it kept fewer users on their cache than the thresholds do
+    routing_cost_model: bool = setting(
+        False, "Cache-aware: pick the worker with the lowest estimated TTFT (its uncached tokens plus the prefill "
+        "queued there, times its measured seconds per token) instead of the thresholds below (experimental).",
+        panel=ROUTING_PANEL,
+    )  # fmt: skip
+    cache_threshold: float = setting(
+        0.4, "Cache-aware, without the cost model: a match under this share of the prompt goes to the "
+        "least-loaded worker.", panel=ROUTING_PANEL,
+    )  # fmt: skip
+    balance_abs_threshold: int = setting(
+        4, "Load guard: the in-flight gap to the least-loaded worker that counts as skew...", panel=ROUTING_PANEL
+    )
+    balance_rel_threshold: float = setting(
+        1.5, "...when it is also this many times that worker's load + 1.", panel=ROUTING_PANEL
+    )
+    health_interval_s: float = setting(
+        2.0, "Seconds between /health probes.", flag="health-interval", panel=FAULTS_PANEL
+    )
+    health_timeout_s: float = setting(
+        2.0, "Seconds a /health probe may take.", flag="health-timeout", panel=FAULTS_PANEL
+    )
+    health_failure_threshold: int = setting(
+        2, "Failed probes in a row that mark a worker unhealthy.", panel=FAULTS_PANEL
+    )
+    health_success_threshold: int = setting(1, "Good probes in a row that mark it healthy again.", panel=FAULTS_PANEL)
+    connect_timeout_s: float = setting(
+        2.0, "Seconds to connect to a worker.", flag="connect-timeout", panel=FAULTS_PANEL
+    )
+    read_timeout_s: float = setting(
+        600.0, "Seconds a worker may stay silent mid-answer.", flag="read-timeout", panel=FAULTS_PANEL
+    )
+    max_retries: int = setting(
+        2, "Other workers to try when one fails before answering (each not yet tried).", panel=FAULTS_PANEL
+    )
+    retry_backoff_s: float = setting(
+        0.05, "Base of the jittered exponential back-off between attempts, in seconds.", flag="retry-backoff",
+        panel=FAULTS_PANEL,
+    )  # fmt: skip
+    breaker_failure_threshold: int = setting(
+        3, "Failed requests in a row that open a worker's breaker.", panel=FAULTS_PANEL
+    )
+    breaker_cooldown_s: float = setting(
+        5.0, "Seconds before a tripped breaker lets a trial through (doubling while trials fail, up to 60).",
+        flag="breaker-cooldown", panel=FAULTS_PANEL,
+    )  # fmt: skip
+    stream_migration: bool = setting(
+        True, "Resume a stream whose worker fails mid-answer on another worker.", panel=FAULTS_PANEL
+    )
+    max_concurrent_requests: int | None = setting(
+        None, "Client requests handled at once; as many more wait for a slot, the rest get a 429 (default: no "
+        "bound).", panel=FAULTS_PANEL,
+    )  # fmt: skip
+    queue_timeout_s: float = setting(
+        10.0, "Seconds a request past --max-concurrent-requests waits for a slot before its 429.",
+        flag="queue-timeout", panel=FAULTS_PANEL,
+    )  # fmt: skip
+    shutdown_timeout_s: int = setting(
+        30, "On SIGTERM the router takes no new connections and lets streams in flight finish, for at most this "
+        "many seconds.", flag="shutdown-timeout", panel=FAULTS_PANEL,
+    )  # fmt: skip
     max_request_body_bytes: int = 16 << 20
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # client keys for /v1/* (splitserve.auth); none: open
-    salt_per_api_key: bool = False  # every client key a cache tenant (auth.tenant_salt)
-    cluster_secret: str | None = field(default=None, repr=False)  # sent to workers instead of the client's key
+    api_keys: tuple[str, ...] = setting(
+        (), f"A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
+        f"{envs.API_KEY.name} and {envs.VLLM_API_KEY.name}. Without one, /v1/* is open.", flag="api-key",
+        convert=lambda flags: client_keys(flags or ()), secret=True,
+    )  # fmt: skip
+    salt_per_api_key: bool = setting(
+        False, "Make each client key a cache tenant: the router sets each request's cache_salt from its key (then "
+        "the request's own cache_salt), so no key shares cached prefixes with another.", env=True,
+    )  # fmt: skip
+    cluster_secret: str | None = setting(
+        None, f"A file holding the cluster secret, sent to workers in place of the client's key (default: the "
+        f"{envs.CLUSTER_SECRET.name} environment variable).", flag="cluster-secret-file", option_type=str | None,
+        convert=lambda path: cluster_secret(path), secret=True,
+    )  # fmt: skip
+    log_level: str = setting("info", "debug, info, warning or error.")
 
     @property
     def admin_listen_port(self) -> int:
@@ -480,6 +676,8 @@ class RouterConfig:
             raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
         if not self.queue_timeout_s >= 0:
             raise ValueError(f"--queue-timeout must be at least 0, got {self.queue_timeout_s}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of debug, info, warning, error; got {self.log_level!r}")
         for flag, spec in (("--vllm-kv-events-port", self.vllm_kv_events_port),
                            ("--vllm-kv-replay-port", self.vllm_kv_replay_port)):  # fmt: skip
             if spec is not None:
@@ -517,3 +715,71 @@ def checked_worker_url(url: object) -> str:
         raise ValueError(f"{url!r} must be a bare http(s)://host[:port], with no path, query or fragment")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+def client_keys(flags: Iterable[str]) -> tuple[str, ...]:
+    """The client keys from ``--api-key`` flags, then the environment (``envs.API_KEY``, ``envs.VLLM_API_KEY``)."""
+    keys = [key.strip() for key in flags]
+    keys += [value for variable in (envs.API_KEY, envs.VLLM_API_KEY) if (value := envs.get(variable))]
+    if any(not key for key in keys):
+        raise ValueError("--api-key must not be empty")
+    return tuple(dict.fromkeys(keys))
+
+
+def cluster_secret(path: str | None) -> str | None:
+    """The cluster secret from ``--cluster-secret-file`` (its text, stripped), else ``envs.CLUSTER_SECRET``."""
+    if path:
+        try:
+            secret = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --cluster-secret-file {path}: {exc.strerror}") from None
+        if not secret:
+            raise ValueError(f"--cluster-secret-file {path} is empty")
+        return secret
+    return envs.get(envs.CLUSTER_SECRET) or None
+
+
+# The settings of `splitserve worker` and `splitserve router`, in --help order (splitserve.settings).
+WORKER_SECTIONS = (
+    Section(ModelConfig, ENGINE_PANEL),
+    Section(SchedulerConfig, ENGINE_PANEL),
+    Section(CacheConfig, CACHE_PANEL),
+    Section(KVTierConfig, TIERS_PANEL),
+    Section(PDConfig, PD_PANEL),
+    Section(ServerConfig, SERVER_PANEL),
+)
+ROUTER_SECTIONS = (Section(RouterConfig),)
+
+
+def worker_configs(values: dict[str, Any]) -> tuple[EngineConfig, ServerConfig]:
+    """The configs of ``splitserve worker`` from its option values (by parameter), validated; ``ValueError``
+    names the flag that is wrong."""
+    host, advertise_url = values["host"], values["advertise_url"]
+    engine = EngineConfig(
+        model=build(ModelConfig, values),
+        cache=build(CacheConfig, values),
+        scheduler=build(SchedulerConfig, values),
+        kv_tiers=build(
+            KVTierConfig,
+            values,
+            l2_username=envs.get(envs.REDIS_USERNAME) or None,
+            l2_password=envs.get(envs.REDIS_PASSWORD) or None,
+        ),
+        pd=build(
+            PDConfig,
+            values,
+            kv_transfer_host="0.0.0.0" if host in ("0.0.0.0", "::") else host,
+            kv_transfer_advertise_host=urlsplit(advertise_url).hostname if advertise_url else None,
+        ),
+    )
+    server = build(ServerConfig, values)
+    engine.validate()
+    server.validate()
+    return engine, server
+
+
+def router_config(values: dict[str, Any]) -> RouterConfig:
+    """The config of ``splitserve router`` from its option values, validated (``ValueError`` names the flag)."""
+    config = build(RouterConfig, values)
+    config.validate()
+    return config

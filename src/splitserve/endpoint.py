@@ -15,7 +15,7 @@ gains ``l2CachePath`` (the tieredstorage directory; unset: :func:`local_l2_path`
 KUBERNETES_L2_PATH in a pod); a Redis L2 without a URL is valid (a local run starts its own redis-server);
 ``environmentVariables`` take Kubernetes' ``valueFrom.secretKeyRef`` (and nothing else as a source), and
 secrets (SECRET_ENV_NAMES: client keys, Redis' password) only from there: a literal in the resource is readable
-by whoever reads the resource. The cluster secret is splitserve's to set (CLUSTER_SECRET_ENV), never the resource's.
+by whoever reads the resource. The cluster secret is splitserve's to set (envs.CLUSTER_SECRET), never the resource's.
 ``spec.worker.engine`` (splitserve's own field, default ``splitserve``) says what the workers run: ``vllm`` makes
 them vLLM's OpenAI server, colocated and without splitserve's KV tiers (``pdSpec`` and L1/L2 are errors then).
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import re
 import types
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from splitserve import envs
 from splitserve.config import L2Backend, RoutingStrategy
 
 API_VERSION = "splitserve.io/v1alpha1"
@@ -45,9 +45,8 @@ REFERENCE_API_VERSION = "inference.sagemaker.aws.amazon.com/v1"  # the seeds' ma
 KIND = "InferenceEndpointConfig"
 KUBERNETES_L2_PATH = "/var/lib/splitserve/l2"  # tieredstorage in a pod without l2CachePath: the pod's own volume
 # The environment variables of auth.py (not imported: this module imports pydantic and yaml only).
-CLUSTER_SECRET_ENV = "SPLITSERVE_CLUSTER_SECRET"  # set by splitserve itself (a file locally, a Secret in pods)
 # Secrets a resource may hand the processes: from a secretKeyRef, never a literal (client keys, Redis' password).
-SECRET_ENV_NAMES = ("SPLITSERVE_API_KEY", "VLLM_API_KEY", "SPLITSERVE_REDIS_PASSWORD")
+SECRET_ENV_NAMES = (envs.API_KEY.name, envs.VLLM_API_KEY.name, envs.REDIS_PASSWORD.name)
 INVOCATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -524,9 +523,9 @@ def _env_errors(env: Sequence[EnvVar]) -> list[str]:
 
 def _env_source_errors(var: EnvVar, where: str) -> list[str]:
     """value or valueFrom (not both); a well-formed secretKeyRef; no literal secret; not the cluster secret."""
-    if var.name == CLUSTER_SECRET_ENV:
+    if var.name == envs.CLUSTER_SECRET.name:
         return [
-            f"{where}.name: {CLUSTER_SECRET_ENV} is set by splitserve (the endpoint's Secret on Kubernetes, "
+            f"{where}.name: {envs.CLUSTER_SECRET.name} is set by splitserve (the endpoint's Secret on Kubernetes, "
             "its cluster-secret file locally); remove it"
         ]
     if var.value_from is None:
@@ -559,8 +558,7 @@ def local_l2_path(namespace: str, name: str) -> str:
     In the user's own cache, never under a world-writable ``/tmp`` where another user could create the path
     first or read the records. Reads the environment (its only I/O).
     """
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache_home, "splitserve", "l2", namespace, name)
+    return str(envs.cache_home() / "splitserve" / "l2" / namespace / name)
 
 
 def args_lists(spec: EndpointSpec) -> list[tuple[str, list[str]]]:

@@ -29,7 +29,6 @@ not parse is an error naming the variable. No torch, no I/O beyond reading the n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from splitserve import envs
+
 PREFIX = "LMCACHE_"
-CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+CONFIG_FILE_ENV = envs.LMCACHE_CONFIG_FILE.name
 NOTHING_TO_DO = frozenset({"LMCACHE_USE_EXPERIMENTAL", CONFIG_FILE_ENV})
 READ_BY_THE_OPTION = frozenset({"LMCACHE_SAVE_DECODE_CACHE"})  # the --save-decode-cache option reads it itself
 GIB = 1 << 30
@@ -187,7 +188,7 @@ def translate(environ: Mapping[str, str]) -> Translation:
 def apply(environ: MutableMapping[str, str] | None = None) -> Translation:
     """Set the translated variables in ``environ`` (the process's, by default) where they are not set yet, and
     return what was set and the warnings to show. Call it before the worker's options are parsed."""
-    environ = os.environ if environ is None else environ
+    environ = envs.live() if environ is None else environ
     translation = translate(environ)
     environ.update(translation.settings)
     return translation

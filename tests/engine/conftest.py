@@ -55,7 +55,7 @@ def build_engine(
     prefix_caching: bool = True,
     max_model_len: int = 1024,
     policy: SchedulingPolicy = SchedulingPolicy.LPM,
-    long_prefill_token_threshold: int = 256,
+    running_prefill_cap: int = 256,
 ) -> LLMEngine:
     """An engine around an already loaded model, with an exact number of KV blocks."""
     config = EngineConfig(
@@ -68,7 +68,7 @@ def build_engine(
             max_num_batched_tokens,
             chunked,
             policy,
-            long_prefill_token_threshold=long_prefill_token_threshold,
+            running_prefill_cap=running_prefill_cap,
             verify_sample_rate=0.0,  # no random shadow checks in tests that count steps (test_verifier.py sets it)
         ),
     )

@@ -1,6 +1,6 @@
 """Scheduling that lets cache hits through (issue 17, item 3): ``lpm`` admits the request with the fewest tokens
 left to compute first (the oldest first once one waited past ``max_wait_s``), and while requests wait, the
-running prompts share at most ``long_prefill_token_threshold`` tokens per step, so that a cached follow-up gets
+running prompts share at most ``running_prefill_cap`` tokens per step, so that a cached follow-up gets
 its first token within one short step beside a cold prompt. The answers stay the same (greedy)."""
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def steps_to_first_token(engine: LLMEngine) -> tuple[int, dict[str, list[int]]]:
 def test_a_cached_follow_up_gets_its_first_token_in_one_step_beside_a_cold_prompt(
     tiny_model: LlamaForCausalLM,
 ) -> None:
-    with_budget, tokens = steps_to_first_token(engine_with(tiny_model, long_prefill_token_threshold=64))
+    with_budget, tokens = steps_to_first_token(engine_with(tiny_model, running_prefill_cap=64))
     without, reference = steps_to_first_token(
-        engine_with(tiny_model, policy=SchedulingPolicy.FCFS, long_prefill_token_threshold=0)
+        engine_with(tiny_model, policy=SchedulingPolicy.FCFS, running_prefill_cap=0)
     )
     assert with_budget == 1  # 64 tokens of the cold prompt and the follow-up's 40 new ones, in one step
     assert without >= 3  # behind the cold prompt's remaining 256-token chunks (900 tokens in all)
@@ -64,7 +64,7 @@ def test_a_cached_follow_up_gets_its_first_token_in_one_step_beside_a_cold_promp
 
 
 def test_alone_a_prompt_is_prefilled_at_the_whole_budget(tiny_model: LlamaForCausalLM) -> None:
-    engine = engine_with(tiny_model, long_prefill_token_threshold=64)
+    engine = engine_with(tiny_model, running_prefill_cap=64)
     engine.add_request("cold", COLD, GREEDY)
     sched = engine.scheduler.schedule()
     assert sched.num_batched_tokens == 256

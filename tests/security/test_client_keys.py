@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from splitserve import auth
-from splitserve.config import RouterConfig
+from splitserve import auth, envs
+from splitserve.config import RouterConfig, client_keys, cluster_secret
 from splitserve.deploy.pods import redacted
 from splitserve.router import app as router_app
 from splitserve.router.app import Router, build_router_app
@@ -225,18 +225,19 @@ def test_the_router_sends_its_own_credential_never_the_clients(tmp_path: Path) -
 
 
 def test_keys_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(auth.API_KEY_ENV, "from-env")
-    monkeypatch.setenv(auth.VLLM_API_KEY_ENV, "from-vllm")
-    assert auth.api_keys(["a", "a"], (auth.API_KEY_ENV, auth.VLLM_API_KEY_ENV)) == ("a", "from-env", "from-vllm")
-    assert auth.api_keys([]) == ("from-env",)
+    monkeypatch.setenv(envs.API_KEY.name, "from-env")
+    monkeypatch.setenv(envs.VLLM_API_KEY.name, "from-vllm")
+    assert client_keys(["a", "a"]) == ("a", "from-env", "from-vllm")
+    monkeypatch.delenv(envs.VLLM_API_KEY.name)
+    assert client_keys([]) == ("from-env",)
     with pytest.raises(ValueError, match="must not be empty"):
-        auth.api_keys([" "])
-    monkeypatch.setenv(auth.CLUSTER_SECRET_ENV, "env-secret")
-    assert auth.cluster_secret(None) == "env-secret"
+        client_keys([" "])
+    monkeypatch.setenv(envs.CLUSTER_SECRET.name, "env-secret")
+    assert cluster_secret(None) == "env-secret"
     (tmp_path / "s").write_text("file-secret\n")
-    assert auth.cluster_secret(str(tmp_path / "s")) == "file-secret"
+    assert cluster_secret(str(tmp_path / "s")) == "file-secret"
     with pytest.raises(ValueError, match="cannot read"):
-        auth.cluster_secret(str(tmp_path / "missing"))
+        cluster_secret(str(tmp_path / "missing"))
 
 
 def test_the_supervisor_log_hides_keys_passed_as_flags() -> None:

@@ -21,8 +21,7 @@ import pytest
 import redis
 import torch
 
-from splitserve import auth
-from splitserve.config import REDIS_PASSWORD_ENV
+from splitserve import auth, envs
 from splitserve.keys import hash_of_key
 from splitserve.kvcache import serde
 from splitserve.metrics import KV_INVALID_RECORDS_TOTAL, ROUTER_INDEX_HIT_TOKENS_TOTAL
@@ -65,7 +64,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
               "--l2-url", f"redis://127.0.0.1:{server.port}/0", *keys]  # fmt: skip
     started: list[WorkerProcess] = []
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(REDIS_PASSWORD_ENV, PASSWORD)  # the workers' Redis password: environment, not argv
+        env.setenv(envs.REDIS_PASSWORD.name, PASSWORD)  # the workers' Redis password: environment, not argv
         try:
             l1 = WorkerProcess(folder / "l1.log", [*common, "--l1-cache", "--no-enable-prefix-caching"])
             started.append(l1)

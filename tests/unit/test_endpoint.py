@@ -18,10 +18,8 @@ from splitserve.config import L2Backend, Role, RoutingStrategy
 from splitserve.deploy.crd import openapi_schema
 from splitserve.deploy.plan import (
     IGNORED_VLLM_FLAGS,
-    PER_INSTANCE_FLAGS,
     ROLE_URL_FLAG,
-    SET_BY_RESOURCE,
-    WORKER_FLAGS,
+    WORKER_SETTINGS,
     Target,
     cpu_threads,
     local_model,
@@ -716,15 +714,6 @@ def test_the_crd_takes_secret_key_refs_in_the_environment() -> None:
     assert selector["required"] == ["name", "key"] and set(selector["properties"]) == {"name", "key", "optional"}
 
 
-def test_the_secret_variable_names_are_auths() -> None:
-    from splitserve import auth
-    from splitserve.config import REDIS_PASSWORD_ENV
-    from splitserve.endpoint import CLUSTER_SECRET_ENV, SECRET_ENV_NAMES
-
-    assert CLUSTER_SECRET_ENV == auth.CLUSTER_SECRET_ENV
-    assert set(SECRET_ENV_NAMES) == {auth.API_KEY_ENV, auth.VLLM_API_KEY_ENV, REDIS_PASSWORD_ENV}
-
-
 def test_every_problem_is_reported_at_once() -> None:
     error = error_of(manifest({"replicas": -1, "intelligentRoutingSpec": {"routingStrategy": "fastest"}}))
     assert len(error.errors) == 2 and str(error).startswith("2 errors:\n  spec.")
@@ -791,10 +780,10 @@ def test_gpu_counts() -> None:
 # ---------------------------------------------------------------------------------------------- contracts
 
 
-def test_flag_tables_match_the_worker_and_router_commands() -> None:
+def test_the_plans_router_flags_are_router_options_and_vllms_ignored_flags_no_worker_option() -> None:
+    """The worker's flags both ways: tests/unit/test_settings.py."""
     worker_opts = {opt for p in cli_command("worker").params for opt in (*p.opts, *p.secondary_opts)}
-    named = [*WORKER_FLAGS, *SET_BY_RESOURCE, *PER_INSTANCE_FLAGS, "model"]
-    assert {f"--{name}" for name in named} <= worker_opts
+    assert {f"--{name}" for name in WORKER_SETTINGS} <= worker_opts
     assert not {f"--{name}" for name in IGNORED_VLLM_FLAGS} & worker_opts
     router_opts = {opt for p in cli_command("router").params for opt in p.opts}
     assert {"--model", "--routing-strategy", "--routing-threshold", "--block-size", "--kv-chunk-size"} <= router_opts

@@ -17,7 +17,7 @@ from splitserve.config import Role, RoutingStrategy
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import load_endpoint, loads_endpoint
 from splitserve.planner.calibrate import calibration_key
-from splitserve.planner.command import parse_choices, parse_slo
+from splitserve.planner.command import parse_slo
 from splitserve.planner.costs import (
     Calibration,
     CalibrationKey,
@@ -31,6 +31,7 @@ from splitserve.planner.costs import (
     load_cached,
     save_cached,
 )
+from splitserve.planner.options import parse_choices
 from splitserve.planner.recommend import (
     Layout,
     allowed_cores,

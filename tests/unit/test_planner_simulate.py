@@ -46,7 +46,7 @@ def test_one_worker_with_deterministic_service_waits_as_pollaczek_khinchine_says
     for _ in range(40_000):
         at_s += rng.expovariate(rate)
         requests.append(TraceRequest(at_s, 100, 1))
-    limits = EngineLimits(max_num_seqs=1, max_num_batched_tokens=4096, long_prefill_token_threshold=0)
+    limits = EngineLimits(max_num_seqs=1, max_num_batched_tokens=4096, running_prefill_cap=0)
     result = simulate(requests, colocated(step_cost(prefill=(service_s, 0.0, 0.0)), limits=limits), FREE_MOVES)
     waits = [t.ttft_s - service_s for t in result.timings]
     rho = rate * service_s

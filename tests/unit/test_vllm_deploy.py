@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from splitserve import envs
 from splitserve.deploy import vllm
 from splitserve.deploy.local import load_for_local_run
 from splitserve.deploy.plan import Target, plan
@@ -339,7 +340,7 @@ def test_a_vllm_worker_is_replaced_when_the_router_starts_or_stops_following_its
 
 def test_without_vllm_nothing_starts_and_the_error_says_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pod, "start", lambda self: pytest.fail("a pod was started"))
-    monkeypatch.setenv(vllm.VLLM_PYTHON_ENV, str(tmp_path / "no-such-python"))
+    monkeypatch.setenv(envs.VLLM_PYTHON.name, str(tmp_path / "no-such-python"))
     supervisor = Supervisor(tmp_path / "run", router_port=free_port())
     with pytest.raises(RuntimeError, match=r"SPLITSERVE_VLLM_PYTHON=.* is not an executable python"):
         supervisor.apply(resource())
@@ -362,7 +363,7 @@ def test_vllm_is_found_from_the_variable_then_the_peer_environment_then_path(tmp
     binary = executable(tmp_path / "path" / "vllm-binary", "\x7fELF")
     cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     on_path = {"vllm": str(script)}.get
-    assert vllm.local_command({**cache, vllm.VLLM_PYTHON_ENV: str(python)}, on_path) == (
+    assert vllm.local_command({**cache, envs.VLLM_PYTHON.name: str(python)}, on_path) == (
         str(python),
         "-m",
         vllm.SERVE_MODULE,
@@ -372,7 +373,7 @@ def test_vllm_is_found_from_the_variable_then_the_peer_environment_then_path(tmp
     assert vllm.local_command(nowhere, on_path) == (str(python), "-m", vllm.SERVE_MODULE)  # the script's python
     assert vllm.local_command(nowhere, lambda name: str(binary)) == (str(binary), "serve")
     with pytest.raises(RuntimeError, match="not an executable python"):
-        vllm.local_command({vllm.VLLM_PYTHON_ENV: str(tmp_path / "missing")})
+        vllm.local_command({envs.VLLM_PYTHON.name: str(tmp_path / "missing")})
 
 
 def test_a_free_port_comes_with_the_ports_after_it_free() -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from splitserve import envs
 from splitserve.config import L2Backend
 from splitserve.deploy import vllm
 from splitserve.deploy.plan import local_model
@@ -176,7 +177,7 @@ def apply(path: Path, *, router_port: int = 8080, root: Path | None = None, wait
         print(f"endpoint {config.metadata.name} reconfigured")
     else:
         command = [*splitserve_command("up", "-f", str(target), "--port", str(router_port))]
-        env = {**os.environ, "SPLITSERVE_HOME": str(run_dir.parent.parent)}
+        env = {**envs.copy(), envs.HOME.name: str(run_dir.parent.parent)}
         with open_private_log(run_dir / "supervisor.log") as log:
             subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         print(f"endpoint {config.metadata.name} created")

@@ -26,7 +26,6 @@ kopf is imported only by :func:`run_operator` (``splitserve operator``); install
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from splitserve import envs
 from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
 from splitserve.deploy.labels import (
     LABEL_COMPONENT,
@@ -349,7 +349,7 @@ class HttpKubeClient:
         the pod's service account (RuntimeError outside a pod)."""
         if api_server is not None:
             return cls(httpx.Client(base_url=api_server, timeout=timeout_s))
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        host, port = envs.get(envs.KUBERNETES_SERVICE_HOST), envs.get(envs.KUBERNETES_SERVICE_PORT)
         token = SERVICE_ACCOUNT_DIR / "token"
         if not host or not token.exists():
             raise RuntimeError("not in a Kubernetes pod: give --api-server (e.g. run kubectl proxy)")
@@ -456,7 +456,7 @@ def watched_namespaces(
 
 def own_namespace() -> str | None:
     """The operator pod's namespace: ``SPLITSERVE_POD_NAMESPACE``, else the service account's; None outside a pod."""
-    if namespace := os.environ.get(POD_NAMESPACE_ENV, "").strip():
+    if namespace := envs.get(envs.POD_NAMESPACE):
         return namespace
     try:
         return (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip() or None

@@ -17,14 +17,16 @@ their flags, environment and model, and the router's flags for them.
 from __future__ import annotations
 
 import difflib
+import enum
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NamedTuple
 
-from splitserve import lmcache_env
-from splitserve.config import L2Backend, Role, RoutingStrategy
+from splitserve import lmcache_env, settings
+from splitserve.config import WORKER_SECTIONS, L2Backend, Role, RoutingStrategy
 from splitserve.deploy import vllm
 from splitserve.endpoint import (
     KUBERNETES_L2_PATH,
@@ -43,6 +45,7 @@ from splitserve.endpoint import (
     parse_memory_bytes,
     parse_quantity,
 )
+from splitserve.settings import Use
 
 ROLE_URL_FLAG = {Role.COLOCATED: "--backend", Role.PREFILL: "--prefill", Role.DECODE: "--decode"}  # router flags
 HEALTH_PATHS = ("/health", "/ping")  # what the router and the workers answer as health checks
@@ -460,32 +463,20 @@ def _kubernetes_model(config: InferenceEndpointConfig) -> str:
 
 # ---------------------------------------------------------------------------------------------- worker flags
 
-# `splitserve worker` flags an args list may set, with the kind of value each takes ("one": only 1 works).
-WORKER_FLAGS: dict[str, str] = {
-    "served-model-name": "str", "dtype": "str", "device": "str", "max-model-len": "int", "max-num-seqs": "int",
-    "max-num-batched-tokens": "int", "enable-chunked-prefill": "bool", "seed": "int", "quantization": "str",
-    "num-threads": "int", "tensor-parallel-size": "one", "pipeline-parallel-size": "one", "block-size": "int",
-    "kv-cache-memory": "str", "gpu-memory-utilization": "float", "enable-prefix-caching": "bool",
-    "l1-cache-bytes": "str", "l2-max-bytes": "str", "kv-chunk-size": "int", "save-decode-cache": "bool",
-    "pd-buffer-size": "str", "kv-transfer-timeout": "float", "uvicorn-log-level": "str",
-    "verify-sample-rate": "float",
-}  # fmt: skip
-# Flags the resource itself sets: writing them in args is an error that points at the field.
-SET_BY_RESOURCE: dict[str, str] = {
-    "role": "spec.pdSpec (its presence and the role)",
-    "l1-cache": "spec.kvCacheSpec.enableL1Cache",
-    "l2-backend": "spec.kvCacheSpec.l2CacheSpec.l2CacheBackend",
-    "l2-url": "spec.kvCacheSpec.l2CacheSpec.l2CacheLocalUrl",
-    "l2-path": "spec.kvCacheSpec.l2CacheSpec.l2CachePath",
-}
-# Flags the supervisor or operator sets per instance: errors in args (host and port are dropped instead).
-PER_INSTANCE_FLAGS = ("host", "port", "kv-events-url", "worker-id", "advertise-url", "kv-transfer-port")
+# Which `splitserve worker` flags an args list may set, and why the others are refused, is declared with each
+# setting (splitserve.config, splitserve.settings): WORKER_SETTINGS is that table, by flag.
+WORKER_SETTINGS = settings.by_flag(WORKER_SECTIONS)
 # vLLM flags that mean nothing to splitserve's engine: dropped with a warning, so vLLM manifests still load.
 IGNORED_VLLM_FLAGS = frozenset({
     "trust-remote-code", "enforce-eager", "disable-log-requests", "disable-log-stats", "enable-log-requests",
     "swap-space", "load-format", "download-dir", "disable-custom-all-reduce", "distributed-executor-backend",
     "max-log-len", "kv-transfer-config", "tokenizer-mode", "disable-frontend-multiprocessing",
 })  # fmt: skip
+# Flags whose meaning here is not vLLM's under the same name, with where splitserve's rule lives instead.
+RENAMED_FLAGS = {
+    "long-prefill-token-threshold": "vLLM's long-prefill rule has no equivalent here; splitserve's cap on "
+    "running prefills while a short request waits is --running-prefill-cap",
+}
 
 
 def _worker_flags(flags: Sequence[Flag], warnings: list[str]) -> list[Flag]:
@@ -507,39 +498,59 @@ def _worker_flags(flags: Sequence[Flag], warnings: list[str]) -> list[Flag]:
 
 def _worker_flag(flag: Flag, warnings: list[str]) -> Flag | None:
     key, shown = flag.key, f"--{flag.name}"
-    if key in ("model", "host", "port"):
-        return None  # the model is planned once; the runner binds each instance (port checked at load)
-    if key in SET_BY_RESOURCE:
-        raise EndpointError(f"{flag.path}: {shown} is set by {SET_BY_RESOURCE[key]}; remove it from args")
-    if key in PER_INSTANCE_FLAGS:
-        raise EndpointError(f"{flag.path}: {shown} is set per instance by the supervisor or operator")
-    if key in IGNORED_VLLM_FLAGS:
-        warnings.append(f"{flag.path}: {shown} has no effect in splitserve and is dropped")
-        return None
-    kind = WORKER_FLAGS.get(key)
-    if kind is None:
-        close = difflib.get_close_matches(key, [*WORKER_FLAGS, *IGNORED_VLLM_FLAGS], n=1)
-        guess = f" (did you mean --{close[0]}?)" if close else ""
+    item = WORKER_SETTINGS.get(key)
+    if item is None:
+        if key in IGNORED_VLLM_FLAGS:
+            warnings.append(f"{flag.path}: {shown} has no effect in splitserve and is dropped")
+            return None
+        hint = RENAMED_FLAGS.get(key)
+        close = difflib.get_close_matches(key, [*WORKER_SETTINGS, *IGNORED_VLLM_FLAGS], n=1)
+        guess = f" ({hint})" if hint else f" (did you mean --{close[0]}?)" if close else ""
         raise EndpointError(
             f"{flag.path}: {shown} is not a splitserve worker flag{guess}; see splitserve worker --help"
         )
-    return _typed(flag, kind)
+    use, why = item.setting.use, item.setting.why
+    if use == Use.PLANNED:
+        return None  # the model is planned once (checked by _plan_model); the runner binds each instance
+    if use == Use.RESOURCE:
+        raise EndpointError(f"{flag.path}: {shown} is set by {why}; remove it from args")
+    if use == Use.INSTANCE:
+        raise EndpointError(f"{flag.path}: {shown} is set per instance by the supervisor or operator")
+    if use == Use.REFUSED:
+        raise EndpointError(f"{flag.path}: {shown} cannot be set in a resource: {why}")
+    return _typed(flag, item)
 
 
-def _typed(flag: Flag, kind: str) -> Flag:
+def _typed(flag: Flag, item: settings.Declared) -> Flag:
+    """``flag`` checked against its setting's type (and, for a setting of its own, its config's rules)."""
     value, shown = flag.value, f"{flag.path}: --{flag.name}"
-    if kind == "bool":
+    if item.is_bool:
+        if flag.name.startswith("no-") and not item.setting.negatable:
+            raise EndpointError(f"{shown}: --{item.flag} has no --no- form")
         if value is None or value.lower() in ("true", "false"):
             negate = value is not None and value.lower() == "false"
             return Flag(f"no-{flag.key}" if negate else flag.name, None, flag.path)
         raise EndpointError(f"{shown} takes no value (or true/false), got {value!r}")
     if value is None:
         raise EndpointError(f"{shown} needs a value")
-    number: Any = {"int": int, "one": int, "float": float}.get(kind, str)
+    kind: Any = item.kind
     try:
-        parsed = number(value)
+        parsed = kind(value)
     except ValueError:
-        raise EndpointError(f"{shown} needs {'a number' if kind == 'float' else 'an integer'}, got {value!r}") from None
-    if kind == "one" and parsed != 1:
-        raise EndpointError(f"{shown} {value} is not supported: splitserve runs one engine per worker (use 1)")
+        if issubclass(kind, enum.Enum):
+            raise EndpointError(f"{shown} must be one of {', '.join(m.value for m in kind)}, got {value!r}") from None
+        raise EndpointError(f"{shown} needs {'a number' if kind is float else 'an integer'}, got {value!r}") from None
+    try:
+        _check_alone(item, parsed)
+    except ValueError as exc:
+        raise EndpointError(f"{flag.path}: {exc}") from None
     return flag
+
+
+def _check_alone(item: settings.Declared, parsed: Any) -> None:
+    """The setting's own config rules, applied to this value beside the other fields' defaults (a rule that
+    relates two settings is the worker's to apply, when it starts)."""
+    candidate = item.config(**{item.name: item.to_field(parsed)})
+    if inspect.signature(candidate.validate).parameters:
+        return  # validated against another config's fields (the KV chunk against the block size)
+    candidate.validate()

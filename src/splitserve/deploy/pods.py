@@ -34,6 +34,8 @@ from typing import Any, BinaryIO
 
 import httpx
 
+from splitserve import envs
+
 logger = logging.getLogger("splitserve.supervisor")
 
 FIRST_BACKOFF_S = 1.0
@@ -132,7 +134,7 @@ class Pod:
             self.spec.command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **dict(self.spec.env)},
+            env={**envs.copy(), **dict(self.spec.env)},
             start_new_session=True,
             preexec_fn=pin,
         )

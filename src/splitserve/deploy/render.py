@@ -68,7 +68,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from splitserve.config import REDIS_PASSWORD_ENV, L2Backend, Role
+from splitserve import envs
+from splitserve.config import L2Backend, Role
 from splitserve.deploy import vllm
 from splitserve.deploy.labels import (
     COMPONENTS,
@@ -83,7 +84,7 @@ from splitserve.deploy.labels import (
 )
 from splitserve.deploy.netpol import Network, network_policies
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
-from splitserve.endpoint import CLUSTER_SECRET_ENV, InferenceEndpointConfig, WorkerEngine
+from splitserve.endpoint import InferenceEndpointConfig, WorkerEngine
 
 __all__ = [
     "COMPONENTS", "LABEL_COMPONENT", "LABEL_INSTANCE", "LABEL_MANAGED_BY", "LABEL_NAME", "LABEL_ROLE", "MANAGED_BY",
@@ -106,7 +107,7 @@ HTTP_PORT_NAME = "http"  # the router's and Redis' port name (workers use modelI
 KV_TRANSFER_PORT_NAME = "kv-transfer"
 L2_VOLUME, TMP_VOLUME, HOME_VOLUME, API_VOLUME, REDIS_DATA_VOLUME = "l2-cache", "tmp", "home", "kube-api", "data"
 SHM_VOLUME, SHM_SIZE = "dshm", "1Gi"  # vLLM workers' /dev/shm (memory: counts against the pod's limit)
-POD_NAME_ENV, POD_IP_ENV, POD_NAMESPACE_ENV = "SPLITSERVE_POD_NAME", "SPLITSERVE_POD_IP", "SPLITSERVE_POD_NAMESPACE"
+POD_NAME_ENV, POD_IP_ENV, POD_NAMESPACE_ENV = envs.POD_NAME.name, envs.POD_IP.name, envs.POD_NAMESPACE.name
 # the resource's variables the router gets too: it checks the client keys and makes each one a tenant
 ROUTER_ENV_NAMES = ("SPLITSERVE_API_KEY", "VLLM_API_KEY", "SPLITSERVE_SALT_PER_API_KEY")
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
@@ -324,9 +325,9 @@ def _vllm_env(ep: _Endpoint, role: RolePlan) -> list[Manifest]:
 
 def _worker_env(ep: _Endpoint) -> list[Manifest]:
     """The pod's own (downward API), HOME, the secrets (references), then the resource's, in its order."""
-    env = [*_downward_env(), _home_env(), _secret_env(ep, CLUSTER_SECRET_ENV)]
+    env = [*_downward_env(), _home_env(), _secret_env(ep, envs.CLUSTER_SECRET.name)]
     if ep.config.needs_local_redis:
-        env.append(_secret_env(ep, REDIS_PASSWORD_ENV, REDIS_PASSWORD_KEY))
+        env.append(_secret_env(ep, envs.REDIS_PASSWORD.name, REDIS_PASSWORD_KEY))
     return env + [var.manifest() for var in ep.config.spec.worker.environment_variables]
 
 
@@ -439,7 +440,7 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
 def _router_env(ep: _Endpoint) -> list[Manifest]:
     """HOME, the cluster secret, and the client keys the resource sets (the router is where clients come in)."""
     keys = [var.manifest() for var in ep.config.spec.worker.environment_variables if var.name in ROUTER_ENV_NAMES]
-    return [_home_env(), _secret_env(ep, CLUSTER_SECRET_ENV), *keys]
+    return [_home_env(), _secret_env(ep, envs.CLUSTER_SECRET.name), *keys]
 
 
 def _discovery_container(ep: _Endpoint) -> Manifest:
@@ -451,7 +452,7 @@ def _discovery_container(ep: _Endpoint) -> Manifest:
         "imagePullPolicy": "IfNotPresent",
         "command": ["splitserve", "k8s-discovery"],
         "args": _discovery_args(ep),
-        "env": [_secret_env(ep, CLUSTER_SECRET_ENV)],  # its PUT /admin/workers carries the cluster secret
+        "env": [_secret_env(ep, envs.CLUSTER_SECRET.name)],  # its PUT /admin/workers carries the cluster secret
         "resources": DISCOVERY_RESOURCES,
         "securityContext": _container_security(),
         "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, token],

@@ -37,8 +37,9 @@ from pathlib import Path
 
 import httpx
 
+from splitserve import envs
 from splitserve.auth import bearer_header
-from splitserve.config import REDIS_PASSWORD_ENV, Role
+from splitserve.config import Role
 from splitserve.deploy import vllm
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
@@ -81,7 +82,7 @@ def _is_free(port: int) -> bool:
 
 
 def default_run_root() -> Path:
-    return Path(os.environ.get("SPLITSERVE_HOME", Path.home() / ".splitserve")) / "endpoints"
+    return Path(envs.get(envs.HOME) or Path.home() / ".splitserve") / "endpoints"
 
 
 class DeviceAllocator:
@@ -156,7 +157,7 @@ class Supervisor:
         """
         plan(config, Target.LOCAL, redis_url="redis://127.0.0.1:6379/0")  # every EndpointError before any change
         if config.spec.worker.engine == WorkerEngine.VLLM:
-            self._vllm_command = vllm.local_command(os.environ)  # RuntimeError before any change, too
+            self._vllm_command = vllm.local_command(envs.copy())  # RuntimeError before any change, too
         redis_url = self._ensure_redis(config)
         new_plan = plan(config, Target.LOCAL, redis_url=redis_url)
         for warning in new_plan.warnings:
@@ -226,7 +227,7 @@ class Supervisor:
         name = pod_name(role_plan.role.value, endpoint.name)
         env = dict(template.env)
         if self._redis is not None:
-            env[REDIS_PASSWORD_ENV] = self.redis_password
+            env[envs.REDIS_PASSWORD.name] = self.redis_password
         gpus: tuple[int, ...] = ()
         if template.num_gpus:
             gpus = self._gpus.take(template.num_gpus)
@@ -369,7 +370,7 @@ def _cluster_secret(path: Path) -> str:
 
 def _num_gpus() -> int:
     """GPUs this process may use (from ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``); 0 without any."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = envs.raw(envs.CUDA_VISIBLE_DEVICES)  # set but empty: no GPU
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
     if shutil.which("nvidia-smi") is None:

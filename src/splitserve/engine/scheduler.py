@@ -9,7 +9,7 @@ the default) those with the fewest tokens left to compute first, after any that 
 the waiting queue; it is recomputed when readmitted (its prefix-cached blocks usually make that cheap).
 
 When the request next in line is short (its uncached tokens fit in the budget beside
-``long_prefill_token_threshold``), the running requests still in prefill share at most that threshold this
+``running_prefill_cap``), the running requests still in prefill share at most that cap this
 step, and the rest of the budget admits short requests whole. A follow-up turn whose prompt is mostly cached
 then gets its first token within one short step, instead of waiting for every chunk of someone else's cold
 prompt (issue 17). Cold requests still queue behind a running prompt, which keeps the whole budget otherwise.
@@ -148,7 +148,7 @@ class Scheduler:
         """Tokens the running requests still in prefill may take this step: the threshold when the request
         admission takes first is short (its uncached tokens fit in the rest of the budget), else no cap. A
         short request then gets through at once; cold ones queue behind the running prompt, as before."""
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self.config.running_prefill_cap
         if not threshold or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)

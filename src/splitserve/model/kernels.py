@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from splitserve import envs
+
 if TYPE_CHECKING:
     from ctypes import _SimpleCData
 
@@ -174,7 +176,7 @@ def _cpu_labels(kernel_isa: str) -> dict[str, str]:
 def select_level(cpu: CpuInfo) -> IsaLevel:
     """The best level ``cpu`` runs, or the one ``SPLITSERVE_KERNEL_ISA`` names (a ``ValueError`` if it can't)."""
     levels = cpu.levels
-    wanted = os.environ.get("SPLITSERVE_KERNEL_ISA", "").strip().lower()
+    wanted = envs.get(envs.KERNEL_ISA).lower()
     if not wanted or wanted == "auto":
         return levels[-1]
     for level in levels:
@@ -568,22 +570,21 @@ class ForwardStep:
 
 
 def cache_dir() -> Path:
-    if explicit := os.environ.get("SPLITSERVE_KERNEL_CACHE"):
+    if explicit := envs.get(envs.KERNEL_CACHE):
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "splitserve" / "kernels"
+    return envs.cache_home() / "splitserve" / "kernels"
 
 
 @functools.cache
 def native() -> NativeKernels | None:
     """The kernels of this CPU's best level, built on first call; None (logged once) where they cannot be."""
-    if os.environ.get("SPLITSERVE_NATIVE_KERNELS", "1") == "0":
+    if envs.get(envs.NATIVE_KERNELS) == "0":
         logger.info("native CPU kernels disabled (SPLITSERVE_NATIVE_KERNELS=0); using PyTorch paths")
         return None
     cpu = detect_cpu()
     level = select_level(cpu)
     kernels = kernels_for(level)
-    if kernels is None and os.environ.get("SPLITSERVE_KERNEL_ISA", "").strip().lower() in ("", "auto"):
+    if kernels is None and envs.get(envs.KERNEL_ISA).lower() == "auto":
         # an older compiler may lack the best level's flags (AMX needs GCC 11): take the next level down
         for lower in reversed(cpu.levels[: cpu.levels.index(level)]):
             if (kernels := kernels_for(lower)) is not None:
@@ -608,7 +609,7 @@ def kernels_for(level: IsaLevel) -> NativeKernels | None:
 
 
 def _build(level: IsaLevel) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.get(envs.CC) or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -8,12 +8,11 @@ unchanged; ``load_hf_state_dict`` fuses q/k/v and gate/up into single matrices f
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve import envs
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.model.config import LlamaConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
@@ -342,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         kernels = linears[0].quant_kernels if linears else None
         if (
             kernels is None
-            or os.environ.get("SPLITSERVE_FORWARD_STEP", "1") == "0"
+            or envs.get(envs.FORWARD_STEP) == "0"
             or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous()
             or kv_cache.dtype not in (torch.float32, torch.bfloat16)

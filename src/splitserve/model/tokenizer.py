@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from splitserve import envs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -293,10 +295,9 @@ def _content_text(index: int, content: Any) -> str:
 
 def default_cache_dir() -> Path:
     """``$SPLITSERVE_CACHE_DIR/tokenizers``, else ``$XDG_CACHE_HOME/splitserve/tokenizers``, else ``~/.cache``."""
-    if os.environ.get("SPLITSERVE_CACHE_DIR"):
-        return Path(os.environ["SPLITSERVE_CACHE_DIR"]) / "tokenizers"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "splitserve" / "tokenizers"
+    if explicit := envs.get(envs.CACHE_DIR):
+        return Path(explicit) / "tokenizers"
+    return envs.cache_home() / "splitserve" / "tokenizers"
 
 
 def _cache_key(gguf_path: Path) -> str:

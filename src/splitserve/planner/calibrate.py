@@ -46,6 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from splitserve import envs
 from splitserve.planner.costs import (
     Calibration,
     CalibrationKey,
@@ -159,9 +160,7 @@ def build_calibration_engine(key: CalibrationKey, max_model_len: int) -> LLMEngi
             num_threads=1,
         ),
         cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=True),
-        scheduler=SchedulerConfig(
-            max_num_seqs=64, max_num_batched_tokens=max_model_len, long_prefill_token_threshold=0
-        ),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_model_len, running_prefill_cap=0),
     )
     return build_engine(config)
 
@@ -441,7 +440,7 @@ def measure_served(calibration: Calibration, max_model_len: int) -> ServedScale:
         "--num-threads", "1", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
     # this machine's defaults only: no settings or keys of the user's (the worker serves this process alone)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPLITSERVE_", "VLLM_", "LMCACHE_"))}
+    env = {k: v for k, v in envs.copy().items() if not k.startswith(("SPLITSERVE_", "VLLM_", "LMCACHE_"))}
     with tempfile.TemporaryFile() as log:
         worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
         try:

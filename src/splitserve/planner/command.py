@@ -10,20 +10,17 @@ import json
 import math
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import EnumMeta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from splitserve.bench.sweep import parse_slo
-from splitserve.config import RoutingStrategy
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import InferenceEndpointConfig, load_endpoint
 from splitserve.planner.calibrate import calibration_key, ensure_calibration
 from splitserve.planner.costs import Calibration
+from splitserve.planner.options import PlanOptions
 from splitserve.planner.plots import plot_crossover, plot_plan
 from splitserve.planner.recommend import (
-    DEFAULT_THRESHOLDS,
     Candidate,
     Layout,
     Recommendation,
@@ -67,45 +64,6 @@ DEFAULT_SLOS: dict[WorkloadShape | None, Slo] = {
     WorkloadShape.LONG_CONTEXT: Slo(ttft_s=15.0, itl_s=0.3),
     None: Slo(ttft_s=5.0, itl_s=0.2),  # a trace
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PlanOptions:
-    """The command's options, as given (validated by :func:`run_plan`)."""
-
-    file: Path
-    workload: WorkloadShape = WorkloadShape.CHAT
-    trace: Path | None = None
-    rate: float | None = None
-    num_requests: int = 400
-    seed: int = 0
-    slo: str | None = None
-    out: Path | None = None
-    json_path: Path | None = None
-    recalibrate: bool = False
-    thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS
-    strategies: tuple[RoutingStrategy, ...] = tuple(RoutingStrategy)
-    verify: bool = False
-    verify_dir: Path | None = None  # resources, logs and results of --verify (default: a new temporary directory)
-    plot: Path | None = None
-    sweep_rates: tuple[float, ...] = ()  # predict at each rate instead of one, and state the crossover
-    sweep_prompt_tokens: tuple[int, ...] = ()  # or at each prompt length (every prompt that long)
-
-
-def parse_choices(flag: str, text: str, parse: Callable[[str], T]) -> tuple[T, ...]:
-    """A comma-separated option -> its values (at least one); ValueError naming the flag, and for a closed set
-    (an enum) the values it takes."""
-    values: list[T] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            values.append(parse(part))
-        except ValueError:
-            members: list[object] = list(parse) if isinstance(parse, EnumMeta) else []
-            allowed = f"; one of {', '.join(str(m) for m in members)}" if members else ""
-            raise ValueError(f"{flag}: {part!r} is not valid{allowed}") from None
-    if not values:
-        raise ValueError(f"{flag}: give at least one value")
-    return tuple(values)
 
 
 def _flag(flags: Sequence[str], name: str) -> str | None:

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve import envs
+
 CALIBRATION_VERSION = 1
 
 
@@ -246,8 +248,7 @@ def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> CpuIdentity:
 
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/splitserve/plan`` (``~/.cache`` without XDG_CACHE_HOME)."""
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache_home) / "splitserve" / "plan"
+    return envs.cache_home() / "splitserve" / "plan"
 
 
 def load_cached(key: CalibrationKey, directory: Path | None = None) -> Calibration | None:

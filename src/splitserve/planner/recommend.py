@@ -39,6 +39,7 @@ from splitserve.endpoint import (
     parse_memory_bytes,
 )
 from splitserve.planner.costs import Calibration
+from splitserve.planner.options import DEFAULT_THRESHOLDS
 from splitserve.planner.simulate import (
     EngineLimits,
     KVMoves,
@@ -52,7 +53,6 @@ from splitserve.planner.simulate import (
 from splitserve.planner.workload import TraceRequest
 
 MAX_WORKERS = 8
-DEFAULT_THRESHOLDS = (512, 1024, 2048, 4096)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # the engine's default on CPU (engine/engine.py)
 L2_DEFAULT_BYTES = KVTierConfig().l2_max_bytes
 PLANNED_ANNOTATION = "splitserve.io/planned"

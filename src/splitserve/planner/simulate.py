@@ -6,7 +6,7 @@ Torch-free, pure Python and deterministic: the same workload, topology and costs
 requests in admission order (a decode takes one token, a prompt the rest of its tokens up to the step budget
 ``max_num_batched_tokens``), then admits waiting ones while the budget and ``max_num_seqs`` allow, fewest uncached
 tokens first (``lpm``; those waiting past ``max_wait_s`` first), chunking a prompt that does not fit. When the
-next waiting request is short, running prompts take at most ``long_prefill_token_threshold`` tokens that step
+next waiting request is short, running prompts take at most ``running_prefill_cap`` tokens that step
 and only whole prompts are admitted. A step lasts what :class:`~splitserve.planner.costs.StepCost` says, plus
 the copies of KV loaded at admission. Preemption is not modelled: KV blocks are assumed to suffice.
 
@@ -50,7 +50,7 @@ class EngineLimits:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    long_prefill_token_threshold: int = 256
+    running_prefill_cap: int = 256
     max_wait_s: float = 5.0
     block_size: int = 16
     cache_tokens: int = 1 << 62  # the engine's KV cache, in tokens (what its prefix cache can keep)
@@ -245,7 +245,7 @@ class _Worker:
         self.waiting.sort(key=key)
 
     def _running_prefill_cap(self) -> int | None:
-        threshold = self.limits.long_prefill_token_threshold
+        threshold = self.limits.running_prefill_cap
         if not threshold or not self.waiting or len(self.running) >= self.limits.max_num_seqs:
             return None
         num_decodes = sum(j.num_tokens - j.num_computed == 1 for j in self.running)

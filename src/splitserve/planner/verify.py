@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import time
@@ -36,11 +35,12 @@ from typing import Any
 
 import httpx
 
-from splitserve.auth import API_KEY_ENV, VLLM_API_KEY_ENV, api_keys
+from splitserve import envs
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult
 from splitserve.bench.datasets import WORDS, BenchRequest
 from splitserve.bench.runner import run_requests
 from splitserve.bench.series import chunk_times_s
+from splitserve.config import client_keys
 from splitserve.deploy.supervisor import free_port, splitserve_command
 from splitserve.planner.simulate import Prediction, RequestTiming, SimResult, Slo, summarize
 from splitserve.planner.workload import TraceRequest
@@ -130,7 +130,7 @@ class LocalEndpoint(AbstractContextManager["LocalEndpoint"]):
 
     def __enter__(self) -> LocalEndpoint:
         self.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "SPLITSERVE_HOME": str(self.home)}
+        env = {**envs.copy(), envs.HOME.name: str(self.home)}
         command = splitserve_command("up", "-f", str(self.resource), "--port", str(self.port))
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -182,7 +182,7 @@ def answers_ok(url: str) -> bool:
 def client_headers() -> dict[str, str]:
     """A client key for the endpoint, when ``splitserve up`` gives its router one (``SPLITSERVE_API_KEY`` or
     ``VLLM_API_KEY`` in this environment, which the endpoint inherits); none otherwise."""
-    keys = api_keys((), (API_KEY_ENV, VLLM_API_KEY_ENV))
+    keys = client_keys(())
     return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -26,7 +25,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from splitserve.auth import bearer_header, cluster_secret
+from splitserve import envs
+from splitserve.auth import bearer_header
+from splitserve.config import cluster_secret
 from splitserve.router.discovery import WorkerRole
 
 logger = logging.getLogger("splitserve.k8s_discovery")
@@ -125,7 +126,7 @@ class ApiPodLister:
 
         Raises RuntimeError outside a pod.
         """
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        host, port = envs.get(envs.KUBERNETES_SERVICE_HOST), envs.get(envs.KUBERNETES_SERVICE_PORT)
         token_path = SERVICE_ACCOUNT_DIR / "token"
         if not host or not token_path.exists():
             raise RuntimeError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST or service account token)")

@@ -12,7 +12,8 @@ from typing import Any
 
 import uvicorn
 
-from splitserve.auth import CLUSTER_SECRET_ENV, warn_if_open
+from splitserve import envs
+from splitserve.auth import warn_if_open
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.httpserver import uvicorn_options
 from splitserve.router.app import Router, build_admin_app, build_router_app
@@ -37,7 +38,7 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     if config.api_keys and not config.cluster_secret:
         logger.warning(
             "the router requires client keys but has no cluster secret (%s): it forwards requests without "
-            "credentials, so workers that require a key will refuse them", CLUSTER_SECRET_ENV,
+            "credentials, so workers that require a key will refuse them", envs.CLUSTER_SECRET.name,
         )  # fmt: skip
     logger.info(
         "router on %s:%d, strategy %s, workers %s%s",
