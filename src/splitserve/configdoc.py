@@ -24,8 +24,8 @@ _USE = {
 
 
 def _shown(value: Any) -> str:
-    if value is None or value == "":
-        return ""
+    if value is None or value == "" or value is ...:
+        return "required" if value is ... else ""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, enum.Enum):
@@ -63,8 +63,16 @@ def reference() -> str:
     """The generated part of ``docs/configuration.md``."""
     lines = [BEGIN, "", "### `splitserve worker`"]
     lines += _table(WORKER_SECTIONS, with_resource=True)
-    lines += ["", "### `splitserve router`"]
-    lines += _table(ROUTER_SECTIONS, with_resource=False)
+    from splitserve.bench.cli import SERVE_SECTIONS, SWEEP_SECTIONS
+    from splitserve.planner.options import PlanOptions
+
+    for title, sections in (
+        ("splitserve router", ROUTER_SECTIONS),
+        ("splitserve plan", (Section(PlanOptions),)),
+        ("splitserve bench serve", SERVE_SECTIONS),
+        ("splitserve bench sweep", SWEEP_SECTIONS),
+    ):
+        lines += ["", f"### `{title}`", *_table(sections, with_resource=False)]
     lines += ["", "### Environment variables", "", "| variable | default | meaning |", "|---|---|---|"]
     lines += [f"| `{v.name}` | {_shown(v.default)} | {_cell(v.help)} |" for v in envs.every_variable()]
     return "\n".join([*lines, "", END]) + "\n"

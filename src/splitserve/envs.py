@@ -101,11 +101,12 @@ def cache_home() -> Path:
 
 def every_variable() -> list[Variable]:
     """The variables above and every setting's (``SPLITSERVE_<FLAG>`` and its aliases), sorted by name."""
+    from splitserve.bench.cli import SERVE_SECTIONS
     from splitserve.config import ROUTER_SECTIONS, WORKER_SECTIONS
     from splitserve.settings import declared_in
 
     found = {v.name: v for v in VARIABLES}
-    for declared in (*declared_in(WORKER_SECTIONS), *declared_in(ROUTER_SECTIONS)):
+    for declared in (*declared_in(WORKER_SECTIONS), *declared_in(ROUTER_SECTIONS), *declared_in(SERVE_SECTIONS)):
         for name in declared.env_names:
             found.setdefault(name, Variable(name, f"{declared.option} (when the flag is not given)."))
     return sorted(found.values(), key=lambda v: v.name)

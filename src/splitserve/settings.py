@@ -72,6 +72,7 @@ class Section:
 
     config: type
     panel: str = ""
+    skip: frozenset[str] = frozenset()  # fields whose settings this command does not take
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +163,12 @@ def declared(config: type, panel: str = "") -> Iterator[Declared]:
 
 def declared_in(sections: Sequence[Section]) -> list[Declared]:
     """Every setting of a command, in the order of its sections."""
-    return [item for section in sections for item in declared(section.config, section.panel)]
+    return [
+        item
+        for section in sections
+        for item in declared(section.config, section.panel)
+        if item.name not in section.skip
+    ]
 
 
 def by_flag(sections: Sequence[Section]) -> dict[str, Declared]:
@@ -172,11 +178,14 @@ def by_flag(sections: Sequence[Section]) -> dict[str, Declared]:
 
 def build(config: type, values: dict[str, Any], **derived: Any) -> Any:
     """An instance of ``config`` from a command's option values (keyed by parameter), converted to the fields'
-    types, plus ``derived`` fields. A conversion's ``ValueError`` propagates, naming the flag."""
-    kwargs = {}
+    types, with ``derived`` fields set (or overridden) by the caller. A setting the command does not take keeps
+    its default. A conversion's ``ValueError`` propagates, naming the flag."""
+    kwargs = dict(derived)
     for item in declared(config):
+        if item.name in derived or item.parameter not in values:
+            continue
         try:
             kwargs[item.name] = item.to_field(values[item.parameter])
         except ValueError as exc:
             raise ValueError(str(exc) if item.option in str(exc) else f"{item.option}: {exc}") from None
-    return config(**kwargs, **derived)
+    return config(**kwargs)

@@ -16,6 +16,7 @@ import typer
 from typer.testing import CliRunner
 
 from splitserve import envs, settings
+from splitserve.bench.cli import SERVE_SECTIONS, SWEEP_SECTIONS
 from splitserve.cli import app
 from splitserve.config import (
     ROUTER_SECTIONS,
@@ -31,7 +32,8 @@ from splitserve.config import (
 )
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import EndpointError, parse_endpoint
-from splitserve.settings import Use
+from splitserve.planner.options import PlanOptions
+from splitserve.settings import Section, Use
 
 SRC = Path(__file__).parents[2] / "src" / "splitserve"
 WORKER = settings.by_flag(WORKER_SECTIONS)
@@ -100,8 +102,10 @@ def field_of(configs: tuple[EngineConfig, ServerConfig], item: settings.Declared
 
 
 def command_options(name: str) -> set[str]:
-    command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
-    return {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)} - {"--help"}
+    command: Any = typer.main.get_command(app)
+    for part in name.split():
+        command = command.commands[part]
+    return {opt for p in command.params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--")} - {"--help"}
 
 
 def declared_options(sections: Any) -> set[str]:
@@ -113,7 +117,16 @@ def declared_options(sections: Any) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize(("name", "sections"), [("worker", WORKER_SECTIONS), ("router", ROUTER_SECTIONS)])
+@pytest.mark.parametrize(
+    ("name", "sections"),
+    [
+        ("worker", WORKER_SECTIONS),
+        ("router", ROUTER_SECTIONS),
+        ("plan", (Section(PlanOptions),)),
+        ("bench serve", SERVE_SECTIONS),
+        ("bench sweep", SWEEP_SECTIONS),
+    ],
+)
 def test_every_option_of_the_commands_is_a_declared_setting_and_back(name: str, sections: Any) -> None:
     assert command_options(name) == declared_options(sections)
 

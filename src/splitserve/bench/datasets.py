@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from splitserve.settings import setting
+
 # Every word below is one token with its leading space in the SmolLM2-135M vocabulary (checked against the
 # GGUF vocabulary) and in other byte-level BPE vocabularies. Order matters: it is part of the seed contract.
 _WORD_TEXT = """
@@ -74,26 +76,23 @@ class BenchRequest:
 class DatasetConfig:
     """Options for every dataset; each dataset reads the fields it needs."""
 
-    random_input_len: int = 256
-    """random: mean prompt length in words (about tokens)."""
-    random_output_len: int = 128
-    """random: mean max_tokens; shared-prefix: every request's max_tokens; jsonl: for lines without one."""
-    random_range_ratio: float = 0.0
-    """random: lengths are uniform in [L * (1 - r), L * (1 + r)]."""
-    shared_prefix_groups: int = 4
-    """shared-prefix: number of distinct system prefixes."""
-    shared_prefix_len: int = 1024
-    """shared-prefix: words in each group's common prefix."""
-    shared_suffix_len: int = 64
-    """shared-prefix: words in each request's unique suffix."""
-    dataset_path: Path | None = None
-    """jsonl: file with one JSON object per line."""
-    num_users: int = 8
-    """multiround: number of users (sessions); the run has exactly num_users * num_rounds requests."""
-    num_rounds: int = 4
-    """multiround: questions each user asks, one after the other."""
-    user_history_len: int = 0
-    """multiround: words of a document of each user's own that opens their chat (after the system prompt)."""
+    random_input_len: int = setting(256, "random: mean prompt length in tokens (words).")
+    random_output_len: int = setting(
+        128, "random: mean max_tokens; shared-prefix: max_tokens; jsonl: max_tokens of lines without one."
+    )
+    random_range_ratio: float = setting(0.0, "random: lengths uniform in [L*(1-r), L*(1+r)].")
+    shared_prefix_groups: int = setting(4, "shared-prefix: number of distinct prefixes.")
+    shared_prefix_len: int = setting(
+        1024, "shared-prefix: tokens (words) per common prefix; multiround: words in the shared system prompt."
+    )
+    shared_suffix_len: int = setting(64, "shared-prefix: tokens (words) per unique suffix.")
+    dataset_path: Path | None = setting(None, "jsonl: file with {prompt|messages, max_tokens?} per line.")
+    # multiround: the run has exactly num_users * num_rounds requests
+    num_users: int = setting(8, "multiround: users (sessions), each one conversation.")
+    num_rounds: int = setting(4, "multiround: questions per user; round r+1 is sent after round r's answer.")
+    user_history_len: int = setting(
+        0, "multiround: words of each user's own document that opens their chat (after the system prompt)."
+    )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending values."""

@@ -24,9 +24,13 @@ import httpx
 from tqdm import tqdm
 
 from splitserve.bench.client import EndpointKind, OpenAIStreamClient, RequestResult
-from splitserve.bench.datasets import BenchRequest, Dataset, DatasetConfig, get_dataset
+from splitserve.bench.datasets import BenchRequest, Dataset, DatasetConfig, dataset_names, get_dataset
 from splitserve.bench.metrics import summarize
 from splitserve.bench.report import BenchReport, format_table, write_json
+from splitserve.settings import REQUIRED, setting
+
+DATASET_PANEL = "Dataset options"
+LOAD_PANEL = "Load options"
 
 WARMUP_SEED_OFFSET = 1_000_003
 """Warmup prompts use seed + this, so they do not pre-warm the measured prompts' prefix cache entries."""
@@ -36,39 +40,38 @@ WARMUP_SEED_OFFSET = 1_000_003
 class ServeConfig:
     """Everything one ``bench serve`` run needs; ``validate()`` checks it."""
 
-    url: str
-    """Base URL of the OpenAI-compatible server, e.g. ``http://127.0.0.1:8000`` (a ``/v1`` suffix is ok)."""
-    model: str
-    """Value of the ``model`` field in every request."""
-    endpoint: EndpointKind = EndpointKind.COMPLETIONS
-    """``completions`` (prompt) or ``chat`` (the request's messages; one user message for plain prompts)."""
-    dataset: str = "random"
-    """Registered dataset name (see ``datasets.dataset_names()``)."""
+    url: str = setting(REQUIRED, "Base URL of the server, e.g. http://127.0.0.1:8000 (a /v1 suffix is ok).")
+    model: str = setting(REQUIRED, "Model name sent in every request.")
+    endpoint: EndpointKind = setting(
+        EndpointKind.COMPLETIONS, "completions (prompt) or chat (messages; multiround wants chat)."
+    )
+    dataset: str = setting("random", f"One of: {', '.join(dataset_names())}.", panel=DATASET_PANEL)
     dataset_config: DatasetConfig = field(default_factory=DatasetConfig)
-    num_prompts: int = 100
-    """Number of measured requests (multiround: must equal num_users * num_rounds)."""
-    request_rate: float = math.inf
-    """Mean request arrivals per second of a Poisson process; ``inf`` makes every request due at once (a
-    session's later rounds still wait for its earlier ones)."""
-    max_concurrency: int | None = None
-    """At most this many requests in flight; ``None`` for no limit. Sessions waiting between rounds do not
-    count."""
-    seed: int = 0
-    """Seeds the prompts and the arrival times."""
-    ignore_eos: bool = True
-    """Ask the server to ignore end-of-sequence so every request produces exactly ``max_tokens``."""
-    timeout_s: float = 600.0
-    """Per-request timeout (connect, read, write and pool each)."""
-    warmup: int = 0
-    """Requests sent one by one before the measured run; not counted. They are the first ``warmup`` of the
-    dataset drawn with another seed (cycled past num_prompts), without session ids."""
-    show_progress: bool = True
-    label: str | None = None
-    """Free-form tag stored in the JSON result (e.g. ``vllm`` or ``splitserve-kvaware``)."""
-    json_path: Path | None = None
-    """Where to write the JSON result; ``None`` for none."""
-    api_key: str | None = None
-    """Sent as ``Authorization: Bearer <key>`` when set."""
+    num_prompts: int = setting(
+        100, "Measured requests (per point in a sweep; default 100; multiround: num-users * num-rounds).",
+        option_default=None, option_type=int | None,
+    )  # fmt: skip
+    # a session's later rounds still wait for its earlier ones
+    request_rate: float = setting(
+        math.inf, "Poisson request arrivals per second; inf: all due at once (sessions still go round by round).",
+        panel=LOAD_PANEL,
+    )  # fmt: skip
+    # sessions waiting between rounds do not count
+    max_concurrency: int | None = setting(None, "At most this many requests in flight.", panel=LOAD_PANEL)
+    seed: int = setting(0, "Seed for prompts and arrival times.")
+    ignore_eos: bool = setting(True, "Generate exactly max_tokens per request (the server ignores end-of-sequence).")
+    timeout_s: float = setting(600.0, "Seconds each connect, read or write of a request may take.")
+    # the first `warmup` of the dataset drawn with another seed (cycled past num_prompts), without session ids
+    warmup: int = setting(0, "Unmeasured requests sent one by one first.")
+    show_progress: bool = setting(
+        True, "Hide the progress bar.", flag="no-progress", negatable=False, option_default=False,
+        convert=lambda hide: not hide,
+    )  # fmt: skip
+    label: str | None = setting(None, "Tag stored in the JSON result (vllm, splitserve-kvaware...).")
+    json_path: Path | None = setting(None, "Write summary + per-request JSON here.", flag="json")
+    api_key: str | None = setting(
+        None, "Bearer token, if the server wants one.", env_aliases=("OPENAI_API_KEY",), secret=True
+    )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending values; dataset options first (num_prompts may derive
