@@ -46,6 +46,7 @@ from splitserve.engine.connector import KVConnectorBase, KVLoad, LoadedTokens
 from splitserve.engine.kv_cache_manager import ENGINE_SOURCE, KVCacheManager
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.policy.scheduling import LPM_KEY, RunningBudget, admitted_tokens, lpm_key, running_prefill_cap
 
 
 @dataclass(slots=True)
@@ -145,40 +146,42 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(shadow, num_new, self.kv.block_ids(shadow.request_id)))
 
     def _running_prefill_cap(self) -> int | None:
-        """Tokens the running requests still in prefill may take this step: the threshold when the request
-        admission takes first is short (its uncached tokens fit in the rest of the budget), else no cap. A
-        short request then gets through at once; cold ones queue behind the running prompt, as before."""
-        threshold = self.config.running_prefill_cap
-        if not threshold or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        """Tokens the running requests still in prefill may take this step (``policy.scheduling``). A short
+        request then gets through at once; cold ones queue behind the running prompt, as before."""
+        if not self.config.running_prefill_cap or not self.waiting:
             return None
-        num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        room = self.config.max_num_batched_tokens - num_decodes - threshold
-        return threshold if self._num_uncached(self.waiting[0]) <= room else None
+        return running_prefill_cap(
+            self.config.running_prefill_cap,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            max_num_seqs=self.config.max_num_seqs,
+            num_decodes=sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            head_uncached=self._num_uncached(self.waiting[0]),
+        )
 
     def _num_uncached(self, request: Request) -> int:
         """Tokens the request would compute beyond the engine's prefix cache (the tiers' share is unknown here)."""
         return request.num_tokens - len(self.kv.find_cached_prefix(request)) * self.kv.block_size
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_cap: int | None = None) -> int:
+    def _schedule_running(self, out: SchedulerOutput, tokens: int, prefill_cap: int | None = None) -> int:
+        budget = RunningBudget(tokens, prefill_cap)
         for request in list(self.running):
-            if budget == 0:
+            if budget.tokens == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new > 1 and prefill_cap is not None:  # mid-prefill, with a short request next in line
-                self._held_back |= num_new > prefill_cap
-                num_new = min(num_new, prefill_cap)
-                if num_new == 0:
-                    continue
-                prefill_cap -= num_new
+            num_new = budget.take(request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:
+                continue
             fits, num_returned = self._allocate_or_preempt(request, num_new, out)
-            budget += num_returned
+            budget.tokens += num_returned
             if not fits:
                 continue
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
-            budget -= num_new
-        return budget
+            budget.tokens -= num_new
+        self._held_back = budget.held_back
+        return budget.tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> tuple[bool, int]:
         """Allocate, preempting from the back of ``running`` until it fits.
@@ -231,10 +234,13 @@ class Scheduler:
             num_external, source = found
             num_new = request.num_tokens - num_cached - num_external
             tail = None if num_external else self.kv.find_cached_tail(request, len(cached))
-            if tail is None and num_new > budget:  # with a tail, one token is computed: it fits
-                if whole_only or not self.config.enable_chunked_prefill:
+            if tail is None:  # with a tail, one token is computed: it fits
+                admitted = admitted_tokens(
+                    num_new, budget, whole_only=whole_only, chunked=self.config.enable_chunked_prefill
+                )
+                if admitted is None:
                     break
-                num_new = budget
+                num_new = admitted
             if not self.kv.allocate(request, num_external + num_new, cached, tail):
                 break
             self.waiting.popleft()
@@ -276,10 +282,8 @@ class Scheduler:
         lookups; the tiers' share is known only once their lookup is done, at admission."""
         oldest_allowed = time.monotonic() - self.config.max_wait_s
 
-        def key(request: Request) -> tuple[int, float, float]:
-            if request.arrival_time < oldest_allowed:
-                return (0, request.arrival_time, 0.0)
-            return (1, float(self._num_uncached(request)), request.arrival_time)
+        def key(request: Request) -> LPM_KEY:
+            return lpm_key(request.arrival_time, self._num_uncached(request), oldest_allowed)
 
         head = sorted(itertools.islice(self.waiting, MAX_SORTED_WAITING), key=key)
         self.waiting = deque([*head, *itertools.islice(self.waiting, MAX_SORTED_WAITING, None)])

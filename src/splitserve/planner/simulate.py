@@ -40,6 +40,7 @@ from splitserve.config import Role, RoutingStrategy
 from splitserve.planner.costs import LoadCost, StepCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest
+from splitserve.policy.scheduling import RunningBudget, admitted_tokens, lpm_key, running_prefill_cap
 
 NUM_SENDER_THREADS = 2  # pd/sender.py's pool
 
@@ -158,6 +159,7 @@ class _Job:
     num_sampled: int = 0
     ready_s: float = 0.0  # an L2 fetch in progress: admissible from then
     is_looked_up: bool = False
+    queued_tokens: int = 0  # counted in its worker's pending_prefill_tokens until it answers, as the router does
 
     @property
     def num_prompt(self) -> int:
@@ -198,6 +200,7 @@ class _Worker:
         self.waiting: list[_Job] = []
         self.running: list[_Job] = []
         self.in_flight = 0
+        self.pending_prefill_tokens = 0  # the router's view: uncached tokens of jobs that have not answered yet
         self.is_busy = False
         self.is_kick_pending = False  # a wake-up is queued at the current time
         self.busy_s = 0.0
@@ -213,45 +216,40 @@ class _Worker:
 
     def schedule(self, now_s: float) -> tuple[list[tuple[_Job, int]], float]:
         """The jobs of the next step with their new tokens, and the seconds of KV copies at admission."""
-        budget = self.limits.max_num_batched_tokens
         if len(self.waiting) > 1:
             self._order_waiting(now_s)
-        cap = self._running_prefill_cap()
+        budget = RunningBudget(self.limits.max_num_batched_tokens, self._running_prefill_cap())
         scheduled: list[tuple[_Job, int]] = []
-        held_back = False
         for job in self.running:
-            if budget == 0:
+            if budget.tokens == 0:
                 break
-            num_new = min(job.num_tokens - job.num_computed, budget)
-            if num_new > 1 and cap is not None:
-                held_back |= num_new > cap
-                num_new = min(num_new, cap)
-                if num_new == 0:
-                    continue
-                cap -= num_new
+            num_new = budget.take(job.num_tokens - job.num_computed)
+            if num_new == 0:
+                continue
             scheduled.append((job, num_new))
-            budget -= num_new
-        copy_s = self._admit(now_s, budget, held_back, scheduled)
+            budget.tokens -= num_new
+        copy_s = self._admit(now_s, budget.tokens, budget.held_back, scheduled)
         return scheduled, copy_s
 
     def _order_waiting(self, now_s: float) -> None:
         oldest_allowed = now_s - self.limits.max_wait_s
-
-        def key(job: _Job) -> tuple[int, float, float]:
-            if job.arrival_s < oldest_allowed:
-                return (0, job.arrival_s, 0.0)
-            return (1, float(job.num_tokens - self._engine_hit(job)), job.arrival_s)
-
-        self.waiting.sort(key=key)
+        self.waiting.sort(
+            key=lambda job: lpm_key(job.arrival_s, job.num_tokens - self._engine_hit(job), oldest_allowed)
+        )
 
     def _running_prefill_cap(self) -> int | None:
-        threshold = self.limits.running_prefill_cap
-        if not threshold or not self.waiting or len(self.running) >= self.limits.max_num_seqs:
+        if not self.limits.running_prefill_cap or not self.waiting:
             return None
-        num_decodes = sum(j.num_tokens - j.num_computed == 1 for j in self.running)
-        room = self.limits.max_num_batched_tokens - num_decodes - threshold
         head = self.waiting[0]
-        return threshold if head.num_tokens - self._engine_hit(head) <= room else None
+        return running_prefill_cap(
+            self.limits.running_prefill_cap,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            max_num_seqs=self.limits.max_num_seqs,
+            num_decodes=sum(j.num_tokens - j.num_computed == 1 for j in self.running),
+            max_num_batched_tokens=self.limits.max_num_batched_tokens,
+            head_uncached=head.num_tokens - self._engine_hit(head),
+        )
 
     def _admit(self, now_s: float, budget: int, whole_only: bool, scheduled: list[tuple[_Job, int]]) -> float:
         copy_s = 0.0
@@ -264,11 +262,10 @@ class _Worker:
                 passed_over.append(self.waiting.pop(0))
                 continue
             num_cached, job_copy_s = self._cached(job)
-            num_new = job.num_tokens - num_cached
-            if num_new > budget:
-                if whole_only:
-                    break
-                num_new = budget
+            admitted = admitted_tokens(job.num_tokens - num_cached, budget, whole_only=whole_only)
+            if admitted is None:
+                break
+            num_new = admitted
             self.waiting.pop(0)
             job.num_computed = num_cached
             copy_s += job_copy_s
@@ -361,12 +358,17 @@ class _Simulation:
         l2 = _LRU(topology.l2_tokens) if topology.l2_tokens > 0 else None
         self.workers = [_Worker(f"{spec.role.value}-{i}", spec, moves, l2) for i, spec in enumerate(topology.workers)]
         self.routers = {
-            role: SimRouter(topology.strategy, [w for w in self.workers if w.spec.role == role])
+            role: SimRouter(
+                topology.strategy,
+                [w for w in self.workers if w.spec.role == role],
+                block_size=next(w.limits.block_size for w in self.workers if w.spec.role == role),
+            )
             for role in (Role.COLOCATED, Role.PREFILL, Role.DECODE)
             if any(w.spec.role == role for w in self.workers)
         }
         self.timings = [RequestTiming(r.arrival_s) for r in requests]
         self.decode_for: dict[int, _Worker] = {}
+        self.prefill_of: dict[int, _Worker] = {}  # a pushing prefill job's worker, until the push is done
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
 
@@ -403,30 +405,39 @@ class _Simulation:
 
     def _route(self, role: Role, request: TraceRequest) -> tuple[_Worker, int]:
         """The worker the router picks in ``role``'s pool, and the tokens it believes that worker holds."""
+        worker, matched, _ = self._routed(role, request)
+        return worker, matched
+
+    def _routed(self, role: Role, request: TraceRequest) -> tuple[_Worker, int, int]:
+        """The pick in ``role``'s pool, the tokens it is believed to hold, and those the router counts as queued
+        prefill there."""
         query = RoutingQuery(request.prompt_tokens, request.prefix_group, request.prefix_tokens)
         routed = self.routers[role].select(query)
         assert isinstance(routed.worker, _Worker)
-        return routed.worker, routed.matched_tokens
+        return routed.worker, routed.matched_tokens, routed.uncached_tokens
 
     def _arrive(self, now_s: float, index: int) -> None:
         request = self.requests[index]
         threshold = self.topology.routing_threshold
         if not self.topology.is_disaggregated:
-            self._start(now_s, self._route(Role.COLOCATED, request)[0], _Leg.WHOLE, index)
+            worker, _, queued = self._routed(Role.COLOCATED, request)
+            self._start(now_s, worker, _Leg.WHOLE, index, queued)
             return
         decode, matched = self._route(Role.DECODE, request)
         uncached = request.prompt_tokens - matched
         if threshold is None or uncached < threshold or Role.PREFILL not in self.routers:
-            self._start(now_s, decode, _Leg.WHOLE, index)
+            self._start(now_s, decode, _Leg.WHOLE, index, uncached)
             return
         self.decode_for[index] = decode
-        self._start(now_s, self._route(Role.PREFILL, request)[0], _Leg.PREFILL, index)
+        prefill, prefill_matched = self._route(Role.PREFILL, request)
+        self._start(now_s, prefill, _Leg.PREFILL, index, request.prompt_tokens - prefill_matched)
 
-    def _start(self, now_s: float, worker: _Worker, leg: _Leg, index: int) -> None:
+    def _start(self, now_s: float, worker: _Worker, leg: _Leg, index: int, queued_tokens: int = 0) -> None:
         request = self.requests[index]
         num_output = 1 if leg == _Leg.PREFILL else request.output_tokens
-        worker.add(_Job(index, leg, request, now_s, request.prompt_tokens, num_output))
+        worker.add(_Job(index, leg, request, now_s, request.prompt_tokens, num_output, queued_tokens=queued_tokens))
         worker.in_flight += 1
+        worker.pending_prefill_tokens += queued_tokens
         if not worker.is_busy and not worker.is_kick_pending:  # after all else arriving now: one step for all
             worker.is_kick_pending = True
             self._at(now_s, "wake", worker)
@@ -461,6 +472,8 @@ class _Simulation:
     def _sampled(self, now_s: float, worker: _Worker, job: _Job) -> None:
         job.num_sampled += 1
         job.num_tokens += 1
+        if job.leg != _Leg.PREFILL:  # its first token is its answer's start (a prefill answers once pushed)
+            self._answered(worker, job)
         if job.leg == _Leg.WHOLE or (job.leg == _Leg.DECODE and job.num_sampled > 1):
             self.timings[job.index].token_times_s.append(now_s)
         if job.num_sampled < job.num_output:
@@ -472,9 +485,15 @@ class _Simulation:
             start_s = max(now_s, min(worker.sender_free_s))
             done_s = start_s + self.moves.push_s(job.num_prompt)
             worker.sender_free_s[worker.sender_free_s.index(min(worker.sender_free_s))] = done_s
+            self.prefill_of[job.index] = worker
             self._at(done_s, "pushed", job)
 
+    def _answered(self, worker: _Worker, job: _Job) -> None:
+        worker.pending_prefill_tokens -= job.queued_tokens
+        job.queued_tokens = 0
+
     def _pushed(self, now_s: float, job: _Job) -> None:
+        self._answered(self.prefill_of.pop(job.index), job)
         self.timings[job.index].token_times_s.append(now_s)  # the router sends prefill's first token
         if job.request.output_tokens > 1:
             self._start(now_s, self.decode_for.pop(job.index), _Leg.DECODE, job.index)

@@ -1,34 +1,32 @@
 """Routing strategies: each picks one worker among the routable candidates for a request.
 
 Every policy implements :class:`RoutingPolicy` and is built by :func:`build_policy` from the registry. The
-cache-aware ones share a load guard: when the worker they would pick has badly more requests in flight than
-the least-loaded one (SGLang's cache-aware router uses the same two thresholds), the request goes to the
+cache-aware ones share a load guard (``policy.balance``: the planner's simulator runs the same one): when the
+worker they would pick has badly more requests in flight than the least-loaded one, the request goes to the
 least-loaded worker instead, so one hot prefix cannot pin all traffic to one worker. And a match covering less
 than ``cache_threshold`` of the prompt (a shared system prompt before a new conversation, say) is not worth
 queueing for: such a request also goes to the least-loaded worker, which spreads new conversations out.
+``session`` hashes onto ``policy.ring``'s ring.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-import xxhash
-
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.keys import hash_blocks, salt_root
+from splitserve.policy import balance
+from splitserve.policy.balance import LoadGuard
+from splitserve.policy.ring import HashRing
 from splitserve.router.cost import PrefillCostModel, cheapest
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex, PrefixIndex, TierMatch
 
 logger = logging.getLogger(__name__)
-
-RING_SEED = 0x5E55_1011  # consistent-hash ring; a fixed constant, never Python's hash()
-VNODES_PER_WORKER = 64
 
 
 @dataclass
@@ -50,12 +48,7 @@ class RoutingRequest:
         return self._block_hashes
 
 
-@dataclass(frozen=True)
-class Decision:
-    worker: Worker
-    outcome: str  # for metrics and logs: roundrobin, session, matched, prefix_index, fallback, load_guard, ...
-    matched_tokens: int = 0
-    uncached_tokens: int = 0  # what the worker must compute (counted as queued prefill there until it answers)
+Decision = balance.Decision[Worker]
 
 
 class RoutingPolicy(Protocol):
@@ -69,44 +62,6 @@ class RoutingPolicy(Protocol):
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
         """The request was accepted by ``worker`` (its response started)."""
         ...
-
-
-class LoadGuard:
-    def __init__(self, abs_threshold: int, rel_threshold: float, cache_threshold: float = 0.0) -> None:
-        self.abs_threshold = abs_threshold
-        self.rel_threshold = rel_threshold
-        self.cache_threshold = cache_threshold
-        self._tie = itertools.count()
-
-    def check(
-        self, chosen: Worker, request: RoutingRequest, candidates: Sequence[Worker], matched: int, worth: float
-    ) -> Decision:
-        """``chosen`` (outcome ``matched``, ``matched`` tokens) unless the match is worth less than
-        ``cache_threshold`` of the prompt's tokens, or ``chosen`` is too busy."""
-        num_tokens = len(request.token_ids or [])
-        if num_tokens and worth < self.cache_threshold * num_tokens:
-            return Decision(self.least_loaded(candidates), "below_threshold", 0, num_tokens)
-        if self.is_skewed(chosen, candidates):
-            return Decision(self.least_loaded(candidates), "load_guard", 0, num_tokens)
-        return Decision(chosen, "matched", matched, max(0, num_tokens - matched))
-
-    def least_loaded(self, candidates: Sequence[Worker]) -> Worker:
-        """The worker with the least prefill this router has queued on it (the uncached tokens of requests sent
-        there that have not started to answer), then the fewest requests in flight; ties rotate. A new
-        conversation's cold prompt then waits behind as little prefill as it can: counting requests alone, a
-        worker busy with one long cold prompt looked as free as one streaming a short answer."""
-
-        def load(worker: Worker) -> tuple[int, int]:
-            return worker.pending_prefill_tokens, worker.in_flight
-
-        least = min(load(w) for w in candidates)
-        tied = [w for w in candidates if load(w) == least]
-        return tied[next(self._tie) % len(tied)]
-
-    def is_skewed(self, chosen: Worker, candidates: Sequence[Worker]) -> bool:
-        least = min(w.in_flight for w in candidates)
-        gap = chosen.in_flight - least
-        return gap > self.abs_threshold and chosen.in_flight > self.rel_threshold * (least + 1)
 
 
 class RoundRobinPolicy:
@@ -134,17 +89,14 @@ class SessionPolicy:
     def __init__(self, all_workers: Callable[[], Sequence[Worker]], guard: LoadGuard) -> None:
         self._all_workers = all_workers
         self._guard = guard
-        self._ring_urls: tuple[str, ...] = ()
-        self._ring: list[tuple[int, str]] = []
+        self._ring = HashRing(())
 
     def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         if not request.session_id:
             return Decision(self._guard.least_loaded(candidates), "least_loaded")
-        ring = self._current_ring()
         by_url = {w.url: w for w in candidates}
-        start = bisect.bisect_left(ring, (_ring_hash(request.session_id), ""))
-        for i in range(len(ring)):
-            worker = by_url.get(ring[(start + i) % len(ring)][1])
+        for i, url in enumerate(self._current_ring().walk(request.session_id)):
+            worker = by_url.get(url)
             if worker is not None:
                 return Decision(worker, "session" if i == 0 else "handover")
         return Decision(self._guard.least_loaded(candidates), "least_loaded")
@@ -152,16 +104,11 @@ class SessionPolicy:
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
         pass
 
-    def _current_ring(self) -> list[tuple[int, str]]:
-        urls = tuple(sorted(w.url for w in self._all_workers()))
-        if urls != self._ring_urls:
-            self._ring_urls = urls
-            self._ring = sorted((_ring_hash(f"{url}#{i}"), url) for url in urls for i in range(VNODES_PER_WORKER))
+    def _current_ring(self) -> HashRing:
+        urls = tuple(sorted({w.url for w in self._all_workers()}))
+        if urls != self._ring.names:
+            self._ring = HashRing(urls)
         return self._ring
-
-
-def _ring_hash(text: str) -> int:
-    return xxhash.xxh3_64_intdigest(text.encode(), seed=RING_SEED)
 
 
 class PrefixAwarePolicy:
@@ -186,7 +133,7 @@ class PrefixAwarePolicy:
             return cost_decision(self.cost, request, candidates, held, next(self._turn), "matched")
         if chosen is None:
             return Decision(self._guard.least_loaded(candidates), "fallback", 0, len(request.token_ids or []))
-        return self._guard.check(chosen, request, candidates, matched, matched)
+        return self._guard.check(chosen, len(request.token_ids or []), candidates, matched, matched)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
         self.index.insert(request.block_hashes, worker.url)
@@ -232,7 +179,7 @@ class KVAwarePolicy:
             )
         best = [(m, w) for score, m, w in matches if score == best_score]
         match, chosen = min(best, key=lambda mw: mw[1].in_flight)
-        return self._guard.check(chosen, request, candidates, match.total, best_score)
+        return self._guard.check(chosen, len(request.token_ids or []), candidates, match.total, best_score)
 
     def on_routed(self, request: RoutingRequest, worker: Worker) -> None:
         self.prefix.on_routed(request, worker)  # the worker's own events will say exactly what it now holds
