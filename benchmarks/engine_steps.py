@@ -8,7 +8,7 @@ default dtype and quantization, prefix caching off so every prompt is computed:
 - the prefill of 16 prompts of 256 tokens (4,096 tokens, 4 steps of 1,024);
 - the median decode step of 16 sequences at ~270 tokens of context;
 - the median decode step of 8 short sequences (~80 tokens) with and without one 2,500-token sequence
-  decoding beside them (the decode worker's situation while long prompts arrive, issue 5).
+  decoding beside them (the decode worker's situation while long prompts arrive).
 Results go to ``benchmarks/results/engine_steps.json``.
 """
 

@@ -1,5 +1,5 @@
 """What signing KV pushes costs: one push of a prompt's KV over loopback, open against signed, and both against
-a raw loopback socket moving the same bytes (issue 13, item 3: signed must keep 80% of the raw throughput).
+a raw loopback socket moving the same bytes (the target: signed must keep 80% of the raw throughput).
 
     .venv/bin/python benchmarks/kv_push_signing.py [--tokens 2000] [--repeats 9]
 

@@ -1,5 +1,5 @@
-"""Tiered KV cache figures (issue 3), one run: TTFT of a ~2,500-token prompt cold, from the engine's own prefix
-cache, from L1, from L2 Redis and from L2 disk on another worker; and the tiers' read/write bandwidth.
+"""Tiered KV cache figures, one run: TTFT of a ~2,500-token prompt cold, from the engine's own prefix cache, from
+L1, from L2 Redis and from L2 disk on another worker; and the tiers' read/write bandwidth.
 
     .venv/bin/python benchmarks/kv_tiers.py
 

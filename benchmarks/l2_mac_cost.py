@@ -1,4 +1,4 @@
-"""What the records' MAC costs an L2 hit (issue 13, item 4: under 5% of the hit's TTFT).
+"""What the records' MAC costs an L2 hit (the target: under 5% of the hit's TTFT).
 
     .venv/bin/python benchmarks/l2_mac_cost.py [--prompt-tokens 2000] [--repeats 5]
 

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode against colocated serving (issue 5), one run on the same 2 cores.
+"""Disaggregated prefill/decode against colocated serving, one run on the same 2 cores.
 
     .venv/bin/python benchmarks/pd_interference.py
 

@@ -1,21 +1,21 @@
-"""Routing quality (issue 4), one run: TTFT p50/p99 and KV hit rate of a multi-round chat workload through the
-router with each strategy (roundrobin, session, prefixaware, kvaware) in front of two workers.
+"""Routing quality, one run: TTFT p50/p99 and KV hit rate of a multi-round chat workload through the router with
+each strategy (roundrobin, session, prefixaware, kvaware) in front of two workers.
 
     .venv/bin/python benchmarks/routing_quality.py
 
 Per strategy, fresh processes: two ``splitserve worker`` s (SmolLM2-135M, default dtype, ``--num-threads 1``
 each, so the two share the machine's 2 cores; engine prefix cache on, no L1/L2, so a hit needs the right
 worker) behind a ``splitserve router`` with that strategy, and no other flags: the router pulls the workers' KV
-events itself. A strategy written ``kvaware/fcfs`` runs the workers with the scheduling of before issue 17
-(``--scheduling-policy fcfs --running-prefill-cap 0``), to measure what the scheduling adds;
-``kvaware/cost`` runs the router with ``--routing-cost-model``. The workload is
+events itself. A strategy written ``kvaware/fcfs`` runs the workers with the scheduling that lets no cache hit
+past a cold prompt (``--scheduling-policy fcfs --running-prefill-cap 0``), to measure what the cache-aware
+scheduling adds; ``kvaware/cost`` runs the router with ``--routing-cost-model``. The workload is
 ``splitserve bench serve --dataset multiround``: U users, each R rounds of a chat whose history grows (a shared
 system prompt, then question/answer turns); requests arrive at a Poisson rate, and a user's next round is
 sent no earlier than when its previous answer is complete.
 The KV hit rate is the workers' ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` over the
 run. Results go to ``benchmarks/results/routing_quality.json``.
 
-``--worker-kind vllm`` puts vLLM workers behind the router instead (issue 17): vLLM's OpenAI server from
+``--worker-kind vllm`` puts vLLM workers behind the router instead: vLLM's OpenAI server from
 ``$SPLITSERVE_VLLM_PYTHON`` or the peer venv (``scripts/setup_vllm_cpu.sh``; never a splitserve dependency), on
 the Hugging Face folder ``--vllm-model`` (``export_hf_folder`` in ``serving_vs_peers.py`` writes it), each
 worker bound to its own core, with its KV events on (``--kv-events-config``, as ``splitserve up`` starts it);

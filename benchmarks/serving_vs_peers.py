@@ -1,6 +1,6 @@
 """Serving side by side, one run: splitserve vs llama.cpp's ``llama-server`` vs vLLM-CPU (both optional).
 
-Figures (issue 11), same model (SmolLM2-135M-Instruct) for every system, all streaming over HTTP:
+Figures, same model (SmolLM2-135M-Instruct) for every system, all streaming over HTTP:
 - single stream: output tokens/s and ITL, 64 in / 64 out, one request at a time;
 - 16 concurrent: output tokens/s, 256 in / 128 out;
 - TTFT of a cold 2,500-token prompt (median of 3 distinct prompts);

@@ -9,11 +9,11 @@ a resource (worker and router flags, resources, the model) is ``splitserve.deplo
 module; nothing here imports ``splitserve.deploy``, starts a process, opens a socket or reads a file other than
 the one ``load_endpoint`` is given. It imports pydantic and yaml only, never torch.
 
-Where the seeds are silent, the choices are made here and documented at the code that makes them:
-colocated replicas come from ``spec.replicas`` (the reference's own field); ``spec.kvCacheSpec.l2CacheSpec``
-gains ``l2CachePath`` (the tieredstorage directory; unset: :func:`local_l2_path` for a local run,
-KUBERNETES_L2_PATH in a pod); a Redis L2 without a URL is valid (a local run starts its own redis-server);
-``environmentVariables`` take Kubernetes' ``valueFrom.secretKeyRef`` (and nothing else as a source), and
+Where the reference system's documents are silent, the choices are made here and documented at the code that
+makes them: colocated replicas come from ``spec.replicas`` (the reference's own field);
+``spec.kvCacheSpec.l2CacheSpec`` gains ``l2CachePath`` (the tieredstorage directory; unset: :func:`local_l2_path`
+for a local run, KUBERNETES_L2_PATH in a pod); a Redis L2 without a URL is valid (a local run starts its own
+redis-server); ``environmentVariables`` take Kubernetes' ``valueFrom.secretKeyRef`` (and nothing else as a source), and
 secrets (SECRET_ENV_NAMES: client keys, Redis' password) only from there: a literal in the resource is readable
 by whoever reads the resource. The cluster secret is splitserve's to set (envs.CLUSTER_SECRET), never the resource's.
 ``spec.worker.engine`` (splitserve's own field, default ``splitserve``) says what the workers run: ``vllm`` makes
@@ -41,7 +41,7 @@ from splitserve import envs
 from splitserve.config import L2Backend, RoutingStrategy
 
 API_VERSION = "splitserve.io/v1alpha1"
-REFERENCE_API_VERSION = "inference.sagemaker.aws.amazon.com/v1"  # the seeds' manifests load unchanged
+REFERENCE_API_VERSION = "inference.sagemaker.aws.amazon.com/v1"  # the reference system's manifests load unchanged
 KIND = "InferenceEndpointConfig"
 KUBERNETES_L2_PATH = "/var/lib/splitserve/l2"  # tieredstorage in a pod without l2CachePath: the pod's own volume
 # The environment variables of auth.py (not imported: this module imports pydantic and yaml only).
@@ -156,7 +156,7 @@ def parse_args(args: Sequence[str], path: str = "args") -> list[Flag]:
 
 
 def merge_flags(base: Sequence[Flag], override: Sequence[Flag]) -> list[Flag]:
-    """``override`` merged over ``base`` (per-role args over ``worker.args``, the seeds' rule).
+    """``override`` merged over ``base`` (per-role args over ``worker.args``, the reference system's rule).
 
     A flag in both takes ``override``'s occurrences at ``base``'s position; a flag only in ``override`` is
     appended in its order. A flag repeated in one list is kept as a group.
@@ -382,7 +382,8 @@ class InferenceEndpointConfig(_Spec):
     @property
     def routing_strategy(self) -> RoutingStrategy:
         """The strategy in effect: the section's when enabled; without the section prefixaware for a
-        disaggregated endpoint (the seeds) and roundrobin for a colocated one; roundrobin when disabled."""
+        disaggregated endpoint (the reference system's default) and roundrobin for a colocated one; roundrobin
+        when disabled."""
         routing = self.spec.intelligent_routing_spec
         if routing is None:
             return RoutingStrategy.PREFIXAWARE if self.is_disaggregated else RoutingStrategy.ROUNDROBIN

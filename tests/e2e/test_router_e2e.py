@@ -107,8 +107,8 @@ def test_prefixaware_sends_a_repeated_prefix_to_the_same_worker(endpoint: Endpoi
 
 
 def test_the_openai_client_sees_cached_tokens_and_sagemaker_routes_serve(endpoint: Endpoint) -> None:
-    """Issue 15: ``usage.prompt_tokens_details.cached_tokens`` through the router and against a worker, with
-    the official client; ``/ping`` and ``/invocations`` on both, with the real model."""
+    """``usage.prompt_tokens_details.cached_tokens`` through the router and against a worker, with the official
+    client; ``/ping`` and ``/invocations`` on both, with the real model."""
     facts = long_prompt(25, "jar")
     for base, name in ((endpoint.kvaware.url, "router"), (endpoint.workers[0].url, "worker")):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
@@ -139,8 +139,8 @@ def test_the_openai_client_sees_cached_tokens_and_sagemaker_routes_serve(endpoin
 
 
 def test_the_hits_kvaware_predicts_are_the_ones_the_workers_report(endpoint: Endpoint) -> None:
-    """Issue 17: on a scripted workload, the router's predicted hit tokens per worker agree with the cached
-    prompt tokens each worker reports (what the hit check compares to catch silent misses)."""
+    """On a scripted workload, the router's predicted hit tokens per worker agree with the cached prompt tokens
+    each worker reports (what the hit check compares to catch silent misses)."""
     router = endpoint.kvaware
     predicted_name, reported_name = "splitserve:router_predicted_hit_tokens_total", "vllm:prompt_tokens_cached_total"
 

@@ -8,7 +8,7 @@ costs a few decode steps' time), so comparing them isolates what L2's latency ad
 its own prefetch thread (``kvcache/connector.py``); before, the engine thread ran the lookups and the MGET
 inside ``schedule()``, and every stream got one gap of 1.4 s. The max gap is the sharp check: the p99 does
 not see such a stall (8 of 1,272 gaps), and on a shared 2-core machine it moves by 30% between two identical
-runs (0.87x to 1.34x measured), so its bound of 1.5x (the reliability issue's) is the loose one."""
+runs (0.87x to 1.34x measured), so its bound of 1.5x (the reliability target) is the loose one."""
 
 from __future__ import annotations
 

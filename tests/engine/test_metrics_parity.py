@@ -1,4 +1,5 @@
-"""Acceptance for issue 15's metrics, on a real worker (SmolLM2, in process, with an L1 tier) and a router in front.
+"""Acceptance for the vLLM-compatible metrics, on a real worker (SmolLM2, in process, with an L1 tier) and a router
+in front.
 
 - Every ``vllm:`` family vLLM 0.32 exposes on a CPU (``tests/data/vllm_0_32_metric_families.txt``, made from
   vLLM's own stat logger by ``scripts/vllm_metric_families.py``) exists on the worker's ``/metrics`` with vLLM's

@@ -1,7 +1,7 @@
-"""Scheduling that lets cache hits through (issue 17, item 3): ``lpm`` admits the request with the fewest tokens
-left to compute first (the oldest first once one waited past ``max_wait_s``), and while requests wait, the
-running prompts share at most ``running_prefill_cap`` tokens per step, so that a cached follow-up gets
-its first token within one short step beside a cold prompt. The answers stay the same (greedy)."""
+"""Scheduling that lets cache hits through: ``lpm`` admits the request with the fewest tokens left to compute first (the
+oldest first once one waited past ``max_wait_s``), and while requests wait, the running prompts share at most
+``running_prefill_cap`` tokens per step, so that a cached follow-up gets its first token within one short step beside a
+cold prompt. The answers stay the same (greedy)."""
 
 from __future__ import annotations
 

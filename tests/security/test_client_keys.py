@@ -1,6 +1,5 @@
-"""Client keys, the router's own credential and the internal routes' cluster secret (issue 13, items 1 and 2),
-against real worker and router processes, and the router's forwarding against a backend that records what it
-receives."""
+"""Client keys, the router's own credential and the internal routes' cluster secret, against real worker and router
+processes, and the router's forwarding against a backend that records what it receives."""
 
 from __future__ import annotations
 
@@ -302,7 +301,7 @@ def test_admin_updates_and_events_refuse_bad_urls_and_too_many_workers(monkeypat
 
 
 def test_kv_transfer_params_come_from_the_router_only() -> None:
-    """A client cannot steer a KV push (issue 13, item 3): the router strips ``kv_transfer_params`` from client
+    """A client cannot steer a KV push: the router strips ``kv_transfer_params`` from client
     bodies, and a worker with the cluster secret takes them only signed with it."""
     from splitserve.config import ServerConfig
     from splitserve.engine.async_engine import AsyncEngine

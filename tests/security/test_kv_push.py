@@ -1,6 +1,6 @@
-"""The KV receiver against a peer without the cluster secret (issue 13, item 3), over real sockets: an
-unauthenticated reservation gets no room, a forged signature none either, and a signed request replayed
-byte for byte is refused although its signature and time stamp are still good."""
+"""The KV receiver against a peer without the cluster secret, over real sockets: an unauthenticated reservation gets no
+room, a forged signature none either, and a signed request replayed byte for byte is refused although its signature and
+time stamp are still good."""
 
 from __future__ import annotations
 

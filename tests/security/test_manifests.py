@@ -1,7 +1,7 @@
-"""The rendered Kubernetes manifests pass the policy checks (issue 13, items 2 and 6): for every example and a few
-variants, every pod runs restricted, only the discovery sidecar holds a service-account token, no secret is a
-literal anywhere but in the endpoint's Secret, and the NetworkPolicies let exactly the documented connections
-through (checked by evaluating them, as a CNI would). The operator's RBAC is namespaced unless asked otherwise.
+"""The rendered Kubernetes manifests pass the policy checks: for every example and a few variants, every pod runs
+restricted, only the discovery sidecar holds a service-account token, no secret is a literal anywhere but in the
+endpoint's Secret, and the NetworkPolicies let exactly the documented connections through (checked by evaluating them,
+as a CNI would). The operator's RBAC is namespaced unless asked otherwise.
 
 Checkov (a policy tool on PyPI; too heavy for the dev dependencies) runs too when it is installed:
 ``pip install checkov`` in a virtual environment of its own, then ``SPLITSERVE_CHECKOV=/path/to/bin/checkov``
@@ -43,8 +43,8 @@ SPLITSERVE_CONTAINERS = {"worker", "router", "discovery"}
 DNS = 53
 # Checkov checks that do not apply, and why: the image and namespace are the user's choice (the examples use
 # splitserve:latest in "default", built locally, hence IfNotPresent); secrets reach the processes through the
-# environment, as they read them (issue 13: "env valueFrom.secretKeyRef"); the discovery sidecar serves no port
-# to probe.
+# environment (``env`` ``valueFrom.secretKeyRef``), as they read them; the discovery sidecar serves no port to
+# probe.
 CHECKOV_SKIPPED = {
     "CKV_K8S_14": "image tag latest: the default image is built from this repository; spec.worker.image sets one",
     "CKV_K8S_15": "pull policy Always: a locally built image would never start",

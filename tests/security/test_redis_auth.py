@@ -1,6 +1,6 @@
-"""The Redis L2 behind a password, an ACL user and TLS (issue 13, item 4), against real redis-server processes:
-an unauthenticated client is refused, the worker's tier authenticates from its configuration, a key prefix keeps
-endpoints apart (and an ACL can confine a user to its prefix), and ``rediss://`` works with the server's CA."""
+"""The Redis L2 behind a password, an ACL user and TLS, against real redis-server processes: an unauthenticated client
+is refused, the worker's tier authenticates from its configuration, a key prefix keeps endpoints apart (and an ACL can
+confine a user to its prefix), and ``rediss://`` works with the server's CA."""
 
 from __future__ import annotations
 

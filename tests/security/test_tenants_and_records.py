@@ -1,6 +1,5 @@
-"""Tenant isolation and signed cache records (issue 13, items 4 and 5), against real processes: two float32
-workers sharing a password-protected Redis L2, and a prefixaware router, all with client keys, the cluster
-secret and ``--salt-per-api-key``.
+"""Tenant isolation and signed cache records, against real processes: two float32 workers sharing a password-protected
+Redis L2, and a prefixaware router, all with client keys, the cluster secret and ``--salt-per-api-key``.
 
 - The same prompt hits within a tenant and misses across tenants: in the engine's prefix cache, in L1, in L2
   and in the router's prefix index.

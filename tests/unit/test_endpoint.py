@@ -269,7 +269,7 @@ def test_defaults_of_a_minimal_resource() -> None:
 def test_routing_strategy_defaults() -> None:
     assert endpoint({"intelligentRoutingSpec": {}}).routing_strategy == RoutingStrategy.PREFIXAWARE
     assert endpoint({"intelligentRoutingSpec": {"enabled": True}}).routing_strategy == RoutingStrategy.PREFIXAWARE
-    assert endpoint({"pdSpec": {}}).routing_strategy == RoutingStrategy.PREFIXAWARE  # the seeds' DPD default
+    assert endpoint({"pdSpec": {}}).routing_strategy == RoutingStrategy.PREFIXAWARE  # the reference's DPD default
     assert endpoint().routing_strategy == RoutingStrategy.ROUNDROBIN  # colocated, no intelligent routing
     disabled = endpoint({"intelligentRoutingSpec": {"enabled": False, "routingStrategy": "kvaware"}})
     assert disabled.routing_strategy == RoutingStrategy.ROUNDROBIN

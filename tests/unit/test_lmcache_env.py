@@ -1,5 +1,5 @@
-"""LMCache's variables and config file become splitserve's settings (issue 15): each mapped one with LMCache's
-units, each other one named in a warning, a bad value an error naming the variable."""
+"""LMCache's variables and config file become splitserve's settings: each mapped one with LMCache's units, each other
+one named in a warning, a bad value an error naming the variable."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The cache-aware policies' cost model (issue 17, item 2): estimated TTFT = (prefill queued on the worker + the
-request's uncached tokens) x the worker's measured seconds per token. No network: plain ``Worker`` objects."""
+"""The cache-aware policies' cost model: estimated TTFT = (prefill queued on the worker + the request's uncached tokens)
+x the worker's measured seconds per token. No network: plain ``Worker`` objects."""
 
 from __future__ import annotations
 

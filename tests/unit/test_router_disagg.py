@@ -1,7 +1,7 @@
-"""The disaggregation decision (issue 17, item 2): with ``cost`` (the default) a long prompt is prefilled on the
-prefill pool only when prefill plus the KV push beats the decode worker prefilling it itself, counting the
-requests running there, which its prefill would stall; ``threshold`` disaggregates every prompt over the floor.
-No socket: the router reaches its workers through the fake transport of ``test_router_forward``."""
+"""The disaggregation decision: with ``cost`` (the default) a long prompt is prefilled on the prefill pool only when
+prefill plus the KV push beats the decode worker prefilling it itself, counting the requests running there, which its
+prefill would stall; ``threshold`` disaggregates every prompt over the floor. No socket: the router reaches its workers
+through the fake transport of ``test_router_forward``."""
 
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ class TestStreaming:
 
 
 class TestCompatibility:
-    """SageMaker's routes, cached tokens in usage, continuous usage stats and tool-call messages (issue 15)."""
+    """SageMaker's routes, cached tokens in usage, continuous usage stats and tool-call messages."""
 
     @pytest.mark.parametrize("method", ["GET", "POST"])
     def test_ping_answers_like_health(self, http: httpx.Client, method: str) -> None:

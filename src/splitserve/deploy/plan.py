@@ -7,11 +7,11 @@ holds the engine and router flag tables that decide which ``args`` a worker can 
 (:func:`local_model`). Nothing here starts a process, opens a socket or reads a file; like
 ``splitserve.endpoint`` it imports pydantic and yaml only, never torch.
 
-Where the seeds are silent, the choices are made here and documented at the code that makes them: a Redis L2
-without a URL is planned against the Redis the caller starts; engine flags that splitserve does not know are
-errors, except a short list of vLLM flags that mean nothing here, which are dropped with a warning. With
-``spec.worker.engine: vllm`` the workers are vLLM's OpenAI server instead, and ``splitserve.deploy.vllm`` makes
-their flags, environment and model, and the router's flags for them.
+Where the reference system's documents are silent, the choices are made here and documented at the code that
+makes them: a Redis L2 without a URL is planned against the Redis the caller starts; engine flags that
+splitserve does not know are errors, except a short list of vLLM flags that mean nothing here, which are dropped
+with a warning. With ``spec.worker.engine: vllm`` the workers are vLLM's OpenAI server instead, and
+``splitserve.deploy.vllm`` makes their flags, environment and model, and the router's flags for them.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def _token_value(tokens: Sequence[str], flag: str) -> str | None:
 
 
 def _config_warnings(config: InferenceEndpointConfig, target: Target) -> list[str]:
-    """What the resource says that has no effect (kept apart from errors: the seeds allow it)."""
+    """What the resource says that has no effect (kept apart from errors: the reference system allows it)."""
     spec, warnings = config.spec, []
     is_vllm = spec.worker.engine == WorkerEngine.VLLM
     if target == Target.KUBERNETES and not is_vllm and vllm.looks_like_vllm_image(spec.worker.image):

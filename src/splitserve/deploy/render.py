@@ -50,9 +50,9 @@ there). The router and its sidecar keep splitserve's image (``default_image``).
 
 Labels (``splitserve.deploy.labels``): ``app.kubernetes.io/name=splitserve``, ``instance=<name>``,
 ``component=worker|prefill|decode|router|redis``, ``managed-by=splitserve``; prefill and decode pods also carry
-``splitserve.io/dpd-role`` (and the plan's role label, which for the reference apiVersion is the seed's). The
-resource's own labels are copied to every object. Image: ``spec.worker.image``, else ``DEFAULT_IMAGE`` (build
-it from this repository).
+``splitserve.io/dpd-role`` (and the plan's role label, which for the reference apiVersion is the reference
+system's). The resource's own labels are copied to every object. Image: ``spec.worker.image``, else
+``DEFAULT_IMAGE`` (build it from this repository).
 """
 
 from __future__ import annotations

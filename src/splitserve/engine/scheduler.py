@@ -12,7 +12,7 @@ When the request next in line is short (its uncached tokens fit in the budget be
 ``running_prefill_cap``), the running requests still in prefill share at most that cap this
 step, and the rest of the budget admits short requests whole. A follow-up turn whose prompt is mostly cached
 then gets its first token within one short step, instead of waiting for every chunk of someone else's cold
-prompt (issue 17). Cold requests still queue behind a running prompt, which keeps the whole budget otherwise.
+prompt. Cold requests still queue behind a running prompt, which keeps the whole budget otherwise.
 
 With KV connectors (``splitserve.engine.connector``), admission goes further than the engine's own prefix
 cache: the first connector that names more leading tokens it holds in memory (e.g. from L1/L2, or pushed by a

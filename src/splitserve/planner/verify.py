@@ -46,7 +46,7 @@ from splitserve.planner.simulate import Prediction, RequestTiming, SimResult, Sl
 from splitserve.planner.workload import TraceRequest
 
 FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "output_tokens_per_s")
-"""The figures whose relative error ``--verify`` reports (the issue's acceptance: within 25 % each)."""
+"""The figures whose relative error ``--verify`` reports (the target: within 25 % each)."""
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 90.0
 WARMUP_PROMPTS = (64, 512, 2048)  # tokens; each sent once per worker, one at a time, before the replay

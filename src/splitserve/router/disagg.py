@@ -7,7 +7,7 @@ Per request (``Disaggregator.proxy``):
 2. Decide (:class:`PDDecision`). Nothing is disaggregated unless the tokens D would have to compute (the prompt
    minus what the strategy found D already holds) reach ``--routing-threshold`` and a prefill worker P is
    routable; P is picked by the same strategy over the prefill pool (a prefill worker holding the prompt's prefix
-   computes less). ``threshold`` (the default: the reference system's rule, which the seed's checks expect)
+   computes less). ``threshold`` (the default: the reference system's rule, which the reference system's checks expect)
    then disaggregates. ``cost`` (``--pd-decision cost``) disaggregates only when the cost model
    (``router/cost.py``, :func:`~splitserve.router.cost.pd_costs`) says
 

@@ -81,7 +81,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool | None = False  # vLLM's: token ids beside the text (a router's stream migration uses them)
     cache_salt: CacheSalt | None = None  # vLLM's: cached prefixes are shared only among requests with the same salt
-    # Prefill/decode disaggregation; accepted and ignored until the PD issue lands.
+    # disaggregated prefill/decode: the router's signed transfer instructions (a worker with a secret checks them)
     kv_transfer_params: dict[str, Any] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:

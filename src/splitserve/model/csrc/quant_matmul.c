@@ -218,8 +218,8 @@ int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst) {
 #if defined(SS_AVX2)
 /* Each group kernel asks for the weight block PREFETCH_AHEAD blocks past the one it reads (2.5 KB ahead for
  * Q4_1, 4.3 KB for Q8_0). The hardware prefetcher alone left a single-stream step's 96 MB of weights streaming
- * at 16-17 GB/s on the AMX VM of session 17, whose L3 share held none of them; with 16 blocks ahead, 20-31 GB/s
- * (4 rows: 12.5-13.3 -> 7.3-8.0 ms for every matrix of the model once; 8 and 32 ahead were slower). */
+ * at 16-17 GB/s on an AMX VM whose L3 share held none of them; with 16 blocks ahead, 20-31 GB/s (4 rows:
+ * 12.5-13.3 -> 7.3-8.0 ms for every matrix of the model once; 8 and 32 ahead were slower). */
 #define PREFETCH_AHEAD 16
 static inline void prefetch_ahead(const void *block, size_t bytes) {
     const char *p = (const char *)block + PREFETCH_AHEAD * bytes;
