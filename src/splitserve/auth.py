@@ -33,6 +33,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve import envs
+from splitserve.protocol.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +152,7 @@ async def _unauthorized(send: Send, missing: bool, internal: bool) -> None:
         )
     else:
         message = "Incorrect API key provided."
-    body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-    ).encode()
+    body = json.dumps(error_body(message, 401, code="invalid_api_key")).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

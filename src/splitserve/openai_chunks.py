@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from splitserve.protocol.errors import error_body
+
 CHAT_CHUNK = "chat.completion.chunk"
 COMPLETION_CHUNK = "text_completion"
 
@@ -51,5 +53,4 @@ def sse_event(chunk: dict[str, Any]) -> bytes:
 
 def stream_error_end(message: str) -> bytes:
     """How a stream that cannot go on ends: an error event (OpenAI's error body, code 502), then ``[DONE]``."""
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {json.dumps(error_body(message, 502, code=502))}\n\ndata: [DONE]\n\n".encode()

@@ -20,7 +20,7 @@ from splitserve.auth import sign
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
-from splitserve.engine.kv_transfer import KVTransferParams, KVTransferResult
+from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferResult
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvcache import serde
 from splitserve.model.llama import LlamaForCausalLM

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitserve.auth import sign
-from splitserve.engine.kv_transfer import KVTransferParams
+from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import hash_tokens

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from splitserve.engine.kv_transfer import KVTransferResult
     from splitserve.engine.request import Request
     from splitserve.metrics import KVCacheStatsLike, PDBufferStatsLike
+    from splitserve.protocol.kv_transfer import KVTransferResult
 
 
 def token_slots(block_ids: Sequence[int], positions: Iterable[int], block_size: int) -> list[int]:

@@ -8,8 +8,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitserve.engine.kv_transfer import KVTransferResult
     from splitserve.metrics import RequestPhases
+    from splitserve.protocol.kv_transfer import KVTransferResult
 
 
 class FinishReason(StrEnum):

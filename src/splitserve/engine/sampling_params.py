@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.kv_transfer import KVTransferParams
 from splitserve.keys import MAX_CACHE_SALT_CHARS, is_valid_cache_salt
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from splitserve.metrics import names as n
+from splitserve.protocol.kv_transfer import KVTransferReport
 
 STATS_WINDOW_S = 60.0
 NO_VALUE = -1.0  # production-stack's average over an empty window
@@ -310,16 +311,14 @@ class RouterMetrics:
         self.itl_s.observe(seconds)
         self._itl_s.add(server, seconds)
 
-    def observe_transfer(self, report: Mapping[str, object]) -> None:
+    def observe_transfer(self, report: KVTransferReport) -> None:
         """Count one prefill worker's ``kv_transfer_params`` report."""
-        if not report.get("ok"):
+        if not report.ok:
             self.transfer_failures.inc()
             return
-        elapsed_ms, num_bytes = report.get("transfer_ms"), report.get("num_bytes")
-        if isinstance(elapsed_ms, int | float):
-            self.transfer_s.observe(elapsed_ms / 1000)
-        if isinstance(num_bytes, int):
-            self.transfer_bytes.inc(num_bytes)
+        if report.transfer_ms is not None:
+            self.transfer_s.observe(report.transfer_ms / 1000)
+        self.transfer_bytes.inc(report.num_bytes)
 
     def set_prefix_cache(self, server: str, counts: PrefixCacheCounts | None) -> None:
         """A worker's prefix-cache counters as just scraped (None: the scrape failed, forget the last ones)."""

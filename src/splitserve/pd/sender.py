@@ -19,11 +19,11 @@ import torch
 
 from splitserve.auth import sign
 from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
-from splitserve.engine.kv_transfer import KVTransferResult
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.wire import WireError, parse_addr, payload_mac, recv_msg, send_msg
+from splitserve.protocol.kv_transfer import KVTransferResult
 
 logger = logging.getLogger(__name__)
 

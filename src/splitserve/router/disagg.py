@@ -48,6 +48,7 @@ from starlette.responses import Response, StreamingResponse
 from splitserve.auth import sign
 from splitserve.config import PDDecision
 from splitserve.openai_chunks import answer_text, sse_event, stream_error_end, text_chunk
+from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
 from splitserve.router.cost import PDCosts, PrefillCostModel, QueuedPrefill, pd_costs
 from splitserve.router.discovery import Worker, WorkerPool, WorkerRole
 from splitserve.router.forward import Call, Forwarder
@@ -82,10 +83,9 @@ class _PrefillAnswer:
     body: dict[str, Any] | None  # the JSON object of a 200 answer, else None
 
     @property
-    def report(self) -> dict[str, Any]:
+    def report(self) -> KVTransferReport:
         """P's ``kv_transfer_params``: the push's outcome, its timing and the first token."""
-        report = self.body.get("kv_transfer_params") if self.body is not None else None
-        return report if isinstance(report, dict) else {}
+        return KVTransferReport.from_api(self.body.get("kv_transfer_params") if self.body is not None else None)
 
 
 class Disaggregator:
@@ -144,16 +144,16 @@ class Disaggregator:
             return await forwarder.forward(call, self.decode_pool, decision)
         self.prefill_policy.on_routed(call.routing, route.prefill.worker)
         report = answer.report
-        if report.get("ok"):
+        if report.ok:
             decision = replace(decision, uncached_tokens=0)  # D loads the prompt's KV: nothing to prefill there
         else:
             decoder.kv_transfer_addr = None  # it may have moved (a restart); ask again next time
-            logger.warning("KV transfer %s failed (%s); decode recomputes", transfer_id, report.get("reason"))
+            logger.warning("KV transfer %s failed (%s); decode recomputes", transfer_id, report.reason)
         self.metrics.observe_transfer(report)
         self.metrics.pd_path("disaggregated")
-        first_token = report.get("first_token_id")
+        first_token = report.first_token_id
         params = self._signed(
-            {"transfer_id": transfer_id, "first_token_id": first_token, "skip_first_token": call.is_stream}
+            KVTransferParams(transfer_id, first_token_id=first_token, skip_first_token=call.is_stream).as_api()
         )
         decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
         decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
@@ -216,7 +216,7 @@ class Disaggregator:
         queued there until it answers; its answer teaches the cost model (:meth:`_learn`)."""
         worker = prefill.worker
         body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
-        params = self._signed({"transfer_id": transfer_id, "decode_kv_addr": addr})
+        params = self._signed(KVTransferParams(transfer_id, decode_kv_addr=addr).as_api())
         body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
         worker.in_flight += 1
         worker.breaker.on_attempt()
@@ -241,16 +241,14 @@ class Disaggregator:
             worker.breaker.record_success()
         return answer
 
-    def _learn(self, queued: QueuedPrefill, report: dict[str, Any]) -> None:
+    def _learn(self, queued: QueuedPrefill, report: KVTransferReport) -> None:
         """From P's report: the push's seconds per token (a successful one), and P's seconds per prefill token
         (its answer's time less the push it waited for). A report without the push's time teaches nothing."""
-        push_ms = report.get("transfer_ms")
-        if not isinstance(push_ms, int | float):
+        if report.transfer_ms is None:
             return
-        num_tokens = report.get("num_tokens")
-        if report.get("ok") and isinstance(num_tokens, int):
-            self.cost.observe_transfer(push_ms / 1000, num_tokens)
-        queued.answered(self.cost, not_prefill_s=push_ms / 1000)
+        if report.ok:
+            self.cost.observe_transfer(report.transfer_ms / 1000, report.num_tokens)
+        queued.answered(self.cost, not_prefill_s=report.transfer_ms / 1000)
 
     async def _kv_addr(self, worker: Worker) -> str | None:
         """D's KV receiver address (cached); None if it has none or did not answer."""

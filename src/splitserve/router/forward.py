@@ -31,6 +31,7 @@ from splitserve.config import RouterConfig
 from splitserve.httpserver import RESUMED_PROMPT_TOKENS_HEADER
 from splitserve.metrics import RouterMetrics
 from splitserve.openai_chunks import sse_event, stream_error_end
+from splitserve.protocol.errors import error_body
 from splitserve.router.cost import PrefillCostModel, QueuedPrefill
 from splitserve.router.discovery import Worker
 from splitserve.router.hit_check import HitPredictionCheck
@@ -65,11 +66,7 @@ class RouterError(Exception):
         self.code = code
 
     def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        if self.status == 503:
-            kind = "service_unavailable"
-        body = {"error": {"message": str(self), "type": kind, "param": None, "code": self.code or self.status}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(error_body(str(self), self.status, code=self.code or self.status), status_code=self.status)
 
 
 @dataclass

@@ -214,7 +214,7 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def _error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:

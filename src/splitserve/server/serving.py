@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +27,11 @@ from splitserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from splitserve.engine.kv_transfer import KVTransferParams
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.tokenizer import TokenizerLike
+from splitserve.protocol.errors import error_body, error_type
+from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
 from splitserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -43,8 +45,6 @@ from splitserve.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     KVLookupRequest,
     KVLookupResponse,
     ModelCard,
@@ -76,17 +76,11 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or _default_type(status)
+        self.type = type_ or error_type(status)
         self.code = code
 
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-
-
-def _default_type(status: int) -> str:
-    if status == 503:
-        return "service_unavailable"
-    return "invalid_request_error" if status < 500 else "server_error"
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, code=self.code, param=self.param, type_=self.type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,7 +412,8 @@ async def _stream_events(
         if include_usage and last is not None:
             yield _usage(last)
     except EngineDeadError as exc:
-        yield sse(ApiError(503, f"the engine stopped: {exc}", code="engine_dead").body())
+        body = ApiError(503, f"the engine stopped: {exc}", code="engine_dead").body()
+        yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
     finally:
         stream.close()
     yield "data: [DONE]\n\n"
@@ -454,9 +449,8 @@ async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict
     try:
         result = await asyncio.wait_for(asyncio.wrap_future(future), TRANSFER_WAIT_S)
     except Exception as exc:  # the push never raises: this is a stuck (timeout) or broken sender thread
-        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "first_token_id": first_token}
-    report: dict[str, Any] = result.as_api(first_token)
-    return report
+        return KVTransferReport(ok=False, reason=f"{type(exc).__name__}: {exc}", first_token_id=first_token).as_api()
+    return result.report(first_token).as_api()
 
 
 def _skips_first_text(engine_input: EngineInput) -> bool:
