@@ -59,6 +59,17 @@ def _table(sections: Sequence[Section], with_resource: bool) -> list[str]:
     return lines
 
 
+def every_variable() -> list[envs.Variable]:
+    """The variables of ``splitserve.envs`` and every setting's (``SPLITSERVE_<FLAG>`` and its aliases), by name."""
+    from splitserve.bench.cli import SERVE_SECTIONS
+
+    found = {v.name: v for v in envs.VARIABLES}
+    for declared in (*declared_in(WORKER_SECTIONS), *declared_in(ROUTER_SECTIONS), *declared_in(SERVE_SECTIONS)):
+        for name in declared.env_names:
+            found.setdefault(name, envs.Variable(name, f"{declared.option} (when the flag is not given)."))
+    return sorted(found.values(), key=lambda v: v.name)
+
+
 def reference() -> str:
     """The generated part of ``docs/configuration.md``."""
     lines = [BEGIN, "", "### `splitserve worker`"]
@@ -74,7 +85,7 @@ def reference() -> str:
     ):
         lines += ["", f"### `{title}`", *_table(sections, with_resource=False)]
     lines += ["", "### Environment variables", "", "| variable | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{v.name}` | {_shown(v.default)} | {_cell(v.help)} |" for v in envs.every_variable()]
+    lines += [f"| `{v.name}` | {_shown(v.default)} | {_cell(v.help)} |" for v in every_variable()]
     return "\n".join([*lines, "", END]) + "\n"
 
 

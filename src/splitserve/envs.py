@@ -4,7 +4,7 @@ Two kinds exist. A *setting's* variable stands in for its flag (``SPLITSERVE_L2_
 declared at the config field with the flag (``splitserve.settings``) and read by the command line when the flag
 is absent. The variables below are the others: credentials that never appear as flags, where the caches live,
 the kernels' switches, and what Kubernetes and the supervisor tell a process about where it runs.
-:func:`every_variable` lists both kinds, and ``docs/configuration.md`` documents them.
+ ``splitserve.configdoc.every_variable`` lists both kinds, and ``docs/configuration.md`` documents them.
 
 Nothing else in ``splitserve`` looks at ``os.environ`` for a value: it asks :func:`get` here. Passing the whole
 environment on to a child process (:func:`copy`) is the one other use.
@@ -97,16 +97,3 @@ def live() -> MutableMapping[str, str]:
 def cache_home() -> Path:
     """``$XDG_CACHE_HOME``, else ``~/.cache``."""
     return Path(get(XDG_CACHE_HOME) or Path.home() / ".cache")
-
-
-def every_variable() -> list[Variable]:
-    """The variables above and every setting's (``SPLITSERVE_<FLAG>`` and its aliases), sorted by name."""
-    from splitserve.bench.cli import SERVE_SECTIONS
-    from splitserve.config import ROUTER_SECTIONS, WORKER_SECTIONS
-    from splitserve.settings import declared_in
-
-    found = {v.name: v for v in VARIABLES}
-    for declared in (*declared_in(WORKER_SECTIONS), *declared_in(ROUTER_SECTIONS), *declared_in(SERVE_SECTIONS)):
-        for name in declared.env_names:
-            found.setdefault(name, Variable(name, f"{declared.option} (when the flag is not given)."))
-    return sorted(found.values(), key=lambda v: v.name)

@@ -15,7 +15,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from splitserve import envs, settings
+from splitserve import settings
 from splitserve.bench.cli import SERVE_SECTIONS, SWEEP_SECTIONS
 from splitserve.cli import app
 from splitserve.config import (
@@ -30,6 +30,7 @@ from splitserve.config import (
     SchedulingPolicy,
     ServerConfig,
 )
+from splitserve.configdoc import every_variable, reference
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import EndpointError, parse_endpoint
 from splitserve.planner.options import PlanOptions
@@ -205,7 +206,7 @@ def test_only_envs_reads_the_environment() -> None:
 
 
 def test_every_splitserve_variable_in_the_source_is_declared() -> None:
-    declared = {v.name for v in envs.every_variable()}
+    declared = {v.name for v in every_variable()}
     named = set()  # in string constants (identifiers such as WORKER_ONLY_FLAGS are not variables)
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -216,6 +217,5 @@ def test_every_splitserve_variable_in_the_source_is_declared() -> None:
 
 def test_the_configuration_reference_lists_every_flag_and_variable() -> None:
     text = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
-    from splitserve.configdoc import reference
 
     assert reference() in text, "docs/configuration.md is stale: python -m splitserve.configdoc > the reference"
