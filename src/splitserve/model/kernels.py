@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 # -ffp-contract=off: a * b + c is fused only where the source says so (an fma intrinsic), the same in every
 # copy of a function, so that results do not depend on how the compiler inlined it
-BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-Wall", "-Wextra")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +225,7 @@ class NativeKernels:
     layout) and declines (None or False) otherwise, so callers keep a PyTorch path for everything else."""
 
     def __init__(self, library: ctypes.CDLL, level: IsaLevel) -> None:
+        check_abi(library)
         self.level = level
         self.attention = {
             torch.bfloat16: library.ss_paged_attention_bf16,
@@ -235,8 +237,8 @@ class NativeKernels:
         # keyed by the output dtype, which the delta shares; the residual stream is always float32. These are
         # the model's two layouts: float32 throughout, and a float32 stream with bfloat16 matmul inputs
         self.norm = {
-            torch.bfloat16: library.add_rms_norm_bf16_to_bf16,
-            torch.float32: library.add_rms_norm_f32_to_f32,
+            torch.bfloat16: library.ss_add_rms_norm_bf16,
+            torch.float32: library.ss_add_rms_norm_f32,
         }
         for fn in self.norm.values():
             fn.argtypes = _NORM_ARGTYPES
@@ -482,6 +484,24 @@ def _int64_rows(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.int64 and t.is_contiguous()) for t in tensors)
 
 
+ABI_VERSION = 1  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
+
+
+def check_abi(library: ctypes.CDLL) -> None:
+    """``OSError`` unless the library's ABI version and struct sizes are these bindings' (``ss_kernels.h``)."""
+    library.ss_abi_version.restype = ctypes.c_int32
+    library.ss_struct_size.argtypes = [_I]
+    library.ss_struct_size.restype = _I64
+    version = library.ss_abi_version()
+    sizes = {name: library.ss_struct_size(which) for which, name in enumerate(("ss_layer", "ss_model"))}
+    expected = {"ss_layer": ctypes.sizeof(_Layer), "ss_model": ctypes.sizeof(_Model)}
+    if version != ABI_VERSION or sizes != expected:
+        raise OSError(
+            f"the kernel library's ABI (version {version}, struct sizes {sizes}) is not these bindings' "
+            f"(version {ABI_VERSION}, {expected}): csrc/ss_kernels.h and model/kernels.py disagree"
+        )
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
@@ -608,12 +628,17 @@ def kernels_for(level: IsaLevel) -> NativeKernels | None:
         return None
 
 
+def compile_command(compiler: str, level: IsaLevel, output: str, extra: Sequence[str] = ()) -> list[str]:
+    """The command that builds ``level``'s library at ``output`` (``extra``: more flags, e.g. ``-Werror``)."""
+    sources = sorted(str(path) for path in SOURCE_DIR.glob("*.c"))
+    return [compiler, *BASE_FLAGS, *level.cflags, *extra, "-o", output, *sources, "-lm"]
+
+
 def _build(level: IsaLevel) -> Path:
     compiler = envs.get(envs.CC) or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    sources = sorted(SOURCE_DIR.glob("*.c"))
     flags = [*BASE_FLAGS, *level.cflags]
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.iterdir()):
@@ -627,8 +652,7 @@ def _build(level: IsaLevel) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler, *flags, "-o", tmp, *map(str, sources), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(compile_command(compiler, level, tmp), capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "ss_kernels.h"
 
 #define MAX_HEAD_DIM 256
 
@@ -586,8 +587,8 @@ DEFINE_ENTRY(ss_paged_attention_f32, float, LOAD_F32)
         }                                                                                                   \
     }
 
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16_to_bf16, uint16_t, bf16_to_f32, uint16_t, f32_to_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32_to_f32, float, LOAD_F32, float, STORE_F32)
+DEFINE_ADD_RMS_NORM(ss_add_rms_norm_bf16, uint16_t, bf16_to_f32, uint16_t, f32_to_bf16)
+DEFINE_ADD_RMS_NORM(ss_add_rms_norm_f32, float, LOAD_F32, float, STORE_F32)
 
 /* out[i][j] = x[i] . w[rows[i][j]] for i < m, j < per_row: x [m, k] and w [*, k] float32. Each dot product runs
  * in one fixed order (sixteen, or eight, interleaved partial sums over k, then a fixed tree), so a row's values

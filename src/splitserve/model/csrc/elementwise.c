@@ -5,6 +5,7 @@
  * round to bfloat16 once. The float32 model keeps PyTorch's ops, so that it matches transformers bit for bit.
  */
 #include "common.h"
+#include "ss_kernels.h"
 
 #if defined(SS_AMX)
 #include <sys/syscall.h>

@@ -19,26 +19,13 @@
 #include <stdlib.h>
 
 #include "common.h"
-#include "kernels.h"
+#include "ss_kernels.h"
 
-typedef struct {
-    const float *input_norm, *post_norm;   /* [hidden] */
-    const void *qkv, *o, *gate_up, *down;  /* repacked weights (quant_matmul.c) */
-    int32_t qkv_type, o_type, gate_up_type, down_type;
-} ss_layer;
+int32_t ss_abi_version(void) { return SS_ABI_VERSION; }
 
-typedef struct {
-    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    float eps, scale;
-    const float *cos, *sin; /* [max_positions, head_dim], rotate-half tables */
-    int64_t max_positions;
-    const float *final_norm;
-    const ss_layer *layers;
-    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] */
-    int64_t num_slots; /* slots per layer */
-    int32_t kv_dtype;  /* SS_F32 or SS_BF16 */
-    int32_t block_size;
-} ss_model;
+int64_t ss_struct_size(int which) {
+    return which == 0 ? (int64_t)sizeof(ss_layer) : which == 1 ? (int64_t)sizeof(ss_model) : -1;
+}
 
 /* x [num_tokens, n_heads, head_dim] in place: rotate-half rotary at each token's position. */
 static void rotary(float *x, int num_tokens, int num_heads, int head_dim, int64_t row_stride, const int64_t *pos,
@@ -86,7 +73,7 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         const ss_layer *L = m->layers + l;
         uint8_t *k_cache = (uint8_t *)m->kv + (size_t)(2 * l) * (size_t)layer_elems * elem;
         uint8_t *v_cache = k_cache + (size_t)layer_elems * elem;
-        add_rms_norm_f32_to_f32(x, l == 0 ? NULL : delta, L->input_norm, h, b, hd, m->eps, num_threads);
+        ss_add_rms_norm_f32(x, l == 0 ? NULL : delta, L->input_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->qkv, L->qkv_type, nqkv, wide, SS_F32, nqkv, scratch, num_threads);
         rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
         for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to the cache dtype for attention */
@@ -108,14 +95,14 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
         status |= ss_quant_matmul(attn_out, m->kv_dtype, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
-        add_rms_norm_f32_to_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
+        ss_add_rms_norm_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->gate_up, L->gate_up_type, 2 * inter, wide, SS_F32,
                                   2 * inter, scratch, num_threads);
         ss_silu_mul_f32(wide, 2 * inter, b, inter, act, num_threads);
         status |= ss_quant_matmul(act, SS_F32, inter, b, inter, L->down, L->down_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
     }
-    if (status == 0) add_rms_norm_f32_to_f32(x, delta, m->final_norm, out, b, hd, m->eps, num_threads);
+    if (status == 0) ss_add_rms_norm_f32(x, delta, m->final_norm, out, b, hd, m->eps, num_threads);
     free(h), free(q_cache), free(scratch);
     return status == 0 ? 0 : -1;
 }

@@ -21,7 +21,7 @@
  * one work item per (head, 16 queries), heaviest (last) query blocks first.
  */
 #include "common.h"
-#include "kernels.h"
+#include "ss_kernels.h"
 
 #include <stdlib.h>
 

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "ss_kernels.h"
 
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 #define QK 32
@@ -460,7 +461,6 @@ static void qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const blo
  * B row v is group A's qs[v] beside group B's, low nibbles (weights 4v..4v+3), and row v + 4 their high
  * nibbles (16 + 4v..); Q8_0 codes are byte-for-byte B rows. The same integers as the AVX-512 VNNI path; each
  * block's int32 tile is then scaled in float32 as there (d_w d_x, plus m_w s_x). */
-#include "kernels.h"
 
 #define AMX_MIN_ROWS 5 /* from here the tiles beat the VNNI kernel (measured: equal at 4, 1.2x at 6, 1.6x at 16) */
 #define AMX_AHEAD 2 /* blocks between writing a buffer and reading it */

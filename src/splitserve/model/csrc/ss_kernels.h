@@ -1,9 +1,47 @@
-/* The entry points one kernel source calls in another (all built into one library per instruction set). */
-#ifndef SPLITSERVE_KERNELS_H
-#define SPLITSERVE_KERNELS_H
+/*
+ * The kernels' public interface: every function the library exports (all ss_-prefixed), the structs the forward
+ * step takes, and the ABI version. The Python bindings (model/kernels.py) declare the same by ctypes; at load
+ * they check ss_abi_version() and the structs' sizes against their own, so a library and bindings that disagree
+ * are refused instead of reading each other's memory wrong. Change SS_ABI_VERSION with any change here.
+ * Every source includes this header, so a definition that drifts from its declaration does not compile.
+ */
+#ifndef SS_KERNELS_H
+#define SS_KERNELS_H
 
 #include <stdint.h>
 
+#define SS_ABI_VERSION 1
+
+/* One decoder layer of ss_forward_step: float32 norm weights and repacked matmul weights (quant_matmul.c). */
+typedef struct {
+    const float *input_norm, *post_norm;   /* [hidden] */
+    const void *qkv, *o, *gate_up, *down;  /* repacked weights */
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+} ss_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *cos, *sin; /* [max_positions, head_dim], rotate-half tables */
+    int64_t max_positions;
+    const float *final_norm;
+    const ss_layer *layers;
+    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] */
+    int64_t num_slots; /* slots per layer */
+    int32_t kv_dtype;  /* SS_F32 or SS_BF16 */
+    int32_t block_size;
+} ss_model;
+
+/* The ABI: its version, and sizeof(ss_layer) (which 0) or sizeof(ss_model) (which 1); -1 for another which. */
+int32_t ss_abi_version(void);
+int64_t ss_struct_size(int which);
+
+/* forward_step.c */
+int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *positions, const int64_t *slots,
+                    const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens, float *out,
+                    int num_threads);
+
+/* cpu_kernels.c */
 int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
@@ -12,12 +50,34 @@ int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            float scale, int num_threads);
-void add_rms_norm_f32_to_f32(float *x, const float *delta, const float *weight, float *out, int64_t num_rows,
-                             int64_t n, float eps, int num_threads);
+void ss_add_rms_norm_bf16(float *x, const uint16_t *delta, const float *weight, uint16_t *out, int64_t num_rows,
+                          int64_t n, float eps, int num_threads);
+void ss_add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t num_rows, int64_t n,
+                         float eps, int num_threads);
+void ss_dot_rows_f32(const float *x, int64_t m, int64_t k, const float *w, const int64_t *rows, int64_t per_row,
+                     float *out, int num_threads);
+
+/* prefill_attention.c */
+int ss_prefill_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const int64_t *slots, int64_t num_ctx, int64_t num_q,
+                              uint16_t *out, int num_heads, int num_kv_heads, int head_dim, float scale,
+                              int num_threads);
+
+/* quant_matmul.c */
 int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
                     int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
 int64_t ss_act_block_bytes(void);
+int64_t ss_quant_row_bytes(int wtype, int64_t k);
+int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k);
+int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst);
+int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out);
+
+/* elementwise.c */
 int ss_amx_permitted(void);
+void ss_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int64_t rows, int64_t n, uint16_t *out,
+                      int num_threads);
 void ss_silu_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads);
+void ss_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int num_heads, int head_dim,
+                    const uint16_t *cos, const uint16_t *sin, int num_threads);
 
 #endif

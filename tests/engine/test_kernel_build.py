@@ -1,0 +1,53 @@
+"""The kernels' build: every level compiles with ``-Wall -Wextra -Werror`` (x86 levels with this machine's
+compiler whatever its CPU runs, ARM levels with the aarch64 cross compiler ``make setup`` installs), and a library
+whose ABI is not the bindings' is refused at load."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from splitserve.model import kernels
+from splitserve.model.kernels import ARM_LEVELS, X86_LEVELS, IsaLevel, compile_command
+
+CROSS = {"x86_64": "aarch64-linux-gnu-gcc", "aarch64": "x86_64-linux-gnu-gcc"}  # the other architecture's compiler
+
+
+def _compilers() -> list[tuple[str, IsaLevel]]:
+    native = shutil.which("cc") or shutil.which("gcc")
+    assert native is not None, "no C compiler: make setup installs gcc"
+    own, other = (X86_LEVELS, ARM_LEVELS) if platform.machine() == "x86_64" else (ARM_LEVELS, X86_LEVELS)
+    found = [(native, level) for level in own]
+    cross = shutil.which(CROSS.get(platform.machine(), ""))
+    if cross is not None:
+        found += [(cross, level) for level in other]
+    return found
+
+
+@pytest.mark.parametrize(("compiler", "level"), _compilers(), ids=lambda v: v.name if isinstance(v, IsaLevel) else "")
+def test_every_level_builds_without_a_warning(compiler: str, level: IsaLevel, tmp_path: Path) -> None:
+    cflags = [f for f in level.cflags if f != "-mtune=native"]  # a cross compiler tunes for no host CPU
+    command = compile_command(compiler, IsaLevel(level.name, level.needs, tuple(cflags)), str(tmp_path / "k.so"))
+    result = subprocess.run([*command, "-Werror"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_arm_levels_are_built_here_too() -> None:
+    """On x86 the ARM levels need the cross compiler (make setup installs it): not a silent skip."""
+    if platform.machine() == "x86_64":
+        assert shutil.which(CROSS["x86_64"]), "aarch64-linux-gnu-gcc is missing: run make setup"
+
+
+def test_a_library_whose_abi_differs_from_the_bindings_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = kernels.native()
+    assert native is not None
+    library = ctypes.CDLL(str(kernels._build(native.level)))
+    kernels.check_abi(library)  # the real pair agrees
+    monkeypatch.setattr(kernels, "ABI_VERSION", kernels.ABI_VERSION + 1)
+    with pytest.raises(OSError, match="ABI"):
+        kernels.NativeKernels(library, native.level)
