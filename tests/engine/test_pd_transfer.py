@@ -20,7 +20,6 @@ from splitserve.auth import sign
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig
 from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
-from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferResult
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvcache import serde
 from splitserve.model.llama import LlamaForCausalLM
@@ -29,6 +28,7 @@ from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
 from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
+from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferResult
 from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
 from tests.faults import FaultProxy
 from tests.waiting import wait_until

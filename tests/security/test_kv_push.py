@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from splitserve.auth import sign
-from splitserve.protocol.kv_transfer import KVTransferParams
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import hash_tokens
@@ -22,6 +21,7 @@ from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import push
 from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
+from splitserve.protocol.kv_transfer import KVTransferParams
 
 SECRET = "kv-push-secret"
 LAYOUT = "float32-L2-H1-D8-B16"
