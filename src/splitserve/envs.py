@@ -55,6 +55,10 @@ FORWARD_STEP = Variable(
     "0: run a GGUF-quantized model module by module instead of in the native forward step (for comparisons).",
     "1",
 )
+PREBUILT_KERNELS = Variable(
+    "SPLITSERVE_PREBUILT_KERNELS",
+    "A directory of kernel libraries built ahead (python -m splitserve.model.kernel_build DIR): used before any build.",
+)
 CC = Variable("CC", "The C compiler that builds the kernels (default cc, else gcc).")
 
 # -- local endpoints

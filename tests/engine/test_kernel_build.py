@@ -10,10 +10,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from gguf.quants import quantize
 
-from splitserve.model import kernels
-from splitserve.model.kernels import ARM_LEVELS, X86_LEVELS, IsaLevel, compile_command
+from splitserve.model import kernel_build, kernels
+from splitserve.model.kernel_build import ARM_LEVELS, X86_LEVELS, IsaLevel, compile_command
 
 CROSS = {"x86_64": "aarch64-linux-gnu-gcc", "aarch64": "x86_64-linux-gnu-gcc"}  # the other architecture's compiler
 
@@ -46,8 +49,40 @@ def test_the_arm_levels_are_built_here_too() -> None:
 def test_a_library_whose_abi_differs_from_the_bindings_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     native = kernels.native()
     assert native is not None
-    library = ctypes.CDLL(str(kernels._build(native.level)))
+    library = ctypes.CDLL(str(kernel_build.library_path(native.level)))
     kernels.check_abi(library)  # the real pair agrees
     monkeypatch.setattr(kernels, "ABI_VERSION", kernels.ABI_VERSION + 1)
     with pytest.raises(OSError, match="ABI"):
         kernels.NativeKernels(library, native.level)
+
+
+def test_prebuilt_libraries_load_without_a_compiler_and_compute_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image's libraries (built with generic tuning) are found before any build, need no compiler, and give
+    every level this CPU runs the same results as the library built for this machine."""
+    built = kernel_build.prebuild(tmp_path / "prebuilt")
+    assert len(built) == len(kernel_build.levels_of(platform.machine()))
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 256)).astype(np.float32)
+    blocks = torch.from_numpy(np.ascontiguousarray(quantize(weight, 2)))  # Q4_0
+    x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
+    local = {level.name: _matmul(kernel_build.library_path(level), level, blocks, x) for level in _runnable()}
+    monkeypatch.setenv("SPLITSERVE_PREBUILT_KERNELS", str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("CC", "/nonexistent/cc")  # any build would fail
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    for level in _runnable():
+        path = kernel_build.library_path(level)
+        assert path.parent == tmp_path / "prebuilt"
+        assert torch.equal(_matmul(path, level, blocks, x), local[level.name]), level.name
+
+
+def _runnable() -> tuple[IsaLevel, ...]:
+    return kernel_build.detect_cpu().levels
+
+
+def _matmul(path: Path, level: IsaLevel, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    native = kernels.NativeKernels(ctypes.CDLL(str(path)), level)
+    out = native.quant_matmul(x, native.pack(blocks, 2, x.shape[1]))
+    assert out is not None
+    return out

@@ -17,7 +17,8 @@ import splitserve.model.kernels as kernels_module
 import splitserve.model.llama as llama
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
-from splitserve.model.kernels import CpuInfo, NativeKernels, detect_cpu, kernels_for, native, select_level
+from splitserve.model.kernel_build import CpuInfo, detect_cpu, select_level
+from splitserve.model.kernels import NativeKernels, kernels_for, native
 from splitserve.model.llama import LlamaForCausalLM
 from tests.engine.conftest import build_engine, run_to_completion
 

@@ -1,23 +1,11 @@
-"""Native CPU kernels: C sources in ``csrc/``, built with the system C compiler at first use, called via ctypes.
-
-**One source, every instruction set.** The sources are compiled once per instruction-set level, each level a
-set of compiler flags the code's ``#if`` branches key on (``csrc/common.h``):
-
-- ``scalar``: portable C, any CPU (always built by the tests);
-- ``avx2``: x86 with AVX2 + FMA + F16C (Haswell, Zen 1-3: the common cloud baseline);
-- ``avxvnni``: the same with AVX-VNNI's 8-bit dot products (Alder Lake and later without AVX-512);
-- ``avx512``: x86 with AVX-512 F/BW/VL/DQ and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later);
-- ``amx``: the same with AMX tiles (Sapphire Rapids and later);
-- ``neon``, ``neon-dotprod``: ARMv8, and ARMv8.2 with 8-bit dot products (Graviton 2 and later).
+"""Native CPU kernels: C sources in ``csrc/`` (their interface: ``csrc/ss_kernels.h``), built or found by
+``model.kernel_build`` for each instruction-set level, called via ctypes.
 
 ``detect_cpu()`` reads the CPU's features once; ``native()`` loads the best level the CPU runs, or the one
-``SPLITSERVE_KERNEL_ISA`` names (to measure another class's code path on this machine). Each build goes into a
-cache directory (``$SPLITSERVE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/splitserve/kernels``, else
-``~/.cache/splitserve/kernels``), named by a digest of the sources, the flags, the compiler and the CPU's
-features, so a changed source or another CPU builds afresh and processes starting together never load a
-half-written file (each builds to a temporary name and renames). Building takes a few seconds. Without a
-compiler, or with ``SPLITSERVE_NATIVE_KERNELS=0``, ``native()`` returns None and callers use their PyTorch
-paths: the results agree, only speed differs.
+``SPLITSERVE_KERNEL_ISA`` names (to measure another class's code path on this machine). Without a library (no
+prebuilt one and no compiler), or with ``SPLITSERVE_NATIVE_KERNELS=0``, ``native()`` returns None and callers use
+their PyTorch paths: the results agree, only speed differs. A library whose ABI is not these bindings' is refused
+(``check_abi``).
 
 ctypes releases the GIL for the call, so the engine thread's kernels do not hold up the event loop.
 """
@@ -26,128 +14,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from splitserve import envs
+from splitserve.model.kernel_build import IsaLevel, detect_cpu, library_path, select_level
 
 if TYPE_CHECKING:
     from ctypes import _SimpleCData
 
 logger = logging.getLogger(__name__)
-
-SOURCE_DIR = Path(__file__).with_name("csrc")
-# -ffp-contract=off: a * b + c is fused only where the source says so (an fma intrinsic), the same in every
-# copy of a function, so that results do not depend on how the compiler inlined it
-BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-Wall", "-Wextra")
-
-
-@dataclass(frozen=True, slots=True)
-class IsaLevel:
-    """A build of the kernels: the CPU features it needs (``/proc/cpuinfo`` names) and its compiler flags."""
-
-    name: str
-    needs: tuple[str, ...]
-    cflags: tuple[str, ...]
-
-
-X86_LEVELS = (
-    IsaLevel("scalar", (), ("-march=x86-64", "-mtune=generic", "-DSS_SCALAR")),
-    IsaLevel("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mtune=native")),
-    IsaLevel(
-        "avxvnni", ("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mtune=native")
-    ),
-    IsaLevel(
-        "avx512",
-        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
-        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-         "-mprefer-vector-width=512", "-mtune=native"),
-    ),
-    IsaLevel(
-        "amx",
-        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
-         "amx_tile", "amx_bf16", "amx_int8"),
-        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-         "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mprefer-vector-width=512", "-mtune=native"),
-    ),
-)  # fmt: skip
-GENERIC_LEVEL = IsaLevel("scalar", (), ("-DSS_SCALAR",))  # any other architecture: portable C only
-ARM_LEVELS = (
-    IsaLevel("scalar", (), ("-DSS_SCALAR",)),
-    IsaLevel("neon", ("asimd",), ("-mtune=native",)),
-    IsaLevel("neon-dotprod", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod", "-mtune=native")),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class CpuInfo:
-    """What this CPU can run, read once at start (``detect_cpu``)."""
-
-    arch: str  # platform.machine(): x86_64, aarch64, ...
-    model_name: str
-    flags: frozenset[str]
-
-    @property
-    def levels(self) -> tuple[IsaLevel, ...]:
-        """The kernel builds this CPU can execute, best last."""
-        table = X86_LEVELS if self.arch in ("x86_64", "AMD64") else ARM_LEVELS if self.is_arm else ()
-        return tuple(level for level in table if all(f in self.flags for f in level.needs)) or (GENERIC_LEVEL,)
-
-    @property
-    def is_arm(self) -> bool:
-        return self.arch in ("aarch64", "arm64")
-
-    @property
-    def features(self) -> list[str]:
-        """The features that decide the kernel path and dtype, in the order the README lists them."""
-        names = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-                 "amx_bf16", "amx_int8", "asimd", "asimddp", "sve", "bf16", "i8mm")  # fmt: skip
-        return [name for name in names if name in self.flags]
-
-    @property
-    def isa_class(self) -> str:
-        """One word for the CPU class: amx, avx512-bf16, avx512, avx2, neon-dotprod, neon or scalar."""
-        f = self.flags
-        if "amx_bf16" in f:
-            return "amx"
-        if "avx512_bf16" in f:
-            return "avx512-bf16"
-        if "avx512f" in f:
-            return "avx512"
-        if "avx2" in f:
-            return "avx2"
-        if self.is_arm:
-            return "neon-dotprod" if "asimddp" in f else "neon"
-        return "scalar"
-
-
-@functools.cache
-def detect_cpu() -> CpuInfo:
-    """This machine's CPU: architecture, model name and feature flags (from ``/proc/cpuinfo``)."""
-    flags: set[str] = set()
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-            elif key == "model name" and not model:
-                model = value.strip()
-    except OSError:
-        pass
-    return CpuInfo(platform.machine(), model or platform.processor() or platform.machine(), frozenset(flags))
 
 
 def describe_cpu() -> dict[str, Any]:
@@ -172,20 +52,6 @@ def loaded_cpu_info() -> dict[str, str]:
 def _cpu_labels(kernel_isa: str) -> dict[str, str]:
     cpu = detect_cpu()
     return {"arch": cpu.arch, "model_name": cpu.model_name, "isa_class": cpu.isa_class, "kernel_isa": kernel_isa}
-
-
-def select_level(cpu: CpuInfo) -> IsaLevel:
-    """The best level ``cpu`` runs, or the one ``SPLITSERVE_KERNEL_ISA`` names (a ``ValueError`` if it can't)."""
-    levels = cpu.levels
-    wanted = envs.get(envs.KERNEL_ISA).lower()
-    if not wanted or wanted == "auto":
-        return levels[-1]
-    for level in levels:
-        if level.name == wanted:
-            return level
-    raise ValueError(
-        f"SPLITSERVE_KERNEL_ISA={wanted!r} is not one this CPU runs; choose one of {[lv.name for lv in levels]}"
-    )
 
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -589,12 +455,6 @@ class ForwardStep:
         return out if status == 0 else None
 
 
-def cache_dir() -> Path:
-    if explicit := envs.get(envs.KERNEL_CACHE):
-        return Path(explicit)
-    return envs.cache_home() / "splitserve" / "kernels"
-
-
 @functools.cache
 def native() -> NativeKernels | None:
     """The kernels of this CPU's best level, built on first call; None (logged once) where they cannot be."""
@@ -622,42 +482,7 @@ def native() -> NativeKernels | None:
 def kernels_for(level: IsaLevel) -> NativeKernels | None:
     """The kernels built for ``level`` (which the caller knows this CPU runs); None where they cannot be built."""
     try:
-        return NativeKernels(ctypes.CDLL(str(_build(level))), level)
+        return NativeKernels(ctypes.CDLL(str(library_path(level))), level)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         logger.warning("native CPU kernels (%s) unavailable, using PyTorch paths: %s", level.name, exc)
         return None
-
-
-def compile_command(compiler: str, level: IsaLevel, output: str, extra: Sequence[str] = ()) -> list[str]:
-    """The command that builds ``level``'s library at ``output`` (``extra``: more flags, e.g. ``-Werror``)."""
-    sources = sorted(str(path) for path in SOURCE_DIR.glob("*.c"))
-    return [compiler, *BASE_FLAGS, *level.cflags, *extra, "-o", output, *sources, "-lm"]
-
-
-def _build(level: IsaLevel) -> Path:
-    compiler = envs.get(envs.CC) or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = [*BASE_FLAGS, *level.cflags]
-    digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    for part in (" ".join(flags), version, " ".join(sorted(detect_cpu().flags))):
-        digest.update(part.encode())
-    target = cache_dir() / f"cpu_kernels-{level.name}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(compile_command(compiler, level, tmp), capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("built native CPU kernels: %s", target)
-    return target
