@@ -390,7 +390,30 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ServerConfig:
+class AccessConfig:
+    """Who may call a worker or the router (``splitserve.auth``): client keys, tenants, the cluster secret."""
+
+    api_keys: tuple[str, ...] = setting(
+        (), f"A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
+        f"{envs.API_KEY.name} and {envs.VLLM_API_KEY.name}. Without one, /v1/* is open.", flag="api-key",
+        convert=lambda flags: client_keys(flags or ()), use=Use.REFUSED,
+        why=f"client keys are credentials: give {envs.API_KEY.name} from a Secret (spec.worker.environmentVariables "
+        "with valueFrom)", secret=True,
+    )  # fmt: skip
+    salt_per_api_key: bool = setting(
+        False, "Make each client key a cache tenant: its requests share cached prefixes with no other key's (a "
+        "cache_salt derived from the key, then the request's own cache_salt).", env=True,
+    )  # fmt: skip
+    cluster_secret: str | None = setting(
+        None, f"A file holding the cluster secret, the credential of the cluster's own processes: the router sends "
+        f"it to workers in place of a client's key (default: the {envs.CLUSTER_SECRET.name} environment variable).",
+        flag="cluster-secret-file", option_type=str | None, convert=lambda path: cluster_secret(path),
+        use=Use.REFUSED, why="splitserve makes the cluster secret itself and hands it to every worker", secret=True,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig(AccessConfig):
     """The worker's HTTP server."""
 
     host: str = setting("127.0.0.1", "Address to bind.", use=Use.PLANNED, why="the supervisor or operator binds "
@@ -429,23 +452,6 @@ class ServerConfig:
     advertise_url: str | None = setting(
         None, "The URL the router reaches this worker at (default: http://host:port).", use=Use.INSTANCE
     )
-    api_keys: tuple[str, ...] = setting(
-        (), f"A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
-        f"{envs.API_KEY.name} and {envs.VLLM_API_KEY.name}. Without one, /v1/* is open.", flag="api-key",
-        convert=lambda flags: client_keys(flags or ()), use=Use.REFUSED,
-        why=f"client keys are credentials: give {envs.API_KEY.name} from a Secret (spec.worker.environmentVariables "
-        "with valueFrom)", secret=True,
-    )  # fmt: skip
-    salt_per_api_key: bool = setting(
-        False, "Make each client key a cache tenant: its requests share cached prefixes with no other key's (a "
-        "cache_salt derived from the key, then the request's own cache_salt).", env=True,
-    )  # fmt: skip
-    cluster_secret: str | None = setting(
-        None, f"A file holding the cluster secret, the router's credential here (default: the "
-        f"{envs.CLUSTER_SECRET.name} environment variable).", flag="cluster-secret-file", option_type=str | None,
-        convert=lambda path: cluster_secret(path), use=Use.REFUSED,
-        why="splitserve makes the cluster secret itself and hands it to every worker", secret=True,
-    )  # fmt: skip
     log_level: str = setting("info", "debug, info, warning or error.", flag="uvicorn-log-level")
 
     def validate(self) -> None:
@@ -505,7 +511,7 @@ class BackendKind(StrEnum):
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(AccessConfig):
     """The router: where it listens, its workers, how it picks one, and how it treats failures."""
 
     backends: tuple[str, ...] = setting((), "A worker's base URL (repeatable).", flag="backend", panel=ROUTING_PANEL)
@@ -618,20 +624,6 @@ class RouterConfig:
         "many seconds.", flag="shutdown-timeout", panel=FAULTS_PANEL,
     )  # fmt: skip
     max_request_body_bytes: int = 16 << 20
-    api_keys: tuple[str, ...] = setting(
-        (), f"A client key /v1/* requires as 'Authorization: Bearer KEY' (repeatable). Also read from "
-        f"{envs.API_KEY.name} and {envs.VLLM_API_KEY.name}. Without one, /v1/* is open.", flag="api-key",
-        convert=lambda flags: client_keys(flags or ()), secret=True,
-    )  # fmt: skip
-    salt_per_api_key: bool = setting(
-        False, "Make each client key a cache tenant: the router sets each request's cache_salt from its key (then "
-        "the request's own cache_salt), so no key shares cached prefixes with another.", env=True,
-    )  # fmt: skip
-    cluster_secret: str | None = setting(
-        None, f"A file holding the cluster secret, sent to workers in place of the client's key (default: the "
-        f"{envs.CLUSTER_SECRET.name} environment variable).", flag="cluster-secret-file", option_type=str | None,
-        convert=lambda path: cluster_secret(path), secret=True,
-    )  # fmt: skip
     log_level: str = setting("info", "debug, info, warning or error.")
 
     @property
