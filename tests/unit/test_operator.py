@@ -19,10 +19,9 @@ from starlette.testclient import TestClient
 from splitserve.config import RouterConfig
 from splitserve.deploy import operator
 from splitserve.deploy.operator import (
+    FIELD_MANAGER,
     READY_COLOCATED,
     READY_DPD,
-    ApiError,
-    HttpKubeClient,
     install_manifests,
     reconcile,
     refresh,
@@ -31,9 +30,9 @@ from splitserve.deploy.operator import (
 )
 from splitserve.deploy.render import render
 from splitserve.endpoint import parse_endpoint
+from splitserve.kube import ApiError, KubeApi
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.k8s_discovery import (
-    ApiPodLister,
     KubernetesDiscovery,
     WorkerLists,
     worker_lists,
@@ -352,7 +351,7 @@ def test_the_http_client_applies_server_side_and_treats_missing_objects_as_none(
             return httpx.Response(200, json={"items": [{"metadata": {"name": "a"}}]})
         return httpx.Response(200, json={})
 
-    kube = HttpKubeClient(httpx.Client(base_url="https://api:6443", transport=httpx.MockTransport(api)))
+    kube = KubeApi(httpx.Client(base_url="https://api:6443", transport=httpx.MockTransport(api)), FIELD_MANAGER)
     deployment = next(m for m in render(parse_endpoint(body("dpd"))) if m["kind"] == "Deployment")
     kube.apply(deployment)
     request = seen[-1]
@@ -373,7 +372,7 @@ def test_the_http_client_applies_server_side_and_treats_missing_objects_as_none(
 
 
 def test_the_http_client_raises_api_errors() -> None:
-    kube = HttpKubeClient(
+    kube = KubeApi(
         httpx.Client(base_url="https://api", transport=httpx.MockTransport(lambda r: httpx.Response(403, text="no")))
     )
     with pytest.raises(ApiError, match="403"):
@@ -560,7 +559,7 @@ def test_discovery_puts_the_ready_pods_into_the_real_router() -> None:
     seen: list[httpx.Request] = []
     with TestClient(build_router_app(router, probe=False)) as client:
         discovery = KubernetesDiscovery(
-            ApiPodLister(fake_api(PODS, seen)), client, namespace="default", selector=SELECTOR, port=8000
+            KubeApi(fake_api(PODS, seen)), client, namespace="default", selector=SELECTOR, port=8000
         )
         sent = discovery.sync_once()
         assert sent == WorkerLists(prefill=("http://10.0.0.1:8000",), decode=("http://10.0.0.3:8000",))
@@ -583,7 +582,7 @@ def test_discovery_keeps_the_routers_list_while_no_decode_pod_is_ready() -> None
     router = httpx.Client(base_url="http://127.0.0.1:8080", transport=httpx.MockTransport(fake_router))
     only_prefill = [p for p in PODS if "prefill" in p["metadata"]["name"]]
     discovery = KubernetesDiscovery(
-        ApiPodLister(fake_api(only_prefill, [])), router, namespace="default", selector=SELECTOR, port=8000
+        KubeApi(fake_api(only_prefill, [])), router, namespace="default", selector=SELECTOR, port=8000
     )
     assert discovery.sync_once() is None and puts == []
 
@@ -593,9 +592,9 @@ def test_discovery_survives_api_and_router_failures() -> None:
     refusing = httpx.Client(
         base_url="http://router", transport=httpx.MockTransport(lambda r: httpx.Response(400, json={"error": {}}))
     )
-    discovery = KubernetesDiscovery(ApiPodLister(broken_api), refusing, namespace="default", selector="a=b", port=1)
+    discovery = KubernetesDiscovery(KubeApi(broken_api), refusing, namespace="default", selector="a=b", port=1)
     assert discovery.sync_once() is None
-    discovery.pods = ApiPodLister(fake_api(PODS, []))
+    discovery.pods = KubeApi(fake_api(PODS, []))
     assert discovery.sync_once() is None and discovery.num_updates == 0
 
 

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from splitserve.deploy.labels import LABEL_COMPONENT, endpoint_labels, selector_labels
-
-Manifest = dict[str, Any]
+from splitserve.kube import Manifest
 
 DNS_PORT = 53
 API_SERVER_PORTS = (443, 6443)  # the kubernetes Service, and the API server behind it (after DNAT)

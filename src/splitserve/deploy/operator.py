@@ -28,10 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Protocol
-
-import httpx
 
 from splitserve import envs
 from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
@@ -57,6 +54,7 @@ from splitserve.deploy.render import (
     secret_name,
 )
 from splitserve.endpoint import EndpointError, InferenceEndpointConfig, parse_endpoint
+from splitserve.kube import SERVICE_ACCOUNT_DIR, ApiError, KubeApi
 
 logger = logging.getLogger("splitserve.operator")
 
@@ -77,20 +75,13 @@ MANAGED_KINDS = (
     ("v1", "ServiceAccount"),
     ("v1", "Secret"),
 )
-_PLURALS = {"Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
-            "Role": "roles", "RoleBinding": "rolebindings", "NetworkPolicy": "networkpolicies",
-            "Secret": "secrets"}  # fmt: skip
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 Clock = Callable[[], datetime]
 
 
-class ApiError(Exception):
-    """A Kubernetes API call that failed; the operator retries the handler later."""
-
-
 class KubeClient(Protocol):
-    """The four calls the operator makes. Namespaced objects only; errors raise ApiError."""
+    """The four calls the operator makes (``kube.KubeApi``, or a fake). Namespaced objects only; errors raise
+    ApiError, and the operator retries the handler later."""
 
     def apply(self, manifest: Manifest, *, force: bool = False) -> None:
         """Create or update ``manifest`` (server-side apply: fields it leaves out are released). ``force`` takes
@@ -337,69 +328,6 @@ def _plain(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- the real client
 
 
-class HttpKubeClient:
-    """:class:`KubeClient` over the Kubernetes REST API with httpx (``client`` holds base URL and credentials)."""
-
-    def __init__(self, client: httpx.Client) -> None:
-        self.client = client
-
-    @classmethod
-    def connect(cls, api_server: str | None = None, timeout_s: float = 10.0) -> HttpKubeClient:
-        """``api_server`` (e.g. ``kubectl proxy``'s http://127.0.0.1:8001) as is; None: the in-cluster API with
-        the pod's service account (RuntimeError outside a pod)."""
-        if api_server is not None:
-            return cls(httpx.Client(base_url=api_server, timeout=timeout_s))
-        host, port = envs.get(envs.KUBERNETES_SERVICE_HOST), envs.get(envs.KUBERNETES_SERVICE_PORT)
-        token = SERVICE_ACCOUNT_DIR / "token"
-        if not host or not token.exists():
-            raise RuntimeError("not in a Kubernetes pod: give --api-server (e.g. run kubectl proxy)")
-        host = f"[{host}]" if ":" in host else host
-        client = httpx.Client(
-            base_url=f"https://{host}:{port}", verify=str(SERVICE_ACCOUNT_DIR / "ca.crt"), timeout=timeout_s,
-            event_hooks={"request": [lambda request: _bearer(request, token)]},
-        )  # fmt: skip
-        return cls(client)
-
-    def apply(self, manifest: Manifest, *, force: bool = False) -> None:
-        meta = manifest["metadata"]
-        path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
-        params = {"fieldManager": FIELD_MANAGER, "force": "true" if force else "false"}
-        headers = {"Content-Type": "application/apply-patch+yaml"}
-        self._call("PATCH", path, params=params, json=manifest, headers=headers)
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
-        return self._call("GET", _path(api_version, kind, namespace, name), missing_ok=True)
-
-    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Manifest]:
-        answer = self._call("GET", _path(api_version, kind, namespace), params={"labelSelector": selector})
-        return list((answer or {}).get("items") or [])
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        params = {"propagationPolicy": "Background"}
-        self._call("DELETE", _path(api_version, kind, namespace, name), params=params, missing_ok=True)
-
-    def _call(self, method: str, path: str, *, missing_ok: bool = False, **kwargs: Any) -> Any:
-        try:
-            response = self.client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise ApiError(f"{method} {path}: {exc}") from exc
-        if response.status_code == 404 and missing_ok:
-            return None
-        if response.status_code >= 400:
-            raise ApiError(f"{method} {path}: {response.status_code} {response.text[:300]}")
-        return response.json()
-
-
-def _bearer(request: httpx.Request, token: Path) -> None:
-    request.headers["Authorization"] = f"Bearer {token.read_text().strip()}"  # re-read: the kubelet rotates it
-
-
-def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    path = f"{prefix}/namespaces/{namespace}/{_PLURALS[kind]}"
-    return f"{path}/{name}" if name else path
-
-
 # ---------------------------------------------------------------------------------------------- running
 
 
@@ -480,7 +408,12 @@ def run_operator(
     except ImportError:
         raise RuntimeError("splitserve operator needs kopf: pip install 'splitserve[operator]'") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
-    register(kopf, HttpKubeClient.connect(api_server), interval_s=interval_s, default_image=default_image)
+    register(
+        kopf,
+        KubeApi.connect(api_server, field_manager=FIELD_MANAGER),
+        interval_s=interval_s,
+        default_image=default_image,
+    )
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = watched is not None
     logger.info("watching %s", "every namespace" if watched is None else ", ".join(watched))

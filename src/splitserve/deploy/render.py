@@ -92,7 +92,7 @@ __all__ = [
     "render_yaml", "secret_name", "selector_labels", "worker_selector",
 ]  # fmt: skip
 
-Manifest = dict[str, Any]
+from splitserve.kube import Manifest
 
 DEFAULT_IMAGE = "splitserve:latest"  # the image this repository builds; spec.worker.image overrides it
 ROUTER_PORT = 8080

@@ -18,22 +18,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from splitserve import envs
 from splitserve.auth import bearer_header
 from splitserve.config import cluster_secret
+from splitserve.kube import KubeApi
 from splitserve.router.discovery import WorkerRole
 
 logger = logging.getLogger("splitserve.k8s_discovery")
 
 ROLE_LABEL = "splitserve.io/dpd-role"
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_INTERVAL_S = 5.0
 HTTP_TIMEOUT_S = 5.0
 
@@ -105,83 +103,15 @@ def worker_lists(pods: Iterable[Pod], port: int) -> WorkerLists:
 
 
 class PodLister(Protocol):
-    def list_pods(self, namespace: str, selector: str) -> list[Pod]:
+    def list_pods(self, namespace: str, selector: str) -> Sequence[Pod]:
         """The pods of ``namespace`` matching the label ``selector``; raises on any API failure."""
         ...
 
 
-class ApiPodLister:
-    """Lists pods with ``GET /api/v1/namespaces/{ns}/pods?labelSelector=...`` over ``client``.
-
-    ``client`` carries the API server's base URL, credentials and TLS settings; :meth:`in_cluster` builds it
-    from the pod's service account.
-    """
-
-    def __init__(self, client: httpx.Client) -> None:
-        self.client = client
-
-    @classmethod
-    def in_cluster(cls, timeout_s: float = HTTP_TIMEOUT_S) -> ApiPodLister:
-        """The API server as a pod sees it: ``KUBERNETES_SERVICE_HOST``/``_PORT``, token and CA mounted.
-
-        Raises RuntimeError outside a pod.
-        """
-        host, port = envs.get(envs.KUBERNETES_SERVICE_HOST), envs.get(envs.KUBERNETES_SERVICE_PORT)
-        token_path = SERVICE_ACCOUNT_DIR / "token"
-        if not host or not token_path.exists():
-            raise RuntimeError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST or service account token)")
-        host = f"[{host}]" if ":" in host else host
-        auth = _TokenAuth(token_path)
-        client = httpx.Client(
-            base_url=f"https://{host}:{port}", auth=auth, verify=str(SERVICE_ACCOUNT_DIR / "ca.crt"), timeout=timeout_s
-        )
-        return cls(client)
-
-    def list_pods(self, namespace: str, selector: str) -> list[Pod]:
-        response = self.client.get(f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": selector})
-        response.raise_for_status()
-        return list(response.json().get("items") or [])
-
-
-class _TokenAuth(httpx.Auth):
-    """The service account's bearer token, read on every request (the kubelet rotates the file)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def auth_flow(self, request: httpx.Request) -> Any:
-        request.headers["Authorization"] = f"Bearer {self.path.read_text().strip()}"
-        yield request
-
-
-class ClientPodLister:
-    """Lists pods with the ``kubernetes`` package (in-cluster config, else the local kubeconfig)."""
-
-    def __init__(self) -> None:
-        from kubernetes import client, config  # optional: imported only when chosen
-
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self._api = client.CoreV1Api()
-        self._serialize = client.ApiClient().sanitize_for_serialization
-
-    def list_pods(self, namespace: str, selector: str) -> list[Pod]:
-        pods = self._api.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=HTTP_TIMEOUT_S)
-        return list(self._serialize(pods).get("items") or [])
-
-
 def default_pod_lister(api_server: str | None = None) -> PodLister:
-    """``api_server`` given (e.g. ``kubectl proxy``'s http://127.0.0.1:8001): plain HTTP to it. Otherwise the
-    ``kubernetes`` package if installed, else HTTPS to the in-cluster API with the service account."""
-    if api_server is not None:
-        return ApiPodLister(httpx.Client(base_url=api_server, timeout=HTTP_TIMEOUT_S))
-    try:
-        import kubernetes  # noqa: F401
-    except ImportError:
-        return ApiPodLister.in_cluster()
-    return ClientPodLister()
+    """``api_server`` given (e.g. ``kubectl proxy``'s http://127.0.0.1:8001): plain HTTP to it; otherwise HTTPS to
+    the in-cluster API with the service account (``splitserve.kube``)."""
+    return KubeApi.connect(api_server, timeout_s=HTTP_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
