@@ -39,6 +39,7 @@ from pydantic.alias_generators import to_camel
 
 from splitserve import envs
 from splitserve.config import L2Backend, RoutingStrategy
+from splitserve.errors import SplitserveError
 
 API_VERSION = "splitserve.io/v1alpha1"
 REFERENCE_API_VERSION = "inference.sagemaker.aws.amazon.com/v1"  # the reference system's manifests load unchanged
@@ -50,7 +51,7 @@ SECRET_ENV_NAMES = (envs.API_KEY.name, envs.VLLM_API_KEY.name, envs.REDIS_PASSWO
 INVOCATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
-class EndpointError(ValueError):
+class EndpointError(SplitserveError, ValueError):
     """A resource that cannot be loaded, validated or planned.
 
     ``errors``: one line per problem, each starting with the field path (``spec.pdSpec.routingThreshold: ...``).

@@ -1,7 +1,7 @@
 """The one Kubernetes API client of splitserve: the operator's reads and server-side applies, the discovery
 sidecar's pod listing. Plain HTTPS with httpx (the ``kubernetes`` package is not needed): ``kubectl proxy``'s
 URL as given, or the in-cluster API with the pod's service account, whose token is read again on every request
-(the kubelet rotates it). Namespaced objects only; every failure is an :class:`ApiError`.
+(the kubelet rotates it). Namespaced objects only; every failure is an :class:`KubeApiError`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from splitserve import envs
+from splitserve.errors import SplitserveError
 
 Manifest = dict[str, Any]
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -21,7 +22,7 @@ PLURALS = {"Deployment": "deployments", "Service": "services", "ServiceAccount":
            "Secret": "secrets", "Pod": "pods"}  # fmt: skip
 
 
-class ApiError(Exception):
+class KubeApiError(SplitserveError):
     """A Kubernetes API call that failed (unreachable, or answered 4xx/5xx)."""
 
 
@@ -53,7 +54,7 @@ class KubeApi:
 
     def apply(self, manifest: Manifest, *, force: bool = False) -> None:
         """Create or update ``manifest`` (server-side apply: fields it leaves out are released). ``force`` takes
-        over fields another manager set; without it such a conflict is an ApiError."""
+        over fields another manager set; without it such a conflict is an KubeApiError."""
         meta = manifest["metadata"]
         path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
         params = {"fieldManager": self.field_manager, "force": "true" if force else "false"}
@@ -83,15 +84,15 @@ class KubeApi:
         try:
             response = self.client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ApiError(f"{method} {path}: {exc}") from exc
+            raise KubeApiError(f"{method} {path}: {exc}") from exc
         if response.status_code == 404 and missing_ok:
             return None
         if response.status_code >= 400:
-            raise ApiError(f"{method} {path}: {response.status_code} {response.text[:300]}")
+            raise KubeApiError(f"{method} {path}: {response.status_code} {response.text[:300]}")
         try:
             return response.json()
         except ValueError as exc:
-            raise ApiError(f"{method} {path}: the answer is not JSON") from exc
+            raise KubeApiError(f"{method} {path}: the answer is not JSON") from exc
 
 
 def _bearer(request: httpx.Request, token: Path) -> None:

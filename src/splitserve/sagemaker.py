@@ -12,7 +12,7 @@ COMPLETIONS_PATH = "/v1/completions"
 MISSING_SHAPE = "an /invocations body needs 'messages' (a chat completion) or 'prompt' (a completion)"
 
 
-def invocation_path(body: Any) -> str | None:
+def openai_path(body: Any) -> str | None:
     """The OpenAI route an ``/invocations`` body is for, or None when its shape names neither."""
     if not isinstance(body, dict):
         return None

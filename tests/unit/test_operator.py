@@ -30,7 +30,7 @@ from splitserve.deploy.operator import (
 )
 from splitserve.deploy.render import render
 from splitserve.endpoint import parse_endpoint
-from splitserve.kube import ApiError, KubeApi
+from splitserve.kube import KubeApiError, KubeApi
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.k8s_discovery import (
     KubernetesDiscovery,
@@ -113,7 +113,7 @@ class FakeKube:
 
     def _maybe_fail(self) -> None:
         if self.fail:
-            raise ApiError(self.fail)
+            raise KubeApiError(self.fail)
 
 
 def ready_condition(status: dict[str, Any]) -> dict[str, Any]:
@@ -375,7 +375,7 @@ def test_the_http_client_raises_api_errors() -> None:
     kube = KubeApi(
         httpx.Client(base_url="https://api", transport=httpx.MockTransport(lambda r: httpx.Response(403, text="no")))
     )
-    with pytest.raises(ApiError, match="403"):
+    with pytest.raises(KubeApiError, match="403"):
         kube.list("apps/v1", "Deployment", "default", "a=b")
 
 

@@ -14,7 +14,7 @@ from splitserve.planner.simulate import (
     KVMoves,
     Slo,
     Topology,
-    WorkerSpec,
+    SimulatedWorker,
     simulate,
     summarize,
 )
@@ -31,7 +31,7 @@ def step_cost(
 
 
 def colocated(cost: StepCost, n: int = 1, limits: EngineLimits | None = None, **kwargs: object) -> Topology:
-    spec = WorkerSpec(Role.COLOCATED, cost, limits or EngineLimits())
+    spec = SimulatedWorker(Role.COLOCATED, cost, limits or EngineLimits())
     return Topology((spec,) * n, **kwargs)  # type: ignore[arg-type]
 
 
@@ -103,7 +103,7 @@ def test_a_decode_beside_a_prompt_chunk_runs_on_the_prefill_path() -> None:
 
 
 def dpd(cost: StepCost, threshold: int, moves: KVMoves, num_prefill: int = 1) -> Topology:
-    workers = (WorkerSpec(Role.PREFILL, cost),) * num_prefill + (WorkerSpec(Role.DECODE, cost),)
+    workers = (SimulatedWorker(Role.PREFILL, cost),) * num_prefill + (SimulatedWorker(Role.DECODE, cost),)
     return Topology(workers, RoutingStrategy.ROUNDROBIN, threshold)
 
 
@@ -210,7 +210,7 @@ def test_the_simulation_is_deterministic() -> None:
         at_s += rng.expovariate(2.0)
         requests.append(TraceRequest(at_s, rng.randint(50, 3000), rng.randint(1, 100), f"g{i % 7}", 40))
     cost = step_cost(prefill=(0.01, 0.0005, 1e-8), decode=(0.01, 0.002, 1e-6))
-    topology = Topology((WorkerSpec(Role.PREFILL, cost), WorkerSpec(Role.DECODE, cost), WorkerSpec(Role.DECODE, cost)),
+    topology = Topology((SimulatedWorker(Role.PREFILL, cost), SimulatedWorker(Role.DECODE, cost), SimulatedWorker(Role.DECODE, cost)),
                         RoutingStrategy.KVAWARE, 1024)  # fmt: skip
     moves = KVMoves(23040, 0.001, 1e9, LoadCost(1e-5, 1e-5, 1e-5))
     first, second = simulate(requests, topology, moves), simulate(requests, topology, moves)
@@ -230,10 +230,10 @@ def test_goodput_counts_requests_within_both_limits() -> None:
 def test_a_topology_mixing_colocated_and_disaggregated_workers_is_refused() -> None:
     cost = step_cost()
     with pytest.raises(ValueError, match="colocated workers, or prefill and decode ones"):
-        mixed = Topology((WorkerSpec(Role.COLOCATED, cost), WorkerSpec(Role.DECODE, cost)))
+        mixed = Topology((SimulatedWorker(Role.COLOCATED, cost), SimulatedWorker(Role.DECODE, cost)))
         simulate([TraceRequest(0.0, 10, 1)], mixed, FREE_MOVES)
     with pytest.raises(ValueError, match="needs at least one decode worker"):
-        simulate([TraceRequest(0.0, 10, 1)], Topology((WorkerSpec(Role.PREFILL, cost),)), FREE_MOVES)
+        simulate([TraceRequest(0.0, 10, 1)], Topology((SimulatedWorker(Role.PREFILL, cost),)), FREE_MOVES)
 
 
 @pytest.mark.parametrize(
@@ -244,7 +244,7 @@ def test_a_follow_up_the_decode_worker_mostly_holds_goes_straight_to_it(
 ) -> None:
     """The router disaggregates on the tokens the decode worker is not believed to hold, not the whole prompt."""
     cost = step_cost(prefill=(0.1, 0.001, 0.0), decode=(0.01, 0.0, 0.0))
-    topology = Topology((WorkerSpec(Role.PREFILL, cost), WorkerSpec(Role.DECODE, cost)), strategy, 512)
+    topology = Topology((SimulatedWorker(Role.PREFILL, cost), SimulatedWorker(Role.DECODE, cost)), strategy, 512)
     result = simulate(two_turns(), topology, FREE_MOVES)
     prefill_busy_s = result.utilization["prefill-0"] * result.duration_s
     # the second prefill finds the first prompt in the prefill worker's own cache

@@ -137,7 +137,7 @@ def test_the_simulator_schedules_a_trace_as_the_engine_does() -> None:
     scheduler = Scheduler(scheduler_config, KVCacheManager(BlockPool(4096, enable_caching=False), BLOCK_SIZE), 4096)
     no_cost: Any = None  # the simulator's worker prices a step only when it runs one; here it only schedules
     moves = simulate.KVMoves(1, 0.0, 1.0, LoadCost(0.0, 0.0, 0.0))
-    sim = simulate._Worker("w", simulate.WorkerSpec(Role.COLOCATED, no_cost, limits), moves, None)
+    sim = simulate._Worker("w", simulate.SimulatedWorker(Role.COLOCATED, no_cost, limits), moves, None)
     by_id: dict[str, int] = {}
 
     def arrive(i: int, request: TraceRequest) -> None:  # on both sides at once

@@ -54,7 +54,7 @@ from splitserve.deploy.render import (
     secret_name,
 )
 from splitserve.endpoint import EndpointError, InferenceEndpointConfig, parse_endpoint
-from splitserve.kube import SERVICE_ACCOUNT_DIR, ApiError, KubeApi
+from splitserve.kube import SERVICE_ACCOUNT_DIR, KubeApi, KubeApiError
 
 logger = logging.getLogger("splitserve.operator")
 
@@ -81,11 +81,11 @@ Clock = Callable[[], datetime]
 
 class KubeClient(Protocol):
     """The four calls the operator makes (``kube.KubeApi``, or a fake). Namespaced objects only; errors raise
-    ApiError, and the operator retries the handler later."""
+    KubeApiError, and the operator retries the handler later."""
 
     def apply(self, manifest: Manifest, *, force: bool = False) -> None:
         """Create or update ``manifest`` (server-side apply: fields it leaves out are released). ``force`` takes
-        over fields another manager set; without it such a conflict is an ApiError."""
+        over fields another manager set; without it such a conflict is an KubeApiError."""
         ...
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
@@ -112,7 +112,7 @@ def reconcile(
     Renders with the live Secret's values, then, unless a rendered name is taken by an object the resource does
     not own (a ``Conflict`` condition, nothing applied), applies every manifest in order and deletes this
     endpoint's objects that the render no longer has. An invalid resource touches nothing and gets an
-    ``InvalidSpec`` condition. Raises ApiError.
+    ``InvalidSpec`` condition. Raises KubeApiError.
     """
     uid = _uid(body)
     try:
@@ -138,7 +138,7 @@ def refresh(
     body: Mapping[str, Any], client: KubeClient, *, now: Clock | None = None, default_image: str = DEFAULT_IMAGE
 ) -> dict[str, Any]:
     """The resource's ``status`` from its Deployments' readiness (the timer); reads only, except after a
-    ``Conflict``, which it retries with :func:`reconcile`. Raises ApiError."""
+    ``Conflict``, which it retries with :func:`reconcile`. Raises KubeApiError."""
     if _ready_reason(body) == CONFLICT:
         return reconcile(body, client, now=now, default_image=default_image)
     try:
@@ -153,7 +153,7 @@ def teardown(body: Mapping[str, Any], client: KubeClient) -> list[str]:
     """Delete this endpoint's objects (whatever the resource now says, valid or not): those labelled as its,
     and owned by it when the body has a uid.
 
-    Returns ``Kind/name`` of each deleted object. Raises ApiError.
+    Returns ``Kind/name`` of each deleted object. Raises KubeApiError.
     """
     metadata = body.get("metadata") or {}
     namespace = metadata.get("namespace", "default")
@@ -359,7 +359,7 @@ def register(
 def _retrying(kopf: Any, call: Callable[[], Any]) -> Any:
     try:
         return call()
-    except ApiError as exc:
+    except KubeApiError as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
 
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.errors import SplitserveError
 from splitserve.metrics import FINISHED_ERROR, EngineStatsLike, FinishedRequest, WorkerMetrics
 from splitserve.model.tokenizer import TokenizerLike
 
@@ -69,15 +70,15 @@ class EngineCore(Protocol):
     def close(self) -> None: ...  # release what the engine holds outside the process (KV tier connections)
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(SplitserveError, RuntimeError):
     """The engine thread has stopped (it failed, or the worker is shutting down)."""
 
 
-class EngineNotReadyError(RuntimeError):
+class EngineNotReadyError(SplitserveError, RuntimeError):
     """The model is still loading."""
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(SplitserveError, RuntimeError):
     """``max_queued`` requests already wait for their first token: try again shortly (a 429)."""
 
 

@@ -48,6 +48,7 @@ import blake3
 import torch
 import xxhash
 
+from splitserve.errors import SplitserveError
 from splitserve.keys import hash_of_key
 
 MAGIC = b"SSKV"
@@ -84,7 +85,7 @@ class RecordFault(StrEnum):
     MAC = "mac"  # unsigned, or signed with another secret, or over other bytes
 
 
-class RecordError(ValueError):
+class RecordError(SplitserveError, ValueError):
     """A stored record that must not be served: corrupt, foreign or from another format version."""
 
     def __init__(self, fault: RecordFault, detail: str) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from splitserve.errors import SplitserveError
+
 MAX_CONTROL_BYTES = 64 * 1024
 _LEN = struct.Struct("<I")
 
@@ -50,7 +52,7 @@ def payload_mac(secret: str, header_mac: str) -> PayloadMac:
     return PayloadMac(secret, header_mac)
 
 
-class WireError(ConnectionError):
+class WireError(SplitserveError, ConnectionError):
     """The peer closed early or sent something malformed."""
 
 

@@ -44,9 +44,9 @@ from splitserve.planner.simulate import (
     EngineLimits,
     KVMoves,
     Prediction,
+    SimulatedWorker,
     Slo,
     Topology,
-    WorkerSpec,
     simulate,
     summarize,
 )
@@ -233,11 +233,11 @@ def l2_tokens(config: InferenceEndpointConfig, kv_bytes_per_token: int) -> int:
 def topology(config: InferenceEndpointConfig, layout: Layout, calibration: Calibration) -> Topology:
     cost = calibration.step_cost(layout.num_threads)
     per_token = calibration.kv_bytes_per_token
-    workers: list[WorkerSpec] = []
+    workers: list[SimulatedWorker] = []
     for role, count in ((Role.COLOCATED, layout.num_colocated), (Role.PREFILL, layout.num_prefill),
                         (Role.DECODE, layout.num_decode)):  # fmt: skip
         limits = engine_limits(config, role, per_token)
-        workers += [WorkerSpec(role, cost, limits)] * count
+        workers += [SimulatedWorker(role, cost, limits)] * count
     return Topology(tuple(workers), layout.strategy, layout.routing_threshold, l2_tokens(config, per_token))
 
 

@@ -59,7 +59,7 @@ class EngineLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerSpec:
+class SimulatedWorker:
     role: Role
     cost: StepCost
     limits: EngineLimits = EngineLimits()
@@ -69,12 +69,12 @@ class WorkerSpec:
 class Topology:
     """The workers of one layout and how requests reach them."""
 
-    workers: tuple[WorkerSpec, ...]  # all colocated, or prefill and decode ones
+    workers: tuple[SimulatedWorker, ...]  # all colocated, or prefill and decode ones
     strategy: RoutingStrategy = RoutingStrategy.ROUNDROBIN
     routing_threshold: int | None = None  # disaggregated layouts: prompts from this many tokens go to prefill
     l2_tokens: int = 0  # the shared L2's capacity; 0: none
 
-    def pool(self, role: Role) -> tuple[WorkerSpec, ...]:
+    def pool(self, role: Role) -> tuple[SimulatedWorker, ...]:
         return tuple(w for w in self.workers if w.role == role)
 
     @property
@@ -189,7 +189,7 @@ class RequestTiming:
 class _Worker:
     """One simulated engine: its queues, caches and the step in progress."""
 
-    def __init__(self, name: str, spec: WorkerSpec, moves: KVMoves, l2: _LRU | None) -> None:
+    def __init__(self, name: str, spec: SimulatedWorker, moves: KVMoves, l2: _LRU | None) -> None:
         self.name = name
         self.spec = spec
         self.limits = spec.limits

@@ -43,6 +43,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from splitserve.errors import SplitserveError
+
 CHAT_SYSTEM_TOKENS = 150
 MIXED_LONG_SHARE = 0.3
 RAG_NUM_DOCUMENTS = 24
@@ -50,7 +52,7 @@ MEAN_CHAT_TURNS = 3.5  # uniform over 1..6
 CHAT_THINK_S = 8.0
 
 
-class TraceError(ValueError):
+class TraceError(SplitserveError, ValueError):
     """A trace that cannot be read; the message names the file and line."""
 
 

@@ -51,7 +51,7 @@ from splitserve.router.policies import RoutingPolicy, RoutingRequest, build_poli
 from splitserve.router.scrape import WorkerStatsScraper
 from splitserve.router.transport import AiohttpTransport, Transport, TransportError
 from splitserve.router.vllm_events import VLLMSource
-from splitserve.sagemaker import INVOCATIONS_PATH, MISSING_SHAPE, invocation_path
+from splitserve.sagemaker import INVOCATIONS_PATH, MISSING_SHAPE, openai_path
 
 logger = logging.getLogger("splitserve.router")
 
@@ -182,7 +182,7 @@ class Router:
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object").response()
         if path == INVOCATIONS_PATH:  # SageMaker's route: a chat or a completion, by the body's shape
-            path = invocation_path(body) or ""
+            path = openai_path(body) or ""
             if not path:
                 return RouterError(400, MISSING_SHAPE).response()
         self.metrics.observe_incoming(body.get("model"))

@@ -28,6 +28,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.config import RouterConfig
+from splitserve.errors import SplitserveError
 from splitserve.httpserver import RESUMED_PROMPT_TOKENS_HEADER
 from splitserve.metrics import RouterMetrics
 from splitserve.openai_chunks import sse_event, stream_error_end
@@ -57,7 +58,7 @@ NOT_FORWARDED = frozenset(
 )  # fmt: skip
 
 
-class RouterError(Exception):
+class RouterError(SplitserveError):
     """An answer with OpenAI's error body."""
 
     def __init__(self, status: int, message: str, code: str | None = None) -> None:

@@ -36,6 +36,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.errors import SplitserveError
 from splitserve.openai_chunks import sse_event, text_chunk
 
 # sampling fields a resumed request carries over unchanged (the rest are the client's, or not per token)
@@ -57,7 +58,7 @@ def is_migratable(path: str, body: dict[str, Any]) -> bool:
     return not (body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"))
 
 
-class WorkerStreamFailed(Exception):
+class WorkerStreamFailed(SplitserveError):
     """The worker sent an error event instead of finishing the answer."""
 
 

@@ -17,8 +17,10 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from splitserve.errors import SplitserveError
 
-class TransportError(Exception):
+
+class TransportError(SplitserveError):
     """The worker could not be reached, did not answer in time, or its answer broke off."""
 
 

@@ -177,7 +177,7 @@ def build_app(
         """SageMaker's inference route: a body with ``messages`` is a chat completion, one with ``prompt`` a
         completion (streaming too), as vLLM's ``/invocations`` serves them."""
         body = await _json_body(raw)
-        path = sagemaker.invocation_path(body)
+        path = sagemaker.openai_path(body)
         if path is None:
             raise ApiError(400, sagemaker.MISSING_SHAPE)
         try:

@@ -29,6 +29,7 @@ from splitserve.engine.async_engine import (
 )
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.errors import SplitserveError
 from splitserve.model.tokenizer import TokenizerLike
 from splitserve.protocol.errors import error_body, error_type
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
@@ -59,7 +60,7 @@ from splitserve.server.protocol import (
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
 
-class ApiError(Exception):
+class ApiError(SplitserveError):
     """A request that cannot be served; ``status`` and ``body()`` form the HTTP answer."""
 
     def __init__(
