@@ -30,7 +30,7 @@ from splitserve.deploy.operator import (
 )
 from splitserve.deploy.render import render
 from splitserve.endpoint import parse_endpoint
-from splitserve.kube import KubeApiError, KubeApi
+from splitserve.kube import KubeApi, KubeApiError
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.k8s_discovery import (
     KubernetesDiscovery,
