@@ -210,7 +210,7 @@ def test_the_simulation_is_deterministic() -> None:
         at_s += rng.expovariate(2.0)
         requests.append(TraceRequest(at_s, rng.randint(50, 3000), rng.randint(1, 100), f"g{i % 7}", 40))
     cost = step_cost(prefill=(0.01, 0.0005, 1e-8), decode=(0.01, 0.002, 1e-6))
-    workers = (SimulatedWorker(Role.PREFILL, cost), SimulatedWorker(Role.DECODE, cost), SimulatedWorker(Role.DECODE, cost))
+    workers = (SimulatedWorker(Role.PREFILL, cost), *[SimulatedWorker(Role.DECODE, cost)] * 2)
     topology = Topology(workers, RoutingStrategy.KVAWARE, 1024)
     moves = KVMoves(23040, 0.001, 1e9, LoadCost(1e-5, 1e-5, 1e-5))
     first, second = simulate(requests, topology, moves), simulate(requests, topology, moves)
