@@ -42,7 +42,17 @@ from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
 from splitserve.pd.buffer import BufferEntry, PDBuffer
-from splitserve.pd.wire import PayloadMac, WireError, payload_mac, recv_exact_into, recv_msg, send_msg
+from splitserve.pd.wire import (
+    PayloadMac,
+    Reply,
+    Reserve,
+    Trailer,
+    WireError,
+    payload_mac,
+    recv_exact_into,
+    recv_msg,
+    send_msg,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,29 +145,25 @@ class KVReceiver:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         try:
-            header = recv_msg(sock, min(deadline, time.monotonic() + REQUEST_TIMEOUT_S))
+            raw = recv_msg(sock, min(deadline, time.monotonic() + REQUEST_TIMEOUT_S))
             sock.settimeout(RECEIVE_TIMEOUT_S)  # a sender that vanished must not hold its reservation forever
-            transfer_id, num_bytes = str(header["transfer_id"]), int(header["nbytes"])
-            num_tokens, tokens_hash, layout = (
-                int(header["num_tokens"]),
-                int(header["tokens_hash"]),
-                str(header["layout"]),
-            )
-        except (WireError, OSError, KeyError, TypeError, ValueError) as exc:
+            header = Reserve.from_wire(raw)
+            transfer_id, num_bytes, layout = header.transfer_id, header.nbytes, header.layout
+        except (WireError, OSError) as exc:
             logger.warning("KV receiver: bad transfer request: %s", exc)
             return
         reserved = False
         try:
-            refusal = self._refusal(header)
+            refusal = self._refusal(raw, header)
             if refusal is not None:
                 logger.warning("KV receiver: refused transfer %s from %s: %s", transfer_id, peer, refusal)
-                send_msg(sock, {"ok": False, "reason": refusal})
+                send_msg(sock, Reply(False, refusal).as_wire())
                 return
             if layout != self.layout:
-                send_msg(sock, {"ok": False, "reason": f"layout {layout} is not this engine's {self.layout}"})
+                send_msg(sock, Reply(False, f"layout {layout} is not this engine's {self.layout}").as_wire())
                 return
             if not 0 < num_bytes <= self.buffer.capacity_bytes:
-                send_msg(sock, {"ok": False, "reason": f"{num_bytes} bytes can never fit the PD buffer"})
+                send_msg(sock, Reply(False, f"{num_bytes} bytes can never fit the PD buffer").as_wire())
                 return
             quota = int(self.buffer.capacity_bytes * PEER_RESERVATION_SHARE)
             with self._lock:
@@ -174,12 +180,12 @@ class KVReceiver:
                 logger.info(
                     "Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes
                 )
-                send_msg(sock, {"ok": False, "reason": "full"})
+                send_msg(sock, Reply(False, "full").as_wire())
                 return
             reserved = True  # from here on, this connection's reservation is the one to free on failure
             try:
-                send_msg(sock, {"ok": True})
-                mac = payload_mac(self.secret, str(header["mac"])) if self.secret is not None else None
+                send_msg(sock, Reply(True).as_wire())
+                mac = payload_mac(self.secret, header.mac or "") if self.secret is not None else None
                 _receive_record(sock, room, layout, deadline, mac)
                 if mac is not None:
                     _check_trailer(recv_msg(sock, deadline), mac.hexdigest())
@@ -191,39 +197,37 @@ class KVReceiver:
         except serde.RecordError as exc:
             self.buffer.abort(transfer_id)  # (raised only once this connection reserved)
             logger.warning("KV receiver: transfer %s dropped: %s", transfer_id, exc)
-            send_msg(sock, {"ok": False, "reason": f"invalid record: {exc}"})
+            send_msg(sock, Reply(False, f"invalid record: {exc}").as_wire())
             return
         except (WireError, OSError) as exc:
             if reserved:  # never another connection's reservation under the same id
                 self.buffer.abort(transfer_id)
             logger.warning("KV receiver: transfer %s broke off: %s", transfer_id, exc)
             return
-        ok = self.buffer.commit(transfer_id, num_tokens, tokens_hash, layout)
-        send_msg(sock, {"ok": ok, "reason": "" if ok else "reservation expired"})
+        ok = self.buffer.commit(transfer_id, header.num_tokens, header.tokens_hash, layout)
+        send_msg(sock, Reply(ok, "" if ok else "reservation expired").as_wire())
 
-    def _refusal(self, header: dict[str, object]) -> str | None:
-        """Why a push must not get a reservation (with a cluster secret: unsigned, forged or stale); None if fine."""
+    def _refusal(self, raw: dict[str, object], header: Reserve) -> str | None:
+        """Why a push must not get a reservation (with a cluster secret: unsigned, forged or stale); None if fine.
+        The MAC is checked over ``raw``, the request exactly as it arrived."""
         if self.secret is None:
             return None
-        if not verified(self.secret, header):
+        if not verified(self.secret, raw) or header.mac is None:
             return "unauthenticated: the push is not signed with this cluster's secret"
-        stamped = header.get("ts")
         now = time.time()
-        if not isinstance(stamped, int | float) or abs(now - stamped) > MAX_CLOCK_SKEW_S:
+        if header.ts is None or abs(now - header.ts) > MAX_CLOCK_SKEW_S:
             return "unauthenticated: the push's time stamp is too far from now"
         with self._lock:  # a signed request is good once: a replay within the window is refused too
             if len(self._seen_macs) > MAX_SEEN_MACS:
                 self._seen_macs = {mac: until for mac, until in self._seen_macs.items() if until > now}
-            if self._seen_macs.get(str(header["mac"]), 0.0) > now:
+            if self._seen_macs.get(header.mac, 0.0) > now:
                 return "unauthenticated: the push replays one already taken"
         return None
 
-    def _remember(self, header: dict[str, object]) -> None:
+    def _remember(self, header: Reserve) -> None:
         """A signed request that got room: the same bytes again, within the skew window, are a replay."""
-        if self.secret is not None:
-            stamped = header["ts"]
-            assert isinstance(stamped, int | float)  # checked by _refusal
-            self._seen_macs[str(header["mac"])] = stamped + MAX_CLOCK_SKEW_S
+        if self.secret is not None and header.mac is not None and header.ts is not None:  # checked by _refusal
+            self._seen_macs[header.mac] = header.ts + MAX_CLOCK_SKEW_S
 
 
 def _model_of(record: bytes | bytearray | memoryview) -> str | None:
@@ -233,10 +237,13 @@ def _model_of(record: bytes | bytearray | memoryview) -> str | None:
         return None
 
 
-def _check_trailer(trailer: dict[str, object], mac: str) -> None:
-    """RecordError unless ``trailer`` carries the MAC of the payload that arrived."""
-    claimed = trailer.get("mac")
-    if not isinstance(claimed, str) or not hmac.compare_digest(claimed, mac):
+def _check_trailer(message: dict[str, object], mac: str) -> None:
+    """RecordError unless the message is a :class:`Trailer` carrying the MAC of the payload that arrived."""
+    try:
+        claimed = Trailer.from_wire(message).mac
+    except WireError:
+        claimed = ""
+    if not hmac.compare_digest(claimed, mac):
         raise serde.RecordError(serde.RecordFault.CHECKSUM, "the payload is not the one the push signed")
 
 

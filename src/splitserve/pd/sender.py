@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,7 @@ from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import hash_tokens
 from splitserve.kvcache import serde
-from splitserve.pd.wire import WireError, parse_addr, payload_mac, recv_msg, send_msg
+from splitserve.pd.wire import Reply, Reserve, Trailer, WireError, parse_addr, payload_mac, recv_msg, send_msg
 from splitserve.protocol.kv_transfer import KVTransferResult
 
 logger = logging.getLogger(__name__)
@@ -51,32 +52,31 @@ def push(
     reserves nothing without it), and the payload is followed by a trailer with its keyed MAC, computed while
     the bytes go out (``wire.payload_mac``)."""
     began = time.perf_counter()
-    request: dict[str, object] = {"op": "reserve", "transfer_id": transfer_id, "nbytes": len(record),
-                                  "num_tokens": num_tokens, "tokens_hash": tokens_hash, "layout": layout}  # fmt: skip
+    request = Reserve(transfer_id, len(record), num_tokens, tokens_hash, layout)
     backoff_s, num_full = FIRST_BACKOFF_S, 0
     reason = ""
     while True:
-        header = dict(request)
+        header = request
         if secret is not None:  # signed afresh for each attempt: the receiver takes a signed request once
-            header["ts"] = time.time()
-            header["mac"] = sign(secret, header)
+            stamped = replace(request, ts=time.time())
+            header = replace(stamped, mac=sign(secret, stamped.as_wire()))
         try:
             with socket.create_connection(parse_addr(addr), timeout=CONNECT_TIMEOUT_S) as sock:
                 sock.settimeout(IO_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                send_msg(sock, header)
-                reply = recv_msg(sock)
-                if reply.get("ok"):
-                    if secret is None:
+                send_msg(sock, header.as_wire())
+                reply = Reply.from_wire(recv_msg(sock))
+                if reply.ok:
+                    if secret is None or header.mac is None:
                         sock.sendall(record)
                     else:
-                        send_signed(sock, record, str(header["mac"]), secret)
-                    done = recv_msg(sock)
+                        send_signed(sock, record, header.mac, secret)
+                    done = Reply.from_wire(recv_msg(sock))
                     elapsed_s = time.perf_counter() - began
-                    if done.get("ok"):
+                    if done.ok:
                         return KVTransferResult(transfer_id, True, num_tokens, len(record), elapsed_s)
-                    return KVTransferResult(transfer_id, False, 0, 0, elapsed_s, str(done.get("reason")))
-                reason = str(reply.get("reason", "refused"))
+                    return KVTransferResult(transfer_id, False, 0, 0, elapsed_s, done.reason)
+                reason = reply.reason
                 if reason != "full":
                     return KVTransferResult(transfer_id, False, 0, 0, time.perf_counter() - began, reason)
                 num_full += 1
@@ -100,7 +100,7 @@ def send_signed(sock: socket.socket, record: bytes, header_mac: str, secret: str
         piece = view[start : start + SIGNED_PIECE_BYTES]
         sock.sendall(piece)
         mac.update(piece)
-    send_msg(sock, {"mac": mac.hexdigest()})
+    send_msg(sock, Trailer(mac.hexdigest()).as_wire())
 
 
 class PDSenderConnector:

@@ -1,8 +1,11 @@
 """Framing for the KV transfer socket: length-prefixed JSON control messages, then raw payload bytes.
 
-One connection carries one transfer: the sender asks to reserve ``nbytes`` (``{"op": "reserve", ...}``), the
-receiver answers ``{"ok": true}`` or ``{"ok": false, "reason": "full"}``; on yes the sender writes the payload
-(a ``kvcache.serde`` record: header, checksum, KV bytes) and the receiver answers once it is verified and stored.
+One connection carries one transfer: the sender asks to reserve ``nbytes`` (a :class:`Reserve`), the
+receiver answers with a :class:`Reply` (``ok``, or why not: ``full`` is worth retrying); on yes the sender writes
+the payload (a ``kvcache.serde`` record: header, checksum, KV bytes), then, with a cluster secret, a
+:class:`Trailer` with the payload's MAC, and the receiver answers once it is verified and stored. Each message
+is a dataclass here, and parsing one that is malformed is a ``WireError``: the only exception a peer's bytes
+can cause.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -54,6 +58,84 @@ def payload_mac(secret: str, header_mac: str) -> PayloadMac:
 
 class WireError(SplitserveError, ConnectionError):
     """The peer closed early or sent something malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """The sender's request: room for ``nbytes`` of one prompt's KV. Signed pushes add ``ts`` and ``mac``."""
+
+    transfer_id: str
+    nbytes: int
+    num_tokens: int
+    tokens_hash: int
+    layout: str
+    ts: float | None = None  # with a cluster secret: when it was signed (a stale one is refused)
+    mac: str | None = None  # with a cluster secret: auth.sign over the other fields
+
+    def as_wire(self) -> dict[str, Any]:
+        """The message as sent (what ``auth.sign`` signs, without ``mac``)."""
+        message: dict[str, Any] = {"op": "reserve", "transfer_id": self.transfer_id, "nbytes": self.nbytes,
+                                   "num_tokens": self.num_tokens, "tokens_hash": self.tokens_hash,
+                                   "layout": self.layout}  # fmt: skip
+        if self.ts is not None:
+            message["ts"] = self.ts
+        if self.mac is not None:
+            message["mac"] = self.mac
+        return message
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> Reserve:
+        ts, mac = message.get("ts"), message.get("mac")
+        if message.get("op", "reserve") != "reserve":  # the connection's first message: nothing else comes first
+            raise WireError(f"expected a reserve request, got op {message.get('op')!r}")
+        return cls(
+            transfer_id=_field(message, "transfer_id", str),
+            nbytes=_field(message, "nbytes", int),
+            num_tokens=_field(message, "num_tokens", int),
+            tokens_hash=_field(message, "tokens_hash", int),
+            layout=_field(message, "layout", str),
+            ts=float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None,
+            mac=mac if isinstance(mac, str) else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The receiver's answer to a request, and to a payload: ``ok``, or the reason it is not."""
+
+    ok: bool
+    reason: str = ""
+
+    def as_wire(self) -> dict[str, Any]:
+        return {"ok": self.ok} if self.ok and not self.reason else {"ok": self.ok, "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> Reply:
+        ok = message.get("ok")
+        if not isinstance(ok, bool):
+            raise WireError("a reply without ok")
+        return cls(ok, str(message.get("reason") or ("" if ok else "refused")))
+
+
+@dataclass(frozen=True, slots=True)
+class Trailer:
+    """After a signed payload: its MAC (``PayloadMac``), which the receiver checks before storing it."""
+
+    mac: str
+
+    def as_wire(self) -> dict[str, Any]:
+        return {"mac": self.mac}
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> Trailer:
+        return cls(_field(message, "mac", str))
+
+
+def _field(message: dict[str, Any], name: str, kind: type) -> Any:
+    value = message.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise WireError(f"{name} must be a {kind.__name__}, got {value!r}")
+    return value
 
 
 def send_msg(sock: socket.socket, message: dict[str, Any]) -> None:
