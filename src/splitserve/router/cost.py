@@ -34,7 +34,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from splitserve.router.discovery import Worker
+from splitserve.router.discovery import Worker, WorkerLease
 
 PRIOR_S_PER_TOKEN = 1e-3  # until some worker measured its own: ~1,000 prompt tokens/s
 MIN_SAMPLE_TOKENS = 128  # answers that computed fewer tokens say more about fixed costs than about prefill
@@ -127,15 +127,16 @@ def pd_costs(
 
 
 class QueuedPrefill:
-    """A request's uncached tokens, counted in its worker's queued prefill until the worker answers (or fails).
-    The first answer also teaches the cost model the worker's seconds per prefill token."""
+    """A request's uncached tokens, counted in its worker's queued prefill (by its ``WorkerLease``) until the
+    worker answers (or fails). The first answer also teaches the cost model the worker's seconds per prefill
+    token."""
 
-    def __init__(self, worker: Worker, tokens: int) -> None:
-        self.worker = worker
-        self.tokens = tokens
-        self.ahead = worker.pending_prefill_tokens
+    def __init__(self, lease: WorkerLease) -> None:
+        self.lease = lease
+        self.worker = lease.worker
+        self.tokens = lease.queued_tokens
+        self.ahead = lease.worker.pending_prefill_tokens - lease.queued_tokens  # queued before this request
         self.sent_s = time.perf_counter()
-        worker.pending_prefill_tokens += tokens
 
     def answered(self, cost: PrefillCostModel | None, not_prefill_s: float = 0.0) -> None:
         """The worker answered: teach ``cost`` the time since sending, less ``not_prefill_s`` (a prefill worker's
@@ -148,5 +149,5 @@ class QueuedPrefill:
 
     def release(self) -> None:
         """Stop counting the tokens as queued (idempotent)."""
-        self.worker.pending_prefill_tokens -= self.tokens
+        self.lease.answered()
         self.tokens = 0

@@ -218,9 +218,8 @@ class Disaggregator:
         body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
         params = self._signed(KVTransferParams(transfer_id, decode_kv_addr=addr).as_api())
         body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
-        worker.in_flight += 1
-        worker.breaker.on_attempt()
-        queued = QueuedPrefill(worker, prefill.uncached_tokens)
+        lease = worker.lease(prefill.uncached_tokens)
+        queued = QueuedPrefill(lease)
         try:
             upstream = await self.forwarder.transport.post(worker.url + call.path, json.dumps(body).encode(),
                                                            call.headers)  # fmt: skip
@@ -232,8 +231,8 @@ class Disaggregator:
             logger.warning("prefill worker %s failed: %s", worker.name, exc)
             return None
         finally:
-            worker.in_flight -= 1
             queued.release()
+            lease.release()
         self.metrics.prefill_s.observe(time.perf_counter() - queued.sent_s)
         if upstream.status >= 500:
             worker.breaker.record_failure()

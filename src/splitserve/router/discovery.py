@@ -46,6 +46,46 @@ class Worker:
     def name(self) -> str:
         return self.worker_id or self.url
 
+    def lease(self, queued_tokens: int = 0) -> WorkerLease:
+        """One request's hold on this worker, counted from now (see :class:`WorkerLease`)."""
+        return WorkerLease(self, queued_tokens)
+
+
+class WorkerLease:
+    """One request's hold on a worker, and the only code that moves the worker's counters: from taking it, the
+    request is in flight there (and its breaker hears of an attempt); its uncached tokens count as queued
+    prefill until the worker answers; once its answer is relayed it is streaming; :meth:`release` (idempotent)
+    undoes all of it."""
+
+    def __init__(self, worker: Worker, queued_tokens: int = 0) -> None:
+        self.worker = worker
+        self.queued_tokens = queued_tokens
+        self.is_streaming = False
+        self.is_released = False
+        worker.in_flight += 1
+        worker.pending_prefill_tokens += queued_tokens
+        worker.breaker.on_attempt()
+
+    def answered(self) -> None:
+        """The worker started to answer (or failed): its tokens are no longer queued prefill there."""
+        self.worker.pending_prefill_tokens -= self.queued_tokens
+        self.queued_tokens = 0
+
+    def stream(self) -> None:
+        """Its answer is being relayed."""
+        if not self.is_streaming and not self.is_released:
+            self.worker.num_streaming += 1
+            self.is_streaming = True
+
+    def release(self) -> None:
+        if self.is_released:
+            return
+        self.answered()
+        self.worker.in_flight -= 1
+        if self.is_streaming:
+            self.worker.num_streaming -= 1
+        self.is_released = True
+
 
 MAX_WORKERS = 1024  # workers a router takes from an admin update, and workers its KV index tracks
 

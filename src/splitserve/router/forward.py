@@ -34,7 +34,7 @@ from splitserve.metrics import RouterMetrics
 from splitserve.openai_chunks import sse_event, stream_error_end
 from splitserve.protocol.errors import error_body
 from splitserve.router.cost import PrefillCostModel, QueuedPrefill
-from splitserve.router.discovery import Worker
+from splitserve.router.discovery import Worker, WorkerLease
 from splitserve.router.hit_check import HitPredictionCheck
 from splitserve.router.migrate import (
     PROMPT_CONTEXT_TOKENS,
@@ -170,10 +170,9 @@ class Forwarder:
     async def _try(self, worker: Worker, call: Call, uncached_tokens: int = 0) -> _Attempt:
         """Send ``call`` to ``worker``; its ``uncached_tokens`` count as queued there until it answers."""
         attempt = _Attempt()
-        worker.in_flight += 1
+        lease = worker.lease(uncached_tokens)
         self.metrics.observe_sent(worker.url)
-        worker.breaker.on_attempt()
-        queued = QueuedPrefill(worker, uncached_tokens)
+        queued = QueuedPrefill(lease)
         handed_over = False
         try:
             try:
@@ -191,7 +190,7 @@ class Forwarder:
         finally:
             queued.release()
             if not handed_over:
-                worker.in_flight -= 1
+                lease.release()
 
     async def _refused(self, worker: Worker, upstream: Upstream, attempt: _Attempt) -> None:
         """A 429, 5xx or 503 ``draining``: another worker is tried; the answer is kept in case none can."""
@@ -234,7 +233,7 @@ class Forwarder:
         if call.observe_ttft:
             self.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
         self.policy.on_routed(call.routing, worker)
-        lease = _Lease(worker, upstream)  # released by the relay, or after the response if it never ran
+        lease = _Lease(queued.lease, upstream)  # released by the relay, or after the response if it never ran
         relay = (
             self._relay(lease, first, chunks, call.start_s)
             if call.tracker is None
@@ -373,9 +372,8 @@ class Forwarder:
     ) -> AsyncIterator[bytes] | _Refused | None:
         """The resumed request's stream on ``worker`` (``lease`` now holds it); a :class:`_Refused` for a client
         error, which any worker would answer; None for a failure another worker may not have."""
-        worker.in_flight += 1
+        taken = worker.lease()
         self.metrics.observe_sent(worker.url)
-        worker.breaker.on_attempt()
         upstream: Upstream | None = None
         handed_over = False
         try:
@@ -386,7 +384,7 @@ class Forwarder:
             chunks = upstream.chunks()
             first = await anext(chunks)
             worker.breaker.record_success()
-            lease.hold(worker, upstream)
+            lease.hold(taken, upstream)
             handed_over = True
             return _prepend(first, chunks)
         except (TransportError, StopAsyncIteration, _Refused) as exc:
@@ -398,7 +396,7 @@ class Forwarder:
             return None
         finally:
             if not handed_over:  # failed, or cancelled (the client left): undo the count, drop the answer
-                worker.in_flight -= 1
+                taken.release()
                 if upstream is not None:
                     upstream.close()
 
@@ -469,24 +467,27 @@ class Forwarder:
 
 
 class _Lease:
-    """A worker's in-flight count and its open answer, released once: by the relay, or after the response
-    when the client left before the relay ran."""
+    """A relayed stream: its worker's lease and its open answer, released once: by the relay, or after the
+    response when the client left before the relay ran."""
 
-    def __init__(self, worker: Worker, upstream: Upstream) -> None:
-        self.worker = worker
+    def __init__(self, lease: WorkerLease, upstream: Upstream) -> None:
+        self._lease = lease
         self._upstream: Upstream | None = upstream
-        worker.num_streaming += 1
+        lease.stream()
 
-    def hold(self, worker: Worker, upstream: Upstream) -> None:
+    @property
+    def worker(self) -> Worker:
+        return self._lease.worker
+
+    def hold(self, lease: WorkerLease, upstream: Upstream) -> None:
         """Take over another worker's (already counted) request, after this one was released."""
         self.release()
-        self.worker, self._upstream = worker, upstream
-        worker.num_streaming += 1
+        self._lease, self._upstream = lease, upstream
+        lease.stream()
 
     def release(self) -> None:
         if self._upstream is not None:
-            self.worker.in_flight -= 1
-            self.worker.num_streaming -= 1
+            self._lease.release()
             self._upstream.close()
             self._upstream = None
 
