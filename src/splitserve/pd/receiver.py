@@ -154,33 +154,8 @@ class KVReceiver:
             return
         reserved = False
         try:
-            refusal = self._refusal(raw, header)
-            if refusal is not None:
-                logger.warning("KV receiver: refused transfer %s from %s: %s", transfer_id, peer, refusal)
-                send_msg(sock, Reply(False, refusal).as_wire())
-                return
-            if layout != self.layout:
-                send_msg(sock, Reply(False, f"layout {layout} is not this engine's {self.layout}").as_wire())
-                return
-            if not 0 < num_bytes <= self.buffer.capacity_bytes:
-                send_msg(sock, Reply(False, f"{num_bytes} bytes can never fit the PD buffer").as_wire())
-                return
-            quota = int(self.buffer.capacity_bytes * PEER_RESERVATION_SHARE)
-            with self._lock:
-                held = self._filling.get(peer, 0)  # a peer's first transfer in flight may take the whole buffer
-                if held and held + num_bytes > quota:
-                    room = None
-                    self.buffer.count_refusal()
-                else:
-                    room = self.buffer.reserve(transfer_id, num_bytes)
-                if room is not None:
-                    self._filling[peer] = held + num_bytes
-                    self._remember(header)
+            room = self._reserve(sock, peer, raw, header)
             if room is None:
-                logger.info(
-                    "Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes
-                )
-                send_msg(sock, Reply(False, "full").as_wire())
                 return
             reserved = True  # from here on, this connection's reservation is the one to free on failure
             try:
@@ -206,6 +181,36 @@ class KVReceiver:
             return
         ok = self.buffer.commit(transfer_id, header.num_tokens, header.tokens_hash, layout)
         send_msg(sock, Reply(ok, "" if ok else "reservation expired").as_wire())
+
+    def _reserve(self, sock: socket.socket, peer: str, raw: dict[str, object], header: Reserve) -> memoryview | None:
+        """Room for the push in the PD buffer, or None once the sender has been told why not (unsigned, another
+        layout, too big, or no room: the peer's share is taken, or the buffer is full)."""
+        transfer_id, num_bytes, layout = header.transfer_id, header.nbytes, header.layout
+        refusal = self._refusal(raw, header)
+        if refusal is not None:
+            logger.warning("KV receiver: refused transfer %s from %s: %s", transfer_id, peer, refusal)
+        elif layout != self.layout:
+            refusal = f"layout {layout} is not this engine's {self.layout}"
+        elif not 0 < num_bytes <= self.buffer.capacity_bytes:
+            refusal = f"{num_bytes} bytes can never fit the PD buffer"
+        if refusal is not None:
+            send_msg(sock, Reply(False, refusal).as_wire())
+            return None
+        quota = int(self.buffer.capacity_bytes * PEER_RESERVATION_SHARE)
+        with self._lock:
+            held = self._filling.get(peer, 0)  # a peer's first transfer in flight may take the whole buffer
+            if held and held + num_bytes > quota:
+                room = None
+                self.buffer.count_refusal()
+            else:
+                room = self.buffer.reserve(transfer_id, num_bytes)
+            if room is not None:
+                self._filling[peer] = held + num_bytes
+                self._remember(header)
+        if room is None:
+            logger.info("Failed to allocate memory object, retrying... (transfer %s, %d bytes)", transfer_id, num_bytes)
+            send_msg(sock, Reply(False, "full").as_wire())
+        return room
 
     def _refusal(self, raw: dict[str, object], header: Reserve) -> str | None:
         """Why a push must not get a reservation (with a cluster secret: unsigned, forged or stale); None if fine.

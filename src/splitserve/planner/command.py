@@ -74,6 +74,12 @@ def _flag(flags: Sequence[str], name: str) -> str | None:
 def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[str], None]) -> int:
     """Run the command: ``echo`` prints results, ``note`` progress (stderr). Raises ValueError (bad options or
     trace) and EndpointError (a resource that does not load or plan); returns the exit status."""
+    sweeping = _checked_sweep(options)
+    return _run_plan(options, load_endpoint(options.file), sweeping, echo, note)
+
+
+def _checked_sweep(options: PlanOptions) -> bool:
+    """Whether the options sweep rates or prompt lengths; ValueError for options that do not go together."""
     if options.num_requests < 1:
         raise ValueError(f"--num-requests must be positive, got {options.num_requests}")
     sweeping = bool(options.sweep_rates or options.sweep_prompt_tokens)
@@ -84,7 +90,11 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
                          "they take no --trace, --verify or --out")  # fmt: skip
     if any(not x > 0 for x in (*options.sweep_rates, *options.sweep_prompt_tokens)):
         raise ValueError("swept rates and prompt lengths must be positive")
-    config = load_endpoint(options.file)
+    return sweeping
+
+
+def _run_plan(options: PlanOptions, config: InferenceEndpointConfig, sweeping: bool, echo: Callable[[str], None],
+              note: Callable[[str], None]) -> int:  # fmt: skip
     endpoint = plan(config)
     flags = endpoint.roles[0].flags
     max_model_len = int(_flag(flags, "--max-model-len") or DEFAULT_MAX_MODEL_LEN)
@@ -120,10 +130,20 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
     )
     echo(format_table(result))
     echo(f"\npick: {result.pick.layout.describe()}\nwhy: {result.reason}")
+    _write_outputs(options, config, endpoint.model, result, calibration, requests, replayed, slo, shape, echo, note)
+    return 0
+
+
+def _write_outputs(
+    options: PlanOptions, config: InferenceEndpointConfig, model: str, result: Any, calibration: Calibration,
+    requests: Sequence[Any], replayed: ReplayWorkload | None, slo: Slo, shape: WorkloadShape | None,
+    echo: Callable[[str], None], note: Callable[[str], None],
+) -> None:  # fmt: skip
+    """What the options ask for beside the table: the resource with the pick, the verification, plot and JSON."""
     if options.out is not None:
         write_planned(str(options.out), config, result.pick.layout, note=result.reason)
         echo(f"wrote {options.out}")
-    verified = [] if replayed is None else _verify(options, config, endpoint.model, result, replayed, slo, note)
+    verified = [] if replayed is None else _verify(options, config, model, result, replayed, slo, note)
     if verified:
         echo("\n" + format_verify_table(verified))
         echo(_verdict(verified))
@@ -141,7 +161,6 @@ def run_plan(options: PlanOptions, echo: Callable[[str], None], note: Callable[[
             document["verify"] = verify_json(verified)
         options.json_path.write_text(json.dumps(document, indent=1) + "\n")
         echo(f"wrote {options.json_path}")
-    return 0
 
 
 def _sweep(

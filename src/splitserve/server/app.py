@@ -81,6 +81,14 @@ def build_app(
     # added last, so it runs first: a request without a valid key is refused before its body is read
     app.add_middleware(AuthMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret)
     _install_error_handlers(app)
+    _add_health_routes(app, engine, config, draining)
+    _add_kv_routes(app, serving, events, draining)
+    _add_openai_routes(app, serving, config)
+    return app
+
+
+def _add_health_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig, draining: threading.Event) -> None:
+    """Health (``/health``, SageMaker's ``/ping``), metrics, version and where KV events are published."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -114,9 +122,9 @@ def build_app(
             return _json({})
         return _json({"0": dataclasses.asdict(events_config)})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return _json(serving.models().model_dump())
+
+def _add_kv_routes(app: FastAPI, serving: OpenAIServing, events: KVEventLog | None, draining: threading.Event) -> None:
+    """The cluster's internal routes: the KV receiver's address, KV events, lookups."""
 
     @app.get("/kv/transfer")
     async def kv_transfer() -> Response:
@@ -143,6 +151,14 @@ def build_app(
     @app.post("/kv/lookup")
     async def kv_lookup(body: KVLookupRequest) -> Response:
         return _json((await serving.kv_lookup(body)).model_dump())
+
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
+    """The client routes: models, (de)tokenize, completions, chat completions and SageMaker's invocations."""
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(serving.models().model_dump())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -186,8 +202,6 @@ def build_app(
             return await completions(CompletionRequest.model_validate(body), raw)
         except ValidationError as exc:
             raise validation_error(exc.errors()) from exc
-
-    return app
 
 
 def _resumed_prompt_tokens(raw: Request) -> int | None:
