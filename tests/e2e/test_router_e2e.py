@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_kv_tiers_e2e import long_prompt
-from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
-from tests.waiting import wait_until
+from tests.support.tiers import long_prompt
+from tests.support.waiting import wait_until
+from tests.support.workers import RouterProcess, WorkerProcess, free_port
 
 pytestmark = [
     pytest.mark.e2e,

@@ -1,6 +1,6 @@
 """A slow L2 leaves decode steps alone: a real worker (smollm2, the default dtype) streams 8 requests while a long
 prompt whose KV is in Redis arrives and is answered from it, once with Redis answering at once and once with every
-piece of Redis traffic held 500 ms each way by the fault proxy (``tests/faults.py``). No gap between two
+piece of Redis traffic held 500 ms each way by the fault proxy (``tests/support/faults.py``). No gap between two
 tokens of a stream may grow by the delay, and the ITL p99 stays within 1.5x of the fast run's.
 
 Both runs admit the same kind of prompt (loading ~1,800 tokens of KV and computing the rest, which
@@ -24,10 +24,10 @@ import httpx
 import pytest
 import redis
 
-from tests.e2e.test_kv_tiers_e2e import TierWorker, long_prompt
-from tests.e2e.workers import WorkerProcess
-from tests.faults import FaultProxy
-from tests.integration.test_redis_tier import RedisServer
+from tests.support.faults import FaultProxy
+from tests.support.redis import RedisServer
+from tests.support.tiers import TierWorker, long_prompt
+from tests.support.workers import WorkerProcess
 
 pytestmark = [
     pytest.mark.e2e,

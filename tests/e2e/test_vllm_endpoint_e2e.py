@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from splitserve.deploy import vllm
-from tests.e2e.test_kv_tiers_e2e import long_prompt
-from tests.e2e.test_supervisor_e2e import EXAMPLES, Up, pid_alive, state
-from tests.waiting import wait_until
+from tests.support.paths import EXAMPLES
+from tests.support.supervisor import Up, pid_alive, state
+from tests.support.tiers import long_prompt
+from tests.support.waiting import wait_until
 
 
 def _vllm_missing() -> str | None:

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.workers import WorkerProcess
+from tests.support.workers import WorkerProcess
 
 pytestmark = [
     pytest.mark.e2e,

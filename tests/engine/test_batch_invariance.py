@@ -14,8 +14,8 @@ import torch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.kernels import NativeKernels
 from splitserve.model.llama import LlamaForCausalLM
-from tests.engine.conftest import build_engine, run_to_completion, tokens_of
-from tests.engine.test_quant_kernels import gguf_rows, quantize_model
+from tests.support.engine import build_engine, run_to_completion, tokens_of
+from tests.support.quant import gguf_rows, quantize_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

@@ -12,7 +12,7 @@ from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.llama import LlamaForCausalLM
-from tests.engine.conftest import EngineFactory, random_prompts, run_to_completion, tokens_of
+from tests.support.engine import EngineFactory, random_prompts, run_to_completion, tokens_of
 
 
 def test_max_tokens_gives_length(make_engine: EngineFactory) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from tests.engine.conftest import EngineFactory, random_prompts, run_to_completion, tokens_of
+from tests.support.engine import EngineFactory, random_prompts, run_to_completion, tokens_of
 
 
 def alone(make_engine: EngineFactory, prompts: dict[str, list[int]], **kw: object) -> dict[str, list[int]]:

@@ -23,7 +23,7 @@ from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
-from tests.engine.conftest import build_engine, run_to_completion, tokens_of
+from tests.support.engine import build_engine, run_to_completion, tokens_of
 
 pytestmark = pytest.mark.slow
 

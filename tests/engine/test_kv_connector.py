@@ -20,21 +20,18 @@ from splitserve.engine.connector import KVLoad, LoadedTokens
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.keys import cache_key, chunk_hashes, hash_blocks, hash_of_key, kv_layout
+from splitserve.keys import hash_blocks, hash_of_key, kv_layout
 from splitserve.kv_events import Tier
 from splitserve.kvcache import serde
 from splitserve.kvcache.connector import KVConnector, build_connector
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.store import TieredStore
-from splitserve.kvcache.tiers import KVTier, NullTier
 from splitserve.metrics import WorkerMetrics, sum_samples
 from splitserve.model.llama import LlamaForCausalLM
-from tests.engine.conftest import build_engine, random_prompts, run_to_completion, tokens_of
+from tests.support.engine import build_engine, random_prompts, run_to_completion, tokens_of
+from tests.support.kv_store import BLOCK, CHUNK, MODEL_ID, chunk_keys, make_store, record_keys
 
-BLOCK = 16
-CHUNK = 32
-MODEL_ID = "tiny"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPT = random_prompts(1, 200, 200, seed=7)["r0"]  # 6 whole chunks loadable: (200 - 1) // 32
 
@@ -49,15 +46,6 @@ def cold_tokens(tiny_model: LlamaForCausalLM) -> list[int]:
     return tokens_of(run_to_completion(build_engine(tiny_model), {"r": PROMPT}, GREEDY)["r"])
 
 
-def make_store(layout: str, l2: KVTier | None, l1: bool = True, max_pending: int = 1 << 28) -> TieredStore:
-    return TieredStore(
-        CPUTier(64 << 20) if l1 else NullTier(),
-        l2,
-        validate=serde.RecordSigner.for_secret(None, MODEL_ID, layout).verify,
-        max_pending_write_bytes=max_pending,
-    )
-
-
 def make_engine(
     model: LlamaForCausalLM, connector: KVConnector, max_num_batched_tokens: int = 1024, num_blocks: int = 256
 ) -> LLMEngine:
@@ -67,20 +55,6 @@ def make_engine(
         scheduler=SchedulerConfig(64, max_num_batched_tokens, True),
     )
     return LLMEngine(config, model, None, "test", torch.device("cpu"), [connector])
-
-
-def chunk_keys(layout: str, prompt: list[int]) -> list[str]:
-    hashes = chunk_hashes(hash_blocks(prompt, BLOCK), CHUNK // BLOCK)
-    return [cache_key(MODEL_ID, layout, h) for h in hashes]
-
-
-def record_keys(layout: str, prompt: list[int]) -> list[str]:
-    """Keys of the records a worker saves for ``prompt``: its whole chunks, then its tail of full blocks if any."""
-    hashes = hash_blocks(prompt, BLOCK)
-    keys = chunk_keys(layout, prompt)
-    if len(hashes) % (CHUNK // BLOCK):
-        keys.append(cache_key(MODEL_ID, layout, hashes[-1]))
-    return keys
 
 
 def first_worker_stores(

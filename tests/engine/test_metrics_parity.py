@@ -31,8 +31,8 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.metrics import WorkerMetrics, sum_samples
 from splitserve.router.app import Router, build_router_app
 from splitserve.server.app import build_app
-from tests.unit.fake_engine import ServerThread
-from tests.waiting import wait_until
+from tests.support.fake_engine import ServerThread
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from splitserve.model.attention import DecodeBatch, PrefillChunk
 from splitserve.model.kernel_build import CpuInfo, detect_cpu, select_level
 from splitserve.model.kernels import NativeKernels, kernels_for, native
 from splitserve.model.llama import LlamaForCausalLM
-from tests.engine.conftest import build_engine, run_to_completion
+from tests.support.engine import build_engine, run_to_completion
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

@@ -29,9 +29,9 @@ from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
 from splitserve.pd.sender import PDSenderConnector, push
 from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferResult
-from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
-from tests.faults import FaultProxy
-from tests.waiting import wait_until
+from tests.support.engine import random_prompts, run_to_completion, tokens_of
+from tests.support.faults import FaultProxy
+from tests.support.waiting import wait_until
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

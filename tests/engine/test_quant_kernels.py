@@ -16,23 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model import llama
-from splitserve.model.kernels import (
-    ARM_LEVELS,
-    BASE_FLAGS,
-    QUANT_TYPES,
-    SOURCE_DIR,
-    IsaLevel,
-    NativeKernels,
-    detect_cpu,
-    kernels_for,
-)
+from splitserve.model.kernel_build import ARM_LEVELS, BASE_FLAGS, SOURCE_DIR, IsaLevel, detect_cpu
+from splitserve.model.kernels import QUANT_TYPES, NativeKernels, kernels_for
 from splitserve.model.llama import LlamaForCausalLM
-from splitserve.model.quant import GGUFRows
-from tests.engine.conftest import build_engine, run_to_completion
+from tests.support.engine import build_engine, run_to_completion
+from tests.support.quant import gguf_rows, quantize_model
 
 LEVELS = [level.name for level in detect_cpu().levels]
 
@@ -44,11 +36,6 @@ def kernels(request: pytest.FixtureRequest) -> NativeKernels:
     if built is None:
         pytest.fail(f"the {request.param} kernels did not build (is a C compiler with OpenMP installed?)")
     return built
-
-
-def gguf_rows(weight: np.ndarray, wtype: int) -> GGUFRows:
-    blocks = quantize(weight.astype(np.float32), wtype)
-    return GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks)), wtype, weight.shape[1])
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -115,20 +102,6 @@ def test_quant_matmul_declines_what_it_cannot_take(kernels: NativeKernels) -> No
         kernels.pack(rows.rows, 12, 64)  # Q4_K: not a format the kernels take
     with pytest.raises(ValueError, match="cannot pack"):
         kernels.pack(rows.rows, 8, 48)  # k not a multiple of 32
-
-
-def quantize_model(model: LlamaForCausalLM, kernels: NativeKernels, wtype: int) -> LlamaForCausalLM:
-    """A copy of ``model`` whose weights are ``wtype``-rounded, with those blocks as its quantized weights."""
-    model = copy.deepcopy(model)
-    for module in model.modules():
-        if isinstance(module, llama.Linear):
-            rows = gguf_rows(module.weight.detach().numpy(), wtype)
-            module.weight.data = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).float()
-            module.set_quantized(rows, kernels)
-    head = gguf_rows(model.embed_tokens.weight.detach().numpy(), 8)
-    model.embed_tokens.weight.data = torch.from_numpy(dequantize(head.rows.numpy(), 8)).float()
-    assert model.load_quantized_weights({"model.embed_tokens.weight": head}, kernels) == 1
-    return model
 
 
 @pytest.mark.parametrize("wtype", [2, 3])

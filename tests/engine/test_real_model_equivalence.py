@@ -27,7 +27,7 @@ from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.registry import load_model
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
-from tests.engine.conftest import build_engine, run_to_completion, tokens_of
+from tests.support.engine import build_engine, run_to_completion, tokens_of
 
 pytestmark = pytest.mark.slow
 

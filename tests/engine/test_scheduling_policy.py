@@ -11,7 +11,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.llama import LlamaForCausalLM
-from tests.engine.conftest import random_prompts
+from tests.support.engine import random_prompts
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 PROMPTS = random_prompts(2, 900, 900, seed=7)

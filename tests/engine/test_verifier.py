@@ -21,9 +21,9 @@ from splitserve.kvcache.disk import DiskTier
 from splitserve.metrics import WorkerMetrics, sum_samples
 from splitserve.model.kernels import native
 from splitserve.model.llama import LlamaForCausalLM
-from tests.engine.conftest import random_prompts, run_to_completion, tokens_of
-from tests.engine.test_kv_connector import CHUNK, MODEL_ID, make_store, record_keys
-from tests.engine.test_quant_kernels import quantize_model
+from tests.support.engine import random_prompts, run_to_completion, tokens_of
+from tests.support.kv_store import CHUNK, MODEL_ID, make_store, record_keys
+from tests.support.quant import quantize_model
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

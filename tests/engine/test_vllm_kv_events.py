@@ -23,8 +23,8 @@ from splitserve.vllm_events import (
     decode_frames,
 )
 from splitserve.vllm_publisher import VLLMEventPublisher
-from tests.engine.conftest import run_to_completion
-from tests.waiting import wait_until
+from tests.support.engine import run_to_completion
+from tests.support.waiting import wait_until
 
 BLOCK_SIZE = 8
 

@@ -5,10 +5,6 @@ restarted (the tier reconnects after its back-off)."""
 from __future__ import annotations
 
 import logging
-import shutil
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,10 +19,10 @@ from splitserve.kvcache import serde
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore
+from tests.support.redis import REDIS_SERVER, RedisServer
 
 torch.set_num_threads(1)
 
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH (`make setup` installs it)"),
@@ -42,48 +38,6 @@ def key(i: int) -> str:
 def record(seed: int, num_tokens: int = 16) -> bytes:
     kv = torch.randn(2, 2, num_tokens, 2, 8, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     return serde.encode(kv, num_tokens, LAYOUT)
-
-
-class RedisServer:
-    """A throw-away redis-server on a free port, no persistence."""
-
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture

@@ -23,9 +23,9 @@ from splitserve.deploy.pods import redacted
 from splitserve.router import app as router_app
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.discovery import checked_worker_url
-from tests.e2e.workers import RouterProcess, WorkerProcess, free_port
-from tests.unit.fake_engine import ServerThread
-from tests.waiting import wait_until
+from tests.support.fake_engine import ServerThread
+from tests.support.waiting import wait_until
+from tests.support.workers import RouterProcess, WorkerProcess, free_port
 
 WORKER_KEY = "worker-key-0123456789"
 ROUTER_KEY = "router-key-9876543210"
@@ -307,7 +307,7 @@ def test_kv_transfer_params_come_from_the_router_only() -> None:
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.metrics import WorkerMetrics
     from splitserve.server.app import build_app
-    from tests.unit.fake_engine import FakeEngine
+    from tests.support.fake_engine import FakeEngine
 
     seen: list[dict[str, object]] = []
 
@@ -343,7 +343,7 @@ def test_a_cache_salt_that_cannot_be_hashed_is_a_400_on_router_and_worker() -> N
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.metrics import WorkerMetrics
     from splitserve.server.app import build_app
-    from tests.unit.fake_engine import FakeEngine
+    from tests.support.fake_engine import FakeEngine
 
     with ExitStack() as stack:
         engine = AsyncEngine(lambda: FakeEngine(), WorkerMetrics("fake-model"))

@@ -5,9 +5,7 @@ confine a user to its prefix), and ``rediss://`` works with the server's CA."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,43 +18,12 @@ from splitserve.keys import cache_key
 from splitserve.kvcache import serde
 from splitserve.kvcache.connector import build_connector
 from splitserve.kvcache.redis import RedisTier, connect
+from tests.support.redis import PASSWORD, REDIS_SERVER, ConfiguredRedis
 
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 
-PASSWORD = "redis-pass-0123456789"
 LAYOUT = "float32-L2-H1-D8-B16"
 MODEL = "m"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ConfiguredRedis:
-    """A redis-server reading ``config`` from stdin (so no secret is in its argv), on a free port."""
-
-    def __init__(self, config: list[str], tls: bool = False) -> None:
-        self.port = free_port()
-        lines = ["bind 127.0.0.1", 'save ""', "appendonly no", *config]
-        lines.append(f"tls-port {self.port}\nport 0" if tls else f"port {self.port}")
-        assert REDIS_SERVER is not None
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        assert self.process.stdin is not None
-        self.process.stdin.write("\n".join(lines).encode() + b"\n")
-        self.process.stdin.close()
-        deadline = time.monotonic() + 10
-        while socket.socket().connect_ex(("127.0.0.1", self.port)) != 0:
-            assert self.process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait(10)
 
 
 @pytest.fixture(scope="module")

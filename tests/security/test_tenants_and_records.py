@@ -24,8 +24,8 @@ from splitserve import auth, envs
 from splitserve.keys import hash_of_key
 from splitserve.kvcache import serde
 from splitserve.metrics import KV_INVALID_RECORDS_TOTAL, ROUTER_INDEX_HIT_TOKENS_TOTAL
-from tests.e2e.workers import RouterProcess, WorkerProcess
-from tests.security.test_redis_auth import PASSWORD, REDIS_SERVER, ConfiguredRedis
+from tests.support.redis import PASSWORD, REDIS_SERVER, ConfiguredRedis
+from tests.support.workers import RouterProcess, WorkerProcess
 
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-9876543210"
 SECRET = "cluster-secret-for-tenants"

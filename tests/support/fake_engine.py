@@ -16,6 +16,7 @@ from typing import Any
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.metrics import CumulativeHistogram, RequestPhases
+from tests.support.workers import free_port
 
 REPLY = "Paris is the capital of France."
 VOCAB_SIZE = 256
@@ -195,14 +196,6 @@ class FakeEngine:
 def _phases(req: _FakeRequest, now: float) -> RequestPhases:
     """Admitted at once, a token every step: the time to the first token is prefill, the rest decode."""
     return RequestPhases(0.0, req.first_token_s - req.added_s, now - req.first_token_s, 0)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerThread:

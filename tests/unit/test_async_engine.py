@@ -14,7 +14,7 @@ from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineN
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.metrics import WorkerMetrics
-from tests.unit.fake_engine import REPLY, FakeEngine
+from tests.support.fake_engine import REPLY, FakeEngine
 
 T = TypeVar("T")
 PROMPT = [72, 105]  # "Hi"

@@ -45,7 +45,7 @@ from splitserve.bench.sweep import (
     run_sweep,
 )
 from splitserve.cli import app
-from tests.unit.test_bench import FakeOpenAI, _stub_app
+from tests.support.fake_openai import FakeOpenAI, stub_app
 
 
 def _ok(start_s: float, ttft_s: float, itl_s: list[float], output_tokens: int = 0, e2e_s: float = 0.0) -> RequestResult:
@@ -281,7 +281,7 @@ def _servers(count: int) -> Iterator[list[tuple[str, FakeOpenAI]]]:
         fake = FakeOpenAI(chunk_delay_s=0.001)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(_stub_app(fake), log_level="error", lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(stub_app(fake), log_level="error", lifespan="off"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         running.append((server, thread, sock, fake))

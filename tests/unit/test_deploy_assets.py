@@ -14,7 +14,7 @@ import yaml
 
 from splitserve import metrics
 from splitserve.metrics import RouterMetrics, WorkerMetrics
-from tests.unit.fake_engine import FakeStats
+from tests.support.fake_engine import FakeStats
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD_PATH = DEPLOY / "grafana" / "splitserve-dashboard.json"

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.config import RoutingStrategy
-from tests.unit.test_router_app import MODEL, FakeWorker, start_router
+from tests.support.router import MODEL, FakeWorker, start_router
 
 EXAMPLES = 150
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -27,7 +27,7 @@ from splitserve.metrics import (
 from splitserve.metrics.router import SlidingWindow
 from splitserve.metrics.worker import hit_source
 from splitserve.router.scrape import page_totals, prefix_cache_counts
-from tests.unit.fake_engine import FakeEngine, FakeStats
+from tests.support.fake_engine import FakeEngine, FakeStats
 
 FAMILIES_PATH = Path(__file__).resolve().parents[1] / "data" / "vllm_0_32_metric_families.txt"
 

@@ -7,7 +7,6 @@ import copy
 import json
 import threading
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,8 +36,8 @@ from splitserve.router.k8s_discovery import (
     WorkerLists,
     worker_lists,
 )
+from tests.support.paths import EXAMPLES
 
-EXAMPLES = Path(__file__).parents[2] / "examples"
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 

@@ -19,7 +19,8 @@ from splitserve.planner.recommend import Candidate, Layout
 from splitserve.planner.simulate import Prediction, Slo
 from splitserve.planner.verify import _common_prefix, client_headers, measured_figures, relative_errors, replay_workload
 from splitserve.planner.workload import TraceRequest, WorkloadShape, with_prompt_tokens
-from tests.unit.test_planner_recommend import EXAMPLES, calibration
+from tests.support.paths import EXAMPLES
+from tests.support.planner import calibration
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

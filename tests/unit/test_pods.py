@@ -19,8 +19,9 @@ from splitserve.deploy import pods as pods_module
 from splitserve.deploy.local import _supervisor_pid, _write_pid_file, load_for_local_run, private_dir
 from splitserve.deploy.pods import PodSet, PodSpec, redacted
 from splitserve.endpoint import EndpointError, load_endpoint
-from tests.e2e.workers import free_port
-from tests.waiting import wait_until
+from tests.support.paths import EXAMPLES
+from tests.support.waiting import wait_until
+from tests.support.workers import free_port
 
 # answers GET /health with 200 until the file "hang" exists, then accepts connections and never answers
 HEALTH_SERVER = textwrap.dedent("""
@@ -33,9 +34,6 @@ HEALTH_SERVER = textwrap.dedent("""
         def log_message(self, *args): pass
     http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """)
-
-
-EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def mode(path: Path) -> int:

@@ -2,46 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from splitserve import __version__
-from splitserve.config import RouterConfig, RoutingStrategy
-from splitserve.engine.async_engine import AsyncEngine
+from splitserve.config import RoutingStrategy
 from splitserve.keys import hash_blocks
-from splitserve.metrics import WorkerMetrics
-from splitserve.router.app import Router, build_router_app
-from splitserve.router.tokens import prompt_token_ids
-from splitserve.server.app import build_app
-from tests.unit.fake_engine import FakeEngine, FakeTokenizer, ServerThread, free_port
-from tests.waiting import wait_until
-
-MODEL = "fake-model"
-
-
-class FakeWorker:
-    def __init__(self, stack: ExitStack) -> None:
-        self.engine = FakeEngine(step_delay_s=0.001)
-        self.server = stack.enter_context(
-            ServerThread(build_app(AsyncEngine(lambda: self.engine, WorkerMetrics(MODEL))))
-        )
-        wait_until(lambda: httpx.get(f"{self.server.url}/health").status_code == 200)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.engine.added_ids)
+from tests.support.fake_engine import ServerThread
+from tests.support.router import MODEL, FakeWorker, completion, start_router
+from tests.support.waiting import wait_until
+from tests.support.workers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +26,10 @@ def workers() -> Iterator[list[FakeWorker]]:
         yield [FakeWorker(stack), FakeWorker(stack)]
 
 
-def start_router(stack: ExitStack, backends: list[str], **options: Any) -> tuple[Router, httpx.Client]:
-    config = RouterConfig(model=MODEL, backends=tuple(backends), **({"health_interval_s": 0.2} | options))
-    tokenize = functools.partial(prompt_token_ids, FakeTokenizer())
-    router = Router(config, tokenize)
-    server = stack.enter_context(ServerThread(build_router_app(router)))
-    client = stack.enter_context(httpx.Client(base_url=server.url, timeout=10))
-    return router, client
-
-
 @pytest.fixture
 def stack() -> Iterator[ExitStack]:
     with ExitStack() as stack:
         yield stack
-
-
-def completion(client: httpx.Client, prompt: Any = "Hello", **extra: Any) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, **extra})
 
 
 def test_roundrobin_proxies_every_kind_of_request_over_both_workers(

@@ -18,7 +18,7 @@ from splitserve.router.cost import (
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import PrefixIndex
 from splitserve.router.policies import KVAwarePolicy, PrefixAwarePolicy
-from tests.unit.test_router_policies import BLOCK_SIZE, W0, W1, guard, kv_index, prompt, routing, stored
+from tests.support.policies import BLOCK_SIZE, W0, W1, guard, kv_index, prompt, routing, stored
 
 
 class TestPrefillCostModel:

@@ -1,7 +1,7 @@
 """The disaggregation decision: with ``cost`` (the default) a long prompt is prefilled on the prefill pool only when
 prefill plus the KV push beats the decode worker prefilling it itself, counting the requests running there, which its
 prefill would stall; ``threshold`` disaggregates every prompt over the floor. No socket: the router reaches its workers
-through the fake transport of ``test_router_forward``."""
+through the fake transport of ``tests/support/transport.py``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from splitserve.config import PDDecision, RouterConfig
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.cost import PRIOR_S_PER_TOKEN
 from splitserve.router.discovery import Worker
-from tests.unit.test_router_forward import FakeTransport, FakeUpstream, completion_chunk, sse
+from tests.support.transport import FakeTransport, FakeUpstream, completion_chunk, sse
 
 P, D = "http://prefill:8000", "http://decode:8000"
 THRESHOLD = 256

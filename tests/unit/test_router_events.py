@@ -7,7 +7,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
 
-import httpx
 import pytest
 
 from splitserve.config import RoutingStrategy
@@ -17,28 +16,12 @@ from splitserve.kv_events import KVEventLog, Tier
 from splitserve.metrics import WorkerMetrics
 from splitserve.router import events as router_events
 from splitserve.server.app import build_app
-from tests.unit.fake_engine import FakeEngine, ServerThread
-from tests.unit.test_router_app import MODEL, completion, start_router
-from tests.waiting import wait_until
+from tests.support.fake_engine import FakeEngine, ServerThread
+from tests.support.router import MODEL, EventfulWorker, completion, start_router
+from tests.support.waiting import wait_until
 
 PROMPT = list(range(1, 70))  # 4 full blocks of 16
 DECISIONS = "splitserve:router_routing_decisions_total"
-
-
-class EventfulWorker:
-    """A fake-engine worker serving ``GET /kv/events`` from its own log (as every splitserve worker does)."""
-
-    def __init__(self, stack: ExitStack, name: str) -> None:
-        self.engine = FakeEngine()
-        self.log = KVEventLog(name, "unused", {"block_size": 16})
-        app = build_app(AsyncEngine(lambda: self.engine, WorkerMetrics(MODEL)), events=self.log)
-        self.server = stack.enter_context(ServerThread(app))
-        self.url = self.server.url
-        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.engine.added_ids)
 
 
 @pytest.fixture

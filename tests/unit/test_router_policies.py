@@ -27,7 +27,6 @@ from splitserve.router.policies import (
     POLICIES,
     Decision,
     KVAwarePolicy,
-    LoadGuard,
     PrefixAwarePolicy,
     RoundRobinPolicy,
     RoutingPolicy,
@@ -36,23 +35,11 @@ from splitserve.router.policies import (
     build_policy,
 )
 from splitserve.router.tokens import prompt_token_ids
-
-BLOCK_SIZE = 4
-CHUNK_SIZE = 16  # 4 blocks per chunk
-PATH = "/v1/completions"
+from tests.support.policies import BLOCK_SIZE, CHUNK_SIZE, W0, W1, guard, kv_index, prompt, routing, stored
 
 
 def make_workers(num: int) -> list[Worker]:
     return [Worker(f"http://w{i}:8000") for i in range(num)]
-
-
-def prompt(num_blocks: int, start: int = 0) -> list[int]:
-    """``num_blocks`` full blocks of distinct token ids; a different ``start`` gives an unrelated prompt."""
-    return list(range(start, start + num_blocks * BLOCK_SIZE))
-
-
-def routing(token_ids: list[int] | None = None, session_id: str | None = None) -> RoutingRequest:
-    return RoutingRequest(PATH, session_id, token_ids, block_size=BLOCK_SIZE)
 
 
 def route(policy: RoutingPolicy, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
@@ -65,11 +52,6 @@ def route(policy: RoutingPolicy, request: RoutingRequest, candidates: Sequence[W
 def picked(decision: Decision) -> tuple[Worker, str, int]:
     """The worker, outcome and matched tokens of a decision (its uncached tokens are tested apart)."""
     return decision.worker, decision.outcome, decision.matched_tokens
-
-
-def guard() -> LoadGuard:
-    defaults = RouterConfig()
-    return LoadGuard(defaults.balance_abs_threshold, defaults.balance_rel_threshold)  # 4 and 1.5
 
 
 class FakeClock:
@@ -291,19 +273,6 @@ def hashes_of_unrelated_prompt() -> list[int]:
 
 
 # -- kvaware -----------------------------------------------------------------------------------------------
-
-W0, W1 = "http://w0:8000", "http://w1:8000"
-
-
-def kv_index(max_blocks: int = 10_000) -> KVIndex:
-    index = KVIndex(BLOCK_SIZE, CHUNK_SIZE, max_blocks)
-    for i, url in enumerate((W0, W1)):
-        assert index.apply(url, f"w-{i}", True, [], {"block_size": BLOCK_SIZE})
-    return index
-
-
-def stored(index: KVIndex, url: str, tier: Tier, hashes: list[int]) -> None:
-    assert index.apply(url, "w", False, [(tier, EventKind.STORED, hashes)])
 
 
 class TestKVIndex:

@@ -16,10 +16,11 @@ import pytest
 
 from splitserve import httpserver
 from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
-from tests.faults import FaultProxy
-from tests.unit.fake_engine import REPLY, free_port
-from tests.unit.test_router_app import MODEL, FakeWorker, start_router
-from tests.waiting import wait_until
+from tests.support.fake_engine import REPLY
+from tests.support.faults import FaultProxy
+from tests.support.router import MODEL, FakeWorker, start_router
+from tests.support.waiting import wait_until
+from tests.support.workers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +292,7 @@ def test_held_back_text_is_what_the_client_lacks() -> None:
     assert held_back_text(tracker, "ctx", "ctx Hello world\ufffd") == ""  # an incomplete character: wait
 
 
-# ---- faults between the router and a worker (tests/faults.py) ------------------------------------------------
+# ---- faults between the router and a worker (tests/support/faults.py) ------------------------------------------------
 
 
 @pytest.fixture

@@ -41,9 +41,8 @@ from splitserve.vllm_events import (
     encode_batch,
     encode_frames,
 )
-from tests.unit.test_router_app import completion, start_router
-from tests.unit.test_router_events import EventfulWorker
-from tests.waiting import wait_until
+from tests.support.router import EventfulWorker, completion, start_router
+from tests.support.waiting import wait_until
 
 RECORDED = json.loads((Path(__file__).parents[1] / "data" / "vllm_0_32_kv_events.json").read_text())
 RECORDED_PAYLOADS = [bytes.fromhex(frames[2]) for frames in RECORDED["live"]]
@@ -73,7 +72,7 @@ class FakeVLLM:
     """A vLLM worker as the router sees it (see the module's doc)."""
 
     def __init__(self, stack: ExitStack, *, replay: bool = True, name_sources: bool = True) -> None:
-        from tests.unit.fake_engine import ServerThread
+        from tests.support.fake_engine import ServerThread
 
         self.context = zmq.Context()
         stack.callback(self.context.destroy, 0)

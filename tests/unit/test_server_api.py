@@ -20,8 +20,8 @@ from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import detect_cpu
 from splitserve.router.vllm_events import VLLMSource
 from splitserve.server.app import build_app
-from tests.unit.fake_engine import REPLY, FakeEngine, ServerThread
-from tests.waiting import wait_until
+from tests.support.fake_engine import REPLY, FakeEngine, ServerThread
+from tests.support.waiting import wait_until
 
 MODEL = "fake-model"
 BODY_LIMIT_BYTES = 64 * 1024
