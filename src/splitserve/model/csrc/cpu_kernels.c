@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "simd.h"
 #include "ss_kernels.h"
 
 #define MAX_HEAD_DIM 256
@@ -138,62 +139,23 @@ static inline float max_row(const float *s, int64_t n) {
     return top;
 }
 
-/* s[t] = exp(s[t] - top) for t < n; returns their sum. The AVX-512 exp: n = round(x / ln 2), r = x - n ln 2
- * (in two parts, Cody-Waite), exp(r) by its degree-7 Taylor polynomial (|r| <= ln 2 / 2: relative error
- * under 1e-8), scaled by 2^n. */
+/* s[t] = exp(s[t] - top) for t < n (simd.h's exponential, the same in every lane and in the tail); returns
+ * their sum. */
 static inline float exp_row(float *s, int64_t n, float top) {
     float sum = 0.0f;
     int64_t t = 0;
-#if defined(SS_AVX512)
-    const __m512 shift = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-88.0f);
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __m512 total = _mm512_setzero_ps();
-    for (; t + 16 <= n; t += 16) {
-        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift), lowest);
-        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
-        __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        const __m512 e = _mm512_scalef_ps(p, k);
-        _mm512_storeu_ps(s + t, e);
-        total = _mm512_add_ps(total, e);
+#if defined(LANES)
+    const vf shift = vset1(top);
+    vf total = vset1(0.f);
+    for (; t + LANES <= n; t += LANES) {
+        const vf e = vexp(vsub(vloadf(s + t), shift));
+        vstoref(s + t, e);
+        total = vadd(total, e);
     }
-    sum = _mm512_reduce_add_ps(total);
-#elif defined(SS_AVX2) /* the same, 8 lanes; 2^k built in the exponent bits (k >= -127 as x >= -88) */
-    const __m256 shift = _mm256_set1_ps(top), lowest = _mm256_set1_ps(-88.0f);
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-    __m256 total = _mm256_setzero_ps();
-    for (; t + 8 <= n; t += 8) {
-        const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift), lowest);
-        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, x));
-        __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-        _mm256_storeu_ps(s + t, e);
-        total = _mm256_add_ps(total, e);
-    }
-    __m128 h = _mm_add_ps(_mm256_extractf128_ps(total, 1), _mm256_castps256_ps128(total));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    sum = vsum(total);
 #endif
     for (; t < n; t++) {
-        s[t] = expf(s[t] - top);
+        s[t] = ss_expf(s[t] - top);
         sum += s[t];
     }
     return sum;
@@ -419,7 +381,7 @@ static SS_ONE_BODY void partition_float(const ss_partition *p, const float *cons
             for (int d = 0; d < head_dim; d++) o[d] = 0.0f;                                                 \
             for (int64_t it = 0; it < num_parts; it++) {                                                    \
                 const float *m = part[it], *l = m + num_heads, *acc = l + num_heads + (size_t)h * head_dim; \
-                const float w = expf(m[h] - top);                                                           \
+                const float w = ss_expf(m[h] - top);                                                           \
                 total += w * l[h];                                                                          \
                 for (int d = 0; d < head_dim; d++) o[d] += w * acc[d];                                      \
             }                                                                                               \

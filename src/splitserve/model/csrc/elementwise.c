@@ -5,6 +5,7 @@
  * round to bfloat16 once. The float32 model keeps PyTorch's ops, so that it matches transformers bit for bit.
  */
 #include "common.h"
+#include "simd.h"
 #include "ss_kernels.h"
 
 #if defined(SS_AMX)
@@ -21,85 +22,7 @@ int ss_amx_permitted(void) {
 int ss_amx_permitted(void) { return 0; }
 #endif
 
-#if defined(SS_AVX512)
-#define LANES 16
-typedef __m512 vf;
-static inline vf vload(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN here: finite inputs) */
-    __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
-#define vset1 _mm512_set1_ps
-#define vloadf _mm512_loadu_ps
-#define vstoref _mm512_storeu_ps
-#define vmul _mm512_mul_ps
-#define vfmadd _mm512_fmadd_ps
-#define vfmsub _mm512_fmsub_ps
-#define vfnmadd _mm512_fnmadd_ps
-#define vmax _mm512_max_ps
-#define vmin _mm512_min_ps
-#define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vscale2(p, k) _mm512_scalef_ps((p), (k)) /* p * 2^k */
-static inline vf vrecip(vf d) { /* 14-bit estimate and one Newton step */
-    const vf y = _mm512_rcp14_ps(d);
-    return vmul(y, vfnmadd(d, y, vset1(2.f)));
-}
-#elif defined(SS_AVX2)
-#define LANES 8
-typedef __m256 vf;
-static inline vf vload(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline void vstore(uint16_t *p, vf v) {
-    __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-    bits = _mm256_srli_epi32(bits, 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128((__m128i *)p, packed);
-}
-#define vset1 _mm256_set1_ps
-#define vloadf _mm256_loadu_ps
-#define vstoref _mm256_storeu_ps
-#define vmul _mm256_mul_ps
-#define vfmadd _mm256_fmadd_ps
-#define vfmsub _mm256_fmsub_ps
-#define vfnmadd _mm256_fnmadd_ps
-#define vmax _mm256_max_ps
-#define vmin _mm256_min_ps
-#define vround(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-static inline vf vscale2(vf p, vf k) { /* p * 2^k, 2^k built in the exponent bits (|k| <= 127) */
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return vmul(p, _mm256_castsi256_ps(bits));
-}
-static inline vf vrecip(vf d) {
-    const vf y = _mm256_rcp_ps(d);
-    return vmul(y, vfnmadd(d, y, vset1(2.f)));
-}
-#endif
-
-#if defined(LANES)
-static inline vf vexp(vf x) { /* Cody-Waite reduction, degree-6 polynomial: relative error about 2e-7 */
-    x = vmin(vmax(x, vset1(-87.f)), vset1(88.f));
-    const vf k = vround(vmul(x, vset1(1.44269504f)));
-    const vf r = vfnmadd(k, vset1(-2.12194440e-4f), vfnmadd(k, vset1(0.693359375f), x));
-    vf p = vset1(1.f / 720.f);
-    p = vfmadd(p, r, vset1(1.f / 120.f));
-    p = vfmadd(p, r, vset1(1.f / 24.f));
-    p = vfmadd(p, r, vset1(1.f / 6.f));
-    p = vfmadd(p, r, vset1(0.5f));
-    p = vfmadd(p, r, vset1(1.f));
-    p = vfmadd(p, r, vset1(1.f));
-    return vscale2(p, k);
-}
-static inline vf vsigmoid(vf x) { return vrecip(vfmadd(vexp(vmul(x, vset1(-1.f))), vset1(1.f), vset1(1.f))); }
-#endif
-
-static inline float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+static inline float silu_mul(float g, float u) { return g / (1.f + ss_expf(-g)) * u; }
 
 static inline uint16_t silu_mul_bf16(uint16_t g, uint16_t u) {
     return f32_to_bf16(silu_mul(bf16_to_f32(g), bf16_to_f32(u)));

@@ -21,6 +21,7 @@
  * one work item per (head, 16 queries), heaviest (last) query blocks first.
  */
 #include "common.h"
+#include "simd.h"
 #include "ss_kernels.h"
 
 #include <stdlib.h>
@@ -40,19 +41,6 @@ static void configure_tiles(void) {
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-/* 2^t for finite t <= RESCALE_AT: degree-5 polynomial on the fraction, the exponent by scalef. */
-static inline __m512 exp2_ps(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 static inline __m512 bf16x16_to_ps(__m256i h) {
@@ -183,7 +171,7 @@ static inline void probabilities(float s[KEYS][16], int masked, int64_t key0, __
     if (grow) {
         const __m512 new_m = _mm512_mask_mov_ps(st->m, grow, top);
         if (!first) { /* the first block has nothing accumulated yet */
-            const __m512 alpha = exp2_ps(_mm512_sub_ps(st->m, new_m));
+            const __m512 alpha = vexp2(_mm512_sub_ps(st->m, new_m));
             st->l = _mm512_mul_ps(st->l, alpha);
             _tile_stored(4, acc[0], 64);
             _tile_stored(5, acc[1], 64);
@@ -203,8 +191,8 @@ static inline void probabilities(float s[KEYS][16], int masked, int64_t key0, __
                                                 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
     for (int r = 0; r < KEYS; r += 2) {
-        __m512 p0 = exp2_ps(_mm512_fmsub_ps(rows[r], c, st->m));
-        __m512 p1 = exp2_ps(_mm512_fmsub_ps(rows[r + 1], c, st->m));
+        __m512 p0 = vexp2(_mm512_fmsub_ps(rows[r], c, st->m));
+        __m512 p1 = vexp2(_mm512_fmsub_ps(rows[r + 1], c, st->m));
         if (masked) {
             p0 = _mm512_maskz_mov_ps(visible[r], p0);
             p1 = _mm512_maskz_mov_ps(visible[r + 1], p1);
