@@ -165,10 +165,16 @@ def cache_dir() -> Path:
     return envs.cache_home() / "splitserve" / "kernels"
 
 
+def sources() -> list[Path]:
+    """Every C source, in a fixed order: the generic files in ``csrc/``, each architecture's in ``csrc/arch/``
+    and AMX's in ``csrc/amx/``. Every level compiles all of them; each file holds code only for the levels it
+    serves (its ``#if``), as ggml-cpu's layout does."""
+    return sorted(SOURCE_DIR.rglob("*.c"))
+
+
 def compile_command(compiler: str, level: IsaLevel, output: str, extra: Sequence[str] = ()) -> list[str]:
     """The command that builds ``level``'s library at ``output`` (``extra``: more flags, e.g. ``-Werror``)."""
-    sources = sorted(str(path) for path in SOURCE_DIR.glob("*.c"))
-    return [compiler, *BASE_FLAGS, *level.cflags, *extra, "-o", output, *sources, "-lm"]
+    return [compiler, *BASE_FLAGS, *level.cflags, *extra, "-o", output, *map(str, sources()), "-lm"]
 
 
 def library_path(level: IsaLevel) -> Path:
@@ -203,8 +209,8 @@ def generic(level: IsaLevel) -> IsaLevel:
 
 def _sources_digest(flags: Sequence[str]) -> hashlib._Hash:
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted(p for p in SOURCE_DIR.rglob("*") if p.suffix in (".c", ".h")):
+        digest.update(path.relative_to(SOURCE_DIR).as_posix().encode() + path.read_bytes())
     digest.update(" ".join(flags).encode())
     return digest
 

@@ -114,6 +114,15 @@ static inline uint16_t f32_to_f16(float f) {
 /* Storage dtype codes shared with kernels.py. */
 enum { SS_F32 = 0, SS_BF16 = 1 };
 
+/* Always inlined: a body whose dtype (and other constant arguments) its callers fix, one copy per caller, with
+ * no per-element branch on the dtype. */
+#define SS_INLINE static inline __attribute__((always_inline))
+
+/* Element i of a row stored as dtype. */
+static inline const void *elem(const void *base, int dtype, int64_t i) {
+    return (const char *)base + i * (dtype == SS_BF16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+}
+
 static inline float load_elem(const void *base, int dtype, int64_t i) {
     return dtype == SS_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }

@@ -1,6 +1,6 @@
 /*
- * CPU kernels for the model's per-step work that PyTorch runs as many small ops (OpenMP, AVX-512 where the
- * compiler targets it):
+ * CPU kernels for the model's per-step work that PyTorch runs as many small ops (OpenMP, and simd.h's vectors
+ * where the build has them):
  * - paged attention that reads K/V in place through each sequence's block table, for decode steps and
  *   prefill chunks alike, with one arithmetic per query whatever runs beside it;
  * - the residual add + RMSNorm + cast (vLLM's fused_add_rms_norm).
@@ -18,6 +18,10 @@
  * with heads contiguous; q's rows may be strided (q_row_stride elements apart), out's are packed. Query
  * heads kvh*group .. kvh*group+group-1 share KV head kvh. Scores, softmax and accumulation are float32
  * whatever the storage dtype (bfloat16 or float32).
+ *
+ * Each function takes its storage dtype (SS_BF16 or SS_F32) as an argument; the exported entry points pass a
+ * constant, and the bodies are inlined into them (SS_INLINE), so every dtype gets its own code with no
+ * per-element branch.
  */
 #include <stdlib.h>
 
@@ -27,63 +31,23 @@
 
 #define MAX_HEAD_DIM 256
 
-/* Row helpers: a stored row to float32, and acc += p * row. With AVX-512 they run 16 lanes at a time (head_dim
- * a multiple of 16), with AVX2 8 lanes (a multiple of 8); otherwise plain loops. */
-#if defined(SS_AVX512)
-static inline __m512 load16_bf16(const uint16_t *p) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-#define VECTOR_ROWS(T, LOAD16)                                                                              \
-    static inline void to_float_##T(const T *x, float *out, int n) {                                        \
-        if (n % 16 == 0) {                                                                                  \
-            for (int d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, LOAD16(x + d));                      \
-            return;                                                                                         \
-        }                                                                                                   \
-        for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
-    }
-#elif defined(SS_AVX2)
-static inline __m256 load8_bf16(const uint16_t *p) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-#define VECTOR_ROWS(T, LOAD8)                                                                               \
-    static inline void to_float_##T(const T *x, float *out, int n) {                                        \
-        if (n % 8 == 0) {                                                                                   \
-            for (int d = 0; d < n; d += 8) _mm256_storeu_ps(out + d, LOAD8(x + d));                        \
-            return;                                                                                         \
-        }                                                                                                   \
-        for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
-    }
-#define load16_bf16 load8_bf16
-#define load16_f32 load8_f32
-#else
-#define VECTOR_ROWS(T, LOAD16)                                                                              \
-    static inline void to_float_##T(const T *x, float *out, int n) {                                        \
-        for (int d = 0; d < n; d++) out[d] = scalar_##T(x[d]);                                              \
-    }
-#endif
-
-static inline float scalar_uint16_t(uint16_t x) { return bf16_to_f32(x); }
-static inline float scalar_float(float x) { return x; }
-VECTOR_ROWS(uint16_t, load16_bf16)
-VECTOR_ROWS(float, load16_f32)
-
-static inline void axpy_row(float p, const float *x, float *acc, int n) {
-#if defined(SS_AVX512)
-    if (n % 16 == 0) {
-        const __m512 pv = _mm512_set1_ps(p);
-        for (int d = 0; d < n; d += 16)
-            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(acc + d)));
+/* Row helpers: a stored row to float32, and acc += p * row, LANES at a time where n is a multiple of LANES
+ * (simd.h), otherwise plain loops. */
+static inline void to_float(const void *x, int dtype, float *out, int n) {
+#if defined(LANES)
+    if (n % LANES == 0) {
+        for (int d = 0; d < n; d += LANES) vstoref(out + d, vload_at(x, dtype, d));
         return;
     }
-#elif defined(SS_AVX2)
-    if (n % 8 == 0) {
-        const __m256 pv = _mm256_set1_ps(p);
-        for (int d = 0; d < n; d += 8)
-            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(acc + d)));
+#endif
+    for (int d = 0; d < n; d++) out[d] = load_elem(x, dtype, d);
+}
+
+static inline void axpy_row(float p, const float *x, float *acc, int n) {
+#if defined(LANES)
+    if (n % LANES == 0) {
+        const vf pv = vset1(p);
+        for (int d = 0; d < n; d += LANES) vstoref(acc + d, vfmadd(pv, vloadf(x + d), vloadf(acc + d)));
         return;
     }
 #endif
@@ -161,73 +125,6 @@ static inline float exp_row(float *s, int64_t n, float top) {
     return sum;
 }
 
-/* The value pass with the group's accumulators in registers: for each KV head and slice of SV vectors of
- * head_dim, every token's V slice is loaded once and added into up to MAX_GROUP query heads' accumulators
- * (acc += p * v), which stay in registers across the tokens. Returns 0 where it does not apply (no vector
- * build, a larger group, head_dim not a multiple of the slice), and the caller runs the plain pass. */
-#define MAX_GROUP 4
-#if defined(SS_AVX512)
-#define SV 4 /* 64 floats per slice */
-typedef __m512 vec;
-#define VZERO _mm512_setzero_ps()
-#define VSET1 _mm512_set1_ps
-#define VFMA _mm512_fmadd_ps
-#define VSTORE _mm512_storeu_ps
-#elif defined(SS_AVX2)
-#define SV 2 /* 16 floats per slice */
-typedef __m256 vec;
-#define VZERO _mm256_setzero_ps()
-#define VSET1 _mm256_set1_ps
-#define VFMA _mm256_fmadd_ps
-#define VSTORE _mm256_storeu_ps
-#endif
-#if VW > 0
-#define DEFINE_VPASS(NAME, T, VLOAD)                                                                         \
-    static int NAME(const T *v_cache, const int64_t *table, int64_t first_block, int64_t n, int64_t stride,  \
-                    int num_kv_heads, int kv0, int kv1, int group, int head_dim, int block_size,            \
-                    const float *scores, float *acc) {                                                      \
-        if (group > MAX_GROUP || head_dim % (SV * VW) != 0) return 0;                                       \
-        const int64_t row = (int64_t)num_kv_heads * head_dim;                                               \
-        for (int kvh = kv0; kvh < kv1; kvh++) {                                                             \
-            for (int d0 = 0; d0 < head_dim; d0 += SV * VW) {                                                \
-                vec a[MAX_GROUP][SV];                                                                       \
-                for (int g = 0; g < MAX_GROUP; g++)                                                         \
-                    for (int i = 0; i < SV; i++) a[g][i] = VZERO;                                           \
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {                                            \
-                    const T *vp = v_cache + table[first_block + t0 / block_size] * block_size * row + kvh * head_dim + d0; \
-                    const int64_t stop = t0 + block_size < n ? t0 + block_size : n;                         \
-                    for (int64_t t = t0; t < stop; t++, vp += row) {                                        \
-                        vec v[SV];                                                                          \
-                        for (int i = 0; i < SV; i++) v[i] = VLOAD(vp + i * VW);                             \
-                        for (int g = 0; g < MAX_GROUP; g++) {                                               \
-                            if (g >= group) break;                                                          \
-                            const vec p = VSET1(scores[(int64_t)(kvh * group + g) * stride + t]);           \
-                            for (int i = 0; i < SV; i++) a[g][i] = VFMA(p, v[i], a[g][i]);                  \
-                        }                                                                                   \
-                    }                                                                                       \
-                }                                                                                           \
-                for (int g = 0; g < group; g++)                                                             \
-                    for (int i = 0; i < SV; i++) VSTORE(acc + (kvh * group + g) * head_dim + d0 + i * VW, a[g][i]); \
-            }                                                                                               \
-        }                                                                                                   \
-        return 1;                                                                                           \
-    }
-DEFINE_VPASS(v_pass_uint16_t, uint16_t, load16_bf16)
-DEFINE_VPASS(v_pass_float, float, load16_f32)
-#else
-#define DEFINE_VPASS(NAME, T)                                                                                \
-    static int NAME(const T *v_cache, const int64_t *table, int64_t first_block, int64_t n, int64_t stride,  \
-                    int num_kv_heads, int kv0, int kv1, int group, int head_dim, int block_size,            \
-                    const float *scores, float *acc) {                                                      \
-        (void)v_cache, (void)table, (void)first_block, (void)n, (void)stride, (void)num_kv_heads, (void)group; \
-        (void)kv0, (void)kv1;                                                                               \
-        (void)head_dim, (void)block_size, (void)scores, (void)acc;                                          \
-        return 0;                                                                                           \
-    }
-DEFINE_VPASS(v_pass_uint16_t, uint16_t)
-DEFINE_VPASS(v_pass_float, float)
-#endif
-
 /* ------------------------------------------------------------ paged attention, one arithmetic per query */
 /* A query row's output depends on its q, its context length and the cached K/V alone, never on the rows
  * beside it, the work split or the thread count:
@@ -269,27 +166,24 @@ static inline void score_group(const float *q, const float *kf, int head_dim, fl
 /* The float32 scores of a run of up to KEY_RUN keys (keys[0 .. valid - 1]) for the query heads h0 .. h1 - 1 of
  * every row i < count, into scores[i][h][g + j] for the groups of KG keys that start below n[i] (a group is
  * zero-padded past the run). kf: KG * head_dim floats. */
-#define DEFINE_GROUP_SCORES(T)                                                                               \
-    static inline void group_scores_##T(const float *const *qf, int count, const int64_t *n, int64_t g,     \
-                                        const T *const *keys, int64_t valid, int head_dim, int h0, int h1, \
-                                        int num_heads, float *kf, float *scores) {                          \
-        for (int64_t c = 0; c < (valid + KG - 1) / KG; c++) {                                               \
-            for (int64_t j = 0; j < KG; j++) {                                                              \
-                if (c * KG + j < valid)                                                                     \
-                    to_float_##T(keys[c * KG + j], kf + j * head_dim, head_dim);                            \
-                else                                                                                        \
-                    memset(kf + j * head_dim, 0, sizeof(float) * (size_t)head_dim);                         \
-            }                                                                                               \
-            for (int i = 0; i < count; i++) {                                                               \
-                if (n[i] <= g + c * KG) continue;                                                           \
-                for (int h = h0; h < h1; h++)                                                               \
-                    score_group(qf[i] + h * head_dim, kf, head_dim,                                         \
-                                scores + ((int64_t)i * num_heads + h) * PARTITION + g + c * KG);            \
-            }                                                                                               \
-        }                                                                                                   \
+static inline void group_scores(const float *const *qf, int count, const int64_t *n, int64_t g, const void *const *keys,
+                            int dtype, int64_t valid, int head_dim, int h0, int h1, int num_heads, float *kf,
+                            float *scores) {
+    for (int64_t c = 0; c < (valid + KG - 1) / KG; c++) {
+        for (int64_t j = 0; j < KG; j++) {
+            if (c * KG + j < valid)
+                to_float(keys[c * KG + j], dtype, kf + j * head_dim, head_dim);
+            else
+                memset(kf + j * head_dim, 0, sizeof(float) * (size_t)head_dim);
+        }
+        for (int i = 0; i < count; i++) {
+            if (n[i] <= g + c * KG) continue;
+            for (int h = h0; h < h1; h++)
+                score_group(qf[i] + h * head_dim, kf, head_dim,
+                            scores + ((int64_t)i * num_heads + h) * PARTITION + g + c * KG);
+        }
     }
-DEFINE_GROUP_SCORES(uint16_t)
-DEFINE_GROUP_SCORES(float)
+}
 
 /* What a partition computes: rows i < count of one sequence, row i seeing keys begin .. begin + n[i] - 1
  * (1 <= n[i] <= PARTITION) through the slots of its table, the query heads of KV heads kv0 .. kv1 - 1; qf[i] its
@@ -307,6 +201,55 @@ typedef struct {
     float *const *part;
 } ss_partition;
 
+/* The value pass with the group's accumulators in registers: for each KV head and slice of SV vectors of
+ * head_dim, every token's V slice is loaded once and added into up to MAX_GROUP query heads' accumulators
+ * (acc += p * v), which stay in registers across the tokens. Returns 0 where it does not apply (no vector
+ * build, a larger group, head_dim not a multiple of the slice), and the caller runs the plain pass. */
+#define MAX_GROUP 4
+#if defined(SS_AVX512)
+#define SV 4 /* 64 floats per slice */
+#elif defined(SS_AVX2)
+#define SV 2 /* 16 floats per slice */
+#endif
+
+/* The value pass of partition p's row with n keys and scores s[h * PARTITION + t], into acc. */
+static inline int v_pass(const ss_partition *p, const void *v_cache, int dtype, int64_t n, const float *scores,
+                     float *acc) {
+#if VW > 0
+    const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim, block_size = p->block_size;
+    if (group > MAX_GROUP || head_dim % (SV * VW) != 0) return 0;
+    const int64_t row = (int64_t)p->num_kv_heads * head_dim, first_block = p->begin / block_size;
+    const int64_t *table = p->table;
+    for (int kvh = p->kv0; kvh < p->kv1; kvh++) {
+        for (int d0 = 0; d0 < head_dim; d0 += SV * VW) {
+            vf a[MAX_GROUP][SV];
+            for (int g = 0; g < MAX_GROUP; g++)
+                for (int i = 0; i < SV; i++) a[g][i] = vset1(0.f);
+            for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+                const int64_t first = table[first_block + t0 / block_size] * block_size * row;
+                const void *vp = elem(v_cache, dtype, first + kvh * head_dim + d0);
+                const int64_t stop = t0 + block_size < n ? t0 + block_size : n;
+                for (int64_t t = t0; t < stop; t++, vp = elem(vp, dtype, row)) {
+                    vf v[SV];
+                    for (int i = 0; i < SV; i++) v[i] = vload_at(vp, dtype, i * VW);
+                    for (int g = 0; g < MAX_GROUP; g++) {
+                        if (g >= group) break;
+                        const vf pg = vset1(scores[(int64_t)(kvh * group + g) * PARTITION + t]);
+                        for (int i = 0; i < SV; i++) a[g][i] = vfmadd(pg, v[i], a[g][i]);
+                    }
+                }
+            }
+            for (int g = 0; g < group; g++)
+                for (int i = 0; i < SV; i++) vstoref(acc + (kvh * group + g) * head_dim + d0 + i * VW, a[g][i]);
+        }
+    }
+    return 1;
+#else
+    (void)p, (void)v_cache, (void)dtype, (void)n, (void)scores, (void)acc;
+    return 0;
+#endif
+}
+
 /* slots[t] for t < n: the slot of key begin + t (begin is a multiple of the block size) */
 static inline void partition_slots(const ss_partition *p, int64_t n, int64_t *slots) {
     const int64_t bs = p->block_size, *table = p->table + p->begin / bs;
@@ -316,81 +259,101 @@ static inline void partition_slots(const ss_partition *p, int64_t n, int64_t *sl
     }
 }
 
-/* The float32 arithmetic (see above) for one partition. */
-#define DEFINE_FLOAT_PARTITION(T)                                                                            \
-    static inline void partition_float_##T(const ss_partition *p, const float *const *qf, const T *k_cache, \
-                                           const T *v_cache) {                                              \
-        const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim;                           \
-        const int64_t row = (int64_t)p->num_kv_heads * head_dim; /* elements per slot */                    \
-        int64_t most = 0;                                                                                   \
-        for (int i = 0; i < p->count; i++) most = p->n[i] > most ? p->n[i] : most;                          \
-        int64_t slots[PARTITION];                                                                           \
-        partition_slots(p, most, slots);                                                                    \
-        for (int64_t g = 0; g < most; g += KEY_RUN) {                                                       \
-            const int64_t valid = most - g < KEY_RUN ? most - g : KEY_RUN;                                  \
-            for (int kvh = p->kv0; kvh < p->kv1; kvh++) {                                                   \
-                const T *keys[KEY_RUN];                                                                     \
-                for (int64_t j = 0; j < valid; j++) keys[j] = k_cache + slots[g + j] * row + kvh * head_dim; \
-                group_scores_##T(qf, p->count, p->n, g, keys, valid, head_dim, kvh * group, (kvh + 1) * group, \
-                                 p->num_heads, p->kf, p->scores);                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int i = 0; i < p->count; i++) {                                                                \
-            const int64_t n = p->n[i];                                                                      \
-            float *m = p->part[i], *l = m + p->num_heads, *acc = l + p->num_heads;                          \
-            float *s = p->scores + (int64_t)i * p->num_heads * PARTITION;                                   \
-            const int h0 = p->kv0 * group, h1 = p->kv1 * group;                                             \
-            for (int h = h0; h < h1; h++) m[h] = max_row(s + h * PARTITION, n);                             \
-            for (int h = h0; h < h1; h++) l[h] = exp_row(s + h * PARTITION, n, m[h]);                       \
-            if (v_pass_##T(v_cache, p->table, p->begin / p->block_size, n, PARTITION, p->num_kv_heads, p->kv0, \
-                           p->kv1, group, head_dim, p->block_size, s, acc))                                 \
-                continue;                                                                                   \
-            memset(acc + (size_t)h0 * head_dim, 0, sizeof(float) * (size_t)(h1 - h0) * (size_t)head_dim);  \
-            for (int64_t t = 0; t < n; t++) {                                                               \
-                const T *vp = v_cache + slots[t] * row;                                                     \
-                for (int kvh = p->kv0; kvh < p->kv1; kvh++) {                                               \
-                    float vf[MAX_HEAD_DIM];                                                                 \
-                    to_float_##T(vp + kvh * head_dim, vf, head_dim);                                        \
-                    for (int h = kvh * group; h < (kvh + 1) * group; h++)                                   \
-                        axpy_row(s[h * PARTITION + t], vf, acc + h * head_dim, head_dim);                   \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
+/* Every row's scores of one partition (most: the longest row's key count), KEY_RUN keys at a time. */
+static inline void partition_scores(const ss_partition *p, const float *const *qf, const void *k_cache, int dtype,
+                                const int64_t *slots, int64_t most) {
+    const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim;
+    const int64_t row = (int64_t)p->num_kv_heads * head_dim; /* elements per slot */
+    for (int64_t g = 0; g < most; g += KEY_RUN) {
+        const int64_t valid = most - g < KEY_RUN ? most - g : KEY_RUN;
+        for (int kvh = p->kv0; kvh < p->kv1; kvh++) {
+            const void *keys[KEY_RUN];
+            for (int64_t j = 0; j < valid; j++) keys[j] = elem(k_cache, dtype, slots[g + j] * row + kvh * head_dim);
+            group_scores(qf, p->count, p->n, g, keys, dtype, valid, head_dim, kvh * group, (kvh + 1) * group,
+                         p->num_heads, p->kf, p->scores);
+        }
     }
-DEFINE_FLOAT_PARTITION(uint16_t)
-DEFINE_FLOAT_PARTITION(float)
-
-/* One partition of the rows in p: each instance compiled once, so every caller runs the same code. */
-static SS_ONE_BODY void partition_uint16_t(const ss_partition *p, const float *const *qf, const uint16_t *k_cache,
-                                           const uint16_t *v_cache) {
-    partition_float_uint16_t(p, qf, k_cache, v_cache);
 }
-static SS_ONE_BODY void partition_float(const ss_partition *p, const float *const *qf, const float *k_cache,
-                                        const float *v_cache) {
-    partition_float_float(p, qf, k_cache, v_cache);
+
+/* The float32 arithmetic (see above) for one partition. */
+SS_INLINE void partition_float(const ss_partition *p, const float *const *qf, const void *k_cache,
+                               const void *v_cache, int dtype) {
+    const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim;
+    const int64_t row = (int64_t)p->num_kv_heads * head_dim; /* elements per slot */
+    int64_t most = 0;
+    for (int i = 0; i < p->count; i++) most = p->n[i] > most ? p->n[i] : most;
+    int64_t slots[PARTITION];
+    partition_slots(p, most, slots);
+    partition_scores(p, qf, k_cache, dtype, slots, most);
+    for (int i = 0; i < p->count; i++) {
+        const int64_t n = p->n[i];
+        float *m = p->part[i], *l = m + p->num_heads, *acc = l + p->num_heads;
+        float *s = p->scores + (int64_t)i * p->num_heads * PARTITION;
+        const int h0 = p->kv0 * group, h1 = p->kv1 * group;
+        for (int h = h0; h < h1; h++) m[h] = max_row(s + h * PARTITION, n);
+        for (int h = h0; h < h1; h++) l[h] = exp_row(s + h * PARTITION, n, m[h]);
+        if (v_pass(p, v_cache, dtype, n, s, acc)) continue;
+        memset(acc + (size_t)h0 * head_dim, 0, sizeof(float) * (size_t)(h1 - h0) * (size_t)head_dim);
+        for (int64_t t = 0; t < n; t++) {
+            for (int kvh = p->kv0; kvh < p->kv1; kvh++) {
+                float vf[MAX_HEAD_DIM];
+                to_float(elem(v_cache, dtype, slots[t] * row + kvh * head_dim), dtype, vf, head_dim);
+                for (int h = kvh * group; h < (kvh + 1) * group; h++)
+                    axpy_row(s[h * PARTITION + t], vf, acc + h * head_dim, head_dim);
+            }
+        }
+    }
+}
+
+/* One partition of the rows in p: each dtype's compiled once, so every caller runs the same code. */
+static SS_ONE_BODY void partition_bf16(const ss_partition *p, const float *const *qf, const void *k_cache,
+                                       const void *v_cache) {
+    partition_float(p, qf, k_cache, v_cache, SS_BF16);
+}
+static SS_ONE_BODY void partition_f32(const ss_partition *p, const float *const *qf, const void *k_cache,
+                                      const void *v_cache) {
+    partition_float(p, qf, k_cache, v_cache, SS_F32);
+}
+static inline void partition(const ss_partition *p, const float *const *qf, const void *k_cache,
+                             const void *v_cache, int dtype) {
+    if (dtype == SS_BF16)
+        partition_bf16(p, qf, k_cache, v_cache);
+    else
+        partition_f32(p, qf, k_cache, v_cache);
 }
 
 /* A row's output from its num_parts partials (partition order): per head, the partitions' sums rescaled to
  * the largest maximum, then divided by the total. */
-#define DEFINE_MERGE(NAME, T, STORE)                                                                         \
-    static SS_ONE_BODY void NAME(const float *const *part, int64_t num_parts, int num_heads, int head_dim,  \
-                                 T *out) {                                                                  \
-        for (int h = 0; h < num_heads; h++) {                                                               \
-            float top = -INFINITY, total = 0.0f, o[MAX_HEAD_DIM];                                           \
-            for (int64_t it = 0; it < num_parts; it++) top = part[it][h] > top ? part[it][h] : top;         \
-            for (int d = 0; d < head_dim; d++) o[d] = 0.0f;                                                 \
-            for (int64_t it = 0; it < num_parts; it++) {                                                    \
-                const float *m = part[it], *l = m + num_heads, *acc = l + num_heads + (size_t)h * head_dim; \
-                const float w = ss_expf(m[h] - top);                                                           \
-                total += w * l[h];                                                                          \
-                for (int d = 0; d < head_dim; d++) o[d] += w * acc[d];                                      \
-            }                                                                                               \
-            for (int d = 0; d < head_dim; d++) out[h * head_dim + d] = STORE(o[d] / total);                \
-        }                                                                                                   \
+SS_INLINE void merge_rows(const float *const *part, int64_t num_parts, int num_heads, int head_dim, void *out,
+                          int dtype) {
+    for (int h = 0; h < num_heads; h++) {
+        float top = -INFINITY, total = 0.0f, o[MAX_HEAD_DIM];
+        for (int64_t it = 0; it < num_parts; it++) top = part[it][h] > top ? part[it][h] : top;
+        for (int d = 0; d < head_dim; d++) o[d] = 0.0f;
+        for (int64_t it = 0; it < num_parts; it++) {
+            const float *m = part[it], *l = m + num_heads, *acc = l + num_heads + (size_t)h * head_dim;
+            const float w = ss_expf(m[h] - top);
+            total += w * l[h];
+            for (int d = 0; d < head_dim; d++) o[d] += w * acc[d];
+        }
+        for (int d = 0; d < head_dim; d++) store_elem(out, dtype, h * head_dim + d, o[d] / total);
     }
-#define STORE_F32(x) (x)
-DEFINE_MERGE(merge_uint16_t, uint16_t, f32_to_bf16)
-DEFINE_MERGE(merge_float, float, STORE_F32)
+}
+static SS_ONE_BODY void merge_bf16(const float *const *part, int64_t num_parts, int num_heads, int head_dim,
+                                   void *out) {
+    merge_rows(part, num_parts, num_heads, head_dim, out, SS_BF16);
+}
+static SS_ONE_BODY void merge_f32(const float *const *part, int64_t num_parts, int num_heads, int head_dim,
+                                  void *out) {
+    merge_rows(part, num_parts, num_heads, head_dim, out, SS_F32);
+}
+static inline void merge(const float *const *part, int64_t num_parts, int num_heads, int head_dim, void *out,
+                         int dtype) {
+    if (dtype == SS_BF16)
+        merge_bf16(part, num_parts, num_heads, head_dim, out);
+    else
+        merge_f32(part, num_parts, num_heads, head_dim, out);
+}
 
 /* Runs of up to tile_rows consecutive rows of one sequence: tile t is rows start[t] .. start[t + 1] - 1.
  * Returns the number of tiles. */
@@ -404,153 +367,221 @@ static int64_t make_tiles(const int64_t *row_seq, int num_rows, int64_t tile_row
     return num_tiles;
 }
 
+/* One call's arguments and the sizes derived from them, read by every work item. */
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int64_t *tables, *row_seq, *lens;
+    int64_t q_row_stride, max_blocks;
+    int dtype, num_rows, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int64_t max_parts, tile_rows; /* partitions of the longest row; rows per tile */
+    size_t hd, per_part;          /* floats per query row; per partial (m, l, acc) */
+} attention_call;
+
+/* A thread's buffers: queries in float32, scores, converted keys, and in tile mode its own partials. */
+typedef struct {
+    float *work, *qbuf, *scores, *kf, *mine;
+    const float **qf;
+    float **part;
+    int64_t *n;
+    int ok;
+} thread_work;
+
+/* Checks the shapes and fills in the derived sizes; -1 for shapes beyond the fixed buffers or an empty
+ * context. */
+static int attention_sizes(attention_call *a) {
+    if (a->head_dim > MAX_HEAD_DIM || a->num_heads % a->num_kv_heads != 0 || a->block_size < 1 ||
+        PARTITION % a->block_size != 0)
+        return -1;
+    int64_t max_len = 0;
+    for (int r = 0; r < a->num_rows; r++) {
+        if (a->lens[r] < 1 || a->lens[r] > a->max_blocks * a->block_size) return -1;
+        max_len = a->lens[r] > max_len ? a->lens[r] : max_len;
+    }
+    a->max_parts = (max_len + PARTITION - 1) / PARTITION;
+    a->hd = (size_t)a->num_heads * (size_t)a->head_dim;
+    a->per_part = (size_t)a->num_heads * ((size_t)a->head_dim + 2); /* m, l, acc */
+    int64_t tile_rows = TILE_BUFFER_BYTES / (int64_t)(sizeof(float) * a->per_part * (size_t)a->max_parts);
+    a->tile_rows = tile_rows < 1 ? 1 : tile_rows > TILE_ROWS ? TILE_ROWS : tile_rows;
+    return 0;
+}
+
+static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item, int split) {
+    thread_work t;
+    const size_t own = split ? 0 : (size_t)rows_per_item * (size_t)a->max_parts * a->per_part;
+    t.work = malloc(sizeof(float) * ((size_t)rows_per_item * (a->hd + (size_t)a->num_heads * PARTITION) +
+                                     (size_t)KG * (size_t)a->head_dim + own));
+    t.qf = malloc(sizeof(float *) * (size_t)rows_per_item);
+    t.part = malloc(sizeof(float *) * (size_t)(rows_per_item > a->max_parts ? rows_per_item : a->max_parts));
+    t.n = malloc(sizeof(int64_t) * (size_t)rows_per_item);
+    t.ok = t.work != NULL && t.qf != NULL && t.part != NULL && t.n != NULL;
+    t.qbuf = t.work;
+    t.scores = t.ok ? t.work + (size_t)rows_per_item * a->hd : NULL;
+    t.kf = t.ok ? t.scores + (size_t)rows_per_item * a->num_heads * PARTITION : NULL;
+    t.mine = t.ok ? t.kf + (size_t)KG * a->head_dim : NULL;
+    return t;
+}
+
+/* Split mode's item at: one KV-head slice (kv0 .. kv1 - 1) of one partition of row *r (found from first). */
+static void split_item(const attention_call *a, thread_work *t, ss_partition *job, const int64_t *first,
+                          float *partials, int64_t at, int kv0, int kv1, int *r) {
+    while (first[*r + 1] <= at) (*r)++;
+    while (first[*r] > at) (*r)--;
+    const int64_t row = *r, begin = (at - first[row]) * PARTITION;
+    t->n[0] = a->lens[row] - begin < PARTITION ? a->lens[row] - begin : PARTITION;
+    const size_t e0 = (size_t)kv0 * (size_t)(a->num_heads / a->num_kv_heads) * (size_t)a->head_dim;
+    const size_t e1 = (size_t)kv1 * (size_t)(a->num_heads / a->num_kv_heads) * (size_t)a->head_dim;
+    for (size_t e = e0; e < e1; e++) t->qbuf[e] = load_elem(a->q, a->dtype, row * a->q_row_stride + (int64_t)e) * a->scale;
+    t->qf[0] = t->qbuf, t->part[0] = partials + a->per_part * (size_t)at;
+    job->count = 1, job->table = a->tables + (a->row_seq ? a->row_seq[row] : row) * a->max_blocks;
+    job->begin = begin, job->kv0 = kv0, job->kv1 = kv1;
+    partition(job, t->qf, a->k_cache, a->v_cache, a->dtype);
+}
+
+/* Tile mode's item: rows r0 .. r0 + rows - 1 of one sequence, every partition of each, then each row merged. */
+static void tile_item(const attention_call *a, thread_work *t, ss_partition *job, int64_t r0, int64_t rows) {
+    const int64_t *table = a->tables + (a->row_seq ? a->row_seq[r0] : r0) * a->max_blocks;
+    const size_t parts_of_row = (size_t)a->max_parts * a->per_part;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        float *qi = t->qbuf + (size_t)i * a->hd;
+        for (size_t e = 0; e < a->hd; e++) qi[e] = load_elem(a->q, a->dtype, (r0 + i) * a->q_row_stride + (int64_t)e) * a->scale;
+        longest = a->lens[r0 + i] > longest ? a->lens[r0 + i] : longest;
+    }
+    for (int64_t begin = 0; begin < longest; begin += PARTITION) {
+        int count = 0;
+        for (int64_t i = 0; i < rows; i++) {
+            if (a->lens[r0 + i] <= begin) continue;
+            t->n[count] = a->lens[r0 + i] - begin < PARTITION ? a->lens[r0 + i] - begin : PARTITION;
+            t->qf[count] = t->qbuf + (size_t)i * a->hd;
+            t->part[count] = t->mine + (size_t)i * parts_of_row + (size_t)(begin / PARTITION) * a->per_part;
+            count++;
+        }
+        job->count = count, job->table = table, job->begin = begin, job->kv0 = 0;
+        job->kv1 = a->num_kv_heads;
+        partition(job, t->qf, a->k_cache, a->v_cache, a->dtype);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t parts = (a->lens[r0 + i] + PARTITION - 1) / PARTITION;
+        for (int64_t it = 0; it < parts; it++) t->part[it] = t->mine + (size_t)i * parts_of_row + (size_t)it * a->per_part;
+        merge((const float *const *)t->part, parts, a->num_heads, a->head_dim,
+              (void *)elem(a->out, a->dtype, (r0 + i) * (int64_t)a->hd), a->dtype);
+    }
+}
+
+/* Split mode's partitions per row: first[r] is row r's first item (partials in that order), first[num_rows]
+ * the total. NULL for no memory. */
+static int64_t *first_items(const attention_call *a) {
+    int64_t *first = malloc(sizeof(int64_t) * ((size_t)a->num_rows + 1));
+    if (first == NULL) return NULL;
+    first[0] = 0;
+    for (int r = 0; r < a->num_rows; r++) first[r + 1] = first[r] + (a->lens[r] + PARTITION - 1) / PARTITION;
+    return first;
+}
+
+/* The work of one call: tiles of rows (tile mode), or every row's partitions one by one (split mode: decode
+ * rows, or too few tiles to share out), their KV heads too where the partitions are too few to go round. */
+static int paged_attention(const attention_call *a, int num_threads) {
+    int64_t *tile = malloc(sizeof(int64_t) * ((size_t)a->num_rows + 1));
+    if (tile == NULL) return -1;
+    const int64_t num_tiles = make_tiles(a->row_seq, a->num_rows, a->tile_rows, tile);
+    const int split = 2 * num_tiles > a->num_rows || num_tiles < 4 * (int64_t)num_threads;
+    const int64_t rows_per_item = split ? 1 : a->tile_rows;
+    int64_t *first = split ? first_items(a) : NULL; /* split mode: each row's first item */
+    float *partials = first != NULL ? malloc(sizeof(float) * a->per_part * (size_t)first[a->num_rows]) : NULL;
+    int failed = split && partials == NULL;
+    const int kv_split = split && first != NULL && first[a->num_rows] < 4 * (int64_t)num_threads ? a->num_kv_heads : 1;
+    const int kv_per_item = a->num_kv_heads / kv_split;
+    if (!failed) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            thread_work t = thread_buffers(a, rows_per_item, split);
+            if (!t.ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            ss_partition job = {0, t.n, NULL, 0, a->num_heads, a->num_kv_heads, 0, a->num_kv_heads, a->head_dim,
+                                a->block_size, t.kf, t.scores, t.part};
+            const int64_t num_items = split ? first[a->num_rows] * kv_split : num_tiles;
+            int r = 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_items; item++) {
+                if (!t.ok) continue;
+                if (split) {
+                    const int kv0 = (int)(item % kv_split) * kv_per_item;
+                    split_item(a, &t, &job, first, partials, item / kv_split, kv0, kv0 + kv_per_item, &r);
+                } else {
+                    tile_item(a, &t, &job, tile[item], tile[item + 1] - tile[item]);
+                }
+            }
+            if (split) {
+#pragma omp for schedule(static)
+                for (int rr = 0; rr < a->num_rows; rr++) {
+                    if (!t.ok) continue;
+                    for (int64_t it = first[rr]; it < first[rr + 1]; it++) t.part[it - first[rr]] = partials + a->per_part * (size_t)it;
+                    merge((const float *const *)t.part, first[rr + 1] - first[rr], a->num_heads, a->head_dim,
+                          (void *)elem(a->out, a->dtype, (int64_t)rr * (int64_t)a->hd), a->dtype);
+                }
+            }
+            free(t.work), free(t.qf), free(t.part), free(t.n);
+        }
+    }
+    free(partials), free(first), free(tile);
+    return failed ? -1 : 0;
+}
+
 /* Attention of num_rows query rows, each over its own context: row r attends to positions 0 .. lens[r] - 1
  * of the sequence whose block table is tables[row_seq[r]] (tables[r] when row_seq is NULL). Returns 0, or -1
  * for shapes beyond the fixed buffers, an empty context or no memory (the caller falls back to PyTorch). */
-#define DEFINE_ENTRY(NAME, T, LOAD)                                                                          \
-    int NAME(const T *q, int64_t q_row_stride, const T *k_cache, const T *v_cache, const int64_t *tables,  \
-             int64_t max_blocks, const int64_t *row_seq, const int64_t *lens, T *out, int num_rows,        \
-             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) { \
-        if (head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0 || block_size < 1 ||                  \
-            PARTITION % block_size != 0)                                                                    \
-            return -1;                                                                                      \
-        int64_t max_len = 0;                                                                                \
-        for (int r = 0; r < num_rows; r++) {                                                                \
-            if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;                                \
-            max_len = lens[r] > max_len ? lens[r] : max_len;                                                \
-        }                                                                                                   \
-        const int64_t max_parts = (max_len + PARTITION - 1) / PARTITION;                                    \
-        const size_t hd = (size_t)num_heads * (size_t)head_dim;                                             \
-        const size_t per_part = (size_t)num_heads * ((size_t)head_dim + 2); /* m, l, acc */                \
-        int64_t tile_rows = TILE_BUFFER_BYTES / (int64_t)(sizeof(float) * per_part * (size_t)max_parts);   \
-        tile_rows = tile_rows < 1 ? 1 : tile_rows > TILE_ROWS ? TILE_ROWS : tile_rows;                      \
-        int64_t *tile = malloc(sizeof(int64_t) * ((size_t)num_rows + 1));                                   \
-        if (tile == NULL) return -1;                                                                        \
-        const int64_t num_tiles = make_tiles(row_seq, num_rows, tile_rows, tile);                           \
-        /* decode rows (tiles of one row), or too few tiles to share out: split the rows' partitions */   \
-        const int split = 2 * num_tiles > num_rows || num_tiles < 4 * (int64_t)num_threads;               \
-        const int64_t rows_per_item = split ? 1 : tile_rows;                                                \
-        int64_t *first = NULL; /* split mode: each row's first item; its partials sit in `partials` */      \
-        float *partials = NULL;                                                                             \
-        if (split) {                                                                                        \
-            first = malloc(sizeof(int64_t) * ((size_t)num_rows + 1));                                       \
-            if (first != NULL) {                                                                            \
-                first[0] = 0;                                                                               \
-                for (int r = 0; r < num_rows; r++) first[r + 1] = first[r] + (lens[r] + PARTITION - 1) / PARTITION; \
-                partials = malloc(sizeof(float) * per_part * (size_t)first[num_rows]);                      \
-            }                                                                                               \
-        }                                                                                                   \
-        int failed = split && partials == NULL;                                                             \
-        /* too few partitions to go round: split each one's KV heads too */                                \
-        const int kv_split = split && first != NULL && first[num_rows] < 4 * (int64_t)num_threads ? num_kv_heads : 1; \
-        const int kv_per_item = num_kv_heads / kv_split;                                                    \
-        if (!failed) {                                                                                      \
-            _Pragma("omp parallel num_threads(num_threads)") {                                              \
-                const size_t own = split ? 0 : (size_t)rows_per_item * (size_t)max_parts * per_part;        \
-                float *work = malloc(sizeof(float) * ((size_t)rows_per_item * (hd + (size_t)num_heads * PARTITION) + \
-                                                      (size_t)KG * (size_t)head_dim + own));                 \
-                const float **qf = malloc(sizeof(float *) * (size_t)rows_per_item);                         \
-                float **part = malloc(sizeof(float *) * (size_t)(rows_per_item > max_parts ? rows_per_item : max_parts)); \
-                int64_t *n = malloc(sizeof(int64_t) * (size_t)rows_per_item);                               \
-                const int ok = work != NULL && qf != NULL && part != NULL && n != NULL;                     \
-                if (!ok) {                                                                                  \
-                    _Pragma("omp atomic write") failed = 1;                                                 \
-                }                                                                                           \
-                float *qbuf = work, *scores = ok ? work + (size_t)rows_per_item * hd : NULL;                \
-                float *kf = ok ? scores + (size_t)rows_per_item * num_heads * PARTITION : NULL;             \
-                float *mine = ok ? kf + (size_t)KG * head_dim : NULL;                                       \
-                ss_partition job = {0, n, NULL, 0, num_heads, num_kv_heads, 0, num_kv_heads, head_dim,      \
-                                    block_size, kf, scores, part};                                          \
-                const int64_t num_items = split ? first[num_rows] * kv_split : num_tiles;                   \
-                int r = 0;                                                                                  \
-                _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < num_items; item++) {  \
-                    if (!ok) continue;                                                                      \
-                    if (split) { /* one KV head's query heads over one partition of one row */             \
-                        const int64_t at = item / kv_split;                                                 \
-                        const int kv0 = (int)(item % kv_split) * kv_per_item, kv1 = kv0 + kv_per_item;      \
-                        while (first[r + 1] <= at) r++;                                                     \
-                        while (first[r] > at) r--;                                                          \
-                        const int64_t begin = (at - first[r]) * PARTITION;                                  \
-                        n[0] = lens[r] - begin < PARTITION ? lens[r] - begin : PARTITION;                   \
-                        const size_t e0 = (size_t)kv0 * (size_t)(num_heads / num_kv_heads) * (size_t)head_dim; \
-                        const size_t e1 = (size_t)kv1 * (size_t)(num_heads / num_kv_heads) * (size_t)head_dim; \
-                        for (size_t e = e0; e < e1; e++) qbuf[e] = LOAD(q[r * q_row_stride + (int64_t)e]) * scale; \
-                        qf[0] = qbuf, part[0] = partials + per_part * (size_t)at;                           \
-                        job.count = 1, job.table = tables + (row_seq ? row_seq[r] : r) * max_blocks;        \
-                        job.begin = begin, job.kv0 = kv0, job.kv1 = kv1;                                    \
-                        partition_##T(&job, qf, k_cache, v_cache);                                          \
-                        continue;                                                                           \
-                    }                                                                                       \
-                    const int64_t r0 = tile[item], rows = tile[item + 1] - r0; /* tile mode: every partition */ \
-                    const int64_t *table = tables + (row_seq ? row_seq[r0] : r0) * max_blocks;              \
-                    int64_t longest = 0;                                                                    \
-                    for (int64_t i = 0; i < rows; i++) {                                                    \
-                        float *qi = qbuf + (size_t)i * hd;                                                  \
-                        for (size_t e = 0; e < hd; e++) qi[e] = LOAD(q[(r0 + i) * q_row_stride + (int64_t)e]) * scale; \
-                        longest = lens[r0 + i] > longest ? lens[r0 + i] : longest;                          \
-                    }                                                                                       \
-                    for (int64_t begin = 0; begin < longest; begin += PARTITION) {                          \
-                        int count = 0;                                                                      \
-                        for (int64_t i = 0; i < rows; i++) {                                                \
-                            if (lens[r0 + i] <= begin) continue;                                            \
-                            n[count] = lens[r0 + i] - begin < PARTITION ? lens[r0 + i] - begin : PARTITION; \
-                            qf[count] = qbuf + (size_t)i * hd;                                              \
-                            part[count] = mine + ((size_t)i * (size_t)max_parts + (size_t)(begin / PARTITION)) * per_part; \
-                            count++;                                                                        \
-                        }                                                                                   \
-                        job.count = count, job.table = table, job.begin = begin, job.kv0 = 0;               \
-                        job.kv1 = num_kv_heads;                                                             \
-                        partition_##T(&job, qf, k_cache, v_cache);                                          \
-                    }                                                                                       \
-                    for (int64_t i = 0; i < rows; i++) {                                                    \
-                        const int64_t parts = (lens[r0 + i] + PARTITION - 1) / PARTITION;                   \
-                        for (int64_t it = 0; it < parts; it++) part[it] = mine + ((size_t)i * (size_t)max_parts + (size_t)it) * per_part; \
-                        merge_##T((const float *const *)part, parts, num_heads, head_dim, out + (r0 + i) * (int64_t)hd); \
-                    }                                                                                       \
-                }                                                                                           \
-                if (split) {                                                                                \
-                    _Pragma("omp for schedule(static)") for (int rr = 0; rr < num_rows; rr++) {             \
-                        if (!ok) continue;                                                                  \
-                        for (int64_t it = first[rr]; it < first[rr + 1]; it++)                              \
-                            part[it - first[rr]] = partials + per_part * (size_t)it;                        \
-                        merge_##T((const float *const *)part, first[rr + 1] - first[rr], num_heads, head_dim, \
-                                  out + (int64_t)rr * (int64_t)hd);                                         \
-                    }                                                                                       \
-                }                                                                                           \
-                free(work), free(qf), free(part), free(n);                                                  \
-            }                                                                                               \
-        }                                                                                                   \
-        free(partials), free(first), free(tile);                                                            \
-        return failed ? -1 : 0;                                                                             \
-    }
+int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                            uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            float scale, int num_threads) {
+    attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, SS_BF16,
+                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0};
+    return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
+}
 
-#define LOAD_F32(x) (x)
-DEFINE_ENTRY(ss_paged_attention_bf16, uint16_t, bf16_to_f32)
-DEFINE_ENTRY(ss_paged_attention_f32, float, LOAD_F32)
+int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                           const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                           float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, int num_threads) {
+    attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, SS_F32,
+                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0};
+    return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
+}
 
 /* RMSNorm with the residual add in front (vLLM's fused_add_rms_norm): for each of the num_rows rows of x
  * (float32, [num_rows, n], updated in place), x += delta (when delta is not NULL), then
- * out = x / sqrt(mean(x^2) + eps) * weight, stored as bfloat16 or float32. Small inputs (decode steps)
- * stay on the calling thread: forking threads would cost more than the work. */
-#define DEFINE_ADD_RMS_NORM(NAME, D, LOAD_D, O, STORE_O)                                                    \
-    void NAME(float *x, const D *delta, const float *weight, O *out, int64_t num_rows, int64_t n, float eps, \
-              int num_threads) {                                                                            \
-        const int threads = num_rows * n >= (1 << 16) ? num_threads : 1;                                    \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t r = 0; r < num_rows; \
-                                                                              r++) {                       \
-            float *xr = x + r * n;                                                                          \
-            if (delta != NULL)                                                                              \
-                for (int64_t i = 0; i < n; i++) xr[i] += LOAD_D(delta[r * n + i]);                          \
-            float sum = 0.0f;                                                                               \
-            _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];   \
-            const float inv = 1.0f / sqrtf(sum / (float)n + eps);                                           \
-            O *orow = out + r * n;                                                                          \
-            for (int64_t i = 0; i < n; i++) orow[i] = STORE_O(xr[i] * inv * weight[i]);                     \
-        }                                                                                                   \
-    }
+ * out = x / sqrt(mean(x^2) + eps) * weight, delta and out stored as dtype. Small inputs (decode steps) stay on
+ * the calling thread: forking threads would cost more than the work. */
+SS_INLINE void add_rms_norm_row(float *xr, const void *delta, const float *weight, void *out, int dtype, int64_t n,
+                                float eps) {
+    if (delta != NULL)
+        for (int64_t i = 0; i < n; i++) xr[i] += load_elem(delta, dtype, i);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) store_elem(out, dtype, i, xr[i] * inv * weight[i]);
+}
 
-DEFINE_ADD_RMS_NORM(ss_add_rms_norm_bf16, uint16_t, bf16_to_f32, uint16_t, f32_to_bf16)
-DEFINE_ADD_RMS_NORM(ss_add_rms_norm_f32, float, LOAD_F32, float, STORE_F32)
+void ss_add_rms_norm_bf16(float *x, const uint16_t *delta, const float *weight, uint16_t *out, int64_t num_rows,
+                          int64_t n, float eps, int num_threads) {
+    const int threads = num_rows * n >= (1 << 16) ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < num_rows; r++)
+        add_rms_norm_row(x + r * n, delta != NULL ? delta + r * n : NULL, weight, out + r * n, SS_BF16, n, eps);
+}
+
+void ss_add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t num_rows, int64_t n,
+                         float eps, int num_threads) {
+    const int threads = num_rows * n >= (1 << 16) ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < num_rows; r++)
+        add_rms_norm_row(x + r * n, delta != NULL ? delta + r * n : NULL, weight, out + r * n, SS_F32, n, eps);
+}
 
 /* out[i][j] = x[i] . w[rows[i][j]] for i < m, j < per_row: x [m, k] and w [*, k] float32. Each dot product runs
  * in one fixed order (sixteen, or eight, interleaved partial sums over k, then a fixed tree), so a row's values

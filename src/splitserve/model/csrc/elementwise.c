@@ -8,56 +8,36 @@
 #include "simd.h"
 #include "ss_kernels.h"
 
-#if defined(SS_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands out AMX tile state only on request, once per process (prefill_attention.c, quant_matmul.c). */
-int ss_amx_permitted(void) {
-    static int state; /* 0: not asked, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state > 0;
-}
-#else
-int ss_amx_permitted(void) { return 0; }
-#endif
-
 static inline float silu_mul(float g, float u) { return g / (1.f + ss_expf(-g)) * u; }
 
-static inline uint16_t silu_mul_bf16(uint16_t g, uint16_t u) {
-    return f32_to_bf16(silu_mul(bf16_to_f32(g), bf16_to_f32(u)));
-}
+/* o[i] = silu(g[i]) * u[i] for i < n, stored as dtype. */
+SS_INLINE void silu_mul_row(const void *g, const void *u, void *o, int dtype, int64_t n) {
+    int64_t i = 0;
 #if defined(LANES)
-#define SILU_LANES LANES
-#else /* no vector path: the vector loop below is dead code */
-#define SILU_LANES 0
-#define vload(p) 0
-#define vloadf(p) 0
-#define vstore(p, v) (void)(v)
-#define vstoref(p, v) (void)(v)
-#define vsigmoid(x) (x)
-#define vmul(a, b) (a)
-typedef float vf;
+    for (; i + LANES <= n; i += LANES) {
+        const vf x = vload_at(g, dtype, i);
+        vstore_at(o, dtype, i, vmul(vmul(x, vsigmoid(x)), vload_at(u, dtype, i)));
+    }
 #endif
+    for (; i < n; i++) store_elem(o, dtype, i, silu_mul(load_elem(g, dtype, i), load_elem(u, dtype, i)));
+}
 
 /* out[r][i] = silu(gu[r][i]) * gu[r][n + i] for r < rows, i < n; gu's rows are gu_stride elements apart. Once
  * for bfloat16 (the prefill's MLP), once for float32 (the one-call decode step's). */
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, SCALAR)                                                        \
-    void NAME(const T *gu, int64_t gu_stride, int64_t rows, int64_t n, T *out, int num_threads) {            \
-        const int threads = rows * n >= (1 << 14) ? num_threads : 1;                                         \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t r = 0; r < rows; r++) { \
-            const T *g = gu + r * gu_stride, *u = g + n;                                                     \
-            T *o = out + r * n;                                                                              \
-            int64_t i = 0;                                                                                   \
-            for (; SILU_LANES > 0 && i + SILU_LANES <= n; i += SILU_LANES) {                                 \
-                const vf x = LOAD(g + i);                                                                    \
-                STORE(o + i, vmul(vmul(x, vsigmoid(x)), LOAD(u + i)));                                       \
-            }                                                                                                \
-            for (; i < n; i++) o[i] = SCALAR(g[i], u[i]);                                                    \
-        }                                                                                                    \
-    }
-DEFINE_SILU_MUL(ss_silu_mul_bf16, uint16_t, vload, vstore, silu_mul_bf16)
-DEFINE_SILU_MUL(ss_silu_mul_f32, float, vloadf, vstoref, silu_mul)
+void ss_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int64_t rows, int64_t n, uint16_t *out,
+                      int num_threads) {
+    const int threads = rows * n >= (1 << 14) ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, SS_BF16, n);
+}
+
+void ss_silu_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads) {
+    const int threads = rows * n >= (1 << 14) ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, SS_F32, n);
+}
 
 /* x [tokens, heads, head_dim] in place (token rows row_stride elements apart): rotate-half rotary with each
  * token's cos/sin rows ([tokens, head_dim], bfloat16). */

@@ -103,8 +103,18 @@ static inline float vsum(vf v) { /* (hi + lo) halves, then pairs: a fixed order 
 }
 #endif
 
-
 #if defined(LANES)
+/* LANES elements of a row stored as dtype, from element i. */
+SS_INLINE vf vload_at(const void *base, int dtype, int64_t i) {
+    return dtype == SS_BF16 ? vload((const uint16_t *)base + i) : vloadf((const float *)base + i);
+}
+SS_INLINE void vstore_at(void *base, int dtype, int64_t i, vf v) {
+    if (dtype == SS_BF16)
+        vstore((uint16_t *)base + i, v);
+    else
+        vstoref((float *)base + i, v);
+}
+
 static inline vf vexp(vf x) { /* ss_expf, lane by lane */
     x = vmin(vmax(x, vset1(SS_EXP_LOWEST)), vset1(SS_EXP_HIGHEST));
     const vf k = vround(vmul(x, vset1(SS_LOG2E)));

@@ -57,13 +57,13 @@ void ss_add_rms_norm_f32(float *x, const float *delta, const float *weight, floa
 void ss_dot_rows_f32(const float *x, int64_t m, int64_t k, const float *w, const int64_t *rows, int64_t per_row,
                      float *out, int num_threads);
 
-/* prefill_attention.c */
+/* amx/prefill_attention.c (-1 on builds without AMX) */
 int ss_prefill_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int64_t *slots, int64_t num_ctx, int64_t num_q,
                               uint16_t *out, int num_heads, int num_kv_heads, int head_dim, float scale,
                               int num_threads);
 
-/* quant_matmul.c */
+/* quant_matmul.c, its kernels in arch/ and amx/ */
 int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
                     int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
 int64_t ss_act_block_bytes(void);
@@ -72,8 +72,10 @@ int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k);
 int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst);
 int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out);
 
-/* elementwise.c */
+/* amx/tiles.c */
 int ss_amx_permitted(void);
+
+/* elementwise.c */
 void ss_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int64_t rows, int64_t n, uint16_t *out,
                       int num_threads);
 void ss_silu_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads);

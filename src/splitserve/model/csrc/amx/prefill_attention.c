@@ -20,9 +20,9 @@
  * values are transposed into [kv_head][block of 32 keys][dim tile][16 dims][32 keys] (A tiles of V^T). Then
  * one work item per (head, 16 queries), heaviest (last) query blocks first.
  */
-#include "common.h"
-#include "simd.h"
-#include "ss_kernels.h"
+#include "../common.h"
+#include "../simd.h"
+#include "../ss_kernels.h"
 
 #include <stdlib.h>
 

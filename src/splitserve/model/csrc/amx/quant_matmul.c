@@ -1,0 +1,176 @@
+/*
+ * The quantized matmul on AMX-INT8 tiles: from AMX_MIN_ROWS activation rows on (../quant.h), each block
+ * product runs on AMX tiles: 16 activation rows x 16 weight
+ * rows (two repacked groups) per TDPBSUD (signed activation bytes x unsigned weight codes, K = one block of
+ * 32). The repacked layout already holds each weight row's codes 4 at a time, which is the tile's VNNI form:
+ * B row v is group A's qs[v] beside group B's, low nibbles (weights 4v..4v+3), and row v + 4 their high
+ * nibbles (16 + 4v..); Q8_0 codes are byte-for-byte B rows. The same integers as the AVX-512 VNNI path; each
+ * block's int32 tile is then scaled in float32 as there (d_w d_x, plus m_w s_x).
+ */
+#include <stdlib.h>
+
+#include "../quant.h"
+#include "../ss_kernels.h"
+
+#if defined(SS_AMX)
+
+#define AMX_AHEAD 2 /* blocks between writing a buffer and reading it */
+#define AMX_RING 8  /* more than 2 * AMX_AHEAD: block kb - AMX_AHEAD's scales are read after block kb +
+                       * AMX_AHEAD's are written */
+
+static void amx_configure(int rows) {
+    ss_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 6; t += 3) { /* two sets, so that consecutive blocks need not wait for each other */
+        cfg.rows[t] = (uint8_t)rows, cfg.colsb[t] = 64;         /* C: rows x 16 int32 */
+        cfg.rows[t + 1] = (uint8_t)rows, cfg.colsb[t + 1] = QK; /* A: rows x 32 activation bytes */
+        cfg.rows[t + 2] = QK / 4, cfg.colsb[t + 2] = 64;        /* B: 8 rows of 16 weight rows x 4 codes */
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline __m512 amx_f16x16(const uint16_t *a, const uint16_t *b) { /* 8 fp16 from each group */
+    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
+    const __m128i hi = b != NULL ? _mm_loadu_si128((const __m128i *)b) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+/* Block kb of groups ga and gb (gb may be NULL: zero codes) as one B tile of codes, with its 16 scales and
+ * offsets. */
+static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int is_q8, int64_t kb, uint8_t codes[8][64],
+                             __m512 *dw, __m512 *mw) {
+    if (is_q8) {
+        const group_q8 *a = (const group_q8 *)ga + kb, *b = gb != NULL ? (const group_q8 *)gb + kb : NULL;
+        prefetch_ahead(a, sizeof *a);
+        if (b != NULL) prefetch_ahead(b, sizeof *b);
+        for (int c = 0; c < 8; c++) {
+            const __m256i ra = _mm256_loadu_si256((const __m256i *)a->qs[c]);
+            const __m256i rb = b != NULL ? _mm256_loadu_si256((const __m256i *)b->qs[c]) : _mm256_setzero_si256();
+            _mm512_store_si512(codes[c], _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1));
+        }
+        *dw = amx_f16x16(a->d, b != NULL ? b->d : NULL);
+        *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-(float)Q8_OFFSET));
+    } else {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        const group_q4 *a = (const group_q4 *)ga + kb, *b = gb != NULL ? (const group_q4 *)gb + kb : NULL;
+        prefetch_ahead(a, sizeof *a);
+        if (b != NULL) prefetch_ahead(b, sizeof *b);
+        for (int v = 0; v < 4; v++) {
+            const __m256i ra = _mm256_loadu_si256((const __m256i *)a->qs[v]);
+            const __m256i rb = b != NULL ? _mm256_loadu_si256((const __m256i *)b->qs[v]) : _mm256_setzero_si256();
+            const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1);
+            _mm512_store_si512(codes[v], _mm512_and_si512(raw, low));
+            _mm512_store_si512(codes[v + 4], _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+        }
+        *dw = amx_f16x16(a->d, b != NULL ? b->d : NULL);
+        *mw = amx_f16x16(a->m, b != NULL ? b->m : NULL);
+    }
+}
+
+/* One block of up to 16 activation rows as an A tile (rows 32 bytes apart: aligned, unlike block_q8a's). */
+typedef struct {
+    int8_t qs[16][QK];
+    float d[16], s[16];
+} amx_act;
+
+/* The activation blocks [m][nb] as [m / 16 chunks][nb] A tiles. */
+static void amx_activations(const block_q8a *xq, int64_t m, int64_t nb, amx_act *out) {
+    for (int64_t i0 = 0; i0 < m; i0 += 16)
+        for (int64_t kb = 0; kb < nb; kb++) {
+            amx_act *a = out + (i0 / 16) * nb + kb;
+            for (int r = 0; r < 16 && i0 + r < m; r++) {
+                const block_q8a *x = xq + (i0 + r) * nb + kb;
+                memcpy(a->qs[r], x->qs, QK);
+                a->d[r] = x->d, a->s[r] = x->s;
+            }
+        }
+}
+
+/* acc[r] += d_w d_x dot + m_w s_x for each activation row of block a. */
+static inline void amx_scale(__m512 *acc, int rows, int32_t dots[16][16], const amx_act *a, __m512 dw, __m512 mw) {
+    for (int r = 0; r < rows; r++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[r]));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a->d[r])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[r]), acc[r]);
+    }
+}
+
+/* One block's integer dot products on tile set (C, A, B), stored to dots. */
+#define AMX_BLOCK(C, A, B, act, codes, dots) \
+    do {                                     \
+        _tile_zero(C);                       \
+        _tile_loadd(A, (act)->qs, QK);       \
+        _tile_loadd(B, codes, 64);           \
+        _tile_dpbsud(C, A, B);               \
+        _tile_stored(C, dots, 64);           \
+    } while (0)
+
+static void amx_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const amx_act *xa, int64_t m, void *y,
+                           int out_dtype, int64_t ldy) {
+    const int is_q8 = wtype == GGML_Q8_0;
+    const int64_t nb = k / QK, groups = (n + RG - 1) / RG, tiles = (groups + 1) / 2;
+    const int64_t group_bytes = nb * (int64_t)(is_q8 ? sizeof(group_q8) : sizeof(group_q4));
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *ga = (const uint8_t *)w + 2 * t * group_bytes;
+        const uint8_t *gb = 2 * t + 1 < groups ? ga + group_bytes : NULL;
+        const int cols = n - 2 * t * RG >= 16 ? 16 : (int)(n - 2 * t * RG);
+        for (int64_t i0 = 0; i0 < m; i0 += 16) {
+            const int rows = m - i0 >= 16 ? 16 : (int)(m - i0);
+            if (rows != configured) amx_configure(configured = rows);
+            __m512 acc[16];
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+            const amx_act *xb = xa + (i0 / 16) * nb;
+            /* A pipeline over blocks: codes are written AHEAD blocks before a tile reads them, and a block's
+             * dot products are read AHEAD blocks after a tile wrote them, so that neither waits on the other's
+             * stores; consecutive blocks use the two tile sets. */
+            _Alignas(64) uint8_t codes[AMX_RING][QK / 4][64];
+            _Alignas(64) int32_t dots[AMX_RING][16][16];
+            __m512 dw[AMX_RING], mw[AMX_RING];
+            for (int64_t j = 0; j < AMX_AHEAD && j < nb; j++) amx_codes(ga, gb, is_q8, j, codes[j], &dw[j], &mw[j]);
+            for (int64_t kb = 0; kb < nb; kb++) {
+                const int at = (int)(kb % AMX_RING);
+                if (kb + AMX_AHEAD < nb) {
+                    const int next = (int)((kb + AMX_AHEAD) % AMX_RING);
+                    amx_codes(ga, gb, is_q8, kb + AMX_AHEAD, codes[next], &dw[next], &mw[next]);
+                }
+                if (kb & 1)
+                    AMX_BLOCK(3, 4, 5, xb + kb, codes[at], dots[at]);
+                else
+                    AMX_BLOCK(0, 1, 2, xb + kb, codes[at], dots[at]);
+                if (kb >= AMX_AHEAD) {
+                    const int old = (int)((kb - AMX_AHEAD) % AMX_RING);
+                    amx_scale(acc, rows, dots[old], xb + kb - AMX_AHEAD, dw[old], mw[old]);
+                }
+            }
+            for (int64_t kb = nb > AMX_AHEAD ? nb - AMX_AHEAD : 0; kb < nb; kb++) {
+                const int old = (int)(kb % AMX_RING);
+                amx_scale(acc, rows, dots[old], xb + kb, dw[old], mw[old]);
+            }
+            const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+            for (int r = 0; r < rows; r++) {
+                const int64_t base = (i0 + r) * ldy + 2 * t * RG;
+                if (out_dtype == SS_F32)
+                    _mm512_mask_storeu_ps((float *)y + base, keep, acc[r]);
+                else
+                    _mm256_mask_storeu_epi16((uint16_t *)y + base, keep, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+            }
+        }
+    }
+    if (configured) _tile_release();
+}
+
+int amx_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
+                     int out_dtype, int64_t ldy, int threads) {
+    if (!ss_amx_permitted()) return -1;
+    amx_act *xa = aligned_alloc(64, sizeof(amx_act) * (size_t)((m + 15) / 16 * (k / QK)));
+    if (xa == NULL) return -1;
+    amx_activations(xq, m, k / QK, xa);
+#pragma omp parallel num_threads(threads)
+    amx_qgemm_body(w, wtype, n, k, xa, m, y, out_dtype, ldy);
+    free(xa);
+    return 0;
+}
+#endif
