@@ -67,7 +67,7 @@ def worker_command(values: dict[str, Any]) -> None:
 def _import_run_worker() -> Callable[..., int]:
     """The worker's entry point; without the engine extra (torch...), exit 2 with one line naming it."""
     try:
-        from splitserve.server.run import run_worker
+        from splitserve.worker.run import run_worker
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] == "splitserve":
             raise  # a broken install, not a missing extra

@@ -340,8 +340,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's ``--kv-events-config``: the worker also publishes its engine's KV events in vLLM's format over ZMQ
-    (``splitserve.vllm_publisher``), for consumers built for vLLM (llm-d's KV indexer, Dynamo's router, a
-    splitserve router). The fields and their defaults are vLLM's."""
+    (``splitserve.worker.vllm_publisher``), for consumers built for vLLM (llm-d's KV indexer, Dynamo's router,
+    a splitserve router). The fields and their defaults are vLLM's."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "zmq"  # "zmq", or "null": publish nothing

@@ -21,7 +21,6 @@ from splitserve.engine.engine import LLMEngine, kv_cache_layout
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import hash_blocks, hash_of_key, kv_layout
-from splitserve.kv_events import Tier
 from splitserve.kvcache import serde
 from splitserve.kvcache.connector import KVConnector, build_connector
 from splitserve.kvcache.cpu import CPUTier
@@ -29,6 +28,7 @@ from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.store import TieredStore
 from splitserve.metrics import WorkerMetrics, sum_samples
 from splitserve.model.llama import LlamaForCausalLM
+from splitserve.protocol.kv_events import Tier
 from tests.support.engine import build_engine, random_prompts, run_to_completion, tokens_of
 from tests.support.kv_store import BLOCK, CHUNK, MODEL_ID, chunk_keys, make_store, record_keys
 

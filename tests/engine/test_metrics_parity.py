@@ -29,8 +29,9 @@ from splitserve import metrics
 from splitserve.config import CacheConfig, EngineConfig, KVTierConfig, ModelConfig, RouterConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.metrics import WorkerMetrics, sum_samples
-from splitserve.router.app import Router, build_router_app
-from splitserve.server.app import build_app
+from splitserve.router.app import build_router_app
+from splitserve.router.build import build_router
+from splitserve.worker.app import build_app
 from tests.support.fake_engine import ServerThread
 from tests.support.waiting import wait_until
 
@@ -106,7 +107,7 @@ def pages() -> Iterator[Pages]:
         for prompt in (PROMPT_A, PROMPT_A, PROMPT_B, PROMPT_A):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS} | GREEDY
             assert http.post("/v1/completions", json=body).status_code == 200
-        router = Router(RouterConfig(model=MODEL, backends=(worker.url,), health_interval_s=0.2))
+        router = build_router(RouterConfig(model=MODEL, backends=(worker.url,), health_interval_s=0.2))
         front = stack.enter_context(ServerThread(build_router_app(router)))  # scrapes the worker as it starts
         client = stack.enter_context(httpx.Client(base_url=front.url, timeout=300))
         scraped = lambda: "vllm:gpu_prefix_cache_queries_total{" in client.get("/metrics").text  # noqa: E731

@@ -11,10 +11,8 @@ from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelCo
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import hash_blocks, salt_root
-from splitserve.kv_events import KVEventLog
 from splitserve.model.llama import LlamaForCausalLM
-from splitserve.router.vllm_events import VLLMBlockKeys
-from splitserve.vllm_events import (
+from splitserve.protocol.vllm_events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -22,7 +20,9 @@ from splitserve.vllm_events import (
     decode_batch,
     decode_frames,
 )
-from splitserve.vllm_publisher import VLLMEventPublisher
+from splitserve.router.vllm_events import VLLMBlockKeys
+from splitserve.worker.kv_events import KVEventLog
+from splitserve.worker.vllm_publisher import VLLMEventPublisher
 from tests.support.engine import run_to_completion
 from tests.support.waiting import wait_until
 

@@ -21,7 +21,8 @@ from splitserve import auth, envs
 from splitserve.config import RouterConfig, client_keys, cluster_secret
 from splitserve.deploy.pods import redacted
 from splitserve.router import app as router_app
-from splitserve.router.app import Router, build_router_app
+from splitserve.router.app import build_router_app
+from splitserve.router.build import build_router
 from splitserve.router.discovery import checked_worker_url
 from tests.support.fake_engine import ServerThread
 from tests.support.waiting import wait_until
@@ -217,7 +218,7 @@ def test_the_router_sends_its_own_credential_never_the_clients(tmp_path: Path) -
         worker = stack.enter_context(ServerThread(backend))
         for secret, expected in ((SECRET, f"Bearer {SECRET}"), (None, None)):
             config = RouterConfig(backends=(worker.url,), api_keys=(ROUTER_KEY,), cluster_secret=secret)
-            router = stack.enter_context(ServerThread(build_router_app(Router(config))))
+            router = stack.enter_context(ServerThread(build_router_app(build_router(config))))
             response = call(router.url, "POST", "/v1/completions", ROUTER_KEY)
             assert response.status_code == 200, response.text
             assert seen[-1] == expected
@@ -288,7 +289,7 @@ def test_admin_updates_and_events_refuse_bad_urls_and_too_many_workers(monkeypat
     with ExitStack() as stack:
         worker = stack.enter_context(ServerThread(Starlette(routes=[Route("/health", health)])))
         config = RouterConfig(backends=(worker.url,), cluster_secret=SECRET)
-        url = stack.enter_context(ServerThread(build_router_app(Router(config)))).url
+        url = stack.enter_context(ServerThread(build_router_app(build_router(config)))).url
         bad = httpx.put(f"{url}/admin/workers", json={"backend": ["http://x:1/?"]}, headers=secret)
         assert bad.status_code == 400 and "bare" in bad.json()["error"]["message"]
         many = {"backend": [f"http://10.0.0.{i}:8000" for i in range(3)]}
@@ -306,7 +307,7 @@ def test_kv_transfer_params_come_from_the_router_only() -> None:
     from splitserve.config import ServerConfig
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.metrics import WorkerMetrics
-    from splitserve.server.app import build_app
+    from splitserve.worker.app import build_app
     from tests.support.fake_engine import FakeEngine
 
     seen: list[dict[str, object]] = []
@@ -322,7 +323,9 @@ def test_kv_transfer_params_come_from_the_router_only() -> None:
     params = {"transfer_id": "xfer-1", "decode_kv_addr": "attacker.example:9000"}
     with ExitStack() as stack:
         recorder = stack.enter_context(ServerThread(backend))
-        router = stack.enter_context(ServerThread(build_router_app(Router(RouterConfig(backends=(recorder.url,))))))
+        router = stack.enter_context(
+            ServerThread(build_router_app(build_router(RouterConfig(backends=(recorder.url,)))))
+        )
         body = {"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": params}
         assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=10).status_code == 200
         assert "kv_transfer_params" not in seen[-1]
@@ -342,7 +345,7 @@ def test_a_cache_salt_that_cannot_be_hashed_is_a_400_on_router_and_worker() -> N
     from splitserve.config import ServerConfig
     from splitserve.engine.async_engine import AsyncEngine
     from splitserve.metrics import WorkerMetrics
-    from splitserve.server.app import build_app
+    from splitserve.worker.app import build_app
     from tests.support.fake_engine import FakeEngine
 
     with ExitStack() as stack:
@@ -350,7 +353,7 @@ def test_a_cache_salt_that_cannot_be_hashed_is_a_400_on_router_and_worker() -> N
         worker = stack.enter_context(ServerThread(build_app(engine, ServerConfig())))
         wait_until(lambda: httpx.get(f"{worker.url}/health").status_code == 200)
         config = RouterConfig(backends=(worker.url,), api_keys=(ROUTER_KEY,), salt_per_api_key=True)
-        router = stack.enter_context(ServerThread(build_router_app(Router(config))))
+        router = stack.enter_context(ServerThread(build_router_app(build_router(config))))
         body = b'{"prompt": "Hi", "max_tokens": 2, "cache_salt": "\\ud800"}'  # a lone surrogate
         headers = {"Authorization": f"Bearer {ROUTER_KEY}", "Content-Type": "application/json"}
         for url, extra in ((router.url, headers), (worker.url, {"Content-Type": "application/json"})):

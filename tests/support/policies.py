@@ -4,7 +4,7 @@ default load guard, and a KV index with two registered workers."""
 from __future__ import annotations
 
 from splitserve.config import RouterConfig
-from splitserve.kv_events import EventKind, Tier
+from splitserve.protocol.kv_events import EventKind, Tier
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policies import LoadGuard, RoutingRequest
 

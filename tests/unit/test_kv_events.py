@@ -12,10 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from splitserve import kv_events
-from splitserve.kv_events import EventKind, KVEventLog, KVEventPublisher, Tier, parse_batch
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.store import TieredStore
+from splitserve.protocol.kv_events import EventKind, Tier, parse_batch
+from splitserve.worker import kv_events
+from splitserve.worker.kv_events import KVEventLog, KVEventPublisher
 
 URL = "http://router/kv/events"
 

@@ -30,7 +30,8 @@ from splitserve.deploy.operator import (
 from splitserve.deploy.render import render
 from splitserve.endpoint import parse_endpoint
 from splitserve.kube import KubeApi, KubeApiError
-from splitserve.router.app import Router, build_router_app
+from splitserve.router.app import build_router_app
+from splitserve.router.build import build_router
 from splitserve.router.k8s_discovery import (
     KubernetesDiscovery,
     WorkerLists,
@@ -554,7 +555,7 @@ SELECTOR = "app.kubernetes.io/instance=dpd,app.kubernetes.io/component in (prefi
 def test_discovery_puts_the_ready_pods_into_the_real_router() -> None:
     services = {"prefill": ("http://prefill-dpd.default.svc:8000",), "decode": ("http://decode-dpd.default.svc:8000",)}
     config = RouterConfig(**services)
-    router = Router(config)
+    router = build_router(config)
     seen: list[httpx.Request] = []
     with TestClient(build_router_app(router, probe=False)) as client:
         discovery = KubernetesDiscovery(

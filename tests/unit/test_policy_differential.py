@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from splitserve.config import Role, RouterConfig, RoutingStrategy, SchedulerConfig, SchedulingPolicy
-from splitserve.kv_events import EventKind, Tier
 from splitserve.planner.costs import LoadCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest, WorkloadShape, generate
+from splitserve.protocol.kv_events import EventKind, Tier
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policies import RoutingRequest, build_policy

@@ -1,4 +1,6 @@
-"""The router over real HTTP in front of fake-engine workers: proxying, retries, breaker, errors, KV events."""
+"""The router in front of fake-engine workers: proxying, retries, breaker, errors, KV events. No socket: the
+workers are in-process apps behind the in-memory transport, and the client reaches the router through
+Starlette's test client."""
 
 from __future__ import annotations
 
@@ -10,20 +12,32 @@ import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from splitserve import __version__
 from splitserve.config import RoutingStrategy
 from splitserve.keys import hash_blocks
-from tests.support.fake_engine import ServerThread
-from tests.support.router import MODEL, FakeWorker, completion, start_router
+from tests.support.router import MODEL, MemoryWorker, completion, start_router_in_memory
+from tests.support.transport import no_sockets
 from tests.support.waiting import wait_until
-from tests.support.workers import free_port
+
+DEAD = "http://dead-worker:8000"  # no app: the connection is refused
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[FakeWorker]]:
-    with ExitStack() as stack:
-        yield [FakeWorker(stack), FakeWorker(stack)]
+@pytest.fixture(autouse=True)
+def _no_sockets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with no_sockets(monkeypatch):
+        yield
+
+
+@pytest.fixture
+def workers() -> list[MemoryWorker]:
+    return [MemoryWorker("http://worker-0:8000"), MemoryWorker("http://worker-1:8000")]
+
+
+@pytest.fixture
+def apps(workers: list[MemoryWorker]) -> dict[str, ASGIApp]:
+    return {w.url: w.app for w in workers}
 
 
 @pytest.fixture
@@ -33,10 +47,10 @@ def stack() -> Iterator[ExitStack]:
 
 
 def test_roundrobin_proxies_every_kind_of_request_over_both_workers(
-    workers: list[FakeWorker], stack: ExitStack
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
 ) -> None:
     before = [w.num_requests for w in workers]
-    _, client = start_router(stack, [w.url for w in workers])
+    _, client = start_router_in_memory(stack, [w.url for w in workers], apps)
     for _ in range(2):
         r = completion(client)
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
@@ -53,9 +67,10 @@ def test_roundrobin_proxies_every_kind_of_request_over_both_workers(
     assert "splitserve:router_routing_decisions_total" in text and "splitserve:e2e_time_to_first_token_seconds" in text
 
 
-def test_sagemaker_routes_tokenizer_routes_and_version(workers: list[FakeWorker], stack: ExitStack) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    _, client = start_router(stack, [dead, workers[0].url], health_interval_s=60)
+def test_sagemaker_routes_tokenizer_routes_and_version(
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
+) -> None:
+    _, client = start_router_in_memory(stack, [DEAD, workers[0].url], apps, health_interval_s=60)
     for method in ("GET", "POST"):
         assert client.request(method, "/ping").status_code == 200
     chat = client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
@@ -74,7 +89,7 @@ def test_sagemaker_routes_tokenizer_routes_and_version(workers: list[FakeWorker]
 
 
 def test_ping_is_503_without_a_worker(stack: ExitStack) -> None:
-    _, client = start_router(stack, [f"http://127.0.0.1:{free_port()}"])
+    _, client = start_router_in_memory(stack, [DEAD], {})
     wait_until(lambda: client.get("/ping").status_code == 503)
     assert client.post("/tokenize", json={"prompt": "Hi"}).status_code == 503
 
@@ -89,25 +104,37 @@ def test_ping_is_503_without_a_worker(stack: ExitStack) -> None:
     ],
 )
 def test_client_mistakes_get_openai_errors(
-    workers: list[FakeWorker], stack: ExitStack, method: str, path: str, content: bytes, status: int
+    workers: list[MemoryWorker],
+    apps: dict[str, ASGIApp],
+    stack: ExitStack,
+    method: str,
+    path: str,
+    content: bytes,
+    status: int,
 ) -> None:
-    _, client = start_router(stack, [workers[0].url])
+    _, client = start_router_in_memory(stack, [workers[0].url], apps)
     r = client.request(method, path, content=content, headers={"content-type": "application/json"})
     assert r.status_code == status
     assert r.json()["error"]["message"]
 
 
-def test_a_worker_4xx_is_passed_back_not_retried(workers: list[FakeWorker], stack: ExitStack) -> None:
-    router, client = start_router(stack, [w.url for w in workers])
+def test_a_worker_4xx_is_passed_back_not_retried(
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
+) -> None:
+    router, client = start_router_in_memory(stack, [w.url for w in workers], apps)
     r = completion(client, max_tokens=-1)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
     assert all(w.breaker.allows() for w in router.pool)
     assert "splitserve:router_retries_total{" not in client.get("/metrics").text
 
 
-def test_a_dead_worker_is_skipped_by_retries_and_its_breaker_opens(workers: list[FakeWorker], stack: ExitStack) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    router, client = start_router(stack, [dead, workers[0].url], health_interval_s=60, breaker_failure_threshold=2)
+def test_a_dead_worker_is_skipped_by_retries_and_its_breaker_opens(
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
+) -> None:
+    dead = DEAD
+    router, client = start_router_in_memory(
+        stack, [dead, workers[0].url], apps, probe=False, breaker_failure_threshold=2
+    )
     router.pool.get(dead).healthy = True  # type: ignore[union-attr]  # as if it had just died
     for _ in range(6):
         assert completion(client).status_code == 200
@@ -116,14 +143,16 @@ def test_a_dead_worker_is_skipped_by_retries_and_its_breaker_opens(workers: list
 
 
 def test_no_worker_at_all_is_a_503_with_an_openai_error(stack: ExitStack) -> None:
-    _, client = start_router(stack, [f"http://127.0.0.1:{free_port()}"])
+    _, client = start_router_in_memory(stack, [DEAD], {})
     r = completion(client)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_worker_available"
     assert client.get("/health").status_code == 503
 
 
-def test_an_overloaded_worker_answer_is_retried_elsewhere(workers: list[FakeWorker], stack: ExitStack) -> None:
+def test_an_overloaded_worker_answer_is_retried_elsewhere(
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
+) -> None:
     async def overloaded(_: Any) -> JSONResponse:
         return JSONResponse({"error": {"message": "busy"}}, status_code=503)
 
@@ -131,17 +160,20 @@ def test_an_overloaded_worker_answer_is_retried_elsewhere(workers: list[FakeWork
         return JSONResponse({})
 
     busy_app = Starlette(routes=[Route("/v1/completions", overloaded, methods=["POST"]), Route("/health", healthy)])
-    busy = stack.enter_context(ServerThread(busy_app))
-    _, client = start_router(stack, [busy.url, workers[1].url])
+    busy = "http://busy-worker:8000"
+    _, client = start_router_in_memory(stack, [busy, workers[1].url], apps | {busy: busy_app})
     for _ in range(4):
         assert completion(client).status_code == 200
-    _, only_busy = start_router(stack, [busy.url])
+    _, only_busy = start_router_in_memory(stack, [busy], {busy: busy_app})
     r = completion(only_busy)
     assert r.status_code == 503 and r.json()["error"]["message"] == "busy"  # the worker's own answer
 
 
-def test_kv_events_register_workers_and_kvaware_follows_them(workers: list[FakeWorker], stack: ExitStack) -> None:
-    router, client = start_router(stack, [w.url for w in workers], routing_strategy=RoutingStrategy.KVAWARE)
+def test_kv_events_register_workers_and_kvaware_follows_them(
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
+) -> None:
+    kvaware = RoutingStrategy.KVAWARE
+    router, client = start_router_in_memory(stack, [w.url for w in workers], apps, routing_strategy=kvaware)
     batch = {"worker_id": "b", "worker_url": workers[1].url, "events": []}
     assert client.post("/kv/events", json=batch).status_code == 409  # never registered
     assert client.post("/kv/events", json={"worker_id": "b"}).status_code == 400
@@ -160,8 +192,10 @@ def test_kv_events_register_workers_and_kvaware_follows_them(workers: list[FakeW
     )
 
 
-def test_the_worker_list_can_be_replaced_while_serving(workers: list[FakeWorker], stack: ExitStack) -> None:
-    router, client = start_router(stack, [workers[0].url])
+def test_the_worker_list_can_be_replaced_while_serving(
+    workers: list[MemoryWorker], apps: dict[str, ASGIApp], stack: ExitStack
+) -> None:
+    router, client = start_router_in_memory(stack, [workers[0].url], apps)
     assert completion(client).status_code == 200
     kept = router.pool.get(workers[0].url)
     r = client.put("/admin/workers", json={"backend": [workers[0].url, workers[1].url]})

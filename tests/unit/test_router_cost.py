@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.keys import hash_blocks
-from splitserve.kv_events import Tier
+from splitserve.protocol.kv_events import Tier
 from splitserve.router.cost import (
     MIN_SAMPLE_TOKENS,
     PRIOR_S_PER_TOKEN,

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from splitserve.cli import app
 from splitserve.config import PDDecision, RouterConfig
 from splitserve.router.app import Router, build_router_app
+from splitserve.router.build import build_router
 from splitserve.router.cost import PRIOR_S_PER_TOKEN
 from splitserve.router.discovery import Worker
 from tests.support.transport import FakeTransport, FakeUpstream, completion_chunk, sse
@@ -80,7 +81,7 @@ def start(
 ) -> tuple[Router, TestClient]:
     config = RouterConfig(model="m", prefill=(P,), decode=(D,), routing_threshold=THRESHOLD, retry_backoff_s=0.001,
                           pd_decision=decision, **options)  # fmt: skip
-    router = Router(config, tokenize, transport=transport)
+    router = build_router(config, tokenize, transport=transport)
     client = TestClient(build_router_app(router, probe=False))
     client.__enter__()
     stack.append(client)

@@ -1,5 +1,6 @@
 """kvaware without wiring: the router pulls KV events from plain workers (no ``--kv-events-url``), follows them
-as they change, survives a worker restart, and routes a worker without events by its own prefix index."""
+as they change, survives a worker restart, and routes a worker without events by its own prefix index. No
+socket: the workers are in-process apps behind the in-memory transport."""
 
 from __future__ import annotations
 
@@ -8,20 +9,26 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
+from starlette.testclient import TestClient
 
 from splitserve.config import RoutingStrategy
-from splitserve.engine.async_engine import AsyncEngine
 from splitserve.keys import hash_blocks
-from splitserve.kv_events import KVEventLog, Tier
-from splitserve.metrics import WorkerMetrics
+from splitserve.protocol.kv_events import Tier
 from splitserve.router import events as router_events
-from splitserve.server.app import build_app
-from tests.support.fake_engine import FakeEngine, ServerThread
-from tests.support.router import MODEL, EventfulWorker, completion, start_router
+from splitserve.router.app import Router
+from splitserve.worker.kv_events import KVEventLog
+from tests.support.router import MemoryWorker, completion, start_router_in_memory
+from tests.support.transport import no_sockets
 from tests.support.waiting import wait_until
 
 PROMPT = list(range(1, 70))  # 4 full blocks of 16
 DECISIONS = "splitserve:router_routing_decisions_total"
+
+
+@pytest.fixture(autouse=True)
+def _no_sockets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with no_sockets(monkeypatch):
+        yield
 
 
 @pytest.fixture
@@ -30,13 +37,20 @@ def stack() -> Iterator[ExitStack]:
         yield stack
 
 
-def served(workers: list[EventfulWorker], before: list[int]) -> list[int]:
+def served(workers: list[MemoryWorker], before: list[int]) -> list[int]:
     return [w.num_requests - b for w, b in zip(workers, before, strict=True)]
 
 
+def start_kvaware(stack: ExitStack, workers: list[MemoryWorker]) -> tuple[Router, TestClient]:
+    urls = [w.url for w in workers]
+    return start_router_in_memory(
+        stack, urls, {w.url: w.app for w in workers}, routing_strategy=RoutingStrategy.KVAWARE
+    )
+
+
 def test_kvaware_over_plain_workers_routes_by_the_events_it_pulls(stack: ExitStack) -> None:
-    workers = [EventfulWorker(stack, "a"), EventfulWorker(stack, "b")]
-    router, client = start_router(stack, [w.url for w in workers], routing_strategy=RoutingStrategy.KVAWARE)
+    workers = [MemoryWorker("http://worker-a:8000", "a"), MemoryWorker("http://worker-b:8000", "b")]
+    router, client = start_kvaware(stack, workers)
     wait_until(lambda: all(router.kv_index.is_registered(w.url) for w in workers), timeout_s=10)
     assert router.pool.get(workers[1].url).worker_id == "b"  # type: ignore[union-attr]
     workers[1].log.stored(Tier.ENGINE, hash_blocks(PROMPT, 16))  # b's cache now holds the prompt
@@ -50,8 +64,8 @@ def test_kvaware_over_plain_workers_routes_by_the_events_it_pulls(stack: ExitSta
 
 
 def test_a_restarted_worker_is_resynchronised_with_a_snapshot(stack: ExitStack) -> None:
-    worker = EventfulWorker(stack, "a")
-    router, _ = start_router(stack, [worker.url], routing_strategy=RoutingStrategy.KVAWARE)
+    worker = MemoryWorker("http://worker-a:8000", "a")
+    router, _ = start_kvaware(stack, [worker])
     wait_until(lambda: router.kv_index.is_registered(worker.url), timeout_s=10)
     worker.log.stored(Tier.ENGINE, hash_blocks(PROMPT, 16))
     wait_until(lambda: router.kv_index.match(hash_blocks(PROMPT, 16), worker.url).engine == 64, timeout_s=5)
@@ -66,13 +80,10 @@ def test_a_worker_without_events_gets_one_warning_and_the_prefix_index(
 ) -> None:
     monkeypatch.setattr(router_events, "SILENT_AFTER_S", 0.3)
     monkeypatch.setattr(router_events, "FIRST_BACKOFF_S", 0.05)
-    plain = []
-    for _ in range(2):  # workers whose /kv/events is a 404 (as an older worker's, or vLLM's)
-        engine = FakeEngine()
-        server = stack.enter_context(ServerThread(build_app(AsyncEngine(lambda e=engine: e, WorkerMetrics(MODEL)))))
-        plain.append((server.url, engine))
+    workers = [MemoryWorker(f"http://plain-{i}:8000") for i in range(2)]  # their /kv/events is a 404
+    plain = [(w.url, w.engine) for w in workers]
     with caplog.at_level(logging.WARNING, logger="splitserve.router"):
-        router, client = start_router(stack, [url for url, _ in plain], routing_strategy=RoutingStrategy.KVAWARE)
+        router, client = start_kvaware(stack, workers)
         wait_until(lambda: caplog.text.count("no KV events from worker") == 2, timeout_s=10)
     for _ in range(4):
         assert completion(client, prompt=[*PROMPT, 99]).status_code == 200

@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.router.app import Router, build_router_app
+from splitserve.router.build import build_router
 from tests.support.transport import FakeTransport, FakeUpstream, completion_chunk, sse
 
 A, B = "http://worker-a:8000", "http://worker-b:8000"
@@ -29,7 +30,7 @@ def stack() -> Iterator[list[Any]]:
 def start(stack: list[Any], transport: FakeTransport, **options: Any) -> tuple[Router, TestClient]:
     roundrobin = RoutingStrategy.ROUNDROBIN
     config = RouterConfig(model="m", backends=(A, B), retry_backoff_s=0.001, routing_strategy=roundrobin, **options)
-    router = Router(config, transport=transport)
+    router = build_router(config, transport=transport)
     client = TestClient(build_router_app(router, probe=False))
     client.__enter__()
     stack.append(client)

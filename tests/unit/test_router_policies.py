@@ -13,13 +13,12 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 import pytest
 
 from splitserve.breaker import BreakerState, CircuitBreaker
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.keys import hash_blocks
-from splitserve.kv_events import EventKind, Tier
+from splitserve.protocol.kv_events import EventKind, Tier
 from splitserve.router.discovery import Worker, WorkerPool
 from splitserve.router.health import MAX_COOLDOWN_S, HealthChecker, worker_breaker
 from splitserve.router.kv_index import KVIndex, PrefixIndex, TierMatch
@@ -36,6 +35,7 @@ from splitserve.router.policies import (
 )
 from splitserve.router.tokens import prompt_token_ids
 from tests.support.policies import BLOCK_SIZE, CHUNK_SIZE, W0, W1, guard, kv_index, prompt, routing, stored
+from tests.support.transport import InMemoryTransport
 
 
 def make_workers(num: int) -> list[Worker]:
@@ -492,12 +492,11 @@ class TestCircuitBreaker:
         assert breaker.state == BreakerState.HALF_OPEN
 
 
-def _no_session() -> aiohttp.ClientSession:
-    raise AssertionError("unit tests never probe")
-
-
 def checker(failure_threshold: int = 2, success_threshold: int = 2) -> HealthChecker:
-    return HealthChecker(list, _no_session, failure_threshold=failure_threshold, success_threshold=success_threshold)
+    """A checker whose results the tests record themselves (its transport reaches no worker)."""
+    return HealthChecker(
+        list, InMemoryTransport(), failure_threshold=failure_threshold, success_threshold=success_threshold
+    )
 
 
 class TestHealthRecord:

@@ -1,4 +1,5 @@
-"""The router under hostile bodies, overload and workers that die mid-stream (fake-engine workers, real HTTP)."""
+"""The router under hostile bodies, overload and workers that die mid-stream (fake-engine workers, real HTTP;
+the body checks, which no socket changes, run in memory)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from splitserve import httpserver
 from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
 from tests.support.fake_engine import REPLY
 from tests.support.faults import FaultProxy
-from tests.support.router import MODEL, FakeWorker, start_router
+from tests.support.router import MODEL, FakeWorker, MemoryWorker, start_router, start_router_in_memory
+from tests.support.transport import no_sockets
 from tests.support.waiting import wait_until
 from tests.support.workers import free_port
 
@@ -35,11 +37,19 @@ def stack() -> Iterator[ExitStack]:
         yield stack
 
 
+@pytest.fixture
+def in_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryWorker]:
+    """A worker app behind the in-memory transport; no socket may open meanwhile."""
+    with no_sockets(monkeypatch):
+        yield MemoryWorker("http://worker:8000")
+
+
 # ---- hostile bodies ----------------------------------------------------------------------------------------
 
 
-def test_bodies_over_the_limit_are_413_declared_or_streamed(workers: list[FakeWorker], stack: ExitStack) -> None:
-    _, client = start_router(stack, [workers[0].url], max_request_body_bytes=1000)
+def test_bodies_over_the_limit_are_413_declared_or_streamed(in_memory: MemoryWorker, stack: ExitStack) -> None:
+    apps = {in_memory.url: in_memory.app}
+    _, client = start_router_in_memory(stack, [in_memory.url], apps, max_request_body_bytes=1000)
     declared = client.post("/v1/completions", content=b"x" * 2000, headers={"content-type": "application/json"})
     assert declared.status_code == 413 and declared.json()["error"]["code"] == "body_too_large"
 
@@ -76,10 +86,11 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_off(
     import uvicorn
 
     from splitserve.config import RouterConfig
-    from splitserve.router.app import Router, build_router_app
+    from splitserve.router.app import build_router_app
+    from splitserve.router.build import build_router
 
     monkeypatch.setattr(httpserver, "HEADER_TIMEOUT_S", 0.5)
-    router = Router(RouterConfig(model=MODEL, backends=(workers[0].url,)))
+    router = build_router(RouterConfig(model=MODEL, backends=(workers[0].url,)))
     port = free_port()
     config = uvicorn.Config(build_router_app(router, probe=False), port=port, log_level="warning",
                             **httpserver.uvicorn_options())  # fmt: skip
@@ -106,8 +117,8 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_off(
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/kv/events"])
-def test_deeply_nested_json_is_a_400_not_a_500(workers: list[FakeWorker], stack: ExitStack, path: str) -> None:
-    _, client = start_router(stack, [workers[0].url])
+def test_deeply_nested_json_is_a_400_not_a_500(in_memory: MemoryWorker, stack: ExitStack, path: str) -> None:
+    _, client = start_router_in_memory(stack, [in_memory.url], {in_memory.url: in_memory.app})
     r = client.post(path, content=b"[" * 200_000 + b"]" * 200_000, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
     nested_put = client.put("/admin/workers", content=b'{"backend": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")

@@ -28,11 +28,8 @@ from starlette.routing import Route
 
 from splitserve.config import BackendKind, RoutingStrategy
 from splitserve.keys import hash_blocks, salt_root
-from splitserve.kv_events import EventKind, Tier
-from splitserve.router import vllm_events as router_vllm
-from splitserve.router.app import Router
-from splitserve.router.vllm_events import VLLMBlockKeys, VLLMSource
-from splitserve.vllm_events import (
+from splitserve.protocol.kv_events import EventKind, Tier
+from splitserve.protocol.vllm_events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -41,6 +38,9 @@ from splitserve.vllm_events import (
     encode_batch,
     encode_frames,
 )
+from splitserve.router import vllm_events as router_vllm
+from splitserve.router.app import Router
+from splitserve.router.vllm_events import VLLMBlockKeys, VLLMSource
 from tests.support.router import EventfulWorker, completion, start_router
 from tests.support.waiting import wait_until
 

@@ -19,7 +19,7 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import detect_cpu
 from splitserve.router.vllm_events import VLLMSource
-from splitserve.server.app import build_app
+from splitserve.worker.app import build_app
 from tests.support.fake_engine import REPLY, FakeEngine, ServerThread
 from tests.support.waiting import wait_until
 
@@ -599,7 +599,7 @@ class TestTokenIds:
 
 
 def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> None:
-    from splitserve.kv_events import KVEventLog
+    from splitserve.worker.kv_events import KVEventLog
 
     draining = threading.Event()
     engine = AsyncEngine(lambda: FakeEngine(step_delay_s=0.02), WorkerMetrics(MODEL))
@@ -626,7 +626,7 @@ def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> Non
 def test_the_worker_stops_with_status_1_when_its_engine_thread_dies() -> None:
     from types import SimpleNamespace
 
-    from splitserve.server.run import _exit_when_engine_stops
+    from splitserve.worker.run import _exit_when_engine_stops
 
     fake = FakeEngine(step_delay_s=0.01)
     engine = AsyncEngine(lambda: fake, WorkerMetrics(MODEL))

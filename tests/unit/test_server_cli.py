@@ -50,7 +50,7 @@ def test_importing_the_cli_does_not_import_torch_or_the_server() -> None:
 
 def test_startup_config_names_the_pd_role() -> None:
     from splitserve.config import EngineConfig, Role, ServerConfig
-    from splitserve.server.run import startup_config
+    from splitserve.worker.run import startup_config
 
     roles = {r: startup_config(EngineConfig(), ServerConfig(role=r))["pd_role"] for r in Role}
     assert roles == {Role.COLOCATED: "colocated", Role.PREFILL: "sender", Role.DECODE: "receiver"}
@@ -75,11 +75,11 @@ def test_bad_kv_tier_flags_exit_2(args: list[str], needle: str) -> None:
 
 
 def test_kv_tier_flags_and_environment_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    import splitserve.server.run
+    import splitserve.worker.run
     from splitserve.config import EngineConfig, KVTierConfig, L2Backend
 
     seen: list[EngineConfig] = []
-    monkeypatch.setattr(splitserve.server.run, "run_worker", lambda config, *_: seen.append(config) or 0)
+    monkeypatch.setattr(splitserve.worker.run, "run_worker", lambda config, *_: seen.append(config) or 0)
     env = {"SPLITSERVE_L2_URL": "redis://127.0.0.1:6390/2", "LMCACHE_SAVE_DECODE_CACHE": "True"}
     args = ["worker", "--l1-cache", "--l1-cache-bytes", "64MiB", "--l2-backend", "redis", "--kv-chunk-size", "64"]
     result = CliRunner().invoke(app, args, env=env)
@@ -98,7 +98,7 @@ def test_kv_tier_flags_and_environment_reach_the_config(monkeypatch: pytest.Monk
 
 def test_startup_config_hides_the_redis_password() -> None:
     from splitserve.config import EngineConfig, KVTierConfig, L2Backend, ServerConfig
-    from splitserve.server.run import startup_config
+    from splitserve.worker.run import startup_config
 
     tiers = KVTierConfig(l2_backend=L2Backend.REDIS, l2_url="redis://:hunter2@cache:6379/0")
     logged = startup_config(EngineConfig(kv_tiers=tiers), ServerConfig())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from splitserve.server.app import validation_error
-from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.worker.app import validation_error
+from splitserve.worker.protocol import ChatCompletionRequest, CompletionRequest
 
 EVERY_CHAT_FIELD = {
     "model": "m",

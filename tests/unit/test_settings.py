@@ -86,10 +86,10 @@ def resource(args: list[str]) -> Any:
 
 def worker_configs_of(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[EngineConfig, ServerConfig]:
     """What the real ``splitserve worker`` command builds from ``flags`` (its server is not started)."""
-    import splitserve.server.run
+    import splitserve.worker.run
 
     seen: list[tuple[EngineConfig, ServerConfig]] = []
-    monkeypatch.setattr(splitserve.server.run, "run_worker", lambda e, s, *_: seen.append((e, s)) or 0)
+    monkeypatch.setattr(splitserve.worker.run, "run_worker", lambda e, s, *_: seen.append((e, s)) or 0)
     result = CliRunner().invoke(app, ["worker", *flags], env={})
     assert result.exit_code == 0, result.output
     return seen[0]
@@ -178,11 +178,11 @@ def test_a_bad_value_fails_the_plan_as_the_worker_would(args: list[str], message
 
 
 def test_the_defaults_of_the_command_are_the_configs() -> None:
-    import splitserve.server.run
+    import splitserve.worker.run
 
     seen: list[Any] = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(splitserve.server.run, "run_worker", lambda e, s, *_: seen.append((e, s)) or 0)
+        patch.setattr(splitserve.worker.run, "run_worker", lambda e, s, *_: seen.append((e, s)) or 0)
         assert CliRunner().invoke(app, ["worker"], env={}).exit_code == 0
     engine, server = seen[0]
     assert (engine.model, engine.cache, engine.scheduler) == (ModelConfig(), CacheConfig(), SchedulerConfig())

@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from splitserve.config import KVEventsConfig, ServerConfig
-from splitserve.kv_events import KVEventLog, Tier
-from splitserve.vllm_events import (
+from splitserve.protocol.kv_events import Tier
+from splitserve.protocol.vllm_events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -30,7 +30,8 @@ from splitserve.vllm_events import (
     encode_batch,
     has_foreign_keys,
 )
-from splitserve.vllm_publisher import VLLMEventPublisher
+from splitserve.worker.kv_events import KVEventLog
+from splitserve.worker.vllm_publisher import VLLMEventPublisher
 
 RECORDED = json.loads((Path(__file__).parents[1] / "data" / "vllm_0_32_kv_events.json").read_text())
 
@@ -237,7 +238,7 @@ def test_a_full_queue_drops_events_and_then_clears_consumers() -> None:
 def test_a_publisher_reachable_from_other_machines_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
     def warnings_for(endpoint: str) -> list[str]:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="splitserve.vllm_publisher"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.worker.vllm_publisher"):
             VLLMEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), 2).close()
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("SECURITY")]
 

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from splitserve.bench.datasets import BenchRequest
+from splitserve.protocol.openai import chunk_text
 
 
 class EndpointKind(StrEnum):
@@ -149,7 +150,7 @@ class OpenAIStreamClient:
                 result.error = _error_message(json.dumps(event).encode(), "stream error")
                 return
             _read_usage(event, result)
-            if not self._content(event):
+            if not chunk_text(self.kind is EndpointKind.CHAT, event):
                 continue
             now = self.clock()
             if result.ttft_s is None:
@@ -162,15 +163,6 @@ class OpenAIStreamClient:
             result.error = "stream ended without any content"
             return
         result.success = True
-
-    def _content(self, event: dict[str, Any]) -> str:
-        choices = event.get("choices") or []
-        if not choices:
-            return ""
-        choice = choices[0]
-        if self.kind is EndpointKind.CHAT:
-            return str((choice.get("delta") or {}).get("content") or "")
-        return str(choice.get("text") or "")
 
 
 async def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:

@@ -27,7 +27,6 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.verifier import ExactnessVerifier
 from splitserve.keys import kv_layout
-from splitserve.kv_events import BlockContentSink, KVEventSink, Tier
 from splitserve.metrics import (
     ITERATION_TOKENS_BUCKETS,
     CumulativeHistogram,
@@ -36,6 +35,7 @@ from splitserve.metrics import (
     RequestPhases,
 )
 from splitserve.model.llama import LlamaForCausalLM
+from splitserve.protocol.kv_events import BlockContentSink, KVEventSink, Tier
 
 if TYPE_CHECKING:
     from splitserve.model.tokenizer import Tokenizer

@@ -35,7 +35,7 @@ class KVCacheManager:
         self._tail_published: set[str] = set()  # requests whose prompt tail was offered to the pool
         self._pinned: list[KVBlock] = []  # tail sources copied by the step being run: kept from eviction
         # told the tokens behind each run of blocks this manager offers the prefix cache; vLLM-format KV events
-        # carry them (splitserve.vllm_publisher)
+        # carry them (splitserve.worker.vllm_publisher)
         self.on_blocks_cached: BlocksCached | None = None
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -44,7 +44,6 @@ from splitserve.config import KVTierConfig, L2Backend, Role, redact_url
 from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.request import Request
 from splitserve.keys import cache_key, hash_of_key, kv_layout
-from splitserve.kv_events import KVEventSink, Tier
 from splitserve.kvcache import serde
 from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
@@ -52,6 +51,7 @@ from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
 from splitserve.metrics import LMCACHE_HIT_RATE_BUCKETS, LMCACHE_RETRIEVE_SPEED_BUCKETS, CumulativeHistogram
+from splitserve.protocol.kv_events import KVEventSink, Tier
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from splitserve.keys import hash_of_key
-from splitserve.kv_events import KVEventSink, Tier
 from splitserve.kvcache.tiers import KVTier, TierStats
+from splitserve.protocol.kv_events import KVEventSink, Tier
 
 logger = logging.getLogger(__name__)
 

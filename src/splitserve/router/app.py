@@ -21,9 +21,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -33,11 +33,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve import __version__, httpserver
-from splitserve.auth import AuthMiddleware, bearer_header, client_key_of, tenant_salt
-from splitserve.config import RouterConfig, RoutingStrategy
+from splitserve.auth import AuthMiddleware, client_key_of, tenant_salt
+from splitserve.config import RouterConfig
 from splitserve.keys import MAX_CACHE_SALT_CHARS, is_valid_cache_salt
-from splitserve.kv_events import parse_batch
 from splitserve.metrics import RouterMetrics, WorkerRow
+from splitserve.protocol.kv_events import parse_batch
+from splitserve.protocol.sagemaker import INVOCATIONS_PATH, MISSING_SHAPE, openai_path
 from splitserve.router.cost import PrefillCostModel
 from splitserve.router.disagg import Disaggregator
 from splitserve.router.discovery import MAX_WORKERS, Worker, WorkerPool, WorkerRole, checked_worker_url
@@ -47,11 +48,9 @@ from splitserve.router.health import HealthChecker, worker_breaker
 from splitserve.router.hit_check import HitPredictionCheck
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.migrate import is_migratable
-from splitserve.router.policies import RoutingPolicy, RoutingRequest, build_policy
+from splitserve.router.policies import RoutingPolicy, RoutingRequest
 from splitserve.router.scrape import WorkerStatsScraper
-from splitserve.router.transport import AiohttpTransport, Transport, TransportError
-from splitserve.router.vllm_events import VLLMSource
-from splitserve.sagemaker import INVOCATIONS_PATH, MISSING_SHAPE, openai_path
+from splitserve.router.transport import Transport, TransportError
 
 logger = logging.getLogger("splitserve.router")
 
@@ -59,71 +58,50 @@ Tokenize = Callable[[str, dict[str, Any]], list[int] | None]
 """(path, body) -> the prompt's token ids as the workers would see them, or None when it cannot tell."""
 
 
+@dataclass(frozen=True, slots=True)
+class RouterParts:
+    """What a :class:`Router` serves over, each built once by :func:`splitserve.router.build.build_router`."""
+
+    pool: WorkerPool
+    routing_pool: Callable[[], list[Worker]]  # the workers the policy picks among: backends, or the decode pool
+    kv_index: KVIndex
+    policy: RoutingPolicy
+    metrics: RouterMetrics
+    transport: Transport  # every request to a worker: forwarded, probed, scraped, polled
+    forwarder: Forwarder
+    health: HealthChecker
+    scraper: WorkerStatsScraper
+    cost: PrefillCostModel  # seconds per prefill token per worker, from its streams' TTFT
+    hit_check: HitPredictionCheck
+    disagg: Disaggregator | None = None  # a prefill/decode endpoint's
+    events: EventSubscriber | None = None  # kvaware's: the router pulls every worker's KV events itself
+
+
 class Router:
     """Routing state and the proxy. Every method runs on the event loop."""
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        tokenize: Tokenize | None = None,
-        *,
-        metrics: RouterMetrics | None = None,
-        transport: Transport | None = None,
-    ) -> None:
-        """``transport`` (default: an aiohttp client) carries the requests to workers; health checks, KV
-        events and metric scrapes always use the aiohttp client."""
-        config.validate()
+    def __init__(self, config: RouterConfig, parts: RouterParts, tokenize: Tokenize | None = None) -> None:
+        """The router over ``parts`` (see :func:`~splitserve.router.build.build_router`, which checks
+        ``config``); ``tokenize`` gives the cache-aware policies and the disaggregator a prompt's token ids."""
         self.config = config
         self._tokenize = tokenize
-        self.pool = WorkerPool.from_urls(
-            config.backends,
-            config.prefill,
-            config.decode,
-            failure_threshold=config.breaker_failure_threshold,
-            cooldown_s=config.breaker_cooldown_s,
-        )
-        self.kv_index = KVIndex(config.block_size, config.kv_chunk_size, config.kv_index_max_blocks)
-        self.cost = PrefillCostModel()  # seconds per prefill token per worker, from its streams' TTFT
-        cost = self.cost if config.routing_cost_model else None
-        self.policy: RoutingPolicy = build_policy(config, lambda: self._routing_pool(), self.kv_index, cost)
-        self.metrics = metrics or RouterMetrics(config.routing_strategy.value)
-        self.metrics.bind(self)
-        self._client = AiohttpTransport(  # the router's own credential goes with every request
-            config.connect_timeout_s, config.read_timeout_s, bearer_header(config.cluster_secret)
-        )
-        self.transport: Transport = transport if transport is not None else self._client
-        self.hit_check = HitPredictionCheck(self.metrics)
-        self.forwarder = Forwarder(
-            config, self.transport, self.metrics, self.policy, self._routing_pool, cost=self.cost,
-            hit_check=self.hit_check,
-        )  # fmt: skip
-        self.disagg = Disaggregator(config, self.pool, self.kv_index, self.forwarder) if config.decode else None
-        self.scraper = WorkerStatsScraper(lambda: self.pool, lambda: self.session, self.metrics,
-                                          timeout_s=config.health_timeout_s, hit_check=self.hit_check)  # fmt: skip
-        self.health = HealthChecker(
-            lambda: self.pool,
-            lambda: self.session,
-            interval_s=config.health_interval_s,
-            timeout_s=config.health_timeout_s,
-            failure_threshold=config.health_failure_threshold,
-            success_threshold=config.health_success_threshold,
-        )
-        # kvaware: the router pulls every worker's KV events itself (workers may also push them)
-        self.events = (
-            EventSubscriber(
-                self.kv_index, lambda: self.session, self._register, config.backend_kind, VLLMSource.from_config(config)
-            )
-            if config.routing_strategy == RoutingStrategy.KVAWARE
-            else None
-        )
+        self.pool = parts.pool
+        self._routing_pool = parts.routing_pool
+        self.kv_index = parts.kv_index
+        self.policy = parts.policy
+        self.metrics = parts.metrics
+        self.transport = parts.transport
+        self.forwarder = parts.forwarder
+        self.health = parts.health
+        self.scraper = parts.scraper
+        self.cost = parts.cost
+        self.hit_check = parts.hit_check
+        self.disagg = parts.disagg
+        self.events = parts.events
         self._limiter = (
             _Limiter(config.max_concurrent_requests, config.queue_timeout_s) if config.max_concurrent_requests else None
         )
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The aiohttp session of the health checks, KV events and scrapes (made on first use, on the loop)."""
-        return self._client.session
+        self.metrics.bind(self)
 
     # -- state for metrics --------------------------------------------------------------------------------
 
@@ -142,10 +120,6 @@ class Router:
         if prefix is not None:
             sizes["prefix"] = len(prefix.index)
         return sizes
-
-    def _routing_pool(self) -> list[Worker]:
-        """The workers the policy picks among: the backends, or the decode pool of a disaggregated endpoint."""
-        return self.pool.by_role(WorkerRole.DECODE if self.disagg is not None else WorkerRole.BACKEND)
 
     # -- the proxy ----------------------------------------------------------------------------------------
 
@@ -309,7 +283,7 @@ class Router:
         if not self.kv_index.apply(url, worker_id, reset, events, meta):
             return RouterError(409, f"worker {worker_id} is not registered; send a reset", "unknown_worker").response()
         if reset:
-            self._register(url, worker_id, meta or {})
+            register_worker(self.pool, self.config, url, worker_id, meta or {})
         return Response(status_code=200)
 
     async def workers_endpoint(self, request: Request) -> Response:
@@ -339,24 +313,25 @@ class Router:
         ]  # fmt: skip
         return JSONResponse({"workers": states})
 
-    def _register(self, url: str, worker_id: str, meta: dict[str, Any]) -> None:
-        worker = self.pool.get(url)
-        if worker is not None:
-            worker.worker_id = worker_id
-        note = "" if worker is not None else " - not one of this router's workers"
-        logger.info("Worker registered: %s (%s)%s", worker_id, url, note)
-        for key, ours in (("block_size", self.config.block_size), ("chunk_size", self.config.kv_chunk_size)):
-            if key in meta and meta[key] != ours:
-                logger.warning(
-                    "worker %s uses %s %s, the router %s: kvaware matches will be off", worker_id, key, meta[key], ours
-                )
-
     async def aclose(self) -> None:
         if self.events is not None:
             await self.events.aclose()
-        await self._client.aclose()
-        if self.transport is not self._client:
-            await self.transport.aclose()
+        await self.transport.aclose()
+
+
+def register_worker(pool: WorkerPool, config: RouterConfig, url: str, worker_id: str, meta: dict[str, Any]) -> None:
+    """A worker sent its KV events' reset (pushed, or pulled by the subscriber): name it in ``pool``, and warn
+    when its block or chunk size is not the router's (``config``)."""
+    worker = pool.get(url)
+    if worker is not None:
+        worker.worker_id = worker_id
+    note = "" if worker is not None else " - not one of this router's workers"
+    logger.info("Worker registered: %s (%s)%s", worker_id, url, note)
+    for key, ours in (("block_size", config.block_size), ("chunk_size", config.kv_chunk_size)):
+        if key in meta and meta[key] != ours:
+            logger.warning(
+                "worker %s uses %s %s, the router %s: kvaware matches will be off", worker_id, key, meta[key], ours
+            )
 
 
 def _worker_lists(body: Any) -> dict[WorkerRole, list[str]]:

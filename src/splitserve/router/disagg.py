@@ -47,8 +47,8 @@ from starlette.responses import Response, StreamingResponse
 
 from splitserve.auth import sign
 from splitserve.config import PDDecision
-from splitserve.openai_chunks import answer_text, sse_event, stream_error_end, text_chunk
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
+from splitserve.protocol.openai import answer_text, sse_event, stream_error_end, text_chunk
 from splitserve.router.cost import PDCosts, PrefillCostModel, QueuedPrefill, pd_costs
 from splitserve.router.discovery import Worker, WorkerPool, WorkerRole
 from splitserve.router.forward import Call, Forwarder

@@ -2,7 +2,7 @@
 
 For each worker (from the flags, admin updates or Kubernetes discovery) a task long-polls the worker's
 ``GET /kv/events?after=<seq>&epoch=<e>&wait=<s>``: the first answer is a snapshot of what the worker's caches
-hold, each later one the events since (``kv_events.KVEventLog``). Batches go into the router's
+hold, each later one the events since (``worker.kv_events.KVEventLog``). Batches go into the router's
 :class:`KVIndex`, as pushed ones do. A worker may also push them (``--kv-events-url``); while its pulled
 events are current, the router acknowledges its pushes and drops them, since a push in flight could only
 take the index back to an older state.
@@ -24,14 +24,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import urlencode
 
-import aiohttp
 import zmq.asyncio
 
 from splitserve.config import BackendKind
-from splitserve.kv_events import parse_batch
+from splitserve.protocol.kv_events import parse_batch
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex
+from splitserve.router.transport import Transport, TransportError
 from splitserve.router.vllm_events import VLLMBlockKeys, VLLMEventFollower, VLLMSource
 
 logger = logging.getLogger("splitserve.router")
@@ -44,19 +45,19 @@ SILENT_AFTER_S = 30.0  # a worker without events this long gets its warning
 
 class EventSubscriber:
     """One task per worker (a long poll, or a vLLM worker's ZMQ subscription), feeding ``index``; :meth:`sync`
-    follows the worker list. ``kind`` says what the workers are (``auto``: ask each); ``vllm`` where vLLM
-    workers' events are."""
+    follows the worker list. ``transport`` carries the long polls (and the questions to each worker); ``kind``
+    says what the workers are (``auto``: ask each); ``vllm`` where vLLM workers' events are."""
 
     def __init__(
         self,
         index: KVIndex,
-        session: Callable[[], aiohttp.ClientSession],
+        transport: Transport,
         on_register: Callable[[str, str, dict[str, Any]], None] | None = None,
         kind: BackendKind = BackendKind.SPLITSERVE,
         vllm: VLLMSource | None = None,
     ) -> None:
         self.index = index
-        self._session = session
+        self._transport = transport
         self._on_register = on_register or (lambda url, worker_id, meta: None)
         self.kind = kind
         self.vllm = vllm or VLLMSource()
@@ -132,15 +133,16 @@ class EventSubscriber:
         backoff_s, since, warned = FIRST_BACKOFF_S, time.monotonic(), False
         while True:
             try:
-                async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=5)) as answer:
-                    try:
-                        return answer.status, await answer.json(content_type=None)
-                    except ValueError:
-                        return answer.status, None
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                answer = await self._transport.get(url, 5)
+            except TransportError as exc:
                 if not warned and time.monotonic() - since >= SILENT_AFTER_S:
-                    logger.warning("no KV events from a worker: %s does not answer (%s)", url, type(exc).__name__)
+                    logger.warning("no KV events from a worker: %s does not answer (%s)", url, exc.kind)
                     warned = True
+            else:
+                try:
+                    return answer.status, answer.json()
+                except ValueError:
+                    return answer.status, None
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
 
@@ -179,14 +181,15 @@ class EventSubscriber:
 
     async def _poll(self, url: str, seq: int | None, epoch: str | None) -> dict[str, Any]:
         params = {"wait": str(WAIT_S)} | ({"after": str(seq), "epoch": epoch or ""} if seq is not None else {})
-        timeout = aiohttp.ClientTimeout(total=WAIT_S + 10)
         try:
-            async with self._session().get(f"{url}/kv/events", params=params, timeout=timeout) as response:
-                if response.status != 200:
-                    raise _NoEvents(f"HTTP {response.status}")
-                batch = await response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise _NoEvents(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+            answer = await self._transport.get(f"{url}/kv/events?{urlencode(params)}", WAIT_S + 10)
+            if answer.status != 200:
+                raise _NoEvents(f"HTTP {answer.status}")
+            batch = answer.json()
+        except TransportError as exc:
+            raise _NoEvents(str(exc)) from None
+        except ValueError as exc:  # not JSON
+            raise _NoEvents(f"{type(exc).__name__}: {exc}") from None
         if not isinstance(batch, dict) or not isinstance(batch.get("seq"), int):
             raise _NoEvents("an answer that is not a KV event batch")
         try:

@@ -31,8 +31,8 @@ from splitserve.config import RouterConfig
 from splitserve.errors import SplitserveError
 from splitserve.httpserver import RESUMED_PROMPT_TOKENS_HEADER
 from splitserve.metrics import RouterMetrics
-from splitserve.openai_chunks import sse_event, stream_error_end
 from splitserve.protocol.errors import error_body
+from splitserve.protocol.openai import sse_event, stream_error_end
 from splitserve.router.cost import PrefillCostModel, QueuedPrefill
 from splitserve.router.discovery import Worker, WorkerLease
 from splitserve.router.hit_check import HitPredictionCheck

@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from splitserve.breaker import CircuitBreaker
+from splitserve.router.transport import Transport, TransportError
 
 if TYPE_CHECKING:
     from splitserve.router.discovery import Worker
@@ -35,12 +34,13 @@ def worker_breaker(
 
 
 class HealthChecker:
-    """Probes every worker's ``/health`` each ``interval_s`` and updates ``Worker.healthy``."""
+    """Probes every worker's ``/health`` each ``interval_s`` (through ``transport``, each probe within
+    ``timeout_s``) and updates ``Worker.healthy``."""
 
     def __init__(
         self,
         workers: Callable[[], Iterable[Worker]],
-        session: Callable[[], aiohttp.ClientSession],
+        transport: Transport,
         *,
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
@@ -48,7 +48,7 @@ class HealthChecker:
         success_threshold: int = 1,
     ) -> None:
         self._workers = workers
-        self._session = session
+        self._transport = transport
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
@@ -70,12 +70,11 @@ class HealthChecker:
             del self._streaks[url]
 
     async def _probe(self, worker: Worker) -> tuple[bool, str]:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with self._session().get(f"{worker.url}/health", timeout=timeout) as response:
-                return response.status == 200, f"HTTP {response.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            answer = await self._transport.get(f"{worker.url}/health", self.timeout_s)
+        except TransportError as exc:
+            return False, str(exc)
+        return answer.status == 200, f"HTTP {answer.status}"
 
     def _record(self, worker: Worker, ok: bool, reason: str) -> None:
         streak = self._streaks.get(worker.url, 0)

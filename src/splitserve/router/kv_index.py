@@ -3,7 +3,7 @@
 - :class:`PrefixIndex` (``prefixaware``): what the router itself sent where. Each routed prompt's block
   hashes are recorded as owned by the worker it went to; a later prompt goes to the owner of its deepest
   matching block. Bounded: least recently used hashes are dropped past ``max_blocks``.
-- :class:`KVIndex` (``kvaware``): what the workers report holding (``splitserve.kv_events``): per worker its
+- :class:`KVIndex` (``kvaware``): what the workers report holding (``splitserve.protocol.kv_events``): per worker its
   engine prefix cache (block hashes) and L1 (record names), plus the shared L2 (record names). Exact as far
   as events are; bounded per tier.
 
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.kv_events import EventKind, Tier
+from splitserve.protocol.kv_events import EventKind, Tier
 
 logger = logging.getLogger(__name__)
 

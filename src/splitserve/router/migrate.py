@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.errors import SplitserveError
-from splitserve.openai_chunks import sse_event, text_chunk
+from splitserve.protocol.openai import sse_event, text_chunk
 
 # sampling fields a resumed request carries over unchanged (the rest are the client's, or not per token)
 CARRIED_FIELDS = (

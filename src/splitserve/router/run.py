@@ -1,10 +1,10 @@
-"""Run the router: load the tokenizer (for the cache-aware policies), build the app, serve until stopped."""
+"""Run the router: build it (``router/build.py``, the tokenizer too where its policy needs one), serve its public
+and admin apps until stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import socket
 from collections.abc import Coroutine, Iterator
@@ -14,10 +14,10 @@ import uvicorn
 
 from splitserve import envs
 from splitserve.auth import warn_if_open
-from splitserve.config import RouterConfig, RoutingStrategy
+from splitserve.config import RouterConfig
 from splitserve.httpserver import uvicorn_options
-from splitserve.router.app import Router, build_admin_app, build_router_app
-from splitserve.router.tokens import prompt_token_ids
+from splitserve.router.app import build_admin_app, build_router_app
+from splitserve.router.build import build_router, load_tokenize
 
 logger = logging.getLogger("splitserve.router")
 
@@ -26,14 +26,7 @@ LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
-    tokenize = None
-    if config.routing_strategy in (RoutingStrategy.PREFIXAWARE, RoutingStrategy.KVAWARE) or config.decode:
-        from splitserve.model.source import resolve_model
-        from splitserve.model.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_model(config.model))
-        tokenize = functools.partial(prompt_token_ids, tokenizer)
-    router = Router(config, tokenize)
+    router = build_router(config, load_tokenize(config))
     warn_if_open("router", config.api_keys, config.cluster_secret)
     if config.api_keys and not config.cluster_secret:
         logger.warning(

@@ -14,8 +14,6 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from splitserve.metrics import (
     EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
     PREFIX_CACHE_HITS_TOTAL,
@@ -26,6 +24,7 @@ from splitserve.metrics import (
     sample_totals,
 )
 from splitserve.router.hit_check import HitPredictionCheck
+from splitserve.router.transport import Transport, TransportError
 
 if TYPE_CHECKING:
     from splitserve.router.discovery import Worker
@@ -37,12 +36,13 @@ MAX_PAGE_BYTES = 4 << 20  # a worker's metrics page is a few tens of KiB
 
 
 class WorkerStatsScraper:
-    """Reads every worker's ``/metrics`` each ``interval_s`` into ``metrics`` (the router's)."""
+    """Reads every worker's ``/metrics`` (through ``transport``, each within ``timeout_s``) each ``interval_s``
+    into ``metrics`` (the router's)."""
 
     def __init__(
         self,
         workers: Callable[[], Iterable[Worker]],
-        session: Callable[[], aiohttp.ClientSession],
+        transport: Transport,
         metrics: RouterMetrics,
         *,
         interval_s: float = SCRAPE_INTERVAL_S,
@@ -50,7 +50,7 @@ class WorkerStatsScraper:
         hit_check: HitPredictionCheck | None = None,
     ) -> None:
         self._workers = workers
-        self._session = session
+        self._transport = transport
         self.metrics = metrics
         self.hit_check = hit_check
         self.interval_s = interval_s
@@ -71,16 +71,12 @@ class WorkerStatsScraper:
                 self.hit_check.reported(worker.url, cached_prompt_tokens(totals))
 
     async def _page(self, url: str) -> str | None:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with self._session().get(f"{url}/metrics", timeout=timeout) as response:
-                if response.status != 200:
-                    return None
-                body = await response.content.read(MAX_PAGE_BYTES)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            answer = await self._transport.get(f"{url}/metrics", self.timeout_s, MAX_PAGE_BYTES)
+        except TransportError as exc:
             logger.debug("scraping %s/metrics failed: %s", url, exc)
             return None
-        return body.decode("utf-8", "replace")
+        return answer.body.decode("utf-8", "replace") if answer.status == 200 else None
 
 
 def page_totals(page: str) -> dict[str, float] | None:

@@ -1,7 +1,7 @@
 """KV events from vLLM workers: the router subscribes to each one's ZMQ publisher and indexes what it reports.
 
 A vLLM worker started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:5557"}'`` publishes its prefix cache's events (``splitserve.vllm_events``). The router
+"endpoint": "tcp://*:5557"}'`` publishes its prefix cache's events (``splitserve.protocol.vllm_events``). The router
 reaches it at ``tcp://<worker host>:<--vllm-kv-events-port>`` (a port, or ``+N``: the worker's HTTP port plus
 N) with a SUB socket, and at ``--vllm-kv-replay-port`` for the replay socket when there is one.
 
@@ -37,9 +37,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from splitserve.config import RouterConfig, port_of
 from splitserve.keys import hash_blocks, salt_root
-from splitserve.kv_events import EventKind, Tier
-from splitserve.router.kv_index import KVIndex
-from splitserve.vllm_events import (
+from splitserve.protocol.kv_events import EventKind, Tier
+from splitserve.protocol.vllm_events import (
     MEDIUM_GPU,
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -52,6 +51,7 @@ from splitserve.vllm_events import (
     decode_frames,
     has_foreign_keys,
 )
+from splitserve.router.kv_index import KVIndex
 
 logger = logging.getLogger("splitserve.router")
 

@@ -14,10 +14,10 @@ import torch
 from splitserve.config import EngineConfig, Role
 from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout, resolve_device, set_cpu_threads
-from splitserve.kv_events import KVEventSink
 from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import load_tokenizer
+from splitserve.protocol.kv_events import KVEventSink
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response models (pydantic v2) for the worker's HTTP API.
+"""OpenAI-compatible request models (pydantic v2) for the worker's HTTP API, and the answers of its own routes
+(models, tokenize, KV lookup); completions and chat completions answer with ``splitserve.protocol.openai``.
 
 Requests accept every field the official ``openai`` client sends for completions and chat completions, plus
 vLLM's extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
@@ -258,104 +259,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-# ---- responses -----------------------------------------------------------------------------------------
-
-
-def _is_none(value: object) -> bool:
-    return value is None
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens not computed: engine prefix cache, L1, L2 or pushed by a prefill worker
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = Field(default=None, exclude_if=_is_none)
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None = None) -> UsageInfo:
-        total = num_prompt_tokens + num_output_tokens
-        details = None if num_cached_tokens is None else PromptTokensDetails(cached_tokens=num_cached_tokens)
-        return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_output_tokens,
-            total_tokens=total,
-            prompt_tokens_details=details,
-        )
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # return_token_ids: the prompt's (first chunk only, when streaming) and the output's, as vLLM puts them
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
-    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)  # prefill role: the push
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
-    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)  # prefill role: the push
-
-
-class DeltaMessage(BaseModel):
-    """A chat stream delta; unset keys are left out, so the last chunk carries ``"delta": {}``."""
-
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
-    content: str | None = Field(default=None, exclude_if=_is_none)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids, first chunk
+# ---- answers of the worker's own routes ----------------------------------------------------------------
 
 
 class TokenizeResponse(BaseModel):

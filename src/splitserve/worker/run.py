@@ -24,11 +24,11 @@ from splitserve.auth import bearer_header, warn_if_open
 from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.httpserver import uvicorn_options
-from splitserve.kv_events import KVEventLog, KVEventPublisher
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import loaded_cpu_info
-from splitserve.server.app import build_app
-from splitserve.vllm_publisher import VLLMEventPublisher
+from splitserve.worker.app import build_app
+from splitserve.worker.kv_events import KVEventLog, KVEventPublisher
+from splitserve.worker.vllm_publisher import VLLMEventPublisher
 
 logger = logging.getLogger("splitserve.worker")
 

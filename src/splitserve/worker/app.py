@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -23,20 +23,21 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve import __version__, httpserver, sagemaker
+from splitserve import __version__, httpserver
 from splitserve.auth import AuthMiddleware, client_key_of, tenant_salt
 from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.kv_events import KVEventLog
 from splitserve.model.kernels import describe_cpu
-from splitserve.server.protocol import (
+from splitserve.protocol import sagemaker
+from splitserve.worker.kv_events import KVEventLog
+from splitserve.worker.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     KVLookupRequest,
     TokenizeRequest,
 )
-from splitserve.server.serving import ApiError, OpenAIServing
+from splitserve.worker.serving import ApiError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def _add_kv_routes(app: FastAPI, serving: OpenAIServing, events: KVEventLog | No
         raw: Request, after: int | None = None, epoch: str | None = None, wait: float = 0.0
     ) -> Response:
         """The events after ``after`` (of ``epoch``), waiting up to ``wait`` seconds for one; a snapshot when the
-        caller has nothing, or has fallen behind what the log keeps (``kv_events.KVEventLog``)."""
+        caller has nothing, or has fallen behind what the log keeps (``worker.kv_events.KVEventLog``)."""
         if events is None:
             raise ApiError(404, "this worker publishes no KV events", code="not_found")
         if draining.is_set():  # subscribers back off, rather than poll a worker on its way out
@@ -175,8 +176,7 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfi
         stream = await serving.submit(engine_input)
         if body.stream:
             return _sse(serving.stream_completion(engine_input, stream, body.include_usage(), body.continuous_usage()))
-        result = await _cancel_on_disconnect(raw, serving.complete(engine_input, stream))
-        return _json(result.model_dump())
+        return _json(await _cancel_on_disconnect(raw, serving.complete(engine_input, stream)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -185,8 +185,7 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfi
         stream = await serving.submit(engine_input)
         if body.stream:
             return _sse(serving.stream_chat(engine_input, stream, body.include_usage(), body.continuous_usage()))
-        result = await _cancel_on_disconnect(raw, serving.chat(engine_input, stream))
-        return _json(result.model_dump())
+        return _json(await _cancel_on_disconnect(raw, serving.chat(engine_input, stream)))
 
     @app.post(sagemaker.INVOCATIONS_PATH)
     async def invocations(raw: Request) -> Response:
@@ -219,11 +218,11 @@ async def _json_body(raw: Request) -> Any:
         raise ApiError(400, "the request body is nested too deeply") from exc
 
 
-def _json(content: dict[str, Any], status: int = 200) -> JSONResponse:
+def _json(content: Mapping[str, Any], status: int = 200) -> JSONResponse:
     return JSONResponse(content, status_code=status)
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+def _sse(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

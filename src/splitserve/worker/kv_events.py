@@ -1,17 +1,7 @@
-"""KV events: each worker tells the router which KV it holds, per tier, so routing can follow the cache.
+"""A worker's KV events: what its caches hold, per tier, kept for routers that pull it (``GET /kv/events``)
+and pushed to one that asked (``--kv-events-url``). The batches' format is ``splitserve.protocol.kv_events``.
 
-Wire format: the worker POSTs JSON batches to ``--kv-events-url`` (the router's ``/kv/events``)::
-
-    {"worker_id": "w-8001", "worker_url": "http://127.0.0.1:8001", "seq": 7, "reset": false,
-     "meta": {...},                      # only when reset is true: model, block_size, chunk_size, layout, role
-     "events": [{"tier": "engine", "kind": "stored", "hashes": [123, ...]}, ...]}
-
-Hashes are ``keys.hash_blocks`` block hashes (unsigned 64-bit ints): for the ``engine`` tier every cached
-block; for ``l1`` and ``l2`` the name of each stored record (the hash of its last block, see ``keys``). The
-``l2`` tier is shared, so an ``l2`` event tells the router about every worker.
-
-A batch with ``reset`` true is the worker's registration: a full snapshot that replaces whatever the router
-knew of that worker. The publisher sends one first, and again after any failed send, so a router that
+The publisher sends a snapshot (a ``reset`` batch) first, and again after any failed send, so a router that
 restarted or missed events is resynchronised without replaying history. The router answers 409 to a plain
 batch from a worker it does not know, which also triggers a reset. Sending never blocks the engine: events
 are buffered under a lock and sent by a background thread; an overfull buffer is dropped for a reset.
@@ -24,10 +14,19 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
-from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import httpx
+
+from splitserve.protocol.kv_events import (
+    BlockContentSink,
+    EventKind,
+    KVEventsBatch,
+    Tier,
+    TierEvent,
+    events_batch,
+    tier_event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,38 +34,6 @@ DEFAULT_INTERVAL_S = 0.1
 MAX_BACKOFF_S = 5.0
 MAX_PENDING_HASHES = 200_000  # hashes of history kept; a reader further behind gets a snapshot
 MAX_L2_HASHES = 200_000  # L2 holdings remembered for snapshots (the L2 tier evicts on its own)
-
-
-class Tier(StrEnum):
-    ENGINE = "engine"  # the engine's prefix cache (KV blocks in the engine)
-    L1 = "l1"  # this worker's CPU-memory tier
-    L2 = "l2"  # the shared tier (Redis or disk)
-
-
-class EventKind(StrEnum):
-    STORED = "stored"
-    REMOVED = "removed"
-
-
-class KVEventSink(Protocol):
-    """Where the engine and the KV store report what they hold. Calls must be cheap and never block."""
-
-    def stored(self, tier: Tier, hashes: Iterable[int]) -> None: ...
-
-    def removed(self, tier: Tier, hashes: Iterable[int]) -> None: ...
-
-
-@runtime_checkable
-class BlockContentSink(Protocol):
-    """A sink that also wants the tokens behind the engine's cached blocks (``KVEventLog`` does, for its
-    listeners): the engine then reports them too. Must be cheap and never block."""
-
-    def blocks_cached(
-        self, parent_hash: int | None, block_hashes: list[int], token_ids: list[int], cache_salt: str | None
-    ) -> None:
-        """Blocks the engine just cached, with their tokens; a prompt's first block has no parent, and its
-        ``cache_salt`` if it has one."""
-        ...
 
 
 class KVEventListener(BlockContentSink, Protocol):
@@ -77,8 +44,9 @@ class KVEventListener(BlockContentSink, Protocol):
 
 class KVEventLog:
     """What a worker holds, per tier, and the events since: the one source for the push (:class:`KVEventPublisher`)
-    and the pull (the worker's ``GET /kv/events``, which a router subscribes to). Implements :class:`KVEventSink`
-    and :class:`BlockContentSink` (passing block contents on to its listeners, ``add_listener``).
+    and the pull (the worker's ``GET /kv/events``, which a router subscribes to). Implements ``KVEventSink`` and
+    ``BlockContentSink`` (``splitserve.protocol.kv_events``), passing block contents on to its listeners
+    (``add_listener``).
 
     Each event gets the next sequence number. :meth:`batch_after` answers with the events after a given number,
     or with a snapshot (``reset``) when the caller has none, or asks about events the log no longer keeps (it
@@ -149,32 +117,23 @@ class KVEventLog:
         with self._lock:
             return self._lock.wait_for(lambda: self._seq > seq, timeout_s)
 
-    def batch_after(self, seq: int | None, epoch: str | None = None) -> dict[str, Any]:
+    def batch_after(self, seq: int | None, epoch: str | None = None) -> KVEventsBatch:
         """The batch that brings a reader who has seen everything up to ``seq`` (of ``epoch``) up to date."""
         with self._lock:
             oldest = self._log[0][0] if self._log else self._seq + 1
-            is_reset = seq is None or epoch not in (None, self.epoch) or seq > self._seq or seq < oldest - 1
-            body: dict[str, Any] = {"worker_id": self.worker_id, "worker_url": self.worker_url, "seq": self._seq,
-                                    "epoch": self.epoch, "reset": is_reset}  # fmt: skip
-            if is_reset:
-                body["meta"] = self.meta
-                body["events"] = [
-                    {"tier": tier.value, "kind": EventKind.STORED.value, "hashes": list(held)}
-                    for tier, held in self._held.items()
-                    if held
-                ]
-                return body
-            events: list[dict[str, Any]] = []
+            if seq is None or epoch not in (None, self.epoch) or seq > self._seq or seq < oldest - 1:
+                snapshot = [tier_event(tier, EventKind.STORED, list(held)) for tier, held in self._held.items() if held]
+                return events_batch(self.worker_id, self.worker_url, self._seq, self.epoch, snapshot, self.meta)
+            events: list[TierEvent] = []
             for number, tier, kind, hashes in self._log:
-                if number <= seq:  # type: ignore[operator]  # not None: a reset otherwise
+                if number <= seq:
                     continue
                 last = events[-1] if events else None
                 if last is not None and last["tier"] == tier.value and last["kind"] == kind.value:
                     last["hashes"] = [*last["hashes"], *hashes]
                 else:
-                    events.append({"tier": tier.value, "kind": kind.value, "hashes": hashes})
-            body["events"] = events
-            return body
+                    events.append(tier_event(tier, kind, hashes))
+            return events_batch(self.worker_id, self.worker_url, self._seq, self.epoch, events)
 
 
 class KVEventPublisher:
@@ -249,7 +208,7 @@ class KVEventPublisher:
                 return
             delay_s = min(max(delay_s * 2, 0.25), MAX_BACKOFF_S)
 
-    def _send(self, body: dict[str, Any]) -> bool:
+    def _send(self, body: KVEventsBatch) -> bool:
         try:
             response = self._client.post(self.url, json=body)
         except httpx.HTTPError as exc:
@@ -271,31 +230,3 @@ class KVEventPublisher:
         self._num_failures += 1
         if self._num_failures == 1:
             logger.warning("KV events: sending to %s failed (%s); retrying with back-off", self.url, reason)
-
-
-def parse_batch(body: Any) -> tuple[str, str, bool, list[tuple[Tier, EventKind, list[int]]]]:
-    """Validate an events body: ``(worker_id, worker_url, reset, [(tier, kind, hashes)])``.
-
-    Raises ``ValueError`` naming the first problem.
-    """
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    worker_id, worker_url = body.get("worker_id"), body.get("worker_url")
-    if not isinstance(worker_id, str) or not worker_id or not isinstance(worker_url, str) or not worker_url:
-        raise ValueError("'worker_id' and 'worker_url' must be non-empty strings")
-    reset = body.get("reset", False)
-    if not isinstance(reset, bool):
-        raise ValueError("'reset' must be a boolean")
-    events = body.get("events", [])
-    if not isinstance(events, list):
-        raise ValueError("'events' must be a list")
-    parsed: list[tuple[Tier, EventKind, list[int]]] = []
-    for i, event in enumerate(events):
-        try:
-            tier, kind, hashes = Tier(event["tier"]), EventKind(event["kind"]), event["hashes"]
-        except (TypeError, KeyError, ValueError) as exc:
-            raise ValueError(f"events[{i}] needs 'tier' (engine, l1, l2), 'kind' (stored, removed), 'hashes'") from exc
-        if not isinstance(hashes, list) or not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
-            raise ValueError(f"events[{i}].hashes must be a list of unsigned 64-bit integers")
-        parsed.append((tier, kind, hashes))
-    return worker_id, worker_url, reset, parsed

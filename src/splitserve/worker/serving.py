@@ -16,8 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
-
 from splitserve.auth import verified
 from splitserve.engine.async_engine import (
     AsyncEngine,
@@ -31,19 +29,12 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import SplitserveError
 from splitserve.model.tokenizer import TokenizerLike
+from splitserve.protocol import openai
 from splitserve.protocol.errors import error_body, error_type
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
-from splitserve.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
+from splitserve.worker.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
     KVLookupRequest,
@@ -52,7 +43,6 @@ from splitserve.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    UsageInfo,
     now_s,
     random_id,
 )
@@ -303,103 +293,90 @@ class OpenAIServing:
 
     # ---- engine outputs -> responses ------------------------------------------------------------------
 
-    async def complete(self, engine_input: EngineInput, stream: RequestStream) -> CompletionResponse:
+    async def complete(self, engine_input: EngineInput, stream: RequestStream) -> openai.Completion:
         text, token_ids, last = await _collect(stream)
-        choice = CompletionChoice(text=text, finish_reason=_reason(last), stop_reason=last.stop_reason)
-        if engine_input.return_token_ids:
-            choice.prompt_token_ids, choice.token_ids = engine_input.prompt_token_ids, token_ids
-        usage = _usage(last)
-        transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
-        return CompletionResponse(
-            id=engine_input.request_id,
-            model=self.model_name,
-            choices=[choice],
-            usage=usage,
-            kv_transfer_params=transfer,
+        ids = engine_input.return_token_ids
+        prompt_ids, output_ids = (engine_input.prompt_token_ids, token_ids) if ids else (None, None)
+        choice = openai.completion_choice(
+            text, _reason(last), last.stop_reason, prompt_token_ids=prompt_ids, token_ids=output_ids
         )
+        transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
+        return openai.completion(engine_input.request_id, now_s(), self.model_name, [choice], _usage(last), transfer)
 
-    async def chat(self, engine_input: EngineInput, stream: RequestStream) -> ChatCompletionResponse:
+    async def chat(self, engine_input: EngineInput, stream: RequestStream) -> openai.ChatCompletion:
         text, token_ids, last = await _collect(stream)
-        message = AssistantMessage(content=text)
-        choice = ChatChoice(message=message, finish_reason=_reason(last), stop_reason=last.stop_reason)
-        usage = _usage(last)
+        ids = engine_input.return_token_ids
+        choice = openai.chat_choice(text, _reason(last), last.stop_reason, token_ids if ids else None)
         transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
-        response = ChatCompletionResponse(
-            id=engine_input.request_id,
-            model=self.model_name,
-            choices=[choice],
-            usage=usage,
+        prompt_ids = engine_input.prompt_token_ids if ids else None
+        return openai.chat_completion(
+            engine_input.request_id,
+            now_s(),
+            self.model_name,
+            [choice],
+            _usage(last),
+            prompt_token_ids=prompt_ids,
             kv_transfer_params=transfer,
         )
-        if engine_input.return_token_ids:
-            response.prompt_token_ids, choice.token_ids = engine_input.prompt_token_ids, token_ids
-        return response
 
     async def stream_completion(
         self, engine_input: EngineInput, stream: RequestStream, include_usage: bool, continuous_usage: bool = False
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE events: one chunk per piece of text, the finishing chunk, optional usage, ``[DONE]``. With
         ``continuous_usage`` every chunk carries the usage so far."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
         with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
         prompt_ids: list[int] | None = engine_input.prompt_token_ids if with_ids else None
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return sse(CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage))
+        def chunk(choices: list[openai.CompletionChoice], usage: openai.Usage | None = None) -> bytes:
+            return openai.sse_event(openai.completion(rid, created, model, choices, usage))
 
         async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
-            if isinstance(event, UsageInfo):
+            if isinstance(event, dict):
                 yield chunk([], event)
-            elif isinstance(event, str):
+            elif isinstance(event, bytes):
                 yield event
             elif event.new_text or event.finished or with_ids:
-                choice = CompletionChoice(text=event.new_text, finish_reason=_reason(event))
-                if with_ids:
-                    choice.prompt_token_ids, choice.token_ids, prompt_ids = prompt_ids, event.new_token_ids, None
+                ids = event.new_token_ids if with_ids else None
+                choice = openai.completion_choice(
+                    event.new_text, _reason(event), prompt_token_ids=prompt_ids, token_ids=ids
+                )
+                prompt_ids = None  # the prompt's ids go in the first chunk only
                 yield chunk([choice], _usage(event) if continuous_usage else None)
 
     async def stream_chat(
         self, engine_input: EngineInput, stream: RequestStream, include_usage: bool, continuous_usage: bool = False
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE events: a role chunk, content chunks, a finishing chunk, optional usage, ``[DONE]``. With
         ``continuous_usage`` every chunk carries the usage so far."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
         with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
 
-        def chunk(
-            delta: DeltaMessage | None,
-            finish: str | None = None,
-            usage: UsageInfo | None = None,
-            token_ids: list[int] | None = None,
-        ) -> str:
-            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish, token_ids=token_ids)]
-            return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+        def chunk(choices: list[openai.ChatChunkChoice], usage: openai.Usage | None = None) -> bytes:
+            return openai.sse_event(openai.chat_chunk(rid, created, model, choices, usage))
 
-        role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
-        first = ChatCompletionChunk(id=rid, created=created, model=model, choices=[role])
-        if with_ids:
-            first.prompt_token_ids = engine_input.prompt_token_ids
-        if continuous_usage:
-            first.usage = UsageInfo.of(len(engine_input.prompt_token_ids), 0)
-        yield sse(first)
+        role = openai.chat_chunk_choice(openai.chat_delta("", role=True))
+        first_usage = openai.usage(len(engine_input.prompt_token_ids), 0) if continuous_usage else None
+        prompt_ids = engine_input.prompt_token_ids if with_ids else None
+        yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
         async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
-            if isinstance(event, UsageInfo):
-                yield chunk(None, usage=event)
-            elif isinstance(event, str):
+            if isinstance(event, dict):
+                yield chunk([], event)
+            elif isinstance(event, bytes):
                 yield event
             else:
                 token_ids = event.new_token_ids if with_ids else None
                 usage = _usage(event) if continuous_usage else None
                 if event.new_text or (with_ids and not event.finished):
-                    yield chunk(DeltaMessage(content=event.new_text), usage=usage, token_ids=token_ids)
+                    yield chunk([openai.chat_chunk_choice(openai.chat_delta(event.new_text), None, token_ids)], usage)
                     token_ids = None
-                if event.finished:
-                    yield chunk(DeltaMessage(), _reason(event), usage=usage, token_ids=token_ids)
+                if event.finished:  # its text went in the chunk before: an empty delta
+                    yield chunk([openai.chat_chunk_choice({}, _reason(event), token_ids)], usage)
 
 
 async def _stream_events(
     stream: RequestStream, include_usage: bool, skip_first_text: bool = False
-) -> AsyncIterator[RequestOutput | UsageInfo | str]:
+) -> AsyncIterator[RequestOutput | openai.Usage | bytes]:
     """The stream's outputs, then its usage (if asked), then ``[DONE]``; an engine failure becomes an SSE
     error event. The request is aborted if the consumer stops early (client disconnect). With
     ``skip_first_text`` the first token's text is left out (a router already sent it)."""
@@ -414,10 +391,10 @@ async def _stream_events(
             yield _usage(last)
     except EngineDeadError as exc:
         body = ApiError(503, f"the engine stopped: {exc}", code="engine_dead").body()
-        yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+        yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
     finally:
         stream.close()
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _collect(stream: RequestStream) -> tuple[str, list[int], RequestOutput]:
@@ -459,17 +436,13 @@ def _skips_first_text(engine_input: EngineInput) -> bool:
     return transfer is not None and transfer.skip_first_token
 
 
-def _usage(output: RequestOutput) -> UsageInfo:
+def _usage(output: RequestOutput) -> openai.Usage:
     """Token counts so far, with the prompt's cached tokens (prefix cache, L1, L2 and PD-pushed KV)."""
-    return UsageInfo.of(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+    return openai.usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
 
 
 def _reason(output: RequestOutput) -> str | None:
     return None if output.finish_reason is None else output.finish_reason.value
-
-
-def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
 
 
 def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:

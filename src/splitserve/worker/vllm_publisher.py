@@ -25,8 +25,8 @@ from collections import deque
 import zmq
 
 from splitserve.config import KVEventsConfig
-from splitserve.kv_events import EventKind, Tier
-from splitserve.vllm_events import (
+from splitserve.protocol.kv_events import EventKind, Tier
+from splitserve.protocol.vllm_events import (
     MEDIUM_GPU,
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -44,7 +44,7 @@ WAIT_S = 0.05  # the sender thread's longest wait: how late a replay request may
 
 
 class VLLMEventPublisher:
-    """Implements ``kv_events.KVEventListener``; :meth:`start` once, :meth:`close` at the end.
+    """Implements ``worker.kv_events.KVEventListener``; :meth:`start` once, :meth:`close` at the end.
 
     Args:
         config: vLLM's ``--kv-events-config`` (``is_enabled``).

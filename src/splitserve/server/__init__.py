@@ -1,1 +1,0 @@
-"""The worker's OpenAI-compatible HTTP server."""
