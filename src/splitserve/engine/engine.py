@@ -70,6 +70,21 @@ class EngineStats:
     exactness_mismatches: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+def _block_cache(
+    num_blocks: int, block_size: int, prefix_caching: bool, events: KVEventSink | None
+) -> tuple[BlockPool, KVCacheManager]:
+    """The block pool and its manager, telling ``events`` each block hash the prefix cache starts or stops
+    holding (and, for a ``BlockContentSink``, the tokens behind them, for vLLM-format events)."""
+    pool = BlockPool(num_blocks, prefix_caching)
+    if events is not None:
+        pool.on_cache = lambda block_hash: events.stored(Tier.ENGINE, (block_hash,))
+        pool.on_evict = lambda block_hash: events.removed(Tier.ENGINE, (block_hash,))
+    kv = KVCacheManager(pool, block_size)
+    if isinstance(events, BlockContentSink):
+        kv.on_blocks_cached = events.blocks_cached
+    return pool, kv
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -100,23 +115,12 @@ class LLMEngine:
             config.model.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_gpu_blocks_override or num_kv_blocks(config, model, device)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * block_size} tokens, fewer than --max-model-len "
-                f"({self.max_model_len}); raise --kv-cache-memory or lower --max-model-len"
-            )
+        num_blocks = self._num_blocks(config, model, device)
         sched_cfg = config.scheduler
         if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < self.max_model_len:
             # without chunking a whole prompt must fit in one step
             sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=self.max_model_len)
-        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
-        if events is not None:
-            self.pool.on_cache = lambda block_hash: events.stored(Tier.ENGINE, (block_hash,))
-            self.pool.on_evict = lambda block_hash: events.removed(Tier.ENGINE, (block_hash,))
-        self.kv = KVCacheManager(self.pool, block_size)
-        if isinstance(events, BlockContentSink):  # the tokens behind cached blocks, for vLLM-format events
-            self.kv.on_blocks_cached = events.blocks_cached
+        self.pool, self.kv = _block_cache(num_blocks, block_size, config.cache.enable_prefix_caching, events)
         self.connectors = tuple(connectors)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.connectors)
         self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
@@ -137,6 +141,17 @@ class LLMEngine:
             self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**30,
             self.max_model_len, self.runner.dtype, device,
         )  # fmt: skip
+
+    def _num_blocks(self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
+        """The KV cache's blocks: the override, else what the memory budget holds; at least one longest request."""
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_gpu_blocks_override or num_kv_blocks(config, model, device)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, fewer than --max-model-len "
+                f"({self.max_model_len}); raise --kv-cache-memory or lower --max-model-len"
+            )
+        return num_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
