@@ -57,39 +57,16 @@ static inline void axpy_row(float p, const float *x, float *acc, int n) {
 /* Blocked helpers for the vector builds (VW floats per vector): dot_many gives VW dot products of q with VW
  * consecutive rows at once, so the horizontal sums are one transposing reduction for all of them instead of
  * one per row; vload_row reads a stored row into vectors. */
-#if defined(SS_AVX2)
-static inline __m256 reduce8(const __m256 *a) { /* lane j = the sum of a[j]'s 8 lanes */
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-#endif
-#if defined(SS_AVX512)
-#define VW 16
+#if defined(LANES)
+#define VW LANES
 static inline void dot_many(const float *q, const float *rows, int n, float *out) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    for (int d = 0; d < n; d += 16) {
-        const __m512 qv = _mm512_loadu_ps(q + d);
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + j * n + d), acc[j]);
+    vf acc[LANES];
+    for (int j = 0; j < LANES; j++) acc[j] = vset1(0.f);
+    for (int d = 0; d < n; d += LANES) {
+        const vf qv = vloadf(q + d);
+        for (int j = 0; j < LANES; j++) acc[j] = vfmadd(qv, vloadf(rows + j * n + d), acc[j]);
     }
-    __m256 half[16];
-    for (int j = 0; j < 16; j++)
-        half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
-    _mm256_storeu_ps(out, reduce8(half));
-    _mm256_storeu_ps(out + 8, reduce8(half + 8));
-}
-#elif defined(SS_AVX2)
-#define VW 8
-static inline void dot_many(const float *q, const float *rows, int n, float *out) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-    for (int d = 0; d < n; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + j * n + d), acc[j]);
-    }
-    _mm256_storeu_ps(out, reduce8(acc));
+    vsum_each(acc, out);
 }
 #else
 #define VW 0

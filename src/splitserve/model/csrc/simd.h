@@ -32,6 +32,15 @@ static inline float ss_expf(float x) {
     return ldexpf(p, (int)k);
 }
 
+#if defined(SS_AVX2)
+static inline __m256 reduce8(const __m256 *a) { /* lane j = the sum of a[j]'s 8 lanes */
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
 #if defined(SS_AVX512)
 #define LANES 16
 typedef __m512 vf;
@@ -58,6 +67,14 @@ static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN 
 #define vmin _mm512_min_ps
 #define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vscale2(p, k) _mm512_scalef_ps((p), (k)) /* p * 2^k */
+/* out[j] = the sum of acc[j]'s lanes, j < LANES: halves first, then one transposing reduction per 8 vectors */
+static inline void vsum_each(const vf *acc, float *out) {
+    __m256 half[16];
+    for (int j = 0; j < 16; j++)
+        half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
+    _mm256_storeu_ps(out, reduce8(half));
+    _mm256_storeu_ps(out + 8, reduce8(half + 8));
+}
 static inline vf vrecip(vf d) { /* 14-bit estimate and one Newton step */
     const vf y = _mm512_rcp14_ps(d);
     return vmul(y, vfnmadd(d, y, vset1(2.f)));
@@ -96,6 +113,7 @@ static inline vf vrecip(vf d) {
     const vf y = _mm256_rcp_ps(d);
     return vmul(y, vfnmadd(d, y, vset1(2.f)));
 }
+static inline void vsum_each(const vf *acc, float *out) { _mm256_storeu_ps(out, reduce8(acc)); }
 static inline float vsum(vf v) { /* (hi + lo) halves, then pairs: a fixed order */
     __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
