@@ -15,7 +15,6 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 from splitserve.protocol.errors import error_body
 
-CHAT_COMPLETION = "chat.completion"
 CHAT_CHUNK = "chat.completion.chunk"
 COMPLETION_CHUNK = "text_completion"  # a completion's object, whole or streamed
 
@@ -252,8 +251,11 @@ def chunk_text(is_chat: bool, chunk: Mapping[str, Any]) -> str:
     """The text of the first choice of a streamed chunk; "" for a usage chunk, or one of another shape."""
     choices = chunk.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else None
-    if not isinstance(choice, dict):
-        return ""
+    return choice_text(is_chat, choice) if isinstance(choice, dict) else ""
+
+
+def choice_text(is_chat: bool, choice: Mapping[str, Any]) -> str:
+    """The text a streamed choice adds: a chat delta's content, or a completion choice's text."""
     if is_chat:
         delta = choice.get("delta")
         return str(delta.get("content") or "") if isinstance(delta, dict) else ""

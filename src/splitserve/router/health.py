@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_COOLDOWN_S = 60.0
+HEALTH_BODY_BYTES = 64 * 1024
 
 
 def worker_breaker(
@@ -71,7 +72,8 @@ class HealthChecker:
 
     async def _probe(self, worker: Worker) -> tuple[bool, str]:
         try:
-            answer = await self._transport.get(f"{worker.url}/health", self.timeout_s)
+            # only the status matters: a body is read no further than a health page's size
+            answer = await self._transport.get(f"{worker.url}/health", self.timeout_s, max_bytes=HEALTH_BODY_BYTES)
         except TransportError as exc:
             return False, str(exc)
         return answer.status == 200, f"HTTP {answer.status}"

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.errors import SplitserveError
+from splitserve.protocol import openai
 from splitserve.protocol.openai import sse_event, text_chunk
 
 # sampling fields a resumed request carries over unchanged (the rest are the client's, or not per token)
@@ -125,7 +126,7 @@ class StreamTracker:
                 ids = choice.pop("token_ids") if not self.client_wants_ids else choice["token_ids"]
                 changed = changed or not self.client_wants_ids
                 self.output_ids.extend(_ids(ids or []))
-            self.text += _text_of(choice, self.is_chat)
+            self.text += openai.choice_text(self.is_chat, choice)
             if choice.get("finish_reason") is not None:
                 self.finished = True
         return changed
@@ -149,7 +150,7 @@ class StreamTracker:
         if not choices:
             if usage is None:
                 return None
-            kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+            kind = openai.CHAT_CHUNK if self.is_chat else openai.COMPLETION_CHUNK
             return common | {"object": kind, "choices": [], "usage": usage}
         choice = choices[0] if isinstance(choices[0], dict) else {}
         ids = _ids(choice.get("token_ids") or [])
@@ -257,10 +258,3 @@ def _ids(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
         raise WorkerStreamFailed("token ids that are not a list of integers")
     return value
-
-
-def _text_of(choice: dict[str, Any], is_chat: bool) -> str:
-    if is_chat:
-        delta = choice.get("delta")
-        return str(delta.get("content") or "") if isinstance(delta, dict) else ""
-    return str(choice.get("text") or "")

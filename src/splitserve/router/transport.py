@@ -33,7 +33,7 @@ class TransportError(SplitserveError):
 
     def __init__(self, message: str, kind: str = "") -> None:
         super().__init__(message)
-        self.kind = kind or message
+        self.kind = kind or type(self).__name__
 
     @classmethod
     def of(cls, exc: BaseException) -> TransportError:
@@ -116,7 +116,7 @@ class _AiohttpUpstream:
         try:
             return await self._response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise TransportError(f"read: {type(exc).__name__}") from exc
+            raise TransportError(f"read: {type(exc).__name__}", type(exc).__name__) from exc
         finally:
             self._response.release()
 
@@ -125,7 +125,7 @@ class _AiohttpUpstream:
             async for chunk in self._response.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+            raise TransportError(f"{type(exc).__name__}: {exc}", type(exc).__name__) from exc
 
     def close(self) -> None:
         self._response.close()
@@ -158,7 +158,7 @@ class AiohttpTransport:
         try:
             return _AiohttpUpstream(await self._client.post(url, data=body, headers=sent))
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise TransportError(f"connect: {type(exc).__name__}") from exc
+            raise TransportError(f"connect: {type(exc).__name__}", type(exc).__name__) from exc
 
     async def get(self, url: str, timeout_s: float, max_bytes: int | None = None) -> Answer:
         try:

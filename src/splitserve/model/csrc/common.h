@@ -1,8 +1,8 @@
 /*
  * What every kernel source shares: scalar conversions between float32 and the 16-bit storage formats, and
- * the instruction-set switches. Each source is compiled once per instruction-set level (kernels.py: scalar,
- * avx2, avxvnni, avx512, amx on x86; scalar, neon on ARM), so every path below is chosen by the compiler's own
- * macros.
+ * the instruction-set switches. Each source is compiled once per instruction-set level (kernel_build.py:
+ * scalar, avx2, avxvnni, avx512, amx on x86; scalar, neon, neon-dotprod on ARM), so every path below is chosen
+ * by the compiler's own macros.
  */
 #ifndef SPLITSERVE_COMMON_H
 #define SPLITSERVE_COMMON_H

@@ -5,7 +5,8 @@
  *   prefill chunks alike, with one arithmetic per query whatever runs beside it;
  * - the residual add + RMSNorm + cast (vLLM's fused_add_rms_norm).
  *
- * Built and loaded by splitserve/model/kernels.py (cc -O3 -fopenmp, once per instruction-set level, at first use).
+ * Built by splitserve/model/kernel_build.py (cc -O3 -fopenmp, once per instruction-set level) and loaded by
+ * splitserve/model/kernels.py.
  *
  * Attention: the torch fallback in attention.py first gathers every sequence's context into a padded
  * [B, L_max] tensor and then runs SDPA over it, so a 2,500-token sequence in a batch of short ones makes every
@@ -19,9 +20,10 @@
  * heads kvh*group .. kvh*group+group-1 share KV head kvh. Scores, softmax and accumulation are float32
  * whatever the storage dtype (bfloat16 or float32).
  *
- * Each function takes its storage dtype (SS_BF16 or SS_F32) as an argument; the exported entry points pass a
- * constant, and the bodies are inlined into them (SS_INLINE), so every dtype gets its own code with no
- * per-element branch.
+ * Each function takes its storage dtype (SS_BF16 or SS_F32) as an argument. The exported entry points, and the
+ * partition and merge functions compiled once per dtype, pass a constant into bodies inlined into them, so
+ * every dtype gets its own code with no per-element branch (the objdump of a build shows no v_pass or
+ * to_float of its own).
  */
 #include <stdlib.h>
 
@@ -56,7 +58,7 @@ static inline void axpy_row(float p, const float *x, float *acc, int n) {
 
 /* Blocked helpers for the vector builds (VW floats per vector): dot_many gives VW dot products of q with VW
  * consecutive rows at once, so the horizontal sums are one transposing reduction for all of them instead of
- * one per row; vload_row reads a stored row into vectors. */
+ * one per row. */
 #if defined(LANES)
 #define VW LANES
 static inline void dot_many(const float *q, const float *rows, int n, float *out) {

@@ -3,7 +3,8 @@
  * weights, the tiling and the dispatch) and its per-architecture kernels (arch/x86/quant.c, arch/arm/quant.c,
  * arch/scalar/quant.c, amx/quant_matmul.c), the layout ggml-cpu has: one generic file, one file per
  * architecture. Every build compiles every file; each architecture's file holds code only for its own level,
- * so exactly one of arch/ defines the hooks below.
+ * so exactly one of arch/ defines group_kernel; quantize_block is x86's (arch/x86/quant.c) or else the
+ * portable one in quant_matmul.c.
  *
  * The hooks are internal to the library (hidden: only the ss_ functions of ss_kernels.h are exported).
  */

@@ -2,8 +2,9 @@
  * Matmuls straight from a GGUF's quantized weights, the generic part: quantizing activations, repacking
  * weights, the tiling over threads and the dispatch to each architecture's kernels (quant.h names them).
  *
- * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1 or Q8_0 blocks (32 weights each, as stored in the file) and X quantized on the fly to 8 bits
- * per block of 32 (scale d, sum s = d * sum(q)), so every block product is an integer dot product:
+ * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1 or Q8_0 blocks (32 weights each, as
+ * stored in the file) and X quantized on the fly to 8 bits per block of 32 (scale d, sum s = d * sum(q)),
+ * so every block product is an integer dot product:
  *
  *     sum_k w_k x_k = d_w d_x sum_k u_k q_k + m_w s_x      (w_k = d_w u_k + m_w, x_k ~ d_x q_k)
  *
@@ -12,10 +13,10 @@
  * amx/quant_matmul.c).
  *
  * The layout is the reading of llama.cpp's ggml-cpu vec_dot_q4_1_q8_1 and friends; the tiling is ours: a
- * tile is MR activation rows x NR weight rows, so each decoded weight block serves MR rows and each
- * activation block NR weight rows. Threads split the weight rows (OpenMP), so decode (M = 1..32) and
- * prefill (M in the hundreds) both use every core, and each thread's weight rows stay in its cache while
- * it walks all activation rows.
+ * tile is up to 4 activation rows x a group of RG weight rows (quant.h), so each decoded weight block serves
+ * every row of the tile and each activation block the group's RG weight rows. Threads split the weight rows
+ * (OpenMP), so decode (M = 1..32) and prefill (M in the hundreds) both use every core, and each thread's
+ * weight rows stay in its cache while it walks all activation rows.
  */
 #include <stdlib.h>
 

@@ -1,8 +1,7 @@
 /*
  * The quantized matmul on AMX-INT8 tiles: from AMX_MIN_ROWS activation rows on (../quant.h), each block
- * product runs on AMX tiles: 16 activation rows x 16 weight
- * rows (two repacked groups) per TDPBSUD (signed activation bytes x unsigned weight codes, K = one block of
- * 32). The repacked layout already holds each weight row's codes 4 at a time, which is the tile's VNNI form:
+ * product runs on AMX tiles: 16 activation rows x 16 weight rows (two repacked groups) per TDPBSUD (signed
+ * activation bytes x unsigned weight codes, K = one block of 32). The repacked layout already holds each weight row's codes 4 at a time, which is the tile's VNNI form:
  * B row v is group A's qs[v] beside group B's, low nibbles (weights 4v..4v+3), and row v + 4 their high
  * nibbles (16 + 4v..); Q8_0 codes are byte-for-byte B rows. The same integers as the AVX-512 VNNI path; each
  * block's int32 tile is then scaled in float32 as there (d_w d_x, plus m_w s_x).
