@@ -101,8 +101,14 @@ class InMemoryTransport:
         await asyncio.gather(*running, return_exceptions=True)
         lifespans = list(self._lifespans.values())
         self._lifespans.clear()
-        for lifespan in lifespans:
-            await (await lifespan).shutdown()
+        failures: list[BaseException] = []
+        for lifespan in lifespans:  # each app's shutdown runs, whichever failed to start or to stop
+            try:
+                await (await lifespan).shutdown()
+            except Exception as exc:  # raised below, after every app has stopped
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     async def _open(
         self, method: str, url: str, body: bytes, headers: Mapping[str, str], refused: TransportError
