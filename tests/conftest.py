@@ -11,8 +11,10 @@ e2e            real worker and router processes with the real model, over real H
 packaging      a wheel built from this tree, installed into a fresh virtualenv from the local wheelhouse
 =============  ======================================================================================
 
-``slow`` (more than a few seconds), ``redis`` (needs a redis-server binary) and ``gpu`` (needs CUDA) are set by
-the tests themselves. ``--strict-markers`` (pyproject.toml) refuses any other.
+And by fixture: a test that takes one of ``FIXTURE_MARKERS``' fixtures, directly or through another fixture,
+gets its markers (``redis`` for a real redis-server). ``slow`` (more than a few seconds), ``gpu`` (needs CUDA)
+and ``redis`` where no fixture says it are set by the tests themselves. ``--strict-markers`` (pyproject.toml)
+refuses any other.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 TESTS = Path(__file__).parent
 FOLDER_MARKERS = ("unit", "engine", "integration", "security", "e2e", "packaging")
+FIXTURE_MARKERS = {"redis_server": ("redis",)}  # fixture -> the markers of every test that uses it
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,3 +34,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if folder not in FOLDER_MARKERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the folders {', '.join(FOLDER_MARKERS)}")
         item.add_marker(folder)
+        for fixture in getattr(item, "fixturenames", ()):
+            for marker in FIXTURE_MARKERS.get(fixture, ()):
+                item.add_marker(marker)
