@@ -41,8 +41,10 @@ WHEELHOUSE := .wheelhouse
 test: lint
 	@echo "== unit tests (make test-fast)"
 	$(PYTEST) -m "unit"
-	@echo "== engine, integration, security and end-to-end tests"
-	$(PYTEST) -m "not unit and not packaging"
+	@echo "== engine, integration and security tests"
+	$(PYTEST) -m "engine or integration or security"
+	@echo "== end-to-end tests"
+	$(PYTEST) -m "e2e"
 	@echo "== packaging"
 	$(MAKE) --no-print-directory test-packaging
 
