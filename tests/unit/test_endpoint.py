@@ -51,8 +51,8 @@ def ref(name: str, key: str, **more: Any) -> dict[str, Any]:
 
 SECRET_REF = ref("s", "k")
 
-# The seed's complete DPD manifest (000_70b5143b6a456d66.txt, "Ejemplo completo"), as written.
-SEED_MANIFEST = """
+# The reference system's complete DPD manifest (its documentation's "Ejemplo completo"), as written.
+REFERENCE_MANIFEST = """
 apiVersion: inference.sagemaker.aws.amazon.com/v1
 kind: InferenceEndpointConfig
 metadata:
@@ -210,7 +210,7 @@ def test_the_seeds_long_request_is_disaggregated_by_the_dpd_example() -> None:
 
 
 def test_the_seed_manifest_loads_unchanged() -> None:
-    config = loads_endpoint(SEED_MANIFEST)
+    config = loads_endpoint(REFERENCE_MANIFEST)
     assert config.api_version == REFERENCE_API_VERSION
     assert config.is_disaggregated and config.routing_strategy == RoutingStrategy.PREFIXAWARE
     assert config.spec.model_source_config is not None
@@ -220,7 +220,7 @@ def test_the_seed_manifest_loads_unchanged() -> None:
 
 
 def test_the_seed_manifest_cannot_run_locally_and_says_why() -> None:
-    config = loads_endpoint(SEED_MANIFEST)
+    config = loads_endpoint(REFERENCE_MANIFEST)
     with pytest.raises(EndpointError, match=r"modelSourceType: s3 models cannot run locally.*smollm2"):
         plan(config)
     with pytest.raises(EndpointError, match=r"args\[6\]: --tensor-parallel-size 8 is not supported"):
