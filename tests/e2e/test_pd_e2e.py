@@ -118,7 +118,7 @@ def test_streaming_through_prefill_sends_the_first_token_then_the_rest(endpoint:
     assert streamed_text(endpoint.router.url, prompt, 20) == text_of(endpoint.colocated.complete(prompt, 20))
 
 
-def test_the_seed_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) -> None:
+def test_the_reference_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) -> None:
     answer = endpoint.router.complete(FOX * 600, 30)
     assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 6001
     assert "Conditional routing: estimated_tokens=6001, threshold=256, disaggregate=True" in endpoint.router.logs()

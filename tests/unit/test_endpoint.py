@@ -200,7 +200,7 @@ def test_the_examples_cover_the_documented_topologies() -> None:
     assert redis.needs_local_redis and redis.l2_backend == L2Backend.REDIS
 
 
-def test_the_seeds_long_request_is_disaggregated_by_the_dpd_example() -> None:
+def test_the_reference_long_request_is_disaggregated_by_the_dpd_example() -> None:
     long_prompt_tokens = 6000  # "The quick brown fox jumps over the lazy dog. " x 600
     router = plan(load_endpoint(EXAMPLES[0].parent / "dpd.yaml")).router
     assert router.routing_threshold is not None and router.routing_threshold <= long_prompt_tokens
@@ -209,17 +209,17 @@ def test_the_seeds_long_request_is_disaggregated_by_the_dpd_example() -> None:
 # ---------------------------------------------------------------------------------------------- the reference
 
 
-def test_the_seed_manifest_loads_unchanged() -> None:
+def test_the_reference_manifest_loads_unchanged() -> None:
     config = loads_endpoint(REFERENCE_MANIFEST)
     assert config.api_version == REFERENCE_API_VERSION
     assert config.is_disaggregated and config.routing_strategy == RoutingStrategy.PREFIXAWARE
     assert config.spec.model_source_config is not None
     assert config.spec.model_source_config.s3_storage is not None
-    assert config.spec.model_source_config.s3_storage.bucket_name is None  # left blank in the seed
+    assert config.spec.model_source_config.s3_storage.bucket_name is None  # left blank in the reference
     assert config.spec.pd_spec is not None and config.spec.pd_spec.routing_threshold == 4096
 
 
-def test_the_seed_manifest_cannot_run_locally_and_says_why() -> None:
+def test_the_reference_manifest_cannot_run_locally_and_says_why() -> None:
     config = loads_endpoint(REFERENCE_MANIFEST)
     with pytest.raises(EndpointError, match=r"modelSourceType: s3 models cannot run locally.*smollm2"):
         plan(config)
