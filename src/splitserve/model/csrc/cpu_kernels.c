@@ -146,8 +146,8 @@ static inline void score_group(const float *q, const float *kf, int head_dim, fl
  * every row i < count, into scores[i][h][g + j] for the groups of KG keys that start below n[i] (a group is
  * zero-padded past the run). kf: KG * head_dim floats. */
 static inline void group_scores(const float *const *qf, int count, const int64_t *n, int64_t g, const void *const *keys,
-                            int dtype, int64_t valid, int head_dim, int h0, int h1, int num_heads, float *kf,
-                            float *scores) {
+                                int dtype, int64_t valid, int head_dim, int h0, int h1, int num_heads, float *kf,
+                                float *scores) {
     for (int64_t c = 0; c < (valid + KG - 1) / KG; c++) {
         for (int64_t j = 0; j < KG; j++) {
             if (c * KG + j < valid)
@@ -193,7 +193,7 @@ typedef struct {
 
 /* The value pass of partition p's row with n keys and scores s[h * PARTITION + t], into acc. */
 static inline int v_pass(const ss_partition *p, const void *v_cache, int dtype, int64_t n, const float *scores,
-                     float *acc) {
+                         float *acc) {
 #if VW > 0
     const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim, block_size = p->block_size;
     if (group > MAX_GROUP || head_dim % (SV * VW) != 0) return 0;
@@ -240,7 +240,7 @@ static inline void partition_slots(const ss_partition *p, int64_t n, int64_t *sl
 
 /* Every row's scores of one partition (most: the longest row's key count), KEY_RUN keys at a time. */
 static inline void partition_scores(const ss_partition *p, const float *const *qf, const void *k_cache, int dtype,
-                                const int64_t *slots, int64_t most) {
+                                    const int64_t *slots, int64_t most) {
     const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim;
     const int64_t row = (int64_t)p->num_kv_heads * head_dim; /* elements per slot */
     for (int64_t g = 0; g < most; g += KEY_RUN) {
@@ -404,7 +404,7 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
 
 /* Split mode's item at: one KV-head slice (kv0 .. kv1 - 1) of one partition of row *r (found from first). */
 static void split_item(const attention_call *a, thread_work *t, ss_partition *job, const int64_t *first,
-                          float *partials, int64_t at, int kv0, int kv1, int *r) {
+                       float *partials, int64_t at, int kv0, int kv1, int *r) {
     while (first[*r + 1] <= at) (*r)++;
     while (first[*r] > at) (*r)--;
     const int64_t row = *r, begin = (at - first[row]) * PARTITION;
