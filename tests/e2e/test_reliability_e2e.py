@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_until
@@ -36,6 +37,7 @@ class Pair:
 
     def __init__(self, log_dir: Path, redis_url: str) -> None:
         self.log_dir = log_dir
+        self.redis_url = redis_url
         self.args = [*WORKER_ARGS, "--l2-backend", "redis", "--l2-url", redis_url]
         self.workers = [self._worker(name) for name in "ab"]
         backends = [arg for w in self.workers for arg in ("--backend", w.url)]
@@ -113,6 +115,13 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
     reference = stream_events(f"{router.url}/v1/chat/completions", body)
     expected = chat_text(reference)
     assert reference[-1] == "[DONE]" and len(expected) > 40
+    # the prompt's KV reaches the shared L2 from the serving worker's writer thread, after the answer began:
+    # the survivor can load it only once it is there
+    store = redis.Redis.from_url(pair.redis_url)
+    try:
+        wait_until(lambda: store.dbsize() > 0, timeout_s=30)
+    finally:
+        store.close()
 
     killed: list[WorkerProcess] = []
 
