@@ -38,6 +38,8 @@ PYTEST := $(BIN)/python -m pytest -q -x --durations=10
 WHEELHOUSE := .wheelhouse
 
 # The whole suite, cheapest first, one step per cost class (markers by folder: tests/conftest.py).
+# The architecture tests convert checkpoints with llama.cpp's own converter: its source is fetched once.
+test: export LLAMA_CPP_SOURCE = $(shell scripts/fetch_llama_cpp.sh)
 test: lint
 	@echo "== unit tests (make test-fast)"
 	$(PYTEST) -m "unit"

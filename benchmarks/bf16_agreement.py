@@ -43,8 +43,8 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import detect_cpu, kernels_for
-from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.registry import apply_quantization, load_model
 from splitserve.model.source import resolve_model
@@ -138,7 +138,7 @@ class RecordingSampler(Sampler):
 
 
 def run_ours(
-    model: LlamaForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], steps: int, max_num_seqs: int = 0
+    model: DecoderForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], steps: int, max_num_seqs: int = 0
 ) -> tuple[list[list[int]], list[TopK]]:
     """The prompts through a fresh ``LLMEngine`` (one batch unless ``max_num_seqs`` limits it); tokens, top-k."""
     config = EngineConfig(

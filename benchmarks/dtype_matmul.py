@@ -15,7 +15,7 @@ import time
 import torch
 
 from splitserve.model.attention import AttentionMetadata, DecodeBatch
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.registry import cpu_has_native_bf16, load_model, resolve_dtype
 from splitserve.model.source import resolve_model
 
@@ -24,7 +24,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def decode_step_inputs(
-    model: LlamaForCausalLM, batch: int, context: int, dtype: torch.dtype
+    model: DecoderForCausalLM, batch: int, context: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata]:
     """Random KV for ``batch`` sequences of ``context`` tokens each, and the metadata of one decode step."""
     cfg = model.config
@@ -39,7 +39,7 @@ def decode_step_inputs(
     return input_ids, positions, kv, meta
 
 
-def tokens_per_s(model: LlamaForCausalLM, batch: int, context: int, steps: int, dtype: torch.dtype) -> float:
+def tokens_per_s(model: DecoderForCausalLM, batch: int, context: int, steps: int, dtype: torch.dtype) -> float:
     input_ids, positions, kv, meta = decode_step_inputs(model, batch, context, dtype)
     for _ in range(3):  # warm-up: oneDNN picks kernels on first use
         model.compute_logits(model(input_ids, positions, kv, meta))

@@ -37,7 +37,7 @@ CONFIGS = ("native", "pytorch")
 def measure(config: str, threads: int, prompt_tokens: int, repeats: int) -> dict[str, float]:
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.model import attention, kernels, llama
+    from splitserve.model import attention, decoder, kernels
     from splitserve.worker.build import build_engine
 
     if config == "pytorch":
@@ -53,11 +53,11 @@ def measure(config: str, threads: int, prompt_tokens: int, repeats: int) -> dict
     )
     spent: dict[str, float] = {}
     for part, (owner, name) in {
-        "matmuls": (llama.Linear, "forward"),
-        "mlp": (llama.LlamaMLP, "forward"),
+        "matmuls": (decoder.Linear, "forward"),
+        "mlp": (decoder.MLP, "forward"),
         "attention": (attention, "_prefill_attention"),
-        "rotary": (llama, "apply_rotary"),
-        "add + RMSNorm": (llama, "add_rms_norm"),
+        "rotary": (decoder, "apply_rotary"),
+        "add + RMSNorm": (decoder, "add_rms_norm"),
     }.items():
         time_calls(owner, name, part, spent)
     for layer in eng.runner.model.layers:  # the MLP's own matmuls, also counted in "matmuls" (the class's wrapper)

@@ -163,7 +163,7 @@ def profile(threads: int, quantization: str, dtype: str) -> dict[str, float]:
     import torch
 
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.model import llama
+    from splitserve.model import decoder
 
     eng = engine(threads, quantization, dtype)
     spent: dict[str, float] = {}
@@ -172,9 +172,9 @@ def profile(threads: int, quantization: str, dtype: str) -> dict[str, float]:
         time_calls(owner, name, part, spent)
 
     model = eng.runner.model
-    timed(llama.Linear, "forward", "matmuls (120 linear layers)")
-    timed(llama, "paged_attention", "attention")
-    timed(llama, "add_rms_norm", "add + RMSNorm")
+    timed(decoder.Linear, "forward", "matmuls (120 linear layers)")
+    timed(decoder, "paged_attention", "attention")
+    timed(decoder, "add_rms_norm", "add + RMSNorm")
     timed(model, "forward", "forward")
     if model._forward_step is not None:
         timed(model, "_forward_step", "native forward step (every layer, one call)")

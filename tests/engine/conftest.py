@@ -8,15 +8,15 @@ import functools
 import pytest
 import torch
 
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for
-from splitserve.model.llama import LlamaForCausalLM
 from tests.support.engine import TINY, EngineFactory, build_engine
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> LlamaForCausalLM:
+def tiny_model() -> DecoderForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(TINY).float().eval()
+    model = DecoderForCausalLM(TINY).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5 if p.dim() == 1 else 0.2)
@@ -24,7 +24,7 @@ def tiny_model() -> LlamaForCausalLM:
 
 
 @pytest.fixture
-def make_engine(tiny_model: LlamaForCausalLM) -> EngineFactory:
+def make_engine(tiny_model: DecoderForCausalLM) -> EngineFactory:
     return functools.partial(build_engine, tiny_model)
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import NativeKernels
-from splitserve.model.llama import LlamaForCausalLM
 from tests.support.engine import build_engine, run_to_completion, tokens_of
 from tests.support.quant import gguf_rows, quantize_model
 
@@ -97,7 +97,7 @@ def test_dot_rows_is_the_same_at_any_row_count(kernels: NativeKernels, threads: 
 
 
 def test_the_forward_step_gives_each_token_the_same_logits_on_every_path(
-    tiny_model: LlamaForCausalLM, kernels: NativeKernels, threads: int
+    tiny_model: DecoderForCausalLM, kernels: NativeKernels, threads: int
 ) -> None:
     """A tiny quantized model through whole engines: one prompt's tokens and logits alone, chunked by 7, beside
     other requests, and from the prefix cache, to the bit."""

@@ -11,7 +11,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from tests.support.engine import EngineFactory, random_prompts, run_to_completion, tokens_of
 
 
@@ -167,7 +167,7 @@ class FetchingConnector:
         pass
 
 
-def test_a_request_whose_kv_is_still_fetched_lets_the_ones_behind_it_run(tiny_model: LlamaForCausalLM) -> None:
+def test_a_request_whose_kv_is_still_fetched_lets_the_ones_behind_it_run(tiny_model: DecoderForCausalLM) -> None:
     connector = FetchingConnector()
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=256),

@@ -19,7 +19,7 @@ import torch
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -39,7 +39,7 @@ QUESTIONS = {
 
 @dataclass
 class Real:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: Tokenizer
     prompts: dict[str, list[int]]
     cold: dict[str, list[int]]  # each prompt's greedy answer, alone on a fresh engine, two threads

@@ -27,7 +27,7 @@ from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.store import TieredStore
 from splitserve.metrics import WorkerMetrics, sum_samples
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.protocol.kv_events import Tier
 from tests.support.engine import build_engine, random_prompts, run_to_completion, tokens_of
 from tests.support.kv_store import BLOCK, CHUNK, MODEL_ID, chunk_keys, make_store, record_keys
@@ -37,17 +37,17 @@ PROMPT = random_prompts(1, 200, 200, seed=7)["r0"]  # 6 whole chunks loadable: (
 
 
 @pytest.fixture(scope="module")
-def layout(tiny_model: LlamaForCausalLM) -> str:
+def layout(tiny_model: DecoderForCausalLM) -> str:
     return kv_cache_layout(tiny_model, BLOCK)
 
 
 @pytest.fixture(scope="module")
-def cold_tokens(tiny_model: LlamaForCausalLM) -> list[int]:
+def cold_tokens(tiny_model: DecoderForCausalLM) -> list[int]:
     return tokens_of(run_to_completion(build_engine(tiny_model), {"r": PROMPT}, GREEDY)["r"])
 
 
 def make_engine(
-    model: LlamaForCausalLM, connector: KVConnector, max_num_batched_tokens: int = 1024, num_blocks: int = 256
+    model: DecoderForCausalLM, connector: KVConnector, max_num_batched_tokens: int = 1024, num_blocks: int = 256
 ) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=min(1024, num_blocks * BLOCK)),
@@ -58,7 +58,7 @@ def make_engine(
 
 
 def first_worker_stores(
-    model: LlamaForCausalLM, layout: str, l2_dir: Path, cold: list[int], prompt: list[int] = PROMPT
+    model: DecoderForCausalLM, layout: str, l2_dir: Path, cold: list[int], prompt: list[int] = PROMPT
 ) -> int:
     """Worker A: computes ``prompt``, saves its records to L1 and the disk L2, and flushes; returns the records."""
     connector = KVConnector(make_store(layout, DiskTier(l2_dir, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
@@ -92,7 +92,7 @@ def stored_kv(l2_dir: Path, layout: str, keys: list[str]) -> torch.Tensor:
 
 
 def test_another_worker_answers_from_l2_with_identical_output_and_kv(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
     connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
@@ -122,7 +122,7 @@ def test_another_worker_answers_from_l2_with_identical_output_and_kv(
 
 
 def test_engine_prefix_then_tiers_resume_mid_chunk(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     """The engine's own cache holds 48 tokens (mid-chunk); the tiers supply the rest of chunk 1 onwards."""
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
@@ -154,7 +154,7 @@ def test_engine_prefix_then_tiers_resume_mid_chunk(
     ],
 )
 def test_another_worker_computes_less_than_a_block_of_any_prompt(
-    tiny_model: LlamaForCausalLM, layout: str, tmp_path: Path, num_tokens: int, num_records: int
+    tiny_model: DecoderForCausalLM, layout: str, tmp_path: Path, num_tokens: int, num_records: int
 ) -> None:
     prompt = random_prompts(1, num_tokens, num_tokens, seed=num_tokens)["r0"]
     cold = tokens_of(run_to_completion(build_engine(tiny_model), {"r": prompt}, GREEDY)["r"])
@@ -180,7 +180,7 @@ def test_another_worker_computes_less_than_a_block_of_any_prompt(
 
 
 def test_a_longer_prompt_loads_the_tail_of_a_shorter_one(
-    tiny_model: LlamaForCausalLM, layout: str, tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, tmp_path: Path
 ) -> None:
     """A follow-up turn: its chunk 7 was never stored whole, but the first turn's tail [224, 240) was."""
     first_turn = random_prompts(1, 245, 245, seed=245)["r0"]
@@ -197,7 +197,7 @@ def test_a_longer_prompt_loads_the_tail_of_a_shorter_one(
 
 @pytest.mark.parametrize("fault", ["bit_flip_in_l2", "foreign_layout_in_l2", "bit_flip_in_l1"])
 def test_a_bad_record_is_a_miss_with_identical_output(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path, fault: str
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path, fault: str
 ) -> None:
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
     keys = chunk_keys(layout, PROMPT)
@@ -233,7 +233,7 @@ def l1_holding(tmp_path: Path, layout: str) -> TieredStore:
 
 
 def test_a_load_that_comes_up_short_is_rolled_back_and_computed(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     """The copy into the KV cache fails at the third chunk (a tensor copy error): the runner leaves the request
     out of that step's pass, the engine rolls it back to the two chunks really loaded and computes the rest.
@@ -278,7 +278,7 @@ class BrokenLoads(KVConnector):
 
 
 def test_a_load_that_raises_is_computed_instead(
-    tiny_model: LlamaForCausalLM,
+    tiny_model: DecoderForCausalLM,
     layout: str,
     cold_tokens: list[int],
     tmp_path: Path,
@@ -294,7 +294,7 @@ def test_a_load_that_raises_is_computed_instead(
     engine.close()
 
 
-def test_the_decode_role_saves_nothing_unless_asked(tiny_model: LlamaForCausalLM, layout: str) -> None:
+def test_the_decode_role_saves_nothing_unless_asked(tiny_model: DecoderForCausalLM, layout: str) -> None:
     prompt = random_prompts(1, 40, 40, seed=3)["r0"]  # 2 prompt chunks of 16; 40 + 9 computed tokens: 3 chunks
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -311,7 +311,7 @@ def test_the_decode_role_saves_nothing_unless_asked(tiny_model: LlamaForCausalLM
 
 
 def test_shared_prefixes_under_preemption_match_an_engine_without_tiers(
-    tiny_model: LlamaForCausalLM, layout: str
+    tiny_model: DecoderForCausalLM, layout: str
 ) -> None:
     """Few KV blocks and an engine prefix cache emptied after every step: admissions load from L1."""
     shared = list(random_prompts(2, 96, 96, seed=11).values())
@@ -345,7 +345,7 @@ class StuckTier(CPUTier):
 
 
 def test_a_full_store_queue_never_blocks_the_engine(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int]
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int]
 ) -> None:
     l2 = StuckTier()
     record_bytes = len(serde.encode(torch.zeros(2, 2, CHUNK, 2, 16), CHUNK, layout))
@@ -366,7 +366,7 @@ def test_a_full_store_queue_never_blocks_the_engine(
 
 
 def test_worker_metrics_expose_the_kv_cache_names(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
     connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
@@ -416,7 +416,7 @@ def test_tier_config_is_validated() -> None:
 
 
 def test_an_unreachable_redis_at_start_is_degraded_mode(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], caplog: pytest.LogCaptureFixture
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
     with socket.socket() as sock:  # a port nobody listens on: connections are refused at once
         sock.bind(("127.0.0.1", 0))
@@ -454,7 +454,7 @@ class RecordingSink:
 
 
 def test_lookup_and_events_name_what_each_tier_holds(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)  # L2 holds PROMPT's records
     sink = RecordingSink()
@@ -484,7 +484,7 @@ def test_lookup_and_events_name_what_each_tier_holds(
 
 
 def test_a_request_waiting_for_its_l2_records_is_deferred(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     """vllm:num_requests_waiting_by_reason: while the prefetch thread reads its records, the request is deferred."""
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
@@ -511,7 +511,7 @@ def test_a_request_waiting_for_its_l2_records_is_deferred(
 
 
 def test_a_prefetch_that_fails_is_a_miss_and_the_engine_lives(
-    tiny_model: LlamaForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
+    tiny_model: DecoderForCausalLM, layout: str, cold_tokens: list[int], tmp_path: Path
 ) -> None:
     first_worker_stores(tiny_model, layout, tmp_path, cold_tokens)
     connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -13,10 +14,11 @@ import torch
 import transformers
 from gguf.quants import dequantize, quantize
 
+from splitserve.engine.engine import _max_model_len
 from splitserve.model import registry
-from splitserve.model.config import LlamaConfig
-from splitserve.model.llama import LlamaForCausalLM
-from splitserve.model.loader import gguf_to_hf_name, load_gguf, load_safetensors_folder
+from splitserve.model.config import DecoderConfig
+from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.model.loader import gguf_to_hf_name, hf_decoder_config, load_gguf, load_safetensors_folder
 from splitserve.model.reference import transformers_config
 from splitserve.model.registry import resolve_dtype
 
@@ -24,7 +26,7 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 ROPE_THETA = 50000.0
 
 
-TINY = LlamaConfig(
+TINY = DecoderConfig(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -122,10 +124,10 @@ def roundtrip(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
     return torch.from_numpy(dequantize(quantize(w, qtype), qtype).reshape(w.shape))
 
 
-def our_logits(config: LlamaConfig, state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+def our_logits(config: DecoderConfig, state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     from splitserve.model.attention import AttentionMetadata, PrefillChunk
 
-    model = LlamaForCausalLM(config).float().eval()
+    model = DecoderForCausalLM(config).float().eval()
     model.load_hf_state_dict(state)
     n = len(ids)
     kv = [(torch.zeros(n, KV_HEADS, HEAD_DIM), torch.zeros(n, KV_HEADS, HEAD_DIM)) for _ in model.layers]
@@ -233,3 +235,41 @@ def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) 
 def test_unknown_dtype_lists_choices() -> None:
     with pytest.raises(ValueError, match=r"unknown dtype 'int8'; choose one of auto, float32"):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope scaling 'longrope'"),
+    ],
+)
+def test_an_option_the_model_does_not_compute_is_named(extra: dict[str, object], message: str) -> None:
+    hf = {"architectures": ["LlamaForCausalLM"], **tiny_hf(tie=True).config.to_dict(), **extra}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_decoder_config(hf)
+
+
+def test_qwen_sliding_window_layers_are_refused_and_off_by_default() -> None:
+    qwen = {**tiny_hf(tie=True).config.to_dict(), "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
+    assert hf_decoder_config(qwen).sliding_window is None  # use_sliding_window defaults to off
+    assert hf_decoder_config(qwen).qkv_bias
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        hf_decoder_config({**qwen, "use_sliding_window": True})
+
+
+def test_mistrals_sliding_window_bounds_the_context() -> None:
+    mistral = {**tiny_hf(tie=True).config.to_dict(), "architectures": ["MistralForCausalLM"], "sliding_window": 64}
+    cfg = hf_decoder_config(mistral)
+    assert (cfg.arch, cfg.sliding_window) == ("llama", 64)
+    assert _max_model_len(None, cfg) == 64
+    assert _max_model_len(48, cfg) == 48
+    with pytest.raises(ValueError, match="sliding window of 64 tokens"):
+        _max_model_len(128, cfg)
+
+
+def test_the_supported_architectures_are_listed() -> None:
+    with pytest.raises(ValueError, match=r"supported: llama \(LlamaForCausalLM, MistralForCausalLM\), qwen2"):
+        hf_decoder_config({"architectures": ["GemmaForCausalLM"]})

@@ -13,13 +13,13 @@ import pytest
 import torch
 import transformers
 
-from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.loader import load_gguf
 from splitserve.model.reference import transformers_model
 from splitserve.model.registry import apply_quantization, load_model
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+from tests.support.paged import PagedRunner, hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
 
@@ -29,7 +29,7 @@ PROMPT = [{"role": "user", "content": "Write a short poem about the sea and the 
 
 @dataclass
 class Models:
-    ours: LlamaForCausalLM
+    ours: DecoderForCausalLM
     hf: transformers.LlamaForCausalLM
     tokenizer: Tokenizer
 
@@ -49,7 +49,7 @@ def models() -> Iterator[Models]:
 def load_models() -> Models:
     source = resolve_model("smollm2")
     cfg, state = load_gguf(source.path)
-    ours = LlamaForCausalLM(cfg).float().eval()
+    ours = DecoderForCausalLM(cfg).float().eval()
     ours.load_hf_state_dict(state)
     hf = transformers_model(cfg, state)
     assert torch.equal(hf.lm_head.weight, state["model.embed_tokens.weight"])
@@ -58,59 +58,11 @@ def load_models() -> Models:
     return Models(ours, hf, load_tokenizer("smollm2"))
 
 
-class PagedRunner:
-    """Drives our model like /tmp/t_llama.py: one prefill chunk, then one decode token per step, slots 0..n.
-
-    ``kv_dtype`` set: the cache is one tensor in that dtype, bound to the model as ``ModelRunner`` binds it, so a
-    model with quantized weights runs its steps in the native forward step; otherwise per-layer float32
-    caches and the module path.
-    """
-
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, kv_dtype: torch.dtype | None = None) -> None:
-        cfg = model.config
-        shape = (cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim)
-        self.model = model
-        cache = torch.zeros(shape, dtype=kv_dtype or torch.float32)
-        self.kv = [(layer[0], layer[1]) for layer in cache]
-        if kv_dtype is not None:
-            model.bind_kv_cache(cache, block_size=1)
-        self.slots = torch.arange(num_slots)
-        self.num_tokens = 0
-
-    def prefill(self, ids: list[int]) -> torch.Tensor:  # [n, vocab]
-        n = len(ids)
-        meta = AttentionMetadata(self.slots[:n], 0, None, [PrefillChunk(n, self.slots[:n], n)])
-        # block size 1: the block table is the slot list
-        meta.rows = StepRows(
-            self.slots[None, :n].contiguous(), torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1)
-        )
-        self.num_tokens = n
-        return self.model.compute_logits(self.model(torch.tensor(ids), torch.arange(n), self.kv, meta))
-
-    def decode(self, token: int) -> torch.Tensor:  # [vocab]
-        p = self.num_tokens
-        decode = DecodeBatch(self.slots[None, : p + 1].contiguous(), torch.tensor([p + 1]), block_size=1)
-        meta = AttentionMetadata(self.slots[p : p + 1], 1, decode, [])
-        meta.rows = StepRows(decode.block_tables, torch.zeros(1, dtype=torch.long), decode.context_lens)
-        self.num_tokens += 1
-        return self.model.compute_logits(self.model(torch.tensor([token]), torch.tensor([p]), self.kv, meta))[0]
-
-
 def ours_greedy(models: Models, ids: list[int], steps: int, stop: bool = False) -> list[int]:
     runner = PagedRunner(models.ours, len(ids) + steps)
     out = [int(runner.prefill(ids)[-1].argmax())]
     while len(out) < steps and not (stop and out[-1] in models.tokenizer.stop_token_ids):
         out.append(int(runner.decode(out[-1]).argmax()))
-    return out
-
-
-@torch.no_grad()
-def hf_greedy(hf: transformers.LlamaForCausalLM, ids: list[int], steps: int) -> list[int]:
-    result = hf(torch.tensor([ids]), use_cache=True)
-    out = [int(result.logits[0, -1].argmax())]
-    while len(out) < steps:
-        result = hf(torch.tensor([[out[-1]]]), past_key_values=result.past_key_values, use_cache=True)
-        out.append(int(result.logits[0, -1].argmax()))
     return out
 
 

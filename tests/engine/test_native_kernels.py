@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 import splitserve.engine.model_runner as model_runner
 import splitserve.model.attention as attention
+import splitserve.model.decoder as decoder
 import splitserve.model.kernels as kernels_module
-import splitserve.model.llama as llama
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.attention import DecodeBatch, PrefillChunk
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernel_build import CpuInfo, detect_cpu, select_level
 from splitserve.model.kernels import NativeKernels, kernels_for, native
-from splitserve.model.llama import LlamaForCausalLM
 from tests.support.engine import build_engine, run_to_completion
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -189,7 +189,7 @@ def test_silu_mul_matches_float64(kernels: NativeKernels, num_rows: int) -> None
 def test_rotary_matches_float64_and_leaves_other_heads(kernels: NativeKernels) -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(29, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    rotary = llama.RotaryEmbedding(HEAD_DIM, 4096, 10000.0)
+    rotary = decoder.RotaryEmbedding(HEAD_DIM, 4096, 10000.0)
     cos, sin = rotary.tables(torch.randint(0, 4096, (29,), generator=gen), torch.bfloat16)
     qk = x[:, : HEADS + KV_HEADS]
     half = HEAD_DIM // 2
@@ -275,7 +275,7 @@ def test_the_build_is_cached(fresh_native: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
-    tiny_model: LlamaForCausalLM, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    tiny_model: DecoderForCausalLM, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both paths through a whole engine: chunked prefill over a cached prefix, then batched decodes."""
 
@@ -290,7 +290,7 @@ def test_the_model_gives_the_same_logits_with_and_without_native_kernels(
         return logits
 
     native_logits = run()
-    for module in (attention, llama, model_runner):
+    for module in (attention, decoder, model_runner):
         monkeypatch.setattr(module, "native", lambda: None)
     torch_logits = run()
     assert len(native_logits) == len(torch_logits) > 10

@@ -22,7 +22,7 @@ from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvcache import serde
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.pd import receiver as receiver_module
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
@@ -39,7 +39,7 @@ PROMPT = random_prompts(1, 150, 150, seed=11)["r0"]
 _ids = itertools.count()
 
 
-def engine_with(model: LlamaForCausalLM, connector: KVConnectorBase | None) -> LLMEngine:
+def engine_with(model: DecoderForCausalLM, connector: KVConnectorBase | None) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=1024),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=128),
@@ -48,12 +48,12 @@ def engine_with(model: LlamaForCausalLM, connector: KVConnectorBase | None) -> L
 
 
 @pytest.fixture(scope="module")
-def layout(tiny_model: LlamaForCausalLM) -> str:
+def layout(tiny_model: DecoderForCausalLM) -> str:
     return kv_cache_layout(tiny_model, BLOCK)
 
 
 @pytest.fixture
-def decode_side(tiny_model: LlamaForCausalLM, layout: str) -> Iterator[tuple[LLMEngine, KVReceiver]]:
+def decode_side(tiny_model: DecoderForCausalLM, layout: str) -> Iterator[tuple[LLMEngine, KVReceiver]]:
     buffer = PDBuffer(64 << 20)
     receiver = KVReceiver(buffer, layout)
     receiver.start()
@@ -62,12 +62,12 @@ def decode_side(tiny_model: LlamaForCausalLM, layout: str) -> Iterator[tuple[LLM
 
 
 @pytest.fixture(scope="module")
-def colocated_tokens(tiny_model: LlamaForCausalLM) -> list[int]:
+def colocated_tokens(tiny_model: DecoderForCausalLM) -> list[int]:
     return tokens_of(run_to_completion(engine_with(tiny_model, None), {"c": PROMPT}, GREEDY)["c"])
 
 
 def prefill(
-    model: LlamaForCausalLM, layout: str, addr: str, transfer_id: str, **push_options: float
+    model: DecoderForCausalLM, layout: str, addr: str, transfer_id: str, **push_options: float
 ) -> tuple[int, KVTransferResult, LLMEngine]:
     """Run the prefill side (max_tokens 1, push to ``addr``); returns its first token and the push result."""
     engine = engine_with(model, PDSenderConnector(layout, **push_options))
@@ -84,7 +84,7 @@ def decode(engine: LLMEngine, transfer_id: str, first_token: int, prompt: list[i
 
 
 def test_transferred_kv_is_bit_identical_and_decode_matches_colocated(
-    tiny_model: LlamaForCausalLM,
+    tiny_model: DecoderForCausalLM,
     layout: str,
     decode_side: tuple[LLMEngine, KVReceiver],
     colocated_tokens: list[int],
@@ -108,7 +108,7 @@ def test_transferred_kv_is_bit_identical_and_decode_matches_colocated(
 
 
 def test_a_failed_push_means_decode_recomputes_the_same_output(
-    tiny_model: LlamaForCausalLM,
+    tiny_model: DecoderForCausalLM,
     layout: str,
     decode_side: tuple[LLMEngine, KVReceiver],
     colocated_tokens: list[int],
@@ -126,7 +126,7 @@ def test_a_failed_push_means_decode_recomputes_the_same_output(
 
 
 def test_a_transfer_gone_before_its_copy_is_computed_instead(
-    tiny_model: LlamaForCausalLM,
+    tiny_model: DecoderForCausalLM,
     layout: str,
     decode_side: tuple[LLMEngine, KVReceiver],
     colocated_tokens: list[int],
@@ -164,7 +164,7 @@ def test_a_full_buffer_is_retried_then_given_up_without_a_hang(layout: str, capl
 
 
 def test_kv_of_another_prompt_or_layout_is_refused(
-    tiny_model: LlamaForCausalLM,
+    tiny_model: DecoderForCausalLM,
     layout: str,
     decode_side: tuple[LLMEngine, KVReceiver],
     colocated_tokens: list[int],

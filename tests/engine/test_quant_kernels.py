@@ -19,10 +19,10 @@ import torch
 from gguf.quants import dequantize
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model import attention, llama
+from splitserve.model import attention, decoder
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernel_build import ARM_LEVELS, BASE_FLAGS, IsaLevel, detect_cpu, sources
 from splitserve.model.kernels import QUANT_TYPES, NativeKernels, kernels_for
-from splitserve.model.llama import LlamaForCausalLM
 from tests.support.engine import build_engine, run_to_completion
 from tests.support.quant import gguf_rows, quantize_model
 
@@ -102,7 +102,7 @@ def test_quant_matmul_declines_what_it_cannot_take(kernels: NativeKernels) -> No
 
 @pytest.mark.parametrize("wtype", [2, 3])
 def test_the_one_call_forward_step_matches_the_module_path(
-    tiny_model: LlamaForCausalLM, kernels: NativeKernels, wtype: int, monkeypatch: pytest.MonkeyPatch
+    tiny_model: DecoderForCausalLM, kernels: NativeKernels, wtype: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A whole engine: quantized steps (prefill chunks and decodes) in one native call vs the same matmuls one
     module at a time, with PyTorch's attention for the prefill."""
@@ -110,7 +110,7 @@ def test_the_one_call_forward_step_matches_the_module_path(
     # the module path's norms from the same build as the weights' matmuls, as in serving (both native()): a
     # norm from another build (another vector width, another summation order) is an ulp away, enough to move
     # an activation across a rounding boundary of its 8-bit code
-    monkeypatch.setattr(llama, "native", lambda: kernels)
+    monkeypatch.setattr(decoder, "native", lambda: kernels)
     monkeypatch.setattr(attention, "native", lambda: kernels)
 
     def run(one_call: bool) -> list[torch.Tensor]:
@@ -131,13 +131,13 @@ def test_the_one_call_forward_step_matches_the_module_path(
         torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3)
 
 
-def test_quantized_decode_stays_close_to_float(tiny_model: LlamaForCausalLM, kernels: NativeKernels) -> None:
+def test_quantized_decode_stays_close_to_float(tiny_model: DecoderForCausalLM, kernels: NativeKernels) -> None:
     """8-bit activations move the logits a little, never the model: same weights, float vs quantized decode."""
     model = quantize_model(tiny_model, kernels, 8)
     float_model = copy.deepcopy(model)
     float_model._quant_head = None
     for module in float_model.modules():
-        if isinstance(module, llama.Linear):
+        if isinstance(module, decoder.Linear):
             module.quant = module.quant_kernels = None
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     got, tokens = {}, {}
@@ -157,7 +157,7 @@ def test_quantized_decode_stays_close_to_float(tiny_model: LlamaForCausalLM, ker
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
 
 
-def test_a_cached_prompt_answers_as_a_cold_one(tiny_model: LlamaForCausalLM, kernels: NativeKernels) -> None:
+def test_a_cached_prompt_answers_as_a_cold_one(tiny_model: DecoderForCausalLM, kernels: NativeKernels) -> None:
     """The last token of a cached prompt runs alone through the same forward step as the cold prefill's 75
     rows: its first logits are the cold prefill's to the bit, and so is every token after."""
     model = quantize_model(tiny_model, kernels, 3)

@@ -21,8 +21,8 @@ from splitserve.config import SchedulingPolicy
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import detect_cpu, kernels_for
-from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.registry import load_model
 from splitserve.model.source import resolve_model
@@ -90,7 +90,7 @@ CONVERSATIONS: dict[str, list[dict[str, str]]] = {
 
 @dataclass
 class Real:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: Tokenizer
     prompts: dict[str, list[int]]
     alone: dict[str, list[int]]  # each prompt's greedy output on a fresh engine of its own

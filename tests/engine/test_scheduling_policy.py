@@ -10,7 +10,7 @@ import torch
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from tests.support.engine import random_prompts
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -19,7 +19,7 @@ COLD, CHAT = PROMPTS["r0"], PROMPTS["r1"][:400]
 FOLLOW_UP = CHAT + PROMPTS["r1"][400:440]  # the same conversation, one turn on: 400 of 440 tokens cached
 
 
-def engine_with(model: LlamaForCausalLM, **scheduler: object) -> LLMEngine:
+def engine_with(model: DecoderForCausalLM, **scheduler: object) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=1024),
         cache=CacheConfig(block_size=16, num_gpu_blocks_override=400),
@@ -52,7 +52,7 @@ def steps_to_first_token(engine: LLMEngine) -> tuple[int, dict[str, list[int]]]:
 
 
 def test_a_cached_follow_up_gets_its_first_token_in_one_step_beside_a_cold_prompt(
-    tiny_model: LlamaForCausalLM,
+    tiny_model: DecoderForCausalLM,
 ) -> None:
     with_budget, tokens = steps_to_first_token(engine_with(tiny_model, running_prefill_cap=64))
     without, reference = steps_to_first_token(
@@ -63,14 +63,14 @@ def test_a_cached_follow_up_gets_its_first_token_in_one_step_beside_a_cold_promp
     assert tokens == reference
 
 
-def test_alone_a_prompt_is_prefilled_at_the_whole_budget(tiny_model: LlamaForCausalLM) -> None:
+def test_alone_a_prompt_is_prefilled_at_the_whole_budget(tiny_model: DecoderForCausalLM) -> None:
     engine = engine_with(tiny_model, running_prefill_cap=64)
     engine.add_request("cold", COLD, GREEDY)
     sched = engine.scheduler.schedule()
     assert sched.num_batched_tokens == 256
 
 
-def admission_order(model: LlamaForCausalLM, **scheduler: object) -> list[str]:
+def admission_order(model: DecoderForCausalLM, **scheduler: object) -> list[str]:
     """Which of a cold prompt (arrived first) and a cached follow-up is admitted first, one at a time."""
     engine = engine_with(model, max_num_seqs=1, **scheduler)
     engine.add_request("chat", CHAT, GREEDY)
@@ -85,10 +85,10 @@ def admission_order(model: LlamaForCausalLM, **scheduler: object) -> list[str]:
     return order
 
 
-def test_lpm_admits_the_fewest_uncached_tokens_first(tiny_model: LlamaForCausalLM) -> None:
+def test_lpm_admits_the_fewest_uncached_tokens_first(tiny_model: DecoderForCausalLM) -> None:
     assert admission_order(tiny_model) == ["follow-up", "cold"]
     assert admission_order(tiny_model, policy=SchedulingPolicy.FCFS) == ["cold", "follow-up"]
 
 
-def test_past_the_max_wait_the_oldest_goes_first(tiny_model: LlamaForCausalLM) -> None:
+def test_past_the_max_wait_the_oldest_goes_first(tiny_model: DecoderForCausalLM) -> None:
     assert admission_order(tiny_model, max_wait_s=0.0) == ["cold", "follow-up"]

@@ -19,8 +19,8 @@ from splitserve.kvcache import serde
 from splitserve.kvcache.connector import KVConnector
 from splitserve.kvcache.disk import DiskTier
 from splitserve.metrics import WorkerMetrics, sum_samples
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import native
-from splitserve.model.llama import LlamaForCausalLM
 from tests.support.engine import random_prompts, run_to_completion, tokens_of
 from tests.support.kv_store import CHUNK, MODEL_ID, make_store, record_keys
 from tests.support.quant import quantize_model
@@ -31,7 +31,7 @@ PROMPT = random_prompts(1, 150, 150, seed=11)["r0"]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model: LlamaForCausalLM) -> LlamaForCausalLM:
+def model(tiny_model: DecoderForCausalLM) -> DecoderForCausalLM:
     """The tiny model with Q4_1 blocks: every step in the native forward step, as a GGUF model runs."""
     kernels = native()
     assert kernels is not None
@@ -39,7 +39,7 @@ def model(tiny_model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 def make_engine(
-    model: LlamaForCausalLM, rate: float, connectors: tuple[KVConnectorBase, ...] = (), max_num_seqs: int = 8
+    model: DecoderForCausalLM, rate: float, connectors: tuple[KVConnectorBase, ...] = (), max_num_seqs: int = 8
 ) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=1024),
@@ -49,7 +49,7 @@ def make_engine(
     return LLMEngine(config, model, None, "test", torch.device("cpu"), connectors)
 
 
-def test_a_cache_hit_is_recomputed_cold_and_agrees(model: LlamaForCausalLM) -> None:
+def test_a_cache_hit_is_recomputed_cold_and_agrees(model: DecoderForCausalLM) -> None:
     engine = make_engine(model, rate=1.0)
     cold = run_to_completion(engine, {"cold": PROMPT}, GREEDY)["cold"]
     assert engine.get_stats().exactness_checks == {}  # computed everything itself: nothing to check
@@ -63,7 +63,7 @@ def test_a_cache_hit_is_recomputed_cold_and_agrees(model: LlamaForCausalLM) -> N
     assert stats.num_generation_tokens == 2 * GREEDY.max_tokens
 
 
-def test_the_shadow_waits_while_a_client_request_waits(model: LlamaForCausalLM) -> None:
+def test_the_shadow_waits_while_a_client_request_waits(model: DecoderForCausalLM) -> None:
     engine = make_engine(model, rate=1.0, max_num_seqs=1)
     run_to_completion(engine, {"cold": PROMPT}, GREEDY)
     engine.add_request("warm", PROMPT, GREEDY)
@@ -85,14 +85,14 @@ def test_the_shadow_waits_while_a_client_request_waits(model: LlamaForCausalLM) 
     assert engine.get_stats().exactness_checks == {"prefix_cache": 1}
 
 
-def test_no_sample_no_check(model: LlamaForCausalLM) -> None:
+def test_no_sample_no_check(model: DecoderForCausalLM) -> None:
     engine = make_engine(model, rate=0.0)
     run_to_completion(engine, {"cold": PROMPT}, GREEDY)
     run_to_completion(engine, {"warm": PROMPT}, GREEDY)
     assert engine.verifier is None and engine.get_stats().exactness_checks == {}
 
 
-def test_a_resumed_stream_is_replayed_from_the_original_prompt(model: LlamaForCausalLM) -> None:
+def test_a_resumed_stream_is_replayed_from_the_original_prompt(model: DecoderForCausalLM) -> None:
     """What the router's migration sends: the prompt and the tokens generated so far, and the prompt's length."""
     engine = make_engine(model, rate=1.0)
     cold = tokens_of(run_to_completion(make_engine(model, rate=0.0), {"cold": PROMPT}, GREEDY)["cold"])
@@ -104,7 +104,7 @@ def test_a_resumed_stream_is_replayed_from_the_original_prompt(model: LlamaForCa
 
 
 def test_a_corrupted_l2_record_is_caught_counted_and_logged(
-    model: LlamaForCausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    model: DecoderForCausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Worker A stores the prompt's records; one is then rewritten with other values and a valid checksum (what
     a bug in a KV path would leave): worker B serves from it, a wrong answer, and its check says so."""

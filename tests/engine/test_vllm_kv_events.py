@@ -11,7 +11,7 @@ from splitserve.config import CacheConfig, EngineConfig, KVEventsConfig, ModelCo
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import hash_blocks, salt_root
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.protocol.vllm_events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -44,7 +44,7 @@ def replayed_events(endpoint: str) -> list[object]:
         events += decode_batch(payload).events
 
 
-def test_an_engines_cached_and_evicted_blocks_go_out_in_vllms_format(tiny_model: LlamaForCausalLM) -> None:
+def test_an_engines_cached_and_evicted_blocks_go_out_in_vllms_format(tiny_model: DecoderForCausalLM) -> None:
     log = KVEventLog("w", "http://w")
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://127.0.0.1:0")
     publisher = VLLMEventPublisher(config, BLOCK_SIZE)

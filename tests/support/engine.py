@@ -11,11 +11,11 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.config import LlamaConfig
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.config import DecoderConfig
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.tokenizer import Tokenizer
 
-TINY = LlamaConfig(
+TINY = DecoderConfig(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -32,7 +32,7 @@ EngineFactory = Callable[..., LLMEngine]
 
 
 def build_engine(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     tokenizer: Tokenizer | None = None,
     num_blocks: int = 256,
     block_size: int = 16,

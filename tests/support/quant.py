@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
-from splitserve.model import llama
+from splitserve.model import decoder
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import NativeKernels
-from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.quant import GGUFRows
 
 
@@ -20,11 +20,11 @@ def gguf_rows(weight: np.ndarray, wtype: int) -> GGUFRows:
     return GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks)), wtype, weight.shape[1])
 
 
-def quantize_model(model: LlamaForCausalLM, kernels: NativeKernels, wtype: int) -> LlamaForCausalLM:
+def quantize_model(model: DecoderForCausalLM, kernels: NativeKernels, wtype: int) -> DecoderForCausalLM:
     """A copy of ``model`` whose weights are ``wtype``-rounded, with those blocks as its quantized weights."""
     model = copy.deepcopy(model)
     for module in model.modules():
-        if isinstance(module, llama.Linear):
+        if isinstance(module, decoder.Linear):
             rows = gguf_rows(module.weight.detach().numpy(), wtype)
             module.weight.data = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).float()
             module.set_quantized(rows, kernels)

@@ -34,7 +34,8 @@ from splitserve.metrics import (
     PDBufferStatsLike,
     RequestPhases,
 )
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.config import DecoderConfig
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.protocol.kv_events import BlockContentSink, KVEventSink, Tier
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         tokenizer: Tokenizer | None,
         model_name: str,
         device: torch.device,
@@ -111,9 +112,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         model_cfg = model.config
         self.vocab_size = model_cfg.vocab_size
-        self.max_model_len = min(
-            config.model.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
-        )
+        self.max_model_len = _max_model_len(config.model.max_model_len, model_cfg)
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(config, model, device)
         sched_cfg = config.scheduler
@@ -142,7 +141,7 @@ class LLMEngine:
             self.max_model_len, self.runner.dtype, device,
         )  # fmt: skip
 
-    def _num_blocks(self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
+    def _num_blocks(self, config: EngineConfig, model: DecoderForCausalLM, device: torch.device) -> int:
         """The KV cache's blocks: the override, else what the memory budget holds; at least one longest request."""
         block_size = config.cache.block_size
         num_blocks = config.cache.num_gpu_blocks_override or num_kv_blocks(config, model, device)
@@ -384,7 +383,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
+def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM, device: torch.device) -> int:
     """How many KV blocks fit in the memory ``config.cache`` grants."""
     cache = config.cache
     elem_size = model.embed_tokens.weight.element_size()
@@ -403,7 +402,7 @@ def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.d
     return max(1, num_bytes // bytes_per_block)
 
 
-def kv_cache_layout(model: LlamaForCausalLM, block_size: int) -> str:
+def kv_cache_layout(model: DecoderForCausalLM, block_size: int) -> str:
     """The ``keys.kv_layout`` string of the paged KV cache an engine builds for ``model``."""
     cfg = model.config
     dtype = str(model.dtype).removeprefix("torch.")
@@ -435,8 +434,27 @@ def available_memory_bytes() -> int:
     return 4 << 30
 
 
-def _eos_ids(tokenizer: Tokenizer | None, model: LlamaForCausalLM) -> frozenset[int]:
+def _eos_ids(tokenizer: Tokenizer | None, model: DecoderForCausalLM) -> frozenset[int]:
     if tokenizer is not None:
         return frozenset(tokenizer.stop_token_ids)
     eos = model.config.eos_token_id
     return frozenset() if eos is None else frozenset([eos])
+
+
+def _max_model_len(asked: int | None, cfg: DecoderConfig) -> int:
+    """The context length: ``asked`` (or the model's), within the model's positions and its sliding window.
+
+    Every layer attends to all the positions before a token, so a model trained with a sliding window runs as
+    trained up to the window: unasked, the length stops there (with a warning); asked for more, it is an error.
+    """
+    length = min(asked or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    window = cfg.sliding_window
+    if window is None or length <= window:
+        return length
+    if asked is not None:
+        raise ValueError(
+            f"--max-model-len {asked} exceeds the model's sliding window of {window} tokens; sliding-window "
+            f"attention is not supported, so the context can be at most {window} tokens"
+        )
+    logger.warning("the model attends through a sliding window of %d tokens: max_model_len set to %d", window, window)
+    return window

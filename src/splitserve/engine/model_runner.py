@@ -16,8 +16,8 @@ from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import native
-from splitserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int = 0
+        self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int = 0
     ) -> None:
         cfg = model.config
         if device.type == "cpu":

@@ -1,12 +1,14 @@
-"""The architecture hyper-parameters of a Llama-family model."""
+"""The architecture hyper-parameters of a decoder model (one of ``model/arch.py``'s architectures)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.model.rope import RopeScaling
+
 
 @dataclass(frozen=True, slots=True)
-class LlamaConfig:
+class DecoderConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -20,6 +22,12 @@ class LlamaConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    arch: str = "llama"  # a key of model.arch.ARCHITECTURES
+    qkv_bias: bool = False  # q, k and v projections add a bias
+    o_bias: bool = False  # the output projection adds a bias
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotation
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # each token attends to at most this many positions (itself included)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -27,6 +35,8 @@ class LlamaConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for the rotary embedding")
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from splitserve.model.config import LlamaConfig
+from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
 from splitserve.model.loader import gguf_to_hf_name, unpermute_gguf_rows
 
@@ -44,7 +44,7 @@ class Int4Weight:
         return packed, scales_zeros
 
 
-def load_gguf_int4(path: str | Path, config: LlamaConfig) -> dict[str, Int4Weight]:
+def load_gguf_int4(path: str | Path, config: DecoderConfig) -> dict[str, Int4Weight]:
     """The Q4_0/Q4_1 linear weights of a GGUF file, HF-named, with q/k rows un-permuted like ``load_gguf``.
 
     Tensors in other formats are left out (they run from the dequantized weights).

@@ -350,7 +350,7 @@ def _int64_rows(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.int64 and t.is_contiguous()) for t in tensors)
 
 
-ABI_VERSION = 1  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
+ABI_VERSION = 2  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
 
 
 def check_abi(library: ctypes.CDLL) -> None:
@@ -372,7 +372,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
         ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
-        ("down_type", ctypes.c_int32),
+        ("down_type", ctypes.c_int32), ("qkv_bias", _P), ("o_bias", _P), ("q_norm", _P), ("k_norm", _P),
     ]  # fmt: skip
 
 
@@ -388,7 +388,8 @@ class _Model(ctypes.Structure):
 
 @dataclass(frozen=True, slots=True)
 class StepLayer:
-    """One decoder layer's tensors for ``ForwardStep``: float32 norm weights and packed matmul weights."""
+    """One decoder layer's tensors for ``ForwardStep``: float32 norm weights and packed matmul weights, and the
+    float32 biases and q/k head norms of the architectures that have them."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -396,6 +397,10 @@ class StepLayer:
     o: PackedWeight
     gate_up: PackedWeight
     down: PackedWeight
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 class ForwardStep:
@@ -425,6 +430,9 @@ class ForwardStep:
                 weight: PackedWeight = getattr(layer, name)
                 setattr(slot, name, weight.data.data_ptr())
                 setattr(slot, f"{name}_type", weight.wtype)
+            for name in ("qkv_bias", "o_bias", "q_norm", "k_norm"):
+                extra: torch.Tensor | None = getattr(layer, name)
+                setattr(slot, name, None if extra is None else extra.data_ptr())
         cos, sin = rotary
         self._model = _Model(
             len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, head_dim**-0.5,

@@ -1,7 +1,7 @@
-"""Weight loaders: a GGUF file or a Hugging Face safetensors folder -> (``LlamaConfig``, HF-named state dict).
+"""Weight loaders: a GGUF file or a Hugging Face safetensors folder -> (``DecoderConfig``, HF-named state dict).
 
 Both loaders return tensors named as in Hugging Face's ``LlamaForCausalLM`` (``model.embed_tokens.weight``,
-``model.layers.N.self_attn.q_proj.weight``...), ready for ``LlamaForCausalLM.load_hf_state_dict``. GGUF
+``model.layers.N.self_attn.q_proj.weight``...), ready for ``DecoderForCausalLM.load_hf_state_dict``. GGUF
 tensors are dequantized one at a time and cast straight to the requested dtype, so peak memory is about one
 copy of the model in that dtype plus one float32 tensor.
 """
@@ -20,12 +20,10 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from splitserve.model.config import LlamaConfig
+from splitserve.model import arch as architectures
+from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
-
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_HF_MODEL_TYPES = ("llama",)
+from splitserve.model.rope import gguf_rope, hf_rope
 
 # GGUF leaf name -> Hugging Face name, for tensors inside a block (blk.N.<leaf>.weight).
 _GGUF_BLOCK_LEAVES = {
@@ -38,6 +36,8 @@ _GGUF_BLOCK_LEAVES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -45,28 +45,29 @@ _GGUF_TOP_LEVEL = {
     "output": "lm_head",
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GGUF_ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling: one frequency divisor per rotary pair
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
     """Read a llama.cpp GGUF file into a config and a dequantized, HF-named state dict.
 
     Every tensor type that ``gguf.quants.dequantize`` supports is accepted (F32, F16, BF16, Q4_0, Q4_1,
-    Q8_0, the K-quants, ...). The q and k projections are un-permuted from llama.cpp's interleaved-RoPE row
-    order back to Hugging Face's rotate-half order. Tensors come back contiguous, on CPU, in ``dtype``.
+    Q8_0, the K-quants, ...). Where llama.cpp's converter permuted the q and k projections (Llama), their rows
+    are put back from its interleaved-RoPE order into Hugging Face's rotate-half order. Tensors come back
+    contiguous, on CPU, in ``dtype``.
 
-    Raises ``ValueError`` for an architecture other than ``llama``, for missing metadata, or for a tensor
-    name this loader does not know; ``FileNotFoundError`` when ``path`` does not exist.
+    Raises ``ValueError`` for an architecture ``model/arch.py`` does not list, for missing metadata, or for a
+    tensor name this loader does not know; ``FileNotFoundError`` when ``path`` does not exist.
     """
     reader = open_gguf(path)
-    metadata = _gguf_scalar_metadata(reader)
-    config = gguf_llama_config(metadata, num_tokens=_gguf_token_count(reader))
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    config = _replace_tied(config, tied)
+    config = gguf_file_config(reader)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == _GGUF_ROPE_FREQS:
+            continue
         name = gguf_to_hf_name(tensor.name)
         array = _dequantize(tensor)
         array = unpermute_gguf_rows(array, name, config)
@@ -74,17 +75,33 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
     return config, state
 
 
-def gguf_llama_config(metadata: dict[str, Any], num_tokens: int | None = None) -> LlamaConfig:
-    """Build a ``LlamaConfig`` from GGUF scalar metadata (keys such as ``llama.block_count``).
+def gguf_file_config(reader: gguf.GGUFReader) -> DecoderConfig:
+    """The ``DecoderConfig`` of an open GGUF: its metadata, and what its tensors show (a separate output head,
+    biases, q/k norms, llama3-style ``rope_freqs``)."""
+    metadata = _gguf_scalar_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    freqs = next((t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS), None)
+    factors = None if freqs is None else tuple(float(f) for f in _dequantize(freqs).reshape(-1))
+    config = gguf_config(metadata, num_tokens=_gguf_token_count(reader), rope_freq_factors=factors)
+    return replace(
+        config,
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+    )
 
-    ``num_tokens`` is the length of ``tokenizer.ggml.tokens``, used when ``llama.vocab_size`` is absent.
-    Assumes tied embeddings; ``load_gguf`` corrects that from the tensor list.
+
+def gguf_config(
+    metadata: dict[str, Any], num_tokens: int | None = None, rope_freq_factors: tuple[float, ...] | None = None
+) -> DecoderConfig:
+    """Build a ``DecoderConfig`` from GGUF scalar metadata (keys such as ``llama.block_count``).
+
+    ``num_tokens`` is the length of ``tokenizer.ggml.tokens``, used when ``{arch}.vocab_size`` is absent;
+    ``rope_freq_factors`` the ``rope_freqs`` tensor's values. Assumes tied embeddings and no biases;
+    ``gguf_file_config`` corrects both from the tensor list.
     """
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    spec = architectures.for_gguf(metadata.get("general.architecture"))
+    arch = spec.name
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in metadata:
@@ -97,7 +114,8 @@ def gguf_llama_config(metadata: dict[str, Any], num_tokens: int | None = None) -
     if vocab is None:
         raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     head_dim = metadata.get(f"{arch}.attention.key_length", metadata.get(f"{arch}.rope.dimension_count"))
-    return LlamaConfig(
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    return DecoderConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -111,6 +129,10 @@ def gguf_llama_config(metadata: dict[str, Any], num_tokens: int | None = None) -
         tie_word_embeddings=True,
         bos_token_id=_optional_int(metadata.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_optional_int(metadata.get("tokenizer.ggml.eos_token_id")),
+        arch=arch,
+        qk_norm=spec.qk_norm,
+        rope_scaling=gguf_rope(metadata, arch, rope_freq_factors),
+        sliding_window=_optional_int(window) or None,
     )
 
 
@@ -124,19 +146,22 @@ def gguf_to_hf_name(gguf_name: str) -> str:
     base, _, kind = gguf_name.rpartition(".")
     if base in _GGUF_TOP_LEVEL and kind in ("weight", "bias"):
         return f"{_GGUF_TOP_LEVEL[base]}.{kind}"
-    raise ValueError(f"unknown GGUF tensor {gguf_name!r} for a llama model")
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
 
 
-def unpermute_gguf_rows(array: np.ndarray, hf_name: str, config: LlamaConfig) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation; other tensors pass through unchanged.
+def unpermute_gguf_rows(array: np.ndarray, hf_name: str, config: DecoderConfig) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (weights and biases) where its architecture has one; other tensors
+    pass through unchanged.
 
     llama.cpp's converter reorders each head's rows from rotate-half pairs ``(i, i + d/2)`` to interleaved
     pairs ``(2i, 2i + 1)``: ``w.reshape(n_head, 2, d/2, -1).swapaxes(1, 2)``. The inverse views the rows as
     ``[n_head, d/2, 2]`` and swaps back. q uses the attention heads, k the key/value heads.
     """
-    if hf_name.endswith("self_attn.q_proj.weight"):
+    if not architectures.ARCHITECTURES[config.arch].gguf_permutes_qk:
+        return array
+    if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         num_heads = config.num_attention_heads
-    elif hf_name.endswith("self_attn.k_proj.weight"):
+    elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
         num_heads = config.num_key_value_heads
     else:
         return array
@@ -174,10 +199,6 @@ def _gguf_token_count(reader: gguf.GGUFReader) -> int | None:
     return None if field is None else len(field.data)
 
 
-def _replace_tied(config: LlamaConfig, tied: bool) -> LlamaConfig:
-    return config if config.tie_word_embeddings == tied else replace(config, tie_word_embeddings=tied)
-
-
 def _float32_value(value: Any) -> float:
     """A GGUF float32 as the shortest decimal that rounds to it (9.999999747e-06 -> 1e-05)."""
     return float(str(np.float32(value)))
@@ -192,16 +213,16 @@ def _optional_int(value: Any) -> int | None:
 
 def load_safetensors_folder(
     path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face model folder (``config.json`` + one or more ``*.safetensors``).
 
-    Only Llama-family folders are accepted (``architectures`` containing ``LlamaForCausalLM`` or
-    ``model_type: llama``). Tensor names are kept as saved; a ``lm_head.weight`` is dropped when the config
-    ties embeddings. Raises ``ValueError`` for another architecture, a missing config or no weight files.
+    The architectures of ``model/arch.py`` are accepted (by ``architectures``, else ``model_type``). Tensor
+    names are kept as saved; a ``lm_head.weight`` is dropped when the config ties embeddings. Raises
+    ``ValueError`` for another architecture, a missing config or no weight files.
     """
     folder = Path(path)
     hf_config = read_hf_config(folder)
-    config = hf_llama_config(hf_config)
+    config = hf_decoder_config(hf_config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} holds no *.safetensors files")
@@ -224,23 +245,25 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def hf_llama_config(hf: dict[str, Any]) -> LlamaConfig:
-    """Map a Hugging Face ``config.json`` dict to ``LlamaConfig``; ``ValueError`` for non-Llama models."""
-    architectures = hf.get("architectures") or []
-    if architectures:
-        is_llama = bool(set(architectures) & set(SUPPORTED_HF_ARCHITECTURES))
-    else:
-        is_llama = hf.get("model_type") in SUPPORTED_HF_MODEL_TYPES
-    if not is_llama:
-        raise ValueError(
-            f"unsupported architecture {architectures or hf.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
-        )
-    if hf.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
+def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
+    """Map a Hugging Face ``config.json`` dict to ``DecoderConfig``; ``ValueError`` for an architecture or an
+    option this model does not run (naming it)."""
+    spec = architectures.for_hf(list(hf.get("architectures") or []), hf.get("model_type"))
+    for key, allowed in (("hidden_act", ("silu", "swish")), ("mlp_bias", (False,))):
+        if key in hf and hf[key] not in allowed:
+            raise ValueError(f"{spec.name}: {key}={hf[key]!r} is not supported (only {allowed[0]!r})")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{spec.name}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
     num_heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
-    return LlamaConfig(
+    theta, rope_scaling = hf_rope(hf)
+    attention_bias = bool(hf.get("attention_bias", False))
+    window = hf.get("sliding_window")
+    if spec.sliding_window_switch is not None and not hf.get(spec.sliding_window_switch, False):
+        window = None
+    if window is not None and spec.sliding_window_switch is not None:
+        raise ValueError(f"{spec.name}: {spec.sliding_window_switch} (sliding-window layers) is not supported")
+    return DecoderConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -248,23 +271,19 @@ def hf_llama_config(hf: dict[str, Any]) -> LlamaConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-        rope_theta=float(_rope_theta(hf)),
+        rope_theta=theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=_optional_int(hf.get("bos_token_id")),
         eos_token_id=_optional_int(eos[0] if isinstance(eos, list) else eos),
+        arch=spec.name,
+        qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
+        o_bias=attention_bias if spec.qkv_bias is None else False,
+        qk_norm=spec.qk_norm,
+        rope_scaling=rope_scaling,
+        sliding_window=_optional_int(window),
     )
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """``rope_theta`` at the top level (transformers 4) or inside ``rope_parameters`` (transformers 5)."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        if params.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters {params!r} are not supported")
-        return float(params["rope_theta"])
-    return float(hf.get("rope_theta", 10000.0))
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

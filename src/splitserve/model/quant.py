@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitserve.model.config import LlamaConfig
+from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
 from splitserve.model.kernels import QUANT_TYPES
 from splitserve.model.loader import gguf_to_hf_name, unpermute_gguf_rows
@@ -46,7 +46,7 @@ class GGUFRows:
         return GGUFRows(torch.cat([p.rows for p in parts]), parts[0].wtype, parts[0].k)
 
 
-def load_gguf_quantized(path: str | Path, config: LlamaConfig) -> dict[str, GGUFRows]:
+def load_gguf_quantized(path: str | Path, config: DecoderConfig) -> dict[str, GGUFRows]:
     """The Q4_0/Q4_1/Q8_0 matrices of a GGUF file, HF-named, with q/k rows un-permuted like ``load_gguf``."""
     weights: dict[str, GGUFRows] = {}
     for tensor in open_gguf(path).tensors:

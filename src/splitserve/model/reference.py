@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import transformers
 
-from splitserve.model.config import LlamaConfig
+from splitserve.model.config import DecoderConfig
 
 
-def transformers_config(cfg: LlamaConfig, attn_implementation: str = "eager") -> transformers.LlamaConfig:
+def transformers_config(cfg: DecoderConfig, attn_implementation: str = "eager") -> transformers.LlamaConfig:
     """The ``transformers.LlamaConfig`` describing the same architecture as ``cfg``."""
     # a dict: transformers 5 reads rope_theta from kwargs but its signature no longer names it
     kwargs: dict[str, Any] = dict(
@@ -36,7 +36,7 @@ def transformers_config(cfg: LlamaConfig, attn_implementation: str = "eager") ->
 
 
 def transformers_model(
-    cfg: LlamaConfig,
+    cfg: DecoderConfig,
     state: dict[str, torch.Tensor],
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "eager",

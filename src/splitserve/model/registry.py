@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
 from splitserve.model.kernels import native
-from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import load_gguf, load_safetensors_folder
 from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.source import ModelSource
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
     """Build the model of ``source`` with its weights, in ``dtype`` on ``device``, in eval mode.
 
     Weights are converted to ``dtype`` while loading, so no float32 copy of the whole model is held when a
@@ -27,14 +27,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     torch.set_default_dtype(dtype if dtype.is_floating_point else previous)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = DecoderForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
     model.load_hf_state_dict(state)
     return model.eval()
 
 
-def apply_quantization(model: LlamaForCausalLM, source: ModelSource, quantization: str) -> str:
+def apply_quantization(model: DecoderForCausalLM, source: ModelSource, quantization: str) -> str:
     """Give ``model`` quantized weights from ``source`` per ``quantization``; returns what it got, for the log.
 
     - ``gguf``: the GGUF's own Q4_0/Q4_1/Q8_0 blocks in every matmul through the native CPU kernels (8-bit
@@ -65,14 +65,14 @@ def apply_quantization(model: LlamaForCausalLM, source: ModelSource, quantizatio
     return f"the GGUF's 4-bit weights in {num_int4} decode-sized matmuls (PyTorch int4)" if num_int4 else ""
 
 
-def _apply_gguf_kernels(model: LlamaForCausalLM, source: ModelSource) -> int:
+def _apply_gguf_kernels(model: DecoderForCausalLM, source: ModelSource) -> int:
     kernels = native() if model.embed_tokens.weight.device.type == "cpu" else None
     if source.kind != "gguf" or kernels is None:
         return 0
     return model.load_quantized_weights(load_gguf_quantized(source.path, model.config), kernels)
 
 
-def _apply_int4(model: LlamaForCausalLM, source: ModelSource) -> int:
+def _apply_int4(model: DecoderForCausalLM, source: ModelSource) -> int:
     param = model.embed_tokens.weight
     usable = (
         source.kind == "gguf"

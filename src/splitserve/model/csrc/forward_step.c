@@ -1,7 +1,8 @@
 /*
- * A whole step of a Llama-family model in one call, for any mix of rows: decode tokens and prefill chunks
- * alike. For each layer: add + RMSNorm, q/k/v matmul, rotary embedding, KV write, paged attention, output
- * matmul, add + RMSNorm, gate/up matmul, SiLU-and-multiply and down matmul; then the final norm. At 135M
+ * A whole step of a decoder model (model/arch.py) in one call, for any mix of rows: decode tokens and prefill
+ * chunks alike. For each layer: add + RMSNorm, q/k/v matmul (+ bias), q/k head norms where the architecture has
+ * them, rotary embedding, KV write, paged attention, output matmul (+ bias), add + RMSNorm, gate/up matmul,
+ * SiLU-and-multiply and down matmul; then the final norm. At 135M
  * parameters a decode step is about 10 ms of arithmetic; run as PyTorch ops it also pays about 600 op
  * dispatches (5-8 us each) and the Python between them. Here only the kernels run, each with its own OpenMP
  * team.
@@ -44,6 +45,23 @@ static void rotary(float *x, int num_tokens, int num_heads, int head_dim, int64_
     }
 }
 
+/* y[t][i] += bias[i] for each of num_rows rows of n values, row_stride apart. */
+static void add_bias(float *y, const float *bias, int num_rows, int64_t n, int64_t row_stride) {
+    for (int t = 0; t < num_rows; t++)
+        for (int64_t i = 0; i < n; i++) y[t * row_stride + i] += bias[i];
+}
+
+/* RMSNorm in place over each head of q (the first num_heads heads of a row) and of k (the next num_kv_heads). */
+static void head_norms(float *qkv, int num_rows, int64_t row_stride, const ss_model *m, const float *q_norm,
+                       const float *k_norm) {
+    const int64_t nq = (int64_t)m->num_heads * m->head_dim;
+    for (int t = 0; t < num_rows; t++) {
+        float *row = qkv + t * row_stride;
+        ss_add_rms_norm_f32(row, NULL, q_norm, row, m->num_heads, m->head_dim, m->eps, 1);
+        ss_add_rms_norm_f32(row + nq, NULL, k_norm, row + nq, m->num_kv_heads, m->head_dim, m->eps, 1);
+    }
+}
+
 /* x: [num_rows, hidden] float32 embeddings (overwritten); row r is the token at positions[r], whose K/V goes to
  * slots[r] and which attends to positions 0 .. lens[r] - 1 of the sequence with block table
  * tables[row_seq[r]] (tables[r] when row_seq is NULL); rows of one prefill chunk share a table and come in
@@ -75,6 +93,8 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         uint8_t *v_cache = k_cache + (size_t)layer_elems * elem;
         ss_add_rms_norm_f32(x, l == 0 ? NULL : delta, L->input_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->qkv, L->qkv_type, nqkv, wide, SS_F32, nqkv, scratch, num_threads);
+        if (L->qkv_bias != NULL) add_bias(wide, L->qkv_bias, num_rows, nqkv, nqkv);
+        if (L->q_norm != NULL && L->k_norm != NULL) head_norms(wide, num_rows, nqkv, m, L->q_norm, L->k_norm);
         rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
         for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to the cache dtype for attention */
             const float *row = wide + t * nqkv;
@@ -95,6 +115,7 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
         status |= ss_quant_matmul(attn_out, m->kv_dtype, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
+        if (L->o_bias != NULL) add_bias(delta, L->o_bias, num_rows, hd, hd);
         ss_add_rms_norm_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->gate_up, L->gate_up_type, 2 * inter, wide, SS_F32,
                                   2 * inter, scratch, num_threads);

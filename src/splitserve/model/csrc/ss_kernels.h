@@ -10,13 +10,17 @@
 
 #include <stdint.h>
 
-#define SS_ABI_VERSION 1
+#define SS_ABI_VERSION 2
 
-/* One decoder layer of ss_forward_step: float32 norm weights and repacked matmul weights (quant_matmul.c). */
+/* One decoder layer of ss_forward_step: float32 norm weights and repacked matmul weights (quant_matmul.c), and
+ * what some architectures add (NULL where a layer has none): float32 biases of the fused q/k/v and of the output
+ * projection, and the RMSNorm weights applied to each head of q and of k before the rotation (model/arch.py). */
 typedef struct {
     const float *input_norm, *post_norm;   /* [hidden] */
     const void *qkv, *o, *gate_up, *down;  /* repacked weights */
     int32_t qkv_type, o_type, gate_up_type, down_type;
+    const float *qkv_bias, *o_bias;        /* [q + 2 kv], [hidden] */
+    const float *q_norm, *k_norm;          /* [head_dim] */
 } ss_layer;
 
 typedef struct {

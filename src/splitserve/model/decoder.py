@@ -1,9 +1,10 @@
-"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, tied embeddings) over paged KV.
+"""The decoder of every architecture in ``model/arch.py`` (RMSNorm, RoPE, grouped-query attention, SwiGLU,
+optionally tied embeddings, q/k/v biases, q/k norms) over paged KV.
 
 Inputs are flat: a step's tokens from every sequence are concatenated into one ``[T]`` tensor, so the
 linear layers run once over the whole batch and only attention looks at sequence boundaries (through
-``AttentionMetadata``). Parameter names follow Hugging Face's ``LlamaForCausalLM`` so state dicts load
-unchanged; ``load_hf_state_dict`` fuses q/k/v and gate/up into single matrices for speed.
+``AttentionMetadata``). Parameter names follow Hugging Face's ``LlamaForCausalLM`` (Qwen's share them), so
+state dicts load unchanged; ``load_hf_state_dict`` fuses q/k/v and gate/up into single matrices for speed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from splitserve import envs
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from splitserve.model.config import LlamaConfig
+from splitserve.model.config import DecoderConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
 from splitserve.model.kernels import (
     ATTENTION_PARTITION_TOKENS,
@@ -25,6 +26,7 @@ from splitserve.model.kernels import (
     native,
 )
 from splitserve.model.quant import GGUFRows
+from splitserve.model.rope import RopeScaling, rotary_tables
 
 # Matmuls with at most this many rows use 4-bit weights when the layer has them (see ``model/int4.py``):
 # measured on a 2-core AMX CPU, 30 layers of SmolLM2: 3.5 ms at 1 row and 7 ms at 4 rows vs 13.5 ms in
@@ -73,18 +75,19 @@ class Linear(nn.Linear):
         self.quant_kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T``, from the quantized blocks where they are set."""
+        """``x @ W.T + bias``, from the quantized blocks where they are set."""
         kernels = self.quant_kernels
         if kernels is not None and self.quant is not None:
             out = kernels.quant_matmul(x, self.quant)
             if out is not None:
-                return out
+                return out if self.bias is None else out.add_(self.bias)
         if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
             codes, scales_zeros = self.int4_weight
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, GROUP_SIZE, scales_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, GROUP_SIZE, scales_zeros)
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:
@@ -98,18 +101,16 @@ def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class RotaryEmbedding(nn.Module):
-    """Hugging Face style (rotate-half) rotary embedding with cached cos/sin tables."""
+    """Hugging Face style (rotate-half) rotary embedding with cached cos/sin tables (``model/rope.py``)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)  # [P, D]
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        cos, sin = rotary_tables(head_dim, theta, scaling, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [P, D]
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``positions`` [T], shaped [T, 1, D] to broadcast over heads."""
@@ -126,8 +127,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -135,8 +136,12 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.eps = cfg.rms_norm_eps
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: an RMSNorm over each head of q and of k, before the rotation
+        self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -151,6 +156,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads side by side, rotated in one go: [T, Hq + Hkv, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                [
+                    _head_rms_norm(qk[:, : self.num_heads], self.q_norm, self.eps),
+                    _head_rms_norm(qk[:, self.num_heads :], self.k_norm, self.eps),
+                ],
+                dim=1,
+            )
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -159,8 +172,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (each head), computed in float32 and returned in ``x``'s dtype."""
+    out = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
+    return out.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -176,14 +195,14 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
         self.compute_dtype: torch.dtype | None = None  # matmul input dtype when it differs from the residual's
 
     def forward(
@@ -223,12 +242,12 @@ def add_rms_norm(
     return h if h.dtype == out_dtype else h.to(out_dtype)
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._fp32_lm_head: torch.Tensor | None = None  # for refining the top logits
@@ -236,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
         self._quant_head: tuple[PackedWeight, NativeKernels] | None = None  # the head's quantized blocks
         self._forward_step: ForwardStep | None = None  # the one-call native step (bind_kv_cache)
         self.residual_dtype: torch.dtype | None = None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     @property
     def runs_forward_step(self) -> bool:
@@ -314,10 +333,13 @@ class LlamaForCausalLM(nn.Module):
         if dtype != torch.float32:
             self.residual_dtype = torch.float32
             for layer in self.layers:
-                assert isinstance(layer, LlamaDecoderLayer)
+                assert isinstance(layer, DecoderLayer)
                 layer.compute_dtype = dtype
                 layer.input_layernorm.data = layer.input_layernorm.data.float()
                 layer.post_attention_layernorm.data = layer.post_attention_layernorm.data.float()
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    if norm is not None:
+                        norm.data = norm.data.float()
             self.norm.data = self.norm.data.float()
             self._fp32_lm_head = self._head_weight().detach().float().contiguous()
         if beside_bf16:  # for the float matmuls: layers with quantized blocks never run one
@@ -353,12 +375,19 @@ class LlamaForCausalLM(nn.Module):
             return
         layers: list[StepLayer] = []
         for i, layer in enumerate(self.layers):
-            assert isinstance(layer, LlamaDecoderLayer)
+            assert isinstance(layer, DecoderLayer)
             packed = [lin.quant for lin in linears[4 * i : 4 * i + 4] if lin.quant_kernels is kernels]
             norms = (layer.input_layernorm.detach(), layer.post_attention_layernorm.detach())
             if any(p is None for p in packed) or len(packed) < 4 or any(n.dtype != torch.float32 for n in norms):
                 return
-            layers.append(StepLayer(*norms, *packed))  # type: ignore[arg-type]
+            attn = layer.self_attn
+            extras = [
+                _float32(attn.qkv_proj.bias),
+                _float32(attn.o_proj.bias),
+                _float32(attn.q_norm),
+                _float32(attn.k_norm),
+            ]
+            layers.append(StepLayer(*norms, *packed, *extras))  # type: ignore[arg-type]
         shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         rotary = (self.rotary.cos, self.rotary.sin)
         self._forward_step = ForwardStep(
@@ -395,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         """Each fused linear layer and the HF weights it stacks."""
         sources: dict[Linear, list[str]] = {}
         for i, layer in enumerate(self.layers):
-            assert isinstance(layer, LlamaDecoderLayer)
+            assert isinstance(layer, DecoderLayer)
             hf = f"model.layers.{i}."
             sources[layer.self_attn.qkv_proj] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
             sources[layer.self_attn.o_proj] = [hf + "self_attn.o_proj.weight"]
@@ -420,7 +449,11 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict(fused, strict=True)
 
 
-def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: LlamaConfig) -> torch.Tensor:
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig) -> torch.Tensor:
     """The HF tensor (or the concatenation of HF tensors) that fills our parameter ``name``."""
 
     def get(key: str) -> torch.Tensor:
@@ -437,8 +470,11 @@ def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: LlamaConfig) 
     _prefix, _, rest = name.partition(".")  # "layers", "N.self_attn.qkv_proj.weight"
     index, _, leaf = rest.partition(".")
     hf = f"model.layers.{index}."
-    if leaf == "self_attn.qkv_proj.weight":
-        return torch.cat([get(hf + f"self_attn.{p}_proj.weight") for p in "qkv"], dim=0)
+    if leaf in ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"):
+        kind = leaf.rpartition(".")[2]
+        return torch.cat([get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv"], dim=0)
+    if leaf in ("self_attn.q_norm", "self_attn.k_norm"):
+        return get(hf + leaf + ".weight")
     if leaf == "mlp.gate_up_proj.weight":
         return torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], dim=0)
     if leaf in ("input_layernorm", "post_attention_layernorm"):

@@ -1,0 +1,133 @@
+"""Random-weight checkpoints of each architecture, made by ``transformers`` and converted by llama.cpp's own
+``convert_hf_to_gguf.py``: what a user downloads, without downloading anything.
+
+Each checkpoint is small (2 layers, hidden size 256) and carries SmolLM2's tokenizer (from the packaged GGUF).
+Weights are drawn at a scale that gives logits of a few units, so greedy choices are decided; norms and biases are
+random too, so a loader that drops or misplaces one changes the logits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from splitserve.model.tokenizer import load_tokenizer
+
+DEFAULT_LLAMA_CPP = Path.home() / ".cache/splitserve/peers/llama.cpp/src/unpacked"
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One checkpoint to build: a transformers config class and what differs from ``SHAPE``."""
+
+    name: str
+    config_class: str  # e.g. "Qwen2Config"
+    model_class: str  # e.g. "Qwen2ForCausalLM"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = (
+    Case("llama", "LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    Case(
+        "llama3-rope",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
+        },
+    ),
+    Case(
+        "llama-bias-linear",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"attention_bias": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
+    Case("mistral", "MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    Case("qwen2", "Qwen2Config", "Qwen2ForCausalLM"),
+    Case(
+        "qwen2-yarn",
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
+    ),
+    Case("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 96}),
+)
+
+
+def make_checkpoint(case: Case, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Build ``case`` with random weights, save it to ``folder`` (safetensors, config, tokenizer); returns it."""
+    config = getattr(transformers, case.config_class)(**{**SHAPE, **case.extra})
+    model = getattr(transformers, case.model_class)(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if "norm" in name:
+                param.copy_(1 + 0.1 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(0.05 * noise)
+    model.save_pretrained(folder)
+    load_tokenizer("smollm2").hf.save_pretrained(folder)
+    return model.float().eval()
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree (``scripts/fetch_llama_cpp.sh``, which ``make test`` runs): ``$LLAMA_CPP_SOURCE`` or
+    the script's default place. ``FileNotFoundError`` when neither holds ``convert_hf_to_gguf.py``."""
+    env = os.environ.get("LLAMA_CPP_SOURCE")
+    candidates = [Path(env)] if env else sorted(DEFAULT_LLAMA_CPP.glob("*/llama.cpp"))
+    for root in candidates:
+        if (root / "convert_hf_to_gguf.py").is_file():
+            return root
+    raise FileNotFoundError("llama.cpp's source is not fetched: run scripts/fetch_llama_cpp.sh (make test does)")
+
+
+def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
+    """``convert_hf_to_gguf.py folder --outtype outtype`` in a child process; returns ``out``.
+
+    The converter names a BPE tokenizer by hashing how it splits a test text. SmolLM2's tokenizer as rebuilt from
+    its GGUF by transformers splits a few whitespace runs differently from the original, so its hash is not in
+    the converter's table; the child tells the converter it is SmolLM's (``smollm``), which it is.
+    """
+    root = llama_cpp_source()
+    code = (
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{str(root)!r}, {str(root / 'gguf-py')!r}]\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'\n"
+        f"sys.argv = [{str(root / 'convert_hf_to_gguf.py')!r}, *sys.argv[1:]]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    args = [sys.executable, "-c", code, str(folder), "--outfile", str(out), "--outtype", outtype]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+    if result.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return out
