@@ -5,7 +5,9 @@ of ``tests/support/checkpoints.py`` (converted to Q8_0 by llama.cpp's own ``conv
 prompts), both systems decode greedily from the same prompt tokens: llama.cpp's ``llama-server`` through its
 ``/completion`` endpoint (temperature 0, token ids in and out), splitserve in-process with the worker's defaults
 (the GGUF's blocks in the native forward step). It reports, per case, where each prompt's two answers first differ
-and how many prompts agree for the first 32 tokens.
+and how many prompts agree for the first 32 tokens; and the same for each system against the float32 reference
+(the GGUF's weights dequantized, every matmul in float32: transformers' logits to 1e-6), which tells which of the
+two strays from the weights' own answer.
 
     .venv/bin/python benchmarks/llama_cpp_agreement.py \
         --llama-server ~/.cache/splitserve/peers/llama.cpp/bin/llama-server
@@ -49,10 +51,13 @@ CHAT_PROMPTS = [
 AGREE_TOKENS = 32
 
 
-def splitserve_greedy(gguf_path: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def splitserve_greedy(
+    gguf_path: Path, prompts: list[list[int]], num_tokens: int, quantization: str = "auto"
+) -> list[list[int]]:
+    """The worker's defaults; ``quantization="none"`` is the float32 reference (transformers' logits to 1e-6)."""
     source = resolve_model(str(gguf_path))
     model = load_model(source, torch.float32, torch.device("cpu"))
-    apply_quantization(model, source, "auto")
+    apply_quantization(model, source, quantization)
     model.prepare_for_inference()
     engine = build_engine(model, max_model_len=2048)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -96,10 +101,18 @@ def compare(
 ) -> dict[str, Any]:
     ours = splitserve_greedy(gguf_path, prompts, num_tokens)
     theirs = llama_cpp_greedy(binary, gguf_path, prompts, num_tokens, logs)
-    firsts = [first_difference(a, b) for a, b in zip(ours, theirs, strict=True)]
-    agree = sum(f >= AGREE_TOKENS for f in firsts)
-    print(f"{name:>18}: first difference per prompt {firsts}; {agree}/{len(prompts)} agree for {AGREE_TOKENS}+")
-    return {"first_difference": firsts, "agree_32": agree, "prompts": len(prompts), "tokens": num_tokens}
+    reference = splitserve_greedy(gguf_path, prompts, num_tokens, quantization="none")
+    result: dict[str, Any] = {"prompts": len(prompts), "tokens": num_tokens}
+    for label, a, b in (
+        ("vs_llama_cpp", ours, theirs),
+        ("ours_vs_float", ours, reference),
+        ("llama_cpp_vs_float", theirs, reference),
+    ):
+        firsts = [first_difference(x, y) for x, y in zip(a, b, strict=True)]
+        agree = sum(f >= AGREE_TOKENS for f in firsts)
+        result[label] = {"first_difference": firsts, "agree_32": agree}
+        print(f"{name:>18} {label:>18}: first difference {firsts}; {agree}/{len(prompts)} agree for {AGREE_TOKENS}+")
+    return result
 
 
 def main() -> None:
