@@ -30,24 +30,33 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def _sequence(length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sequence(
+    length: int, dtype: torch.dtype, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A cache holding one sequence of ``length`` tokens in shuffled blocks, and a query for each position."""
     gen = torch.Generator().manual_seed(length)
     num_blocks = -(-length // BLOCK) + 3
-    k = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).mul_(2).to(dtype)
-    v = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=gen).mul_(2).to(dtype)
+    v = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
     table = torch.randperm(num_blocks, generator=gen)[None, : -(-length // BLOCK)].contiguous()
-    q = torch.randn(length, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
     return k, v, table, q
 
 
+# SmolLM2's heads; a group of 4 over head_dim 96 (the value pass's plain loop); a group of 7 over 128 (Qwen2.5's)
+SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (8, 2, 96), (14, 2, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{h}x{kv}x{d}" for h, kv, d in SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequences(
-    kernels: NativeKernels, threads: int, dtype: torch.dtype
+    kernels: NativeKernels, threads: int, dtype: torch.dtype, shape: tuple[int, int, int]
 ) -> None:
+    """A prefill chunk's tiles (on AVX-512, their rows as the vector lanes), chunks beside a decode row and rows
+    alone (split mode) give each row the same bits."""
     length = 700  # three partitions, the last a partial one
-    k, v, table, q = _sequence(length, dtype)
-    scale = HEAD_DIM**-0.5
+    k, v, table, q = _sequence(length, dtype, *shape)
+    scale = shape[2] ** -0.5
     lens = torch.arange(1, length + 1)
     # the whole prompt as one prefill chunk (tiles of queries)
     whole = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, torch.zeros(length, dtype=torch.long))
@@ -71,7 +80,8 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
 
 @pytest.mark.parametrize("wtype", [2, 3, 8])
 def test_a_quantized_matmul_row_is_the_same_at_any_row_count(kernels: NativeKernels, threads: int, wtype: int) -> None:
-    """1 to 4 rows take the integer kernels' row tiles, 5 and more AMX tiles where the build has them."""
+    """1 to 4 rows take the integer kernels' row tiles; 5 and more the AMX tiles (``amx``) or the 512-bit VNNI
+    tiles (``avx512``); 72 weight rows end in half a 16-row tile."""
     rng = np.random.default_rng(wtype)
     rows = gguf_rows(rng.normal(0, 0.3, (72, 128)), wtype)
     packed = kernels.pack(rows.rows, wtype, 128)

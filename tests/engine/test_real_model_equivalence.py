@@ -144,7 +144,7 @@ def test_batch_of_eight_mixed_lengths_matches_alone(real: Real) -> None:
 
 def test_amx_tiles_decode_as_the_vnni_kernel_does(real: Real) -> None:
     """A batch of 8 decodes its quantized matmuls on AMX-INT8 tiles (5 rows and more) in the ``amx`` build, and
-    row by row in the ``avx512`` one: the same integers and the same float sums, so the same tokens."""
+    on 512-bit VNNI tiles in the ``avx512`` one: the same integers and the same float sums, so the same tokens."""
     levels = {level.name: level for level in detect_cpu().levels}
     if "amx" not in levels:
         pytest.skip("this CPU has no AMX")

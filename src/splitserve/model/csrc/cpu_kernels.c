@@ -115,7 +115,9 @@ static inline float exp_row(float *s, int64_t n, float top) {
  * one long sequence uses every thread; with too few partitions, their KV heads too). Prefill chunks
  * give each thread a tile of up to TILE_ROWS consecutive queries of one sequence, which share each key's
  * conversion to float (tile mode). The two modes only schedule the same calls: the partition and merge
- * functions are compiled once (SS_ONE_BODY), so both run the same machine code.
+ * functions are compiled once (SS_ONE_BODY), so both run the same machine code. On AVX-512, tile mode runs
+ * partition_lanes instead, which holds one value of 16 rows per vector and reproduces partition_float's
+ * arithmetic operation for operation (below); the tests compare the two bit for bit.
  *
  * The arithmetic: each key converted to float32 once (for every row of a tile), KG keys' scores at once by
  * dot_many (vector builds) or plain loops, exponentials in float32, the value sum by v_pass. (A bfloat16
@@ -301,6 +303,171 @@ static inline void partition(const ss_partition *p, const float *const *qf, cons
         partition_f32(p, qf, k_cache, v_cache);
 }
 
+/* ------------------------------------------------- a tile's partition with its rows as the vector lanes */
+/* What partition_float computes for up to LANES rows of a tile, bit for bit, with each vector holding one value
+ * for LANES rows rather than LANES values of one row. Each key's float row then serves every row of the tile
+ * by a broadcast, the scores need no transposing reduction, and each V element is converted once for the tile.
+ * The arithmetic is partition_float's, lane for lane:
+ * - a score is dot_many's: LANES partial chains over head_dim (lane l: elements l, l + LANES, ..., fused
+ *   multiply-adds from zero), summed in vsum_each's tree (lanes_tree below);
+ * - the maximum over the row's own keys (masked), exp by vexp (ss_expf's arithmetic), their sum in exp_row's
+ *   order: LANES running sums by key position mod LANES over the row's whole vectors, vsum's tree over those,
+ *   then the tail one key at a time;
+ * - the value sums: per element, a fused multiply-add chain over the keys in order, from zero.
+ * Rows past a row's key count leave its lanes alone (masks), so each lane is exactly its row's partition_float.
+ * The scores of KB keys are computed together, so each transposed query vector serves KB keys. */
+#if defined(SS_AVX512) /* on AVX2's sixteen registers it measured slower than partition_float */
+#define SS_LANES_ATTENTION 1
+#define KB 4
+
+typedef __mmask16 lane_mask;
+static inline lane_mask lanes_below(__m512i n, int64_t t) { /* lanes whose count exceeds t */
+    return _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32((int)t));
+}
+
+/* h[kk] for the KB keys k + kk * head_dim: leaf l of vsum_each's tree (chain l + chain l + 8, its halves step),
+ * each chain dot_many's for that lane. qt: head_dim vectors, one per element. */
+SS_INLINE void lanes_leaf(const float *qt, const float *k, int head_dim, int l, vf *h) {
+    vf c[KB];
+    for (int kk = 0; kk < KB; kk++) c[kk] = vset1(0.f);
+    for (int d = l; d < head_dim; d += LANES)
+        for (int kk = 0; kk < KB; kk++) c[kk] = vfmadd(vloadf(qt + (int64_t)d * LANES), vset1(k[kk * head_dim + d]), c[kk]);
+    vf e[KB];
+    for (int kk = 0; kk < KB; kk++) e[kk] = vset1(0.f);
+    for (int d = l + 8; d < head_dim; d += LANES)
+        for (int kk = 0; kk < KB; kk++) e[kk] = vfmadd(vloadf(qt + (int64_t)d * LANES), vset1(k[kk * head_dim + d]), e[kk]);
+    for (int kk = 0; kk < KB; kk++) c[kk] = vadd(c[kk], e[kk]);
+    for (int kk = 0; kk < KB; kk++) h[kk] = c[kk];
+}
+
+/* The scores of KB keys: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)), reduce8's tree, into out[kk]. */
+SS_INLINE void lanes_tree(const float *qt, const float *k, int head_dim, vf *out) {
+    vf a[KB], b[KB], c[KB];
+    lanes_leaf(qt, k, head_dim, 0, a), lanes_leaf(qt, k, head_dim, 1, b);
+    for (int kk = 0; kk < KB; kk++) a[kk] = vadd(a[kk], b[kk]);
+    lanes_leaf(qt, k, head_dim, 2, b), lanes_leaf(qt, k, head_dim, 3, c);
+    for (int kk = 0; kk < KB; kk++) a[kk] = vadd(a[kk], vadd(b[kk], c[kk]));
+    lanes_leaf(qt, k, head_dim, 4, b), lanes_leaf(qt, k, head_dim, 5, c);
+    for (int kk = 0; kk < KB; kk++) b[kk] = vadd(b[kk], c[kk]);
+    vf d[KB];
+    lanes_leaf(qt, k, head_dim, 6, c), lanes_leaf(qt, k, head_dim, 7, d);
+    for (int kk = 0; kk < KB; kk++) out[kk] = vadd(a[kk], vadd(b[kk], vadd(c[kk], d[kk])));
+}
+
+/* vsum's tree over the 16 running sums a[0 .. 15]. */
+SS_INLINE vf lanes_sum_tree(vf *a) {
+    for (int l = 0; l < 8; l++) a[l] = vadd(a[l + 8], a[l]);
+    for (int l = 0; l < 4; l++) a[l] = vadd(a[l + 4], a[l]);
+    return vadd(vadd(a[0], a[2]), vadd(a[1], a[3]));
+}
+
+/* A thread's buffers for the lanes partition (floats): the transposed queries of one KV head's query heads,
+ * their scores, and the partition's keys and values as float32. */
+static size_t lanes_floats(int group, int head_dim) {
+    return (size_t)group * (size_t)head_dim * LANES + (size_t)group * PARTITION * LANES +
+           2 * (size_t)PARTITION * (size_t)head_dim;
+}
+
+/* Rows i < p->count (at most LANES) of partition p, as partition_float computes them; buf: lanes_floats. */
+SS_INLINE void partition_lanes_body(const ss_partition *p, const float *const *qf, const void *k_cache,
+                                    const void *v_cache, int dtype, float *buf) {
+    const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim, rows = p->count;
+    const int64_t row = (int64_t)p->num_kv_heads * head_dim;
+    float *qt = buf, *st = qt + (size_t)group * head_dim * LANES, *kf = st + (size_t)group * PARTITION * LANES;
+    float *vf_rows = kf + (size_t)PARTITION * head_dim;
+    int32_t n32[LANES], full32[LANES];
+    int64_t most = 0, least = PARTITION, least_full = PARTITION;
+    for (int i = 0; i < LANES; i++) {
+        n32[i] = i < rows ? (int32_t)p->n[i] : 0;
+        full32[i] = n32[i] - n32[i] % LANES; /* exp_row's whole vectors */
+        if (i < rows) {
+            most = n32[i] > most ? n32[i] : most;
+            least = n32[i] < least ? n32[i] : least;
+            least_full = full32[i] < least_full ? full32[i] : least_full;
+        }
+    }
+    const __m512i n = _mm512_loadu_si512(n32), full = _mm512_loadu_si512(full32);
+    const int64_t padded = (most + KB - 1) / KB * KB;
+    int64_t slots[PARTITION];
+    partition_slots(p, most, slots);
+    for (int kvh = p->kv0; kvh < p->kv1; kvh++) {
+        for (int64_t t = 0; t < padded; t++) {
+            if (t < most) {
+                to_float(elem(k_cache, dtype, slots[t] * row + kvh * head_dim), dtype, kf + t * head_dim, head_dim);
+                to_float(elem(v_cache, dtype, slots[t] * row + kvh * head_dim), dtype, vf_rows + t * head_dim, head_dim);
+            } else {
+                memset(kf + t * head_dim, 0, sizeof(float) * (size_t)head_dim);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const int h = kvh * group + g;
+            float *q = qt + (size_t)g * head_dim * LANES, *s = st + (size_t)g * PARTITION * LANES;
+            for (int d = 0; d < head_dim; d++)
+                for (int i = 0; i < LANES; i++) q[d * LANES + i] = i < rows ? qf[i][h * head_dim + d] : 0.f;
+            for (int64_t t = 0; t < padded; t += KB) {
+                vf out[KB];
+                lanes_tree(q, kf + t * head_dim, head_dim, out);
+                for (int kk = 0; kk < KB; kk++) vstoref(s + (t + kk) * LANES, out[kk]);
+            }
+            /* the maximum, the exponentials and their sum (exp_row's order) */
+            vf top = vset1(-INFINITY);
+            for (int64_t t = 0; t < most; t++) top = _mm512_mask_max_ps(top, lanes_below(n, t), top, vloadf(s + t * LANES));
+            vf run[LANES];
+            for (int l = 0; l < LANES; l++) run[l] = vset1(0.f);
+            for (int64_t t = 0; t < most; t++) {
+                const vf e = vexp(vsub(vloadf(s + t * LANES), top));
+                vstoref(s + t * LANES, e);
+                run[t % LANES] = _mm512_mask_add_ps(run[t % LANES], lanes_below(full, t), run[t % LANES], e);
+            }
+            vf sum = lanes_sum_tree(run);
+            for (int64_t t = least_full; t < most; t++) {
+                /* the tail: keys full_i .. n_i - 1 */
+                const lane_mask tail = (lane_mask)(lanes_below(n, t) & ~lanes_below(full, t));
+                sum = _mm512_mask_add_ps(sum, tail, sum, vloadf(s + t * LANES));
+            }
+            float tops[LANES], sums[LANES];
+            vstoref(tops, top), vstoref(sums, sum);
+            for (int i = 0; i < rows; i++) {
+                float *m = p->part[i], *l = m + p->num_heads;
+                m[h] = tops[i], l[h] = sums[i];
+            }
+            /* the value sums, LANES elements at a time */
+            for (int d0 = 0; d0 < head_dim; d0 += LANES) {
+                vf acc[LANES];
+                for (int j = 0; j < LANES; j++) acc[j] = vset1(0.f);
+                int64_t t = 0;
+                for (; t < least; t++) {
+                    const vf e = vloadf(s + t * LANES);
+                    const float *v = vf_rows + t * head_dim + d0;
+                    for (int j = 0; j < LANES; j++) acc[j] = vfmadd(e, vset1(v[j]), acc[j]);
+                }
+                for (; t < most; t++) {
+                    const vf e = vloadf(s + t * LANES);
+                    const lane_mask live = lanes_below(n, t);
+                    const float *v = vf_rows + t * head_dim + d0;
+                    for (int j = 0; j < LANES; j++) acc[j] = _mm512_mask3_fmadd_ps(e, vset1(v[j]), acc[j], live);
+                }
+                float tmp[LANES][LANES];
+                for (int j = 0; j < LANES; j++) vstoref(tmp[j], acc[j]);
+                for (int i = 0; i < rows; i++) {
+                    float *out = p->part[i] + 2 * p->num_heads + (size_t)h * head_dim + d0;
+                    for (int j = 0; j < LANES; j++) out[j] = tmp[j][i];
+                }
+            }
+        }
+    }
+}
+
+static SS_ONE_BODY void partition_lanes_bf16(const ss_partition *p, const float *const *qf, const void *k_cache,
+                                             const void *v_cache, float *buf) {
+    partition_lanes_body(p, qf, k_cache, v_cache, SS_BF16, buf);
+}
+static SS_ONE_BODY void partition_lanes_f32(const ss_partition *p, const float *const *qf, const void *k_cache,
+                                            const void *v_cache, float *buf) {
+    partition_lanes_body(p, qf, k_cache, v_cache, SS_F32, buf);
+}
+#endif
+
 /* A row's output from its num_parts partials (partition order): per head, the partitions' sums rescaled to
  * the largest maximum, then divided by the total. */
 SS_INLINE void merge_rows(const float *const *part, int64_t num_parts, int num_heads, int head_dim, void *out,
@@ -360,7 +527,7 @@ typedef struct {
 
 /* A thread's buffers: queries in float32, scores, converted keys, and in tile mode its own partials. */
 typedef struct {
-    float *work, *qbuf, *scores, *kf, *mine;
+    float *work, *qbuf, *scores, *kf, *mine, *lanes;
     const float **qf;
     float **part;
     int64_t *n;
@@ -399,6 +566,13 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
     t.scores = t.ok ? t.work + (size_t)rows_per_item * a->hd : NULL;
     t.kf = t.ok ? t.scores + (size_t)rows_per_item * a->num_heads * PARTITION : NULL;
     t.mine = t.ok ? t.kf + (size_t)KG * a->head_dim : NULL;
+    t.lanes = NULL;
+#if defined(SS_LANES_ATTENTION)
+    if (!split && a->head_dim % LANES == 0) {
+        t.lanes = aligned_alloc(64, (sizeof(float) * lanes_floats(a->num_heads / a->num_kv_heads, a->head_dim) + 63) / 64 * 64);
+        t.ok = t.ok && t.lanes != NULL;
+    }
+#endif
     return t;
 }
 
@@ -439,6 +613,20 @@ static void tile_item(const attention_call *a, thread_work *t, ss_partition *job
         }
         job->count = count, job->table = table, job->begin = begin, job->kv0 = 0;
         job->kv1 = a->num_kv_heads;
+#if defined(SS_LANES_ATTENTION)
+        if (t->lanes != NULL) { /* LANES rows at a time, with the rows as the lanes: the same bits */
+            for (int c0 = 0; c0 < count; c0 += LANES) {
+                ss_partition lanes = *job;
+                lanes.count = count - c0 < LANES ? count - c0 : LANES;
+                lanes.n = job->n + c0, lanes.part = job->part + c0;
+                if (a->dtype == SS_BF16)
+                    partition_lanes_bf16(&lanes, t->qf + c0, a->k_cache, a->v_cache, t->lanes);
+                else
+                    partition_lanes_f32(&lanes, t->qf + c0, a->k_cache, a->v_cache, t->lanes);
+            }
+            continue;
+        }
+#endif
         partition(job, t->qf, a->k_cache, a->v_cache, a->dtype);
     }
     for (int64_t i = 0; i < rows; i++) {
@@ -503,7 +691,7 @@ static int paged_attention(const attention_call *a, int num_threads) {
                           (void *)elem(a->out, a->dtype, (int64_t)rr * (int64_t)a->hd), a->dtype);
                 }
             }
-            free(t.work), free(t.qf), free(t.part), free(t.n);
+            free(t.work), free(t.qf), free(t.part), free(t.n), free(t.lanes);
         }
     }
     free(partials), free(first), free(tile);

@@ -76,6 +76,15 @@ SS_HIDDEN int amx_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const 
                                void *y, int out_dtype, int64_t ldy, int threads);
 #endif
 
+#if defined(SS_AVX512) && defined(SS_VNNI) && !defined(SS_AVXVNNI)
+#define SS_WIDE 1
+#define WIDE_MIN_ROWS 5
+/* Y = Xq . W^T in 512-bit VNNI tiles for m >= WIDE_MIN_ROWS (arch/x86/quant_avx512.c): the group kernels' bits.
+ * Returns 0, or -1 where memory runs out (the caller then uses the group kernels). */
+SS_HIDDEN int wide_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n,
+                                void *y, int out_dtype, int64_t ldy, int threads);
+#endif
+
 #if defined(SS_AVX2)
 /* Each kernel asks for the weight block PREFETCH_AHEAD blocks past the one it reads (2.5 KB ahead for Q4_1,
  * 4.3 KB for Q8_0). The hardware prefetcher alone left a single-stream step's 96 MB of weights streaming at

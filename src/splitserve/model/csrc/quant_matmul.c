@@ -16,7 +16,9 @@
  * tile is up to 4 activation rows x a group of RG weight rows (quant.h), so each decoded weight block serves
  * every row of the tile and each activation block the group's RG weight rows. Threads split the weight rows
  * (OpenMP), so decode (M = 1..32) and prefill (M in the hundreds) both use every core, and each thread's
- * weight rows stay in its cache while it walks all activation rows.
+ * weight rows stay in its cache while it walks all activation rows. From 5 rows on, the amx build runs AMX-INT8
+ * tiles (amx/quant_matmul.c) and the avx512 build 512-bit tiles of 8 rows x 16 weight rows
+ * (arch/x86/quant_avx512.c), with the same integers and float operations as the row tiles.
  */
 #include <stdlib.h>
 
@@ -187,6 +189,12 @@ int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int
     const int threads = m * n * k >= (1 << 16) ? num_threads : 1;
 #if defined(SS_AMX)
     if (m >= AMX_MIN_ROWS && amx_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) {
+        if (scratch == NULL) free(xq);
+        return 0;
+    }
+#endif
+#if defined(SS_WIDE)
+    if (m >= WIDE_MIN_ROWS && wide_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) {
         if (scratch == NULL) free(xq);
         return 0;
     }

@@ -59,7 +59,6 @@ static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN 
 #define vmul _mm512_mul_ps
 #define vadd _mm512_add_ps
 #define vsub _mm512_sub_ps
-#define vsum _mm512_reduce_add_ps
 #define vfmadd _mm512_fmadd_ps
 #define vfmsub _mm512_fmsub_ps
 #define vfnmadd _mm512_fnmadd_ps
@@ -67,6 +66,14 @@ static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN 
 #define vmin _mm512_min_ps
 #define vround(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vscale2(p, k) _mm512_scalef_ps((p), (k)) /* p * 2^k */
+/* The sum of v's lanes in one fixed tree (GCC's _mm512_reduce_add_ps, written out so that no compiler picks
+ * another): b = hi + lo halves, c = b's halves, then c0 + c2 and c1 + c3, then those two. */
+static inline float vsum(vf v) {
+    const __m256 b = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
+    const __m128 c = _mm_add_ps(_mm256_extractf128_ps(b, 1), _mm256_castps256_ps128(b));
+    const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
 /* out[j] = the sum of acc[j]'s lanes, j < LANES: halves first, then one transposing reduction per 8 vectors */
 static inline void vsum_each(const vf *acc, float *out) {
     __m256 half[16];
