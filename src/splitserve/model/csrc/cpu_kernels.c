@@ -126,7 +126,11 @@ static inline float exp_row(float *s, int64_t n, float top) {
 #define PARTITION 256 /* a multiple of KEY_RUN and of every block size taken */
 #define KG 16
 #define KEY_RUN (4 * KG) /* keys read per pass over a partition */
+#if defined(SS_AVX512)
+#define TILE_ROWS 32 /* two vectors of rows in partition_lanes, which share each key's conversion */
+#else
 #define TILE_ROWS 16
+#endif
 #define TILE_BUFFER_BYTES (8 << 20) /* a thread's partials in tile mode, at most (fewer rows per tile beyond) */
 
 /* out[j] = q . kf[j] for the KG rows of kf (head_dim floats each). */
@@ -368,90 +372,97 @@ static size_t lanes_floats(int group, int head_dim) {
            2 * (size_t)PARTITION * (size_t)head_dim;
 }
 
-/* Rows i < p->count (at most LANES) of partition p, as partition_float computes them; buf: lanes_floats. */
+/* Rows i < p->count (at most TILE_ROWS) of partition p, as partition_float computes them, LANES rows at a time;
+ * each KV head's keys and values are converted to float32 once for all of them. buf: lanes_floats. */
 SS_INLINE void partition_lanes_body(const ss_partition *p, const float *const *qf, const void *k_cache,
                                     const void *v_cache, int dtype, float *buf) {
-    const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim, rows = p->count;
+    const int group = p->num_heads / p->num_kv_heads, head_dim = p->head_dim;
     const int64_t row = (int64_t)p->num_kv_heads * head_dim;
     float *qt = buf, *st = qt + (size_t)group * head_dim * LANES, *kf = st + (size_t)group * PARTITION * LANES;
     float *vf_rows = kf + (size_t)PARTITION * head_dim;
-    int32_t n32[LANES], full32[LANES];
-    int64_t most = 0, least = PARTITION, least_full = PARTITION;
-    for (int i = 0; i < LANES; i++) {
-        n32[i] = i < rows ? (int32_t)p->n[i] : 0;
-        full32[i] = n32[i] - n32[i] % LANES; /* exp_row's whole vectors */
-        if (i < rows) {
-            most = n32[i] > most ? n32[i] : most;
-            least = n32[i] < least ? n32[i] : least;
-            least_full = full32[i] < least_full ? full32[i] : least_full;
-        }
-    }
-    const __m512i n = _mm512_loadu_si512(n32), full = _mm512_loadu_si512(full32);
-    const int64_t padded = (most + KB - 1) / KB * KB;
+    int64_t most_all = 0;
+    for (int i = 0; i < p->count; i++) most_all = p->n[i] > most_all ? p->n[i] : most_all;
+    const int64_t padded = (most_all + KB - 1) / KB * KB;
     int64_t slots[PARTITION];
-    partition_slots(p, most, slots);
+    partition_slots(p, most_all, slots);
     for (int kvh = p->kv0; kvh < p->kv1; kvh++) {
         for (int64_t t = 0; t < padded; t++) {
-            if (t < most) {
+            if (t < most_all) {
                 to_float(elem(k_cache, dtype, slots[t] * row + kvh * head_dim), dtype, kf + t * head_dim, head_dim);
                 to_float(elem(v_cache, dtype, slots[t] * row + kvh * head_dim), dtype, vf_rows + t * head_dim, head_dim);
             } else {
                 memset(kf + t * head_dim, 0, sizeof(float) * (size_t)head_dim);
             }
         }
-        for (int g = 0; g < group; g++) {
-            const int h = kvh * group + g;
-            float *q = qt + (size_t)g * head_dim * LANES, *s = st + (size_t)g * PARTITION * LANES;
-            for (int d = 0; d < head_dim; d++)
-                for (int i = 0; i < LANES; i++) q[d * LANES + i] = i < rows ? qf[i][h * head_dim + d] : 0.f;
-            for (int64_t t = 0; t < padded; t += KB) {
-                vf out[KB];
-                lanes_tree(q, kf + t * head_dim, head_dim, out);
-                for (int kk = 0; kk < KB; kk++) vstoref(s + (t + kk) * LANES, out[kk]);
-            }
-            /* the maximum, the exponentials and their sum (exp_row's order) */
-            vf top = vset1(-INFINITY);
-            for (int64_t t = 0; t < most; t++) top = _mm512_mask_max_ps(top, lanes_below(n, t), top, vloadf(s + t * LANES));
-            vf run[LANES];
-            for (int l = 0; l < LANES; l++) run[l] = vset1(0.f);
-            for (int64_t t = 0; t < most; t++) {
-                const vf e = vexp(vsub(vloadf(s + t * LANES), top));
-                vstoref(s + t * LANES, e);
-                run[t % LANES] = _mm512_mask_add_ps(run[t % LANES], lanes_below(full, t), run[t % LANES], e);
-            }
-            vf sum = lanes_sum_tree(run);
-            for (int64_t t = least_full; t < most; t++) {
-                /* the tail: keys full_i .. n_i - 1 */
-                const lane_mask tail = (lane_mask)(lanes_below(n, t) & ~lanes_below(full, t));
-                sum = _mm512_mask_add_ps(sum, tail, sum, vloadf(s + t * LANES));
-            }
-            float tops[LANES], sums[LANES];
-            vstoref(tops, top), vstoref(sums, sum);
-            for (int i = 0; i < rows; i++) {
-                float *m = p->part[i], *l = m + p->num_heads;
-                m[h] = tops[i], l[h] = sums[i];
-            }
-            /* the value sums, LANES elements at a time */
-            for (int d0 = 0; d0 < head_dim; d0 += LANES) {
-                vf acc[LANES];
-                for (int j = 0; j < LANES; j++) acc[j] = vset1(0.f);
-                int64_t t = 0;
-                for (; t < least; t++) {
-                    const vf e = vloadf(s + t * LANES);
-                    const float *v = vf_rows + t * head_dim + d0;
-                    for (int j = 0; j < LANES; j++) acc[j] = vfmadd(e, vset1(v[j]), acc[j]);
+        for (int c0 = 0; c0 < p->count; c0 += LANES) {
+            const int rows = p->count - c0 < LANES ? p->count - c0 : LANES;
+            int32_t n32[LANES], full32[LANES];
+            int64_t most = 0, least = PARTITION, least_full = PARTITION;
+            for (int i = 0; i < LANES; i++) {
+                n32[i] = i < rows ? (int32_t)p->n[c0 + i] : 0;
+                full32[i] = n32[i] - n32[i] % LANES; /* exp_row's whole vectors */
+                if (i < rows) {
+                    most = n32[i] > most ? n32[i] : most;
+                    least = n32[i] < least ? n32[i] : least;
+                    least_full = full32[i] < least_full ? full32[i] : least_full;
                 }
-                for (; t < most; t++) {
-                    const vf e = vloadf(s + t * LANES);
-                    const lane_mask live = lanes_below(n, t);
-                    const float *v = vf_rows + t * head_dim + d0;
-                    for (int j = 0; j < LANES; j++) acc[j] = _mm512_mask3_fmadd_ps(e, vset1(v[j]), acc[j], live);
+            }
+            const __m512i n = _mm512_loadu_si512(n32), full = _mm512_loadu_si512(full32);
+            const int64_t chunk_padded = (most + KB - 1) / KB * KB;
+            for (int g = 0; g < group; g++) {
+                const int h = kvh * group + g;
+                float *q = qt + (size_t)g * head_dim * LANES, *s = st + (size_t)g * PARTITION * LANES;
+                for (int d = 0; d < head_dim; d++)
+                    for (int i = 0; i < LANES; i++) q[d * LANES + i] = i < rows ? qf[c0 + i][h * head_dim + d] : 0.f;
+                for (int64_t t = 0; t < chunk_padded; t += KB) {
+                    vf out[KB];
+                    lanes_tree(q, kf + t * head_dim, head_dim, out);
+                    for (int kk = 0; kk < KB; kk++) vstoref(s + (t + kk) * LANES, out[kk]);
                 }
-                float tmp[LANES][LANES];
-                for (int j = 0; j < LANES; j++) vstoref(tmp[j], acc[j]);
+                /* the maximum, the exponentials and their sum (exp_row's order) */
+                vf top = vset1(-INFINITY);
+                for (int64_t t = 0; t < most; t++) top = _mm512_mask_max_ps(top, lanes_below(n, t), top, vloadf(s + t * LANES));
+                vf run[LANES];
+                for (int l = 0; l < LANES; l++) run[l] = vset1(0.f);
+                for (int64_t t = 0; t < most; t++) {
+                    const vf e = vexp(vsub(vloadf(s + t * LANES), top));
+                    vstoref(s + t * LANES, e);
+                    run[t % LANES] = _mm512_mask_add_ps(run[t % LANES], lanes_below(full, t), run[t % LANES], e);
+                }
+                vf sum = lanes_sum_tree(run);
+                for (int64_t t = least_full; t < most; t++) {
+                    /* the tail: keys full_i .. n_i - 1 */
+                    const lane_mask tail = (lane_mask)(lanes_below(n, t) & ~lanes_below(full, t));
+                    sum = _mm512_mask_add_ps(sum, tail, sum, vloadf(s + t * LANES));
+                }
+                float tops[LANES], sums[LANES];
+                vstoref(tops, top), vstoref(sums, sum);
                 for (int i = 0; i < rows; i++) {
-                    float *out = p->part[i] + 2 * p->num_heads + (size_t)h * head_dim + d0;
-                    for (int j = 0; j < LANES; j++) out[j] = tmp[j][i];
+                    float *m = p->part[c0 + i], *l = m + p->num_heads;
+                    m[h] = tops[i], l[h] = sums[i];
+                }
+                /* the value sums, LANES elements at a time */
+                for (int d0 = 0; d0 < head_dim; d0 += LANES) {
+                    vf acc[LANES];
+                    for (int j = 0; j < LANES; j++) acc[j] = vset1(0.f);
+                    int64_t t = 0;
+                    for (; t < least; t++) {
+                        const vf e = vloadf(s + t * LANES);
+                        const float *v = vf_rows + t * head_dim + d0;
+                        for (int j = 0; j < LANES; j++) acc[j] = vfmadd(e, vset1(v[j]), acc[j]);
+                    }
+                    for (; t < most; t++) {
+                        const vf e = vloadf(s + t * LANES);
+                        const lane_mask live = lanes_below(n, t);
+                        const float *v = vf_rows + t * head_dim + d0;
+                        for (int j = 0; j < LANES; j++) acc[j] = _mm512_mask3_fmadd_ps(e, vset1(v[j]), acc[j], live);
+                    }
+                    float tmp[LANES][LANES];
+                    for (int j = 0; j < LANES; j++) vstoref(tmp[j], acc[j]);
+                    for (int i = 0; i < rows; i++) {
+                        float *out = p->part[c0 + i] + 2 * p->num_heads + (size_t)h * head_dim + d0;
+                        for (int j = 0; j < LANES; j++) out[j] = tmp[j][i];
+                    }
                 }
             }
         }
@@ -614,16 +625,11 @@ static void tile_item(const attention_call *a, thread_work *t, ss_partition *job
         job->count = count, job->table = table, job->begin = begin, job->kv0 = 0;
         job->kv1 = a->num_kv_heads;
 #if defined(SS_LANES_ATTENTION)
-        if (t->lanes != NULL) { /* LANES rows at a time, with the rows as the lanes: the same bits */
-            for (int c0 = 0; c0 < count; c0 += LANES) {
-                ss_partition lanes = *job;
-                lanes.count = count - c0 < LANES ? count - c0 : LANES;
-                lanes.n = job->n + c0, lanes.part = job->part + c0;
-                if (a->dtype == SS_BF16)
-                    partition_lanes_bf16(&lanes, t->qf + c0, a->k_cache, a->v_cache, t->lanes);
-                else
-                    partition_lanes_f32(&lanes, t->qf + c0, a->k_cache, a->v_cache, t->lanes);
-            }
+        if (t->lanes != NULL) { /* the rows as the vector lanes: the same bits */
+            if (a->dtype == SS_BF16)
+                partition_lanes_bf16(job, t->qf, a->k_cache, a->v_cache, t->lanes);
+            else
+                partition_lanes_f32(job, t->qf, a->k_cache, a->v_cache, t->lanes);
             continue;
         }
 #endif
