@@ -160,6 +160,59 @@ class SchedulingPolicy(StrEnum):
     LPM = "lpm"  # fewest uncached tokens first (SGLang's longest prefix match), oldest first past the max wait
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's ``--speculative-config`` JSON shape (its ``ngram`` method's keys).
+
+    Each decoding request proposes up to ``num_speculative_tokens`` draft tokens by prompt lookup: the tokens
+    that followed the last earlier occurrence of its context's final n tokens (``prompt_lookup_max`` down to
+    ``prompt_lookup_min``). A step computes the last token and the drafts as one chunk, samples every position
+    and keeps the drafts up to the first that differs from its sample, plus that sample: the tokens are the ones
+    decoding one at a time gives. Speculation pauses while more than ``disable_by_batch_size`` requests run.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """``--speculative-config``'s JSON (or its dict); None or an empty text: no speculation."""
+        if text is None or (isinstance(text, str) and not text.strip()):
+            return None
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: {sorted(known)})")
+        try:
+            config = cls(**raw)
+        except TypeError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching limits, and who goes first."""
@@ -181,6 +234,16 @@ class SchedulerConfig:
         256,
         "When the request next in line is short (its uncached tokens fit beside this cap), the prompts already "
         "in prefill share at most this many tokens that step and the rest admits it whole (0: no cap).",
+    )
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        'Speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': drafts by prompt lookup, verified in one step '
+        "(the same tokens as without it); paused while more than disable_by_batch_size (4) requests run.",
+        convert=SpeculativeConfig.parse,
+        option_type=str | None,
+        option_default=None,
+        show_default=False,
     )
     verify_sample_rate: float = setting(
         0.001,

@@ -11,7 +11,6 @@ did, before every step ran through the one native forward step): hence outputs t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -19,11 +18,9 @@ import torch
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.decoder import DecoderForCausalLM
-from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
-from splitserve.model.source import resolve_model
-from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 from tests.support.engine import build_engine, run_to_completion, tokens_of
+from tests.support.real_model import RealChats as Real
+from tests.support.real_model import smollm2_chats
 
 pytestmark = pytest.mark.slow
 
@@ -37,29 +34,11 @@ QUESTIONS = {
 }
 
 
-@dataclass
-class Real:
-    model: DecoderForCausalLM
-    tokenizer: Tokenizer
-    prompts: dict[str, list[int]]
-    cold: dict[str, list[int]]  # each prompt's greedy answer, alone on a fresh engine, two threads
-
-
 @pytest.fixture(scope="module")
 def real() -> Iterator[Real]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        source = resolve_model("smollm2")
-        model = load_model(source, resolve_dtype("auto", torch.device("cpu")), torch.device("cpu"))
-        assert apply_quantization(model, source, "auto")  # the worker's default: the GGUF's blocks
-        tokenizer = load_tokenizer(source)
-        prompts = {k: tokenizer.apply_chat_template([{"role": "user", "content": q}]) for k, q in QUESTIONS.items()}
-        setup = Real(model, tokenizer, prompts, {})
-        setup.cold = {k: answer(engine(setup), p) for k, p in prompts.items()}
+    with smollm2_chats(QUESTIONS) as setup:
+        setup.answers = {k: answer(engine(setup), p) for k, p in setup.prompts.items()}
         yield setup
-    finally:
-        torch.set_num_threads(threads)
 
 
 def engine(real: Real, **kwargs: Any) -> LLMEngine:
@@ -72,8 +51,8 @@ def answer(eng: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY, r
 
 
 def test_the_answers_are_real_text(real: Real) -> None:
-    assert all(len(tokens) == NUM_TOKENS for tokens in real.cold.values())
-    assert "Paris" in real.tokenizer.decode(real.cold["france"])
+    assert all(len(tokens) == NUM_TOKENS for tokens in real.answers.values())
+    assert "Paris" in real.tokenizer.decode(real.answers["france"])
     assert real.model._forward_step is not None  # every step runs the native forward step
 
 
@@ -83,14 +62,14 @@ def test_a_repeated_request_answers_from_the_prefix_cache_as_it_did_cold(real: R
         first = run_to_completion(eng, {f"{name}-1": prompt}, GREEDY)[f"{name}-1"]
         again = run_to_completion(eng, {f"{name}-2": prompt}, GREEDY)[f"{name}-2"]
         assert again[0].num_cached_tokens == len(prompt) - 1  # every prompt token but the last from the cache
-        assert tokens_of(first) == tokens_of(again) == real.cold[name], name
+        assert tokens_of(first) == tokens_of(again) == real.answers[name], name
 
 
 def test_a_prompt_recomputed_after_eviction_answers_the_same(real: Real) -> None:
     # 30 blocks of 16 hold one request at a time: each new prompt evicts the last one's blocks
     eng = engine(real, num_blocks=30, max_model_len=480)
     for name, prompt in [*real.prompts.items(), *real.prompts.items()][1:]:  # the first one's blocks are gone too
-        assert answer(eng, prompt) == real.cold[name], name
+        assert answer(eng, prompt) == real.answers[name], name
 
 
 def test_chunked_prefill_and_eight_streams_beside_change_nothing(real: Real) -> None:
@@ -98,14 +77,14 @@ def test_chunked_prefill_and_eight_streams_beside_change_nothing(real: Real) -> 
     batch = {**{f"p-{name}": p for name, p in real.prompts.items()}, **dict(list(distractors.items())[:8])}
     outputs = run_to_completion(engine(real, max_num_batched_tokens=16, running_prefill_cap=0), batch, GREEDY)
     for name in real.prompts:
-        assert tokens_of(outputs[f"p-{name}"]) == real.cold[name], name
+        assert tokens_of(outputs[f"p-{name}"]) == real.answers[name], name
 
 
 def test_one_thread_answers_as_two_do(real: Real) -> None:
     torch.set_num_threads(1)
     try:
         for name, prompt in real.prompts.items():
-            assert answer(engine(real), prompt) == real.cold[name], name
+            assert answer(engine(real), prompt) == real.answers[name], name
     finally:
         torch.set_num_threads(2)
 
@@ -115,8 +94,8 @@ def test_a_resumed_answer_continues_as_the_uninterrupted_one(real: Real) -> None
     for name, prompt in real.prompts.items():
         for cut in (1, 150) if name == "lighthouse" else (57,):
             rest = SamplingParams(max_tokens=NUM_TOKENS - cut, temperature=0.0, ignore_eos=True)
-            resumed = answer(engine(real), prompt + real.cold[name][:cut], rest)
-            assert real.cold[name][:cut] + resumed == real.cold[name], (name, cut)
+            resumed = answer(engine(real), prompt + real.answers[name][:cut], rest)
+            assert real.answers[name][:cut] + resumed == real.answers[name], (name, cut)
 
 
 def test_seeded_sampling_is_the_same_cold_cached_beside_others_and_resumed(real: Real) -> None:
@@ -129,5 +108,5 @@ def test_seeded_sampling_is_the_same_cold_cached_beside_others_and_resumed(real:
     assert tokens_of(beside["p"]) == cold
     rest = SamplingParams(max_tokens=NUM_TOKENS - 80, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
     assert cold[:80] + answer(engine(real), prompt + cold[:80], rest) == cold
-    greedy = real.cold["lighthouse"]
+    greedy = real.answers["lighthouse"]
     assert cold != greedy  # it did sample

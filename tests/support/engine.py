@@ -7,7 +7,14 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
+from splitserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+)
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -43,6 +50,7 @@ def build_engine(
     max_model_len: int = 1024,
     policy: SchedulingPolicy = SchedulingPolicy.LPM,
     running_prefill_cap: int = 256,
+    speculative: SpeculativeConfig | None = None,
 ) -> LLMEngine:
     """An engine around an already loaded model, with an exact number of KV blocks."""
     config = EngineConfig(
@@ -56,6 +64,7 @@ def build_engine(
             chunked,
             policy,
             running_prefill_cap=running_prefill_cap,
+            speculative_config=speculative,
             verify_sample_rate=0.0,  # no random shadow checks in tests that count steps (test_verifier.py sets it)
         ),
     )

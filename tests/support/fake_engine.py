@@ -15,6 +15,7 @@ from typing import Any
 
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.speculative import SpecStats
 from splitserve.metrics import CumulativeHistogram, RequestPhases
 from tests.support.workers import free_port
 
@@ -70,6 +71,7 @@ class FakeStats:
     pd_buffer: None = None
     exactness_checks: dict[str, int] = field(default_factory=dict)
     exactness_mismatches: dict[str, int] = field(default_factory=dict)
+    spec_decode: SpecStats | None = None
 
 
 @dataclass(slots=True)

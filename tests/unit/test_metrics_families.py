@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from splitserve import metrics
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.speculative import SpecStats
 from splitserve.metrics import (
     CumulativeHistogram,
     HostUsage,
@@ -107,6 +108,20 @@ def test_cached_tokens_are_counted_by_source_on_scrape() -> None:
     page = worker.render().decode()
     cached = "vllm:prompt_tokens_cached_by_source_total"
     assert [sum_samples(page, cached, source=s) for s in metrics.CACHE_HIT_SOURCES] == [48, 64, 16, 0, 0]
+
+
+def test_speculative_decodings_counters_are_vllms_and_only_where_it_runs() -> None:
+    worker = WorkerMetrics("m")
+    worker.set_engine_stats(FakeStats())
+    assert "vllm:spec_decode" not in worker.render().decode()
+    spec = SpecStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_position=[4, 2, 1])
+    worker.set_engine_stats(FakeStats(spec_decode=spec))
+    page = worker.render().decode()
+    assert sum_samples(page, "vllm:spec_decode_num_drafts_total") == 4
+    assert sum_samples(page, "vllm:spec_decode_num_draft_tokens_total") == 12
+    assert sum_samples(page, "vllm:spec_decode_num_accepted_tokens_total") == 7
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [sum_samples(page, per_position, position=str(p)) for p in range(3)] == [4, 2, 1]
 
 
 def test_first_tokens_split_prompt_tokens_by_source() -> None:

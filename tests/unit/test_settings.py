@@ -29,6 +29,7 @@ from splitserve.config import (
     SchedulerConfig,
     SchedulingPolicy,
     ServerConfig,
+    SpeculativeConfig,
 )
 from splitserve.configdoc import every_variable, reference
 from splitserve.deploy.plan import plan
@@ -58,6 +59,10 @@ EXAMPLES: dict[str, tuple[str | None, Any]] = {
     "scheduling-max-wait": ("2.5", 2.5),
     "running-prefill-cap": ("64", 64),
     "verify-sample-rate": ("0.5", 0.5),
+    "speculative-config": (
+        '{"method": "ngram", "num_speculative_tokens": 5}',
+        SpeculativeConfig(num_speculative_tokens=5),
+    ),
     "block-size": ("32", 32),
     "kv-cache-memory": ("256MiB", "256MiB"),
     "gpu-memory-utilization": ("0.5", 0.5),

@@ -5,6 +5,7 @@ Not thread-safe: every method must be called from one thread (``AsyncEngine`` ow
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -25,6 +26,7 @@ from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.speculative import NgramProposer, SpecStats
 from splitserve.engine.verifier import ExactnessVerifier
 from splitserve.keys import kv_layout
 from splitserve.metrics import (
@@ -69,6 +71,7 @@ class EngineStats:
     # --verify-sample-rate: requests recomputed cold and compared, and those that differed, by path
     exactness_checks: dict[str, int] = dataclasses.field(default_factory=dict)
     exactness_mismatches: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_decode: SpecStats | None = None  # --speculative-config: drafts computed and kept
 
 
 def _block_cache(
@@ -131,6 +134,8 @@ class LLMEngine:
         self.kv_receiver = kv_receiver
         rate = sched_cfg.verify_sample_rate
         self.verifier = ExactnessVerifier(rate) if rate > 0 else None
+        spec = sched_cfg.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.iteration_tokens = CumulativeHistogram(tuple(map(float, ITERATION_TOKENS_BUCKETS)))
@@ -181,7 +186,23 @@ class LLMEngine:
             return []
         ran = self.runner.execute(sched)
         self.scheduler.finish_loads(sched.kv_loads, ran.loaded)
-        return self._update(sched, ran)
+        outputs = self._update(sched, ran)
+        if self.proposer is not None:
+            self._propose(self.proposer)
+        return outputs
+
+    def _propose(self, proposer: NgramProposer) -> None:
+        """Drafts for each decoding request's next step, or none while more requests run than speculation pays
+        for (decode steps of many rows are not bound by reading the weights)."""
+        running = [r for r in self.scheduler.running if not r.is_shadow]
+        pause = len(running) > proposer.config.disable_by_batch_size
+        for request in running:
+            request.spec_token_ids = []
+            if pause or request.num_output_tokens == 0 or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            # no draft past max_tokens or the model's length: those positions would never be kept
+            room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+            request.spec_token_ids = proposer.propose(request.request_id, request.all_token_ids, room - 1)
 
     def lookup_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
         """Tokens of this prompt that admission would take from each source instead of computing them.
@@ -250,6 +271,7 @@ class LLMEngine:
             pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
             exactness_checks=dict(verifier.checks) if verifier is not None else {},
             exactness_mismatches=dict(verifier.mismatches) if verifier is not None else {},
+            spec_decode=copy.deepcopy(self.proposer.stats) if self.proposer is not None else None,
         )
 
     def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -280,39 +302,64 @@ class LLMEngine:
             if request.request_id in ran.skipped:
                 continue  # rolled back (Scheduler.finish_loads): the next step computes it
             num_tokens += s.num_new_tokens
-            request.num_computed_tokens += s.num_new_tokens
+            tokens = ran.sampled.get(request.request_id)
+            # a verification step keeps the KV of the drafts it accepted (each equals the token drawn before it)
+            num_accepted = len(tokens) - 1 if tokens is not None and s.draft_token_ids else 0
+            request.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids) + num_accepted
+            if s.draft_token_ids and self.proposer is not None:
+                self.proposer.record(len(s.draft_token_ids), num_accepted)
             if request.is_shadow:
-                self._shadow_step(request, ran.sampled.get(request.request_id))
+                self._shadow_step(request, tokens[0] if tokens else None)
                 continue
+            taken = None
+            if tokens is not None:
+                if request.num_output_tokens == 0:
+                    request.first_token_time = now
+                    self.num_prompt_tokens += request.num_prompt_tokens
+                request.last_token_time = now
+                taken = self._append_tokens(request, tokens)
+                # a stop before the last kept draft: the KV past the last token appended is of no use
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.kv.cache_computed_blocks(request)
             self.kv.cache_prompt_tail(request)
             for connector in self.connectors:
                 connector.save_completed_chunks(request, s.block_ids)
-            token = ran.sampled.get(request.request_id)
-            if token is None:
-                continue  # a prefill chunk that has not reached the end of the prompt yet
-            request.append_output_token(token)
-            self.num_generation_tokens += 1
-            request.last_token_time = now
-            if request.num_output_tokens == 1:
-                request.first_token_time = now
-                self.num_prompt_tokens += request.num_prompt_tokens
-            outputs.append(self._output_for(request, token))
+            if taken is not None:  # None: a prefill chunk that has not reached the end of the prompt yet
+                outputs.append(self._output_for(request, *taken))
         self.iteration_tokens.observe(num_tokens)
         return outputs
 
-    def _output_for(self, request: Request, token: int) -> RequestOutput:
-        stop_reason: int | str | None
-        reason, stop_reason = self._stop_by_token(request, token)
+    def _append_tokens(
+        self, request: Request, tokens: list[int]
+    ) -> tuple[list[int], FinishReason | None, int | str | None]:
+        """Append the step's tokens one by one, up to the first that ends the request: (the tokens appended, the
+        finish reason or None, the stop reason)."""
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
         detok = self._detokenizers.get(request.request_id)
-        if detok is not None and reason is None:
-            stop_str = detok.update(request.output_token_ids)
-            if stop_str is not None:
-                reason, stop_reason = FinishReason.STOP, stop_str
-        if reason is None and (
-            request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
+        appended: list[int] = []
+        for token in tokens:
+            request.append_output_token(token)
+            appended.append(token)
+            self.num_generation_tokens += 1
+            reason, stop_reason = self._stop_by_token(request, token)
+            if detok is not None and reason is None:
+                stop_str = detok.update(request.output_token_ids)
+                if stop_str is not None:
+                    reason, stop_reason = FinishReason.STOP, stop_str
+            if reason is None and (
+                request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        return appended, reason, stop_reason
+
+    def _output_for(
+        self, request: Request, appended: list[int], reason: FinishReason | None, stop_reason: int | str | None
+    ) -> RequestOutput:
+        """The step's output of a request that got tokens; a finished one leaves the engine."""
+        detok = self._detokenizers.get(request.request_id)
         finished = reason is not None
         transfer = None
         if finished:
@@ -326,7 +373,7 @@ class LLMEngine:
                 self.scheduler.add_shadow(shadow)
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token],
+            new_token_ids=appended,
             new_text=detok.take_new_text(finished) if detok is not None else "",
             finished=finished,
             finish_reason=reason,
@@ -353,6 +400,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         """A request ended: drop what the engine kept for it besides the request itself."""
         self._detokenizers.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     @staticmethod
     def _stop_by_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:

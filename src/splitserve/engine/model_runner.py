@@ -15,6 +15,7 @@ import torch
 from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.speculative import accept
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import native
@@ -43,15 +44,17 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] token index whose logits pick each sampled request's next token
-    sampled: list[ScheduledRequest]  # the N requests that sample this step, in sample_indices order
+    sample_indices: torch.Tensor  # [N] token index whose logits pick each sampled token
+    # the N draws, in sample_indices order: the request, and how many tokens past its next one the draw is (a
+    # verification step draws after its last token and after each of its drafts)
+    sampled: list[tuple[ScheduledRequest, int]]
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     """What one ``execute`` did: the tokens sampled, and what each KV load copied."""
 
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> token id
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> its new tokens (drafts verified)
     loaded: dict[str, LoadedTokens] = field(default_factory=dict)  # request id -> its load's result
     skipped: set[str] = field(default_factory=set)  # requests left out of the pass: their load came up short
 
@@ -101,8 +104,14 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            tokens = self.sampler(logits, [s.request for s in inputs.sampled])
-            out.sampled = {s.request.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
+            tokens = self.sampler(logits, [s.request for s, _ in inputs.sampled], [j for _, j in inputs.sampled])
+            drawn: dict[str, list[int]] = {}
+            for (s, _), token in zip(inputs.sampled, tokens, strict=True):
+                drawn.setdefault(s.request.request_id, []).append(token)
+            for s, j in inputs.sampled:
+                if j == 0:
+                    rid = s.request.request_id
+                    out.sampled[rid] = accept(s.draft_token_ids, drawn[rid]) if s.draft_token_ids else drawn[rid]
         return out
 
     def _load_kv(self, loads: list[KVLoad]) -> dict[str, LoadedTokens]:
@@ -128,13 +137,13 @@ class ModelRunner:
         positions: list[int] = []
         for s in decodes + prefills:
             start = s.request.num_computed_tokens
-            token_ids.extend(s.request.all_token_ids[start : start + s.num_new_tokens])
+            token_ids.extend(s.token_ids)
             positions.extend(range(start, start + s.num_new_tokens))
         slot_mapping = self._slots_for(decodes + prefills, positions)
         meta = AttentionMetadata(slot_mapping, len(decodes), self._decode_batch(decodes) if decodes else None, [])
         # a decode samples only if it has caught up: it may be recomputing outputs after a preemption
         sample_indices = [i for i, s in enumerate(decodes) if s.completes_prompt]
-        sampled = [s for s in decodes if s.completes_prompt]
+        sampled = [(s, 0) for s in decodes if s.completes_prompt]
         offset = len(decodes)
         for s in prefills:
             num_ctx = s.request.num_computed_tokens + s.num_new_tokens
@@ -144,9 +153,10 @@ class ModelRunner:
                 chunk.as_decodes = self._chunk_as_decodes(s.block_ids, s.request.num_computed_tokens, num_ctx)
             meta.prefills.append(chunk)
             offset += s.num_new_tokens
-            if s.completes_prompt:
-                sample_indices.append(offset - 1)
-                sampled.append(s)
+            if s.completes_prompt:  # the last token's draw, then one after each draft
+                num_draws = 1 + len(s.draft_token_ids)
+                sample_indices.extend(range(offset - num_draws, offset))
+                sampled.extend((s, j) for j in range(num_draws))
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
         if self.model.runs_forward_step:
             meta.rows = self._step_rows(decodes + prefills, meta.decode if not prefills else None, position_ids)

@@ -38,6 +38,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of all_token_ids
+    # draft tokens to follow all_token_ids, verified by the next step (``engine.speculative``); [] when none
+    spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # a cold recompute of a finished request, checked against it (``engine.verifier``): no cached or loaded KV,
     # nothing published or saved, admitted only when no client request waits, its output sent to nobody

@@ -20,20 +20,25 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()  # re-seeded for each draw of a request with a seed
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits: [N, vocab] float32 on any device, row i for ``requests[i]``; returns N token ids."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request], ahead: list[int] | None = None) -> list[int]:
+        """logits: [N, vocab] float32 on any device, row i for ``requests[i]``; returns N token ids.
+
+        ``ahead[i]``: how many tokens past the request's next one row i draws (a verification step's rows after
+        its drafts); None: 0 for every row.
+        """
+        ahead = ahead if ahead is not None else [0] * len(requests)
         logits = logits.float().cpu()
-        _suppress_early_stops(logits, requests)
+        _suppress_early_stops(logits, requests, ahead)
         tokens = logits.argmax(dim=-1).tolist()
         for i, request in enumerate(requests):
-            forced = _forced_first_token(request)
+            forced = _forced_first_token(request) if ahead[i] == 0 else None
             if forced is not None:
                 tokens[i] = forced
             elif not request.params.is_greedy:
-                tokens[i] = self._sample_row(logits[i], request)
+                tokens[i] = self._sample_row(logits[i], request, ahead[i])
         return tokens
 
-    def _sample_row(self, row: torch.Tensor, request: Request) -> int:  # row: [vocab]
+    def _sample_row(self, row: torch.Tensor, request: Request, ahead: int = 0) -> int:  # row: [vocab]
         params = request.params
         row = row / params.temperature
         if params.top_k > 0 and params.top_k < row.shape[0]:
@@ -45,13 +50,13 @@ class Sampler:
             drop = cumulative - sorted_logits.softmax(dim=-1) >= params.top_p  # keep the token crossing top_p
             row = row.scatter(0, order[drop], float("-inf"))
         probs = row.softmax(dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator_for(request)).item())
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(request, ahead)).item())
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    def _generator_for(self, request: Request, ahead: int = 0) -> torch.Generator:
         seed = request.params.seed
         if seed is None:
             return self._generator
-        return self._seeded.manual_seed(position_seed(seed, request.num_tokens))
+        return self._seeded.manual_seed(position_seed(seed, request.num_tokens + ahead))
 
 
 _MASK64 = (1 << 64) - 1
@@ -74,11 +79,11 @@ def _forced_first_token(request: Request) -> int | None:
     return transfer.first_token_id
 
 
-def _suppress_early_stops(logits: torch.Tensor, requests: list[Request]) -> None:
+def _suppress_early_stops(logits: torch.Tensor, requests: list[Request], ahead: list[int]) -> None:
     """Below ``min_tokens``, EOS and stop token ids cannot be sampled."""
     for i, request in enumerate(requests):
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        if request.num_output_tokens + ahead[i] >= params.min_tokens:
             continue
         stop_ids = [*params.stop_token_ids, *request.eos_token_ids]
         if stop_ids:

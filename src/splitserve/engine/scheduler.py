@@ -31,6 +31,10 @@ a client could use.
 
 When every full block of a request is cached and another request left the same partial last block (a
 repeated prompt), that block is copied too (``block_copies``) and only the last token is computed.
+
+A decoding request with draft tokens (``Request.spec_token_ids``, ``engine.speculative``) computes its last
+token and as many drafts as the budget leaves, where their blocks are free: drafts never preempt anyone. The
+engine keeps the drafts' KV up to the first rejected one.
 """
 
 from __future__ import annotations
@@ -52,13 +56,22 @@ from splitserve.policy.scheduling import LPM_KEY, RunningBudget, admitted_tokens
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
     block_ids: list[int]  # the request's whole block table after allocation
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts computed after its last token, verified
 
     @property
     def completes_prompt(self) -> bool:
         """True when the request will have caught up after this step, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_real = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.num_computed_tokens + num_real == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: the request's next ones, then the drafts."""
+        start = self.request.num_computed_tokens
+        num_real = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.all_token_ids[start : start + num_real] + self.draft_token_ids
 
 
 @dataclass(slots=True)
@@ -174,11 +187,20 @@ class Scheduler:
             num_new = budget.take(request.num_tokens - request.num_computed_tokens)
             if num_new == 0:
                 continue
-            fits, num_returned = self._allocate_or_preempt(request, num_new, out)
+            drafts: list[int] = []
+            if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1:
+                drafts = request.spec_token_ids[: max(budget.tokens - num_new, 0)]
+            # drafts only where their blocks are free: they never preempt anyone
+            if drafts and self.kv.allocate(request, num_new + len(drafts)):
+                fits, num_returned = True, 0
+            else:
+                drafts = []
+                fits, num_returned = self._allocate_or_preempt(request, num_new, out)
             budget.tokens += num_returned
             if not fits:
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            num_new += len(drafts)
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), drafts))
             budget.tokens -= num_new
         self._held_back = budget.held_back
         return budget.tokens

@@ -102,6 +102,12 @@ EXACTNESS_CHECKS_TOTAL = "splitserve:exactness_checks_total"
 EXACTNESS_MISMATCHES_TOTAL = "splitserve:exactness_mismatches_total"
 # the paths that reuse KV, as --verify-sample-rate's checks name them (engine.verifier.PATH_OF_SOURCE, migration)
 EXACTNESS_PATHS = ("prefix_cache", "l1", "l2", "pd", "migration")
+# --speculative-config, as vLLM names them
+SPEC_DECODE_NUM_DRAFTS_TOTAL = "vllm:spec_decode_num_drafts_total"
+SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+POSITION_LABEL = "position"
 
 # ---- the router: production-stack's router metrics (label ``server``) ---------------------------------------
 

@@ -4,7 +4,7 @@ async engine hands over, and a histogram that components without a registry keep
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -157,6 +157,17 @@ class PDBufferStatsLike(Protocol):
     num_expired: int
 
 
+class SpecDecodeStatsLike(Protocol):
+    """``splitserve.engine.speculative.SpecStats``: cumulative counts of speculative decoding."""
+
+    num_drafts: int  # verification steps that carried drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def accepted_per_position(self) -> Sequence[int]: ...  # kept drafts by position in their run
+
+
 class EngineStatsLike(Protocol):
     """The fields of ``splitserve.engine.engine.EngineStats`` that the metrics mirror (counters cumulative)."""
 
@@ -187,3 +198,6 @@ class EngineStatsLike(Protocol):
 
     @property
     def exactness_mismatches(self) -> Mapping[str, int]: ...  # those whose tokens differed, by path
+
+    @property
+    def spec_decode(self) -> SpecDecodeStatsLike | None: ...  # None: no --speculative-config

@@ -21,6 +21,7 @@ from splitserve.metrics.stats import (
     FinishedRequest,
     HistogramLike,
     KVCacheStatsLike,
+    SpecDecodeStatsLike,
 )
 
 # where the engine's cached tokens came from (Request.cached_tokens_by_source) -> vLLM's CacheHitSource
@@ -105,6 +106,21 @@ class _EngineStatsCollector(Collector):
         if stats.pd_buffer is not None:
             yield from self._pd_buffer_metrics(stats)
         yield from self._exactness_counters(stats)
+        if stats.spec_decode is not None:
+            yield from self._spec_decode_counters(stats.spec_decode)
+
+    def _spec_decode_counters(self, spec: SpecDecodeStatsLike) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters: acceptance rate = accepted / draft tokens."""
+        labels = list(n.VLLM_LABELS)
+        for name, doc, value in (
+            (n.SPEC_DECODE_NUM_DRAFTS_TOTAL, "Number of spec decoding drafts.", spec.num_drafts),
+            (n.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, "Number of draft tokens.", spec.num_draft_tokens),
+            (n.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, "Number of accepted tokens.", spec.num_accepted_tokens),
+        ):
+            yield _counter(name, doc, labels, [(self._labels, value)])
+        per_position = [([*self._labels, str(pos)], value) for pos, value in enumerate(spec.accepted_per_position)]
+        yield _counter(n.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, "Accepted tokens per draft position.",
+                       [*labels, n.POSITION_LABEL], per_position)  # fmt: skip
 
     def _exactness_counters(self, stats: EngineStatsLike) -> Iterator[Metric]:
         """--verify-sample-rate's checks and mismatches, every path listed (zero until one happens)."""
