@@ -91,9 +91,11 @@ def decode_speed(client: httpx.Client, url: str, model: str, messages: list[dict
 
 
 def run_workload(url: str, model: str) -> dict[str, Any]:
-    with httpx.Client() as client:
-        decode_speed(client, url, model, [{"role": "user", "content": "Say hello."}])  # warm-up
-        runs = [decode_speed(client, url, model, messages) for messages in prompts()]
+    runs = []
+    for messages in [[{"role": "user", "content": "Say hello."}], *prompts()]:  # a warm-up first
+        with httpx.Client() as client:  # a connection each: llama-server may close an idle kept-alive one
+            runs.append(decode_speed(client, url, model, messages))
+    runs = runs[1:]
     return {
         "decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in runs),
         "decode_tok_s": [round(r["decode_tok_s"], 1) for r in runs],
@@ -147,10 +149,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (scripts/build_llama_server.sh)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speculative.json")
+    parser.add_argument("--logs", type=Path, help="keep the servers' logs here (default: a temporary folder)")
     args = parser.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        logs = Path(tmp)
+        logs = args.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         results["splitserve"] = run_splitserve("splitserve", [], logs, concurrent=True)
         for k in (3, 5):
             spec = json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
