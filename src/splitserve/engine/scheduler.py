@@ -179,7 +179,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, tokens: int, prefill_cap: int | None = None) -> int:
         budget = RunningBudget(tokens, prefill_cap)
-        for request in list(self.running):
+        running = list(self.running)
+        for index, request in enumerate(running):
             if budget.tokens == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -189,7 +190,9 @@ class Scheduler:
                 continue
             drafts: list[int] = []
             if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1:
-                drafts = request.spec_token_ids[: max(budget.tokens - num_new, 0)]
+                # drafts take only what leaves a token for each running request after this one
+                room = budget.tokens - num_new - (len(running) - index - 1)
+                drafts = request.spec_token_ids[: max(room, 0)]
             # drafts only where their blocks are free: they never preempt anyone
             if drafts and self.kv.allocate(request, num_new + len(drafts)):
                 fits, num_returned = True, 0
