@@ -181,12 +181,12 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
 
     @classmethod
-    def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
-        """``--speculative-config``'s JSON (or its dict); None or an empty text: no speculation."""
-        if text is None or (isinstance(text, str) and not text.strip()):
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """``--speculative-config``'s JSON; None or an empty text: no speculation."""
+        if text is None or not text.strip():
             return None
         try:
-            raw = json.loads(text) if isinstance(text, str) else dict(text)
+            raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not JSON: {e}") from None
         if not isinstance(raw, dict):
@@ -253,6 +253,8 @@ class SchedulerConfig:
     )
 
     def validate(self) -> None:
+        if self.speculative_config is not None:  # also checked as --speculative-config is parsed
+            self.speculative_config.validate()
         if not 0.0 <= self.verify_sample_rate <= 1.0:
             raise ValueError(f"--verify-sample-rate must be in [0, 1], got {self.verify_sample_rate}")
         if self.max_num_seqs < 1:

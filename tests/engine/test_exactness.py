@@ -36,9 +36,8 @@ QUESTIONS = {
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[Real]:
-    with smollm2_chats(QUESTIONS) as setup:
-        setup.answers = {k: answer(engine(setup), p) for k, p in setup.prompts.items()}
-        yield setup
+    with smollm2_chats(QUESTIONS, lambda chats, prompt: answer(engine(chats), prompt)) as chats:
+        yield chats
 
 
 def engine(real: Real, **kwargs: Any) -> LLMEngine:

@@ -3,7 +3,7 @@ quantized blocks in the native forward step), for the engine tests that need the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -42,9 +42,14 @@ class RealChats:
 
 
 @contextmanager
-def smollm2_chats(questions: dict[str, str]) -> Iterator[RealChats]:
-    """The real model with a worker's defaults on two threads, and ``questions`` as chat prompts."""
+def smollm2_chats(
+    questions: dict[str, str], reference: Callable[[RealChats, list[int]], list[int]]
+) -> Iterator[RealChats]:
+    """The real model with a worker's defaults on two threads, ``questions`` as chat prompts, and each prompt's
+    ``reference(chats, prompt)`` answer."""
     with torch_threads(2):
         model, tokenizer = smollm2_defaults()
         prompts = {k: tokenizer.apply_chat_template([{"role": "user", "content": q}]) for k, q in questions.items()}
-        yield RealChats(model, tokenizer, prompts, {})
+        chats = RealChats(model, tokenizer, prompts, {})
+        chats.answers = {k: reference(chats, p) for k, p in prompts.items()}
+        yield chats

@@ -5,7 +5,6 @@ Not thread-safe: every method must be called from one thread (``AsyncEngine`` ow
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -271,7 +270,7 @@ class LLMEngine:
             pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
             exactness_checks=dict(verifier.checks) if verifier is not None else {},
             exactness_mismatches=dict(verifier.mismatches) if verifier is not None else {},
-            spec_decode=copy.deepcopy(self.proposer.stats) if self.proposer is not None else None,
+            spec_decode=self.proposer.stats.snapshot() if self.proposer is not None else None,
         )
 
     def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

@@ -13,7 +13,7 @@ tokens appended since the last proposal, so a proposal costs a few dictionary lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.config import SpeculativeConfig
 
@@ -34,6 +34,10 @@ class SpecStats:
     num_draft_tokens: int = 0  # drafts computed
     num_accepted_tokens: int = 0  # drafts kept
     accepted_per_position: list[int] = field(default_factory=list)  # kept drafts by position in their run
+
+    def snapshot(self) -> SpecStats:
+        """A copy for the metrics thread (the engine goes on counting in this one)."""
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
 
 
 class NgramProposer:

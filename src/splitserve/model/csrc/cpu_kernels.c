@@ -332,16 +332,13 @@ static inline lane_mask lanes_below(__m512i n, int64_t t) { /* lanes whose count
 /* h[kk] for the KB keys k + kk * head_dim: leaf l of vsum_each's tree (chain l + chain l + 8, its halves step),
  * each chain dot_many's for that lane. qt: head_dim vectors, one per element. */
 SS_INLINE void lanes_leaf(const float *qt, const float *k, int head_dim, int l, vf *h) {
-    vf c[KB];
-    for (int kk = 0; kk < KB; kk++) c[kk] = vset1(0.f);
-    for (int d = l; d < head_dim; d += LANES)
-        for (int kk = 0; kk < KB; kk++) c[kk] = vfmadd(vloadf(qt + (int64_t)d * LANES), vset1(k[kk * head_dim + d]), c[kk]);
     vf e[KB];
-    for (int kk = 0; kk < KB; kk++) e[kk] = vset1(0.f);
+    for (int kk = 0; kk < KB; kk++) h[kk] = e[kk] = vset1(0.f);
+    for (int d = l; d < head_dim; d += LANES)
+        for (int kk = 0; kk < KB; kk++) h[kk] = vfmadd(vloadf(qt + (int64_t)d * LANES), vset1(k[kk * head_dim + d]), h[kk]);
     for (int d = l + 8; d < head_dim; d += LANES)
         for (int kk = 0; kk < KB; kk++) e[kk] = vfmadd(vloadf(qt + (int64_t)d * LANES), vset1(k[kk * head_dim + d]), e[kk]);
-    for (int kk = 0; kk < KB; kk++) c[kk] = vadd(c[kk], e[kk]);
-    for (int kk = 0; kk < KB; kk++) h[kk] = c[kk];
+    for (int kk = 0; kk < KB; kk++) h[kk] = vadd(h[kk], e[kk]);
 }
 
 /* The scores of KB keys: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)), reduce8's tree, into out[kk]. */
@@ -476,6 +473,13 @@ static SS_ONE_BODY void partition_lanes_bf16(const ss_partition *p, const float 
 static SS_ONE_BODY void partition_lanes_f32(const ss_partition *p, const float *const *qf, const void *k_cache,
                                             const void *v_cache, float *buf) {
     partition_lanes_body(p, qf, k_cache, v_cache, SS_F32, buf);
+}
+static inline void partition_lanes(const ss_partition *p, const float *const *qf, const void *k_cache,
+                                   const void *v_cache, int dtype, float *buf) {
+    if (dtype == SS_BF16)
+        partition_lanes_bf16(p, qf, k_cache, v_cache, buf);
+    else
+        partition_lanes_f32(p, qf, k_cache, v_cache, buf);
 }
 #endif
 
@@ -626,10 +630,7 @@ static void tile_item(const attention_call *a, thread_work *t, ss_partition *job
         job->kv1 = a->num_kv_heads;
 #if defined(SS_LANES_ATTENTION)
         if (t->lanes != NULL) { /* the rows as the vector lanes: the same bits */
-            if (a->dtype == SS_BF16)
-                partition_lanes_bf16(job, t->qf, a->k_cache, a->v_cache, t->lanes);
-            else
-                partition_lanes_f32(job, t->qf, a->k_cache, a->v_cache, t->lanes);
+            partition_lanes(job, t->qf, a->k_cache, a->v_cache, a->dtype, t->lanes);
             continue;
         }
 #endif

@@ -76,6 +76,21 @@ SS_HIDDEN int amx_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const 
                                void *y, int out_dtype, int64_t ldy, int threads);
 #endif
 
+#if defined(SS_AVX512)
+/* Two repacked groups side by side in one 512-bit vector, for the kernels that take 16 weight rows at once (the
+ * AMX tiles, the 512-bit VNNI tiles); b NULL (past the last group): zeros. */
+static inline __m512i join_groups(const uint8_t *a, const uint8_t *b) { /* 32 bytes of each group */
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)a);
+    const __m256i hi = b != NULL ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+static inline __m512 join_groups_f16(const uint16_t *a, const uint16_t *b) { /* RG fp16 of each group, as floats */
+    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
+    const __m128i hi = b != NULL ? _mm_loadu_si128((const __m128i *)b) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+#endif
+
 #if defined(SS_AVX512) && defined(SS_VNNI) && !defined(SS_AVXVNNI)
 #define SS_WIDE 1
 #define WIDE_MIN_ROWS 5

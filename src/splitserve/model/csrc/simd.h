@@ -47,12 +47,13 @@ typedef __m512 vf;
 static inline vf vload(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline void vstore(uint16_t *p, vf v) { /* round to nearest even (no NaN here: finite inputs) */
+static inline __m256i vto_bf16(vf v) { /* round to nearest even, as f32_to_bf16 (no NaN here: finite inputs) */
     __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
 }
+static inline void vstore(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, vto_bf16(v)); }
 #define vset1 _mm512_set1_ps
 #define vloadf _mm512_loadu_ps
 #define vstoref _mm512_storeu_ps

@@ -29,12 +29,6 @@ static void amx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-static inline __m512 amx_f16x16(const uint16_t *a, const uint16_t *b) { /* 8 fp16 from each group */
-    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
-    const __m128i hi = b != NULL ? _mm_loadu_si128((const __m128i *)b) : _mm_setzero_si128();
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-
 /* Block kb of groups ga and gb (gb may be NULL: zero codes) as one B tile of codes, with its 16 scales and
  * offsets. */
 static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int is_q8, int64_t kb, uint8_t codes[8][64],
@@ -43,12 +37,8 @@ static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int is_q8, in
         const group_q8 *a = (const group_q8 *)ga + kb, *b = gb != NULL ? (const group_q8 *)gb + kb : NULL;
         prefetch_ahead(a, sizeof *a);
         if (b != NULL) prefetch_ahead(b, sizeof *b);
-        for (int c = 0; c < 8; c++) {
-            const __m256i ra = _mm256_loadu_si256((const __m256i *)a->qs[c]);
-            const __m256i rb = b != NULL ? _mm256_loadu_si256((const __m256i *)b->qs[c]) : _mm256_setzero_si256();
-            _mm512_store_si512(codes[c], _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1));
-        }
-        *dw = amx_f16x16(a->d, b != NULL ? b->d : NULL);
+        for (int c = 0; c < 8; c++) _mm512_store_si512(codes[c], join_groups(a->qs[c], b != NULL ? b->qs[c] : NULL));
+        *dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
         *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-(float)Q8_OFFSET));
     } else {
         const __m512i low = _mm512_set1_epi8(0x0F);
@@ -56,14 +46,12 @@ static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int is_q8, in
         prefetch_ahead(a, sizeof *a);
         if (b != NULL) prefetch_ahead(b, sizeof *b);
         for (int v = 0; v < 4; v++) {
-            const __m256i ra = _mm256_loadu_si256((const __m256i *)a->qs[v]);
-            const __m256i rb = b != NULL ? _mm256_loadu_si256((const __m256i *)b->qs[v]) : _mm256_setzero_si256();
-            const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1);
+            const __m512i raw = join_groups(a->qs[v], b != NULL ? b->qs[v] : NULL);
             _mm512_store_si512(codes[v], _mm512_and_si512(raw, low));
             _mm512_store_si512(codes[v + 4], _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
         }
-        *dw = amx_f16x16(a->d, b != NULL ? b->d : NULL);
-        *mw = amx_f16x16(a->m, b != NULL ? b->m : NULL);
+        *dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
+        *mw = join_groups_f16(a->m, b != NULL ? b->m : NULL);
     }
 }
 

@@ -2,8 +2,8 @@
  * The quantized matmul for many activation rows on AVX-512 VNNI (../../quant.h): 512-bit dpbusd over two
  * repacked groups at once (16 weight rows per vector), for up to WIDE_ROWS activation rows per tile. A tile's
  * codes are unpacked once into a buffer and then serve every row tile, and each activation block's 4-byte chunks
- * are broadcast straight from memory into the dpbusd (an embedded broadcast), so a block costs each row 8
- * dpbusd and 4 float operations. The integers are those of the 256-bit group kernel (arch/x86/quant.c) and of
+ * are broadcast to every lane, so a block costs each row 8 dpbusd (and their broadcasts) and 4 float
+ * operations. The integers are those of the 256-bit group kernel (arch/x86/quant.c) and of
  * the AMX tiles, and each block's float work is theirs too, in the same order: acc += d_w d_x dot, then
  * acc += m_w s_x. So every row's result has the same bits whichever kernel computed it.
  *
@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "../../quant.h"
+#include "../../simd.h"
 
 #if defined(SS_AVX512) && defined(SS_VNNI) && !defined(SS_AVXVNNI)
 
@@ -24,18 +25,6 @@ typedef struct {
     __m512 dw, mw;
 } wide_block;
 
-static inline __m512i join(const uint8_t *a, const uint8_t *b) { /* 32 bytes of each group */
-    const __m256i lo = _mm256_loadu_si256((const __m256i *)a);
-    const __m256i hi = b != NULL ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-static inline __m512 join_f16(const uint16_t *a, const uint16_t *b) { /* 8 fp16 of each group */
-    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
-    const __m128i hi = b != NULL ? _mm_loadu_si128((const __m128i *)b) : _mm_setzero_si128();
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-
 /* Groups ga and gb (gb NULL: zero codes and scales) block by block into out[nb]. */
 static void wide_unpack(const uint8_t *ga, const uint8_t *gb, int is_q8, int64_t nb, wide_block *out) {
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -43,25 +32,26 @@ static void wide_unpack(const uint8_t *ga, const uint8_t *gb, int is_q8, int64_t
         wide_block *o = out + kb;
         if (is_q8) {
             const group_q8 *a = (const group_q8 *)ga + kb, *b = gb != NULL ? (const group_q8 *)gb + kb : NULL;
-            for (int c = 0; c < 8; c++) o->u[c] = join(a->qs[c], b != NULL ? b->qs[c] : NULL);
-            o->dw = join_f16(a->d, b != NULL ? b->d : NULL);
+            for (int c = 0; c < 8; c++) o->u[c] = join_groups(a->qs[c], b != NULL ? b->qs[c] : NULL);
+            o->dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
             o->mw = _mm512_mul_ps(o->dw, _mm512_set1_ps(-(float)Q8_OFFSET));
         } else {
             const group_q4 *a = (const group_q4 *)ga + kb, *b = gb != NULL ? (const group_q4 *)gb + kb : NULL;
             for (int v = 0; v < 4; v++) {
-                const __m512i raw = join(a->qs[v], b != NULL ? b->qs[v] : NULL);
+                const __m512i raw = join_groups(a->qs[v], b != NULL ? b->qs[v] : NULL);
                 o->u[v] = _mm512_and_si512(raw, low);
                 o->u[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
             }
-            o->dw = join_f16(a->d, b != NULL ? b->d : NULL);
-            o->mw = join_f16(a->m, b != NULL ? b->m : NULL);
+            o->dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
+            o->mw = join_groups_f16(a->m, b != NULL ? b->m : NULL);
         }
     }
 }
 
-typedef int32_t __attribute__((may_alias, aligned(1))) int32_any;
-static inline __m512i bcast4(const int8_t *p) { /* folds into the dpbusd as an embedded broadcast */
-    return _mm512_set1_epi32(*(const int32_any *)p);
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
 }
 
 /* `rows` activation rows (nb blocks each, consecutive) x the tile's 16 weight rows, into acc. Inlined into one
@@ -105,11 +95,7 @@ static inline void store_row(void *y, int out_dtype, int64_t base, __mmask16 kee
         _mm512_mask_storeu_ps((float *)y + base, keep, v);
         return;
     }
-    /* round to nearest even, as f32_to_bf16 (finite values) */
-    __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    _mm256_mask_storeu_epi16((uint16_t *)y + base, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    _mm256_mask_storeu_epi16((uint16_t *)y + base, keep, vto_bf16(v));
 }
 
 static void wide_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const block_q8a *xq, int64_t m,
