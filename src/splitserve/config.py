@@ -97,6 +97,10 @@ class ModelConfig:
     )
     tensor_parallel_size: int = setting(1, "Only 1 is supported (one engine per worker).")
     pipeline_parallel_size: int = setting(1, "Only 1 is supported (one engine per worker).")
+    chat_template: str | None = setting(
+        None, "A Jinja chat template in place of the model's own: a file, or the template itself (vLLM's "
+        "--chat-template). examples/chat_templates/chatml_tools.jinja gives a ChatML model tool calling.",
+    )  # fmt: skip
 
     def validate(self) -> None:
         for flag, size in (
@@ -477,6 +481,10 @@ class AccessConfig:
     )  # fmt: skip
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig(AccessConfig):
     """The worker's HTTP server."""
@@ -492,6 +500,18 @@ class ServerConfig(AccessConfig):
     max_tokens_limit: int | None = setting(
         None, "The most max_tokens a request may ask for, and what it gets when it sets none (default: the "
         "context left).",
+    )  # fmt: skip
+    tool_call_parser: str | None = setting(
+        None, "How tool calls are read from the model's output: hermes (<tool_call> JSON </tool_call>: Qwen, "
+        "Hermes, ChatML), llama3_json or mistral ([TOOL_CALLS]); default: the one the chat template writes.",
+    )  # fmt: skip
+    reasoning_parser: str | None = setting(
+        None, "Split the model's reasoning off its answer into reasoning_content: deepseek_r1 or qwen3 (text "
+        "up to </think>); default: none.",
+    )  # fmt: skip
+    max_logprobs: int = setting(
+        20, "The most log-probabilities a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), "
+        "as vLLM's --max-logprobs; -1: up to the vocabulary.",
     )  # fmt: skip
     max_queued_requests: int | None = setting(
         None, "Requests that may wait for their first token; past that, new ones get a 429 with Retry-After "
@@ -531,6 +551,14 @@ class ServerConfig(AccessConfig):
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got "
+                             f"{self.tool_call_parser!r}")  # fmt: skip
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got "
+                             f"{self.reasoning_parser!r}")  # fmt: skip
+        if self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"--shutdown-timeout must be at least 0, got {self.shutdown_timeout_s}")
         if self.log_level.lower() not in (*LOG_LEVELS, "trace"):

@@ -16,9 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from splitserve.config import PDDecision
+from tests.support.client_features import (
+    TOOLS_TEMPLATE_ARGS,
+    parse_person,
+    streamed_tool_calls,
+    tool_round_trip,
+)
 from tests.support.waiting import wait_until
 from tests.support.workers import RouterProcess, WorkerProcess
 
@@ -28,7 +35,7 @@ pytestmark = [
 ]
 
 FOX = "The quick brown fox jumps over the lazy dog. "
-COMMON = ["--num-threads", "1", "--max-model-len", "8192", "--max-num-seqs", "8"]
+COMMON = ["--num-threads", "1", "--max-model-len", "8192", "--max-num-seqs", "8", *TOOLS_TEMPLATE_ARGS]
 THRESHOLD = 256
 PD_DECISIONS = "splitserve:router_pd_decisions_total"
 
@@ -116,6 +123,35 @@ def test_a_long_prompt_is_disaggregated_with_the_colocated_output_on_both_decode
 def test_streaming_through_prefill_sends_the_first_token_then_the_rest(endpoint: Endpoint) -> None:
     prompt = FOX * 50 + "Then the dog"
     assert streamed_text(endpoint.router.url, prompt, 20) == text_of(endpoint.colocated.complete(prompt, 20))
+
+
+def test_logprobs_through_prefill_equal_the_colocated_ones_and_n_stays_on_decode(endpoint: Endpoint) -> None:
+    prompt = FOX * 40 + "And then"
+    reference = endpoint.colocated.complete(prompt, 24, logprobs=3).json()["choices"][0]["logprobs"]
+    before = endpoint.router.metric(PD_DECISIONS, path="disaggregated")
+    answer = endpoint.router.complete(prompt, 24, logprobs=3).json()["choices"][0]["logprobs"]
+    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") == before + 1
+    assert answer["tokens"] == reference["tokens"]  # the first one sampled on the prefill worker
+    assert all(abs(a - b) < 1e-5 for a, b in zip(answer["token_logprobs"], reference["token_logprobs"], strict=True))
+    choices = endpoint.router.complete(prompt, 24, n=2).json()["choices"]
+    assert [c["text"] for c in choices] == ["".join(reference["tokens"])] * 2  # greedy: both the same
+    assert "not disaggregated, n=2" in endpoint.router.logs()
+    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") == before + 1
+
+
+def test_structured_outputs_and_tool_calls_through_the_router_direct_and_disaggregated(endpoint: Endpoint) -> None:
+    client = openai.OpenAI(base_url=f"{endpoint.router.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    colocated = openai.OpenAI(base_url=f"{endpoint.colocated.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    long_question = FOX * 40 + "Now describe a person and their pets."  # past the threshold: through prefill
+    before = endpoint.router.metric(PD_DECISIONS, path="disaggregated")
+    assert parse_person(client, long_question, temperature=0) == parse_person(colocated, long_question, temperature=0)
+    parse_person(client, "Describe a person.", temperature=0)  # short: straight to a decode worker
+    weather = FOX * 40 + "What is the weather in Oslo?"
+    assert tool_round_trip(client, weather) == tool_round_trip(colocated, weather)  # the call on D after P's token
+    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") >= before + 3
+    streamed = streamed_tool_calls(client, weather)  # a streamed answer with tools stays on one worker
+    assert streamed == streamed_tool_calls(colocated, weather) and streamed[1] == "tool_calls"
+    assert "not disaggregated, a streamed answer with tools" in endpoint.router.logs()
 
 
 def test_the_reference_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) -> None:

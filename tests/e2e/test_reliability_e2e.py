@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import redis
 
@@ -152,6 +153,42 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
     # prompt's KV from the shared L2 tier, which the killed worker had saved
     assert survivor.metric("splitserve:kv_tier_hits_total", tier="redis") > 0
     assert survivor.metric("lmcache:num_hit_tokens_total") >= 32
+    pair.replace(pair.workers.index(killed[0]))
+
+
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"rows": {"type": "array", "minItems": 60, "maxItems": 60, "items": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "word": {"type": "string", "maxLength": 8}},
+        "required": ["n", "word"], "additionalProperties": False,
+    }}},
+    "required": ["rows"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_a_killed_workers_schema_constrained_stream_resumes_and_still_validates(pair: Pair) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "rows", "schema": LONG_SCHEMA}}
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "List sixty numbered words as JSON."}],
+            "max_tokens": 1500, "temperature": 0, "stream": True, "user": "schema-1",
+            "response_format": response_format}  # fmt: skip
+    reference = chat_text(stream_events(f"{pair.router.url}/v1/chat/completions", body))
+    jsonschema.validate(json.loads(reference), LONG_SCHEMA)
+    before = pair.router.metric(MIGRATIONS, outcome="resumed")
+    killed: list[WorkerProcess] = []
+
+    def kill_the_serving_worker(events: list[dict[str, Any] | str]) -> None:
+        if len(events) == 200 and not killed:  # mid-way through the rows
+            serving = [w for w in pair.workers if pair.in_flight_by_worker()[w.url] == 1]
+            serving[0].process.send_signal(signal.SIGKILL)
+            killed.append(serving[0])
+
+    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill_the_serving_worker)
+    assert killed, "the stream ended before the worker could be killed"
+    text = chat_text(events)
+    jsonschema.validate(json.loads(text), LONG_SCHEMA)  # the new worker's grammar went on from the tokens sent
+    assert text == reference and events[-1] == "[DONE]"
+    assert pair.router.metric(MIGRATIONS, outcome="resumed") == before + 1
     pair.replace(pair.workers.index(killed[0]))
 
 

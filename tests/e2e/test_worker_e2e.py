@@ -20,6 +20,12 @@ import httpx
 import openai
 import pytest
 
+from tests.support.client_features import (
+    TOOLS_TEMPLATE_ARGS,
+    parse_person,
+    streamed_tool_calls,
+    tool_round_trip,
+)
 from tests.support.workers import WorkerProcess
 
 pytestmark = [
@@ -33,7 +39,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 class Worker(WorkerProcess):
     def __init__(self, log_path: Path) -> None:
-        super().__init__(log_path, ["--max-model-len", "2048", "--max-num-seqs", "8"])
+        super().__init__(log_path, ["--max-model-len", "2048", "--max-num-seqs", "8", *TOOLS_TEMPLATE_ARGS])
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +108,17 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any] | bytes, int]] = [
     ("/v1/completions", {"model": "not-a-model", "prompt": "Hi"}, 404),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "surprise": 1}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "n": 2}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "n": 0}, 400),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+        },
+        400,
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "guided_regex": "a(b"}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * (17 << 20)}, 413),
 ]
 
@@ -115,6 +131,57 @@ def test_bad_input_is_a_client_error(worker: Worker, path: str, body: dict[str, 
         r = httpx.post(worker.url + path, json=body, timeout=60)
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_logprobs_name_the_greedy_tokens_and_n_choices_differ_reproducibly(client: openai.OpenAI) -> None:
+    reply = ask_chat(client, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content if reply.choices[0].logprobs else None
+    assert content is not None and "".join(t.token for t in content) == reply.choices[0].message.content
+    for token in content:  # greedy: each token is the most likely, and the top ones come most likely first
+        assert token.top_logprobs[0].token == token.token and token.logprob == token.top_logprobs[0].logprob
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+    sampled = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write about the sea."}],
+            max_tokens=24,
+            n=3,
+            seed=11,
+            temperature=1.0,
+        )
+        for _ in range(2)
+    ]
+    texts = [[c.message.content for c in reply.choices] for reply in sampled]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3  # seed + index per choice: reproducible and distinct
+    usage = sampled[0].usage
+    assert usage is not None and 3 <= usage.completion_tokens <= 3 * 24  # every choice's tokens
+
+
+def test_echoed_prompt_logprobs_in_the_shape_a_loglikelihood_harness_reads(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is Paris"
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    choice = reply.choices[0]
+    assert choice.text.startswith(prompt) and choice.logprobs is not None
+    tokens, values = choice.logprobs.tokens or [], choice.logprobs.token_logprobs or []
+    assert reply.usage is not None and len(tokens) == reply.usage.prompt_tokens + 1
+    assert "".join(tokens) == choice.text and values[0] is None and all(v is not None and v <= 0 for v in values[1:])
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    assert again.choices[0].logprobs is not None and again.choices[0].logprobs.token_logprobs == values  # not cached
+
+
+def test_the_sdks_parse_returns_a_parsed_object_greedy_and_sampled(client: openai.OpenAI) -> None:
+    person = parse_person(client, "Describe a person who lives in Oslo and their pets.", temperature=0)
+    assert person.city in ("Paris", "Rome", "Oslo", "Lima")
+    for seed in (1, 2):
+        parse_person(client, "Invent a person.", temperature=1.0, seed=seed)
+
+
+def test_a_tool_call_round_trip_and_its_stream_assemble_to_the_same_call(client: openai.OpenAI) -> None:
+    call, final = tool_round_trip(client, "What is the weather in Paris?")
+    assert call["name"] == "get_weather" and isinstance(call["arguments"].get("city"), str)
+    assert final  # the answer after the tool's result
+    streamed, finish = streamed_tool_calls(client, "What is the weather in Paris?")
+    assert streamed == [call] and finish == "tool_calls"
 
 
 def test_dropped_stream_is_aborted(worker: Worker) -> None:

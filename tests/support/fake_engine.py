@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.outputs import FinishReason, RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.outputs import FinishReason, RequestOutput, TokenLogprobs
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.engine.speculative import SpecStats
 from splitserve.metrics import CumulativeHistogram, RequestPhases
 from tests.support.workers import free_port
@@ -91,6 +91,7 @@ class FakeEngine:
     max_model_len: int = 128
     model_name: str = "fake-model"
     vocab_size: int = VOCAB_SIZE
+    kv_capacity_tokens: int = 4096
     step_delay_s: float = 0.0
     fail_on_step: bool = False
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
@@ -160,6 +161,10 @@ class FakeEngine:
         if reason is not None:
             del self.requests[request_id]
         text = "" if token == 0 or stop_reason is not None else chr(token)
+        params = req.params
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and req.num_output == 1:
+            prompt_logprobs = [None, *(_fake_logprobs(t, params.prompt_logprobs) for t in req.prompt_token_ids[1:])]
         return RequestOutput(
             request_id=request_id,
             new_token_ids=[token],
@@ -172,6 +177,8 @@ class FakeEngine:
             stop_reason=stop_reason,
             cached_tokens_by_source=(("engine", req.num_cached),),
             timing=_phases(req, now) if reason is not None else None,
+            new_logprobs=None if params.logprobs is None else [_fake_logprobs(token, params.logprobs)],
+            prompt_logprobs=prompt_logprobs,
         )
 
     def get_stats(self) -> FakeStats:
@@ -187,12 +194,23 @@ class FakeEngine:
         seen = max((len(ids) for ids in self.seen_prompts if prompt_token_ids[: len(ids)] == ids), default=0)
         return {"engine": min(seen, len(prompt_token_ids) - 1) // 4 * 4, "l1": 0, "l2": 0}
 
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Refuses a spec whose text is the word 'invalid' (the real engine compiles it with llguidance)."""
+        if spec.spec == "invalid":
+            raise ValueError("invalid is not a schema")
+
     def kv_transfer_info(self) -> dict[str, Any] | None:
         return None
 
     def close(self) -> None:
         self._called()
         self.is_closed = True
+
+
+def _fake_logprobs(token: int, k: int) -> TokenLogprobs:
+    """The token at -0.25 (rank 1), then the next ids at -1, -2, ... as its k most likely."""
+    top = tuple(((token + i) % VOCAB_SIZE, -0.25 if i == 0 else -float(i)) for i in range(k))
+    return TokenLogprobs(token, -0.25, 1, top)
 
 
 def _phases(req: _FakeRequest, now: float) -> RequestPhases:

@@ -215,6 +215,21 @@ class TestTheThresholdRule:
             "Conditional routing: estimated_tokens=255, threshold=256, disaggregate=False",
         ]
 
+    @pytest.mark.parametrize(
+        "extra", [{"n": 2}, {"best_of": 3}, {"prompt_logprobs": 0}, {"echo": True, "logprobs": 1}],
+        ids=["n", "best-of", "prompt-logprobs", "echo-logprobs"],
+    )  # fmt: skip
+    def test_several_sequences_or_the_prompts_logprobs_stay_on_the_decoder(
+        self, stack: list[TestClient], caplog: pytest.LogCaptureFixture, extra: dict[str, Any]
+    ) -> None:
+        transport = PDTransport({P: [], D: [decode_answer()]})
+        router, client = start(stack, transport, PDDecision.THRESHOLD)
+        with caplog.at_level(logging.INFO, "splitserve.router"):
+            complete(client, LONG, **extra)
+        assert [url for url, _ in transport.sent] == [f"{D}/v1/completions"]
+        assert paths(router) == {"direct": 1, "disaggregated": 0, "fallback": 0}
+        assert routing_lines(caplog)[0].startswith("Conditional routing: not disaggregated, ")
+
 
 class TestTheSetting:
     def test_threshold_is_the_default_and_cost_is_chosen_by_flag_or_environment(self) -> None:

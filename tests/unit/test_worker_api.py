@@ -299,8 +299,8 @@ class TestOpenAIClient:
     def test_errors_map_to_client_exceptions(self, client: openai.OpenAI) -> None:
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nope", prompt="Hi")
-        with pytest.raises(openai.BadRequestError, match="only n=1"):
-            client.completions.create(model=MODEL, prompt="Hi", n=2)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], top_logprobs=2)
 
 
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
@@ -320,19 +320,20 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("batched-prompt", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("token-out-of-range", "/v1/completions", {"prompt": [1, 99999], "max_tokens": 2}, 400, None),
     ("unknown-model", "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
-    ("n-2", "/v1/completions", {"prompt": "Hi", "n": 2}, 400, "n"),
-    ("logprobs", "/v1/completions", {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
-    ("echo", "/v1/completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
-    ("presence-penalty", "/v1/completions", {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("n-0", "/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+    ("n-past-the-kv-cache", "/v1/completions", {"prompt": "Hi", "n": 5000, "max_tokens": 100}, 400, "n"),
+    ("best-of-below-n", "/v1/completions", {"prompt": "Hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("best-of-streamed", "/v1/completions", {"prompt": "Hi", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("logprobs-past-the-limit", "/v1/completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
+    ("prompt-logprobs-negative", "/v1/completions", {"prompt": "Hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("presence-penalty", "/v1/completions", {"prompt": "Hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("repetition-penalty", "/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min-p", "/v1/completions", {"prompt": "Hi", "min_p": 1.5}, 400, "min_p"),
+    ("logit-bias-key", "/v1/completions", {"prompt": "Hi", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("logit-bias-value", "/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("logit-bias-token", "/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("bad-temperature", "/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
     ("bad-top-p", "/v1/completions", {"prompt": "Hi", "top_p": 0}, 400, "top_p"),
-    (
-        "json-format",
-        "/v1/completions",
-        {"prompt": "Hi", "response_format": {"type": "json_object"}},
-        400,
-        "response_format",
-    ),
     ("empty-messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("missing-messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
@@ -343,8 +344,39 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "messages",
     ),
-    ("chat-logprobs", "/v1/chat/completions", chat_body(logprobs=True), 400, "logprobs"),
-    ("chat-tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), 400, "tool_choice"),
+    ("schema-not-json", "/v1/chat/completions", chat_body(guided_json="{not json"), 400, "guided_json"),
+    (
+        "spec-not-compiling",
+        "/v1/completions",
+        {"prompt": "Hi", "structured_outputs": {"regex": "invalid"}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "two-constraints",
+        "/v1/completions",
+        {"prompt": "Hi", "guided_regex": "a", "guided_choice": ["b"]},
+        400,
+        "guided_choice",
+    ),
+    ("empty-choice", "/v1/completions", {"prompt": "Hi", "guided_choice": []}, 400, "guided_choice"),
+    (
+        "unknown-constraint",
+        "/v1/completions",
+        {"prompt": "Hi", "structured_outputs": {"ebnf": "x"}},
+        400,
+        "structured_outputs.ebnf",
+    ),
+    (
+        "response-format-type",
+        "/v1/chat/completions",
+        chat_body(response_format={"type": "structural_tag"}),
+        400,
+        "response_format",
+    ),
+    ("chat-top-logprobs-alone", "/v1/chat/completions", chat_body(top_logprobs=2), 400, "top_logprobs"),
+    ("chat-top-logprobs-limit", "/v1/chat/completions", chat_body(logprobs=True, top_logprobs=25), 400, "top_logprobs"),
+    ("chat-tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), 400, "tools"),
     (
         "chat-tools-unrendered",
         "/v1/chat/completions",
@@ -371,6 +403,68 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-absurd-max", "/v1/chat/completions", chat_body(max_completion_tokens=100000), 400, "max_tokens"),
     ("body-too-large", "/v1/completions", {"prompt": "x" * (BODY_LIMIT_BYTES + 10)}, 413, None),
 ]
+
+
+class TestChoicesAndLogprobs:
+    """n, best_of, logprobs, echo and prompt_logprobs in the shapes the official client parses (the fake engine
+    gives each token -0.25 and the next ids at -1, -2, ... as the most likely)."""
+
+    def test_n_choices_whole_and_streamed(self, client: openai.OpenAI) -> None:
+        whole = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=3
+        )
+        assert [c.index for c in whole.choices] == [0, 1, 2]
+        assert [c.message.content for c in whole.choices] == [REPLY[:4]] * 3
+        assert whole.usage is not None and whole.usage.completion_tokens == 12  # every choice's tokens
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, stream=True
+        )
+        texts: dict[int, str] = {}
+        finished = set()
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+                if choice.finish_reason is not None:
+                    finished.add(choice.index)
+        assert texts == {0: REPLY[:4], 1: REPLY[:4]} and finished == {0, 1}
+
+    def test_chat_logprobs_and_top_logprobs(self, client: openai.OpenAI) -> None:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True, top_logprobs=2
+        )
+        content = reply.choices[0].logprobs.content if reply.choices[0].logprobs else None
+        assert content is not None and [t.token for t in content] == list(REPLY[:3])
+        assert all(t.logprob == -0.25 and t.bytes == list(t.token.encode()) for t in content)
+        assert [(x.token, x.logprob) for x in content[0].top_logprobs] == [("P", -0.25), ("Q", -1.0)]
+        parts = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True, stream=True
+        )
+        streamed = [t.token for c in parts for ch in c.choices if ch.logprobs for t in ch.logprobs.content or []]
+        assert streamed == list(REPLY[:3])
+        plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert plain.choices[0].logprobs is None
+
+    def test_completion_logprobs_with_echo_as_a_loglikelihood_harness_reads_them(self, client: openai.OpenAI) -> None:
+        reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=1, echo=True)
+        choice = reply.choices[0]
+        assert choice.text == "Hi" + REPLY[:2]
+        logprobs = choice.logprobs
+        assert logprobs is not None
+        assert logprobs.tokens == ["H", "i", "P", "a"]
+        assert logprobs.token_logprobs == [None, -0.25, -0.25, -0.25]
+        assert logprobs.top_logprobs == [None, {"i": -0.25}, {"P": -0.25}, {"a": -0.25}]
+        assert logprobs.text_offset == [0, 1, 2, 3]
+        echoed = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True)
+        assert echoed.choices[0].text == "Hi" + REPLY[:2] and echoed.choices[0].logprobs is None
+
+    def test_best_of_answers_the_best_n_and_prompt_logprobs_come_by_token_id(self, http: httpx.Client) -> None:
+        body = {"prompt": "Hi", "max_tokens": 2, "n": 2, "best_of": 3, "prompt_logprobs": 1}
+        answer = http.post("/v1/completions", json=body).json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        assert answer["choices"][0]["logprobs"] is None  # ranked by logprobs, not asked for them
+        assert answer["choices"][0]["prompt_logprobs"] == [
+            None, {"105": {"logprob": -0.25, "rank": 1, "decoded_token": "i"}}
+        ]  # fmt: skip
 
 
 class TestBadRequests:

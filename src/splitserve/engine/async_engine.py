@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from splitserve.engine.outputs import FinishReason, RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.errors import SplitserveError
 from splitserve.metrics import FINISHED_ERROR, EngineStatsLike, FinishedRequest, WorkerMetrics
 from splitserve.model.tokenizer import TokenizerLike
@@ -49,6 +49,9 @@ class EngineCore(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def kv_capacity_tokens(self) -> int: ...  # the tokens the KV cache holds
+
+    @property
     def cache_config_info(self) -> Mapping[str, str]: ...  # the labels of vllm:cache_config_info
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
@@ -60,6 +63,8 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def get_stats(self) -> EngineStatsLike: ...
+
+    def check_structured(self, spec: StructuredOutput) -> None: ...  # any thread; ValueError when invalid
 
     def lookup_prefix(
         self, prompt_token_ids: list[int], cache_salt: str | None = None

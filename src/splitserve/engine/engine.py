@@ -23,9 +23,10 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model_runner import ModelRunner, RunnerOutput
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.speculative import NgramProposer, SpecStats
+from splitserve.engine.structured import Grammar, GrammarCompiler
 from splitserve.engine.verifier import ExactnessVerifier
 from splitserve.keys import kv_layout
 from splitserve.metrics import (
@@ -128,6 +129,7 @@ class LLMEngine:
         for connector in self.connectors:
             connector.register_kv_cache(self.runner.kv_cache, block_size)
         self.eos_token_ids = _eos_ids(tokenizer, model)
+        self.grammars = GrammarCompiler.for_tokenizer(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # requests with a tokenizer: text and stops
         self.kv_receiver = kv_receiver
@@ -145,6 +147,11 @@ class LLMEngine:
             self.max_model_len, self.runner.dtype, device,
         )  # fmt: skip
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The tokens the KV cache holds."""
+        return self.pool.num_blocks * self.kv.block_size
+
     def _num_blocks(self, config: EngineConfig, model: DecoderForCausalLM, device: torch.device) -> int:
         """The KV cache's blocks: the override, else what the memory budget holds; at least one longest request."""
         block_size = config.cache.block_size
@@ -160,11 +167,28 @@ class LLMEngine:
         """Queue a request. Raises ``ValueError`` for a client mistake (nothing is queued then)."""
         self._check_new_request(request_id, prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_ids)
+        request.grammar = self._grammar_for(request)
         if self.tokenizer is not None:
             stop, include = params.stop, params.include_stop_str_in_output
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, stop, include, prompt_token_ids)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output spec ahead of its request (any thread); ``ValueError`` when it is invalid."""
+        if self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        self.grammars.check(spec)
+
+    def _grammar_for(self, request: Request) -> Grammar | None:
+        """A request's place in its grammar: at the start, or past the tokens a resumed request made before."""
+        spec = request.params.structured
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        resumed = request.params.resumed_prompt_tokens
+        return self.grammars.grammar(spec, request.prompt_token_ids[resumed:] if resumed else ())
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV blocks; unknown or finished ids are ignored."""
@@ -198,6 +222,8 @@ class LLMEngine:
         for request in running:
             request.spec_token_ids = []
             if pause or request.num_output_tokens == 0 or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            if request.grammar is not None:  # a draft's row would need the mask after the drafts before it
                 continue
             # no draft past max_tokens or the model's length: those positions would never be kept
             room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
@@ -285,6 +311,11 @@ class LLMEngine:
             raise ValueError(f"kv_transfer_params.first_token_id must be below the vocabulary size {self.vocab_size}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -310,11 +341,14 @@ class LLMEngine:
             if request.is_shadow:
                 self._shadow_step(request, tokens[0] if tokens else None)
                 continue
+            request.prompt_logprobs.extend(ran.prompt_logprobs.get(request.request_id, ()))
             taken = None
+            first = False
             if tokens is not None:
                 if request.num_output_tokens == 0:
                     request.first_token_time = now
                     self.num_prompt_tokens += request.num_prompt_tokens
+                    first = True
                 request.last_token_time = now
                 taken = self._append_tokens(request, tokens)
                 # a stop before the last kept draft: the KV past the last token appended is of no use
@@ -324,7 +358,14 @@ class LLMEngine:
             for connector in self.connectors:
                 connector.save_completed_chunks(request, s.block_ids)
             if taken is not None:  # None: a prefill chunk that has not reached the end of the prompt yet
-                outputs.append(self._output_for(request, *taken))
+                output = self._output_for(request, *taken)
+                if request.params.logprobs is not None:
+                    entries = ran.logprobs.get(request.request_id, [])[: len(output.new_token_ids)]
+                    # the end-of-sequence or stop token that ended it has no text: its logprob goes with it
+                    output.new_logprobs = entries[:-1] if _ends_on_silent_token(request, output) else entries
+                if first and request.params.prompt_logprobs is not None:
+                    output.prompt_logprobs = [None, *request.prompt_logprobs]
+                outputs.append(output)
         self.iteration_tokens.observe(num_tokens)
         return outputs
 
@@ -346,6 +387,8 @@ class LLMEngine:
                 stop_str = detok.update(request.output_token_ids)
                 if stop_str is not None:
                     reason, stop_reason = FinishReason.STOP, stop_str
+            if reason is None and request.grammar is not None:  # after its text: a completing token is output
+                reason, stop_reason = _grammar_step(request.grammar, token)
             if reason is None and (
                 request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len
             ):
@@ -369,6 +412,7 @@ class LLMEngine:
             self._forget(request.request_id)
             shadow = self.verifier.shadow_for(request) if self.verifier is not None else None
             if shadow is not None:
+                shadow.grammar = self._grammar_for(shadow)
                 self.scheduler.add_shadow(shadow)
         return RequestOutput(
             request_id=request.request_id,
@@ -391,6 +435,8 @@ class LLMEngine:
         if token is None:
             return
         shadow.append_output_token(token)
+        if shadow.grammar is not None:
+            shadow.grammar.accept(token)
         if shadow.num_output_tokens >= shadow.params.max_tokens:
             self.scheduler.finish(shadow, FinishReason.LENGTH)
             assert self.verifier is not None
@@ -412,6 +458,25 @@ class LLMEngine:
         if token in params.stop_token_ids:
             return FinishReason.STOP, token
         return None, None
+
+
+def _ends_on_silent_token(request: Request, output: RequestOutput) -> bool:
+    """Whether the output's last token ended it without text: an EOS, or the stop token id that stopped it."""
+    if output.finish_reason != FinishReason.STOP or not output.new_token_ids:
+        return False
+    last = output.new_token_ids[-1]
+    if isinstance(output.stop_reason, int):
+        return last == output.stop_reason
+    return output.stop_reason is None and last in request.eos_token_ids and not request.params.ignore_eos
+
+
+def _grammar_step(grammar: Grammar, token: int) -> tuple[FinishReason | None, str | None]:
+    """Consume a constrained request's token: it ends when its output is complete (``stop``), or when the token
+    breaks the grammar, which only a grammar engine fault can cause (``abort``, the error as the stop reason)."""
+    if not grammar.accept(token):
+        logger.warning("structured output ended by a grammar error: %s", grammar.error)
+        return FinishReason.ABORT, f"grammar error: {grammar.error.splitlines()[0] if grammar.error else ''}"
+    return (FinishReason.STOP, None) if grammar.is_finished else (None, None)
 
 
 def _timing(request: Request) -> RequestPhases:

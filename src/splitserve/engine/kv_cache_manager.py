@@ -47,8 +47,8 @@ class KVCacheManager:
         At least one token must be computed to produce logits, so a fully cached prompt matches one block
         less. Does not count in ``stats`` (a request may be looked up again while it waits for blocks).
         """
-        if not self.pool.enable_caching:
-            return []
+        if not self.pool.enable_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs: every prompt position's logits are computed
         hashes = request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         found: list[KVBlock] = []
@@ -70,7 +70,9 @@ class KVCacheManager:
         num_tokens = request.num_tokens
         last = (num_tokens - 1) // self.block_size
         start = last * self.block_size
-        if not self.pool.enable_caching or num_cached_blocks != last or num_tokens - start < 2:
+        if not self.pool.enable_caching or request.params.prompt_logprobs is not None:
+            return None
+        if num_cached_blocks != last or num_tokens - start < 2:
             return None
         hashes = request.update_block_hashes(self.block_size)
         if num_tokens - start == self.block_size:

@@ -8,12 +8,14 @@ pass; the engine rolls it back (``Scheduler.finish_loads``).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.engine.connector import KVLoad, LoadedTokens, token_slots
-from splitserve.engine.sampler import Sampler
+from splitserve.engine.outputs import TokenLogprobs
+from splitserve.engine.sampler import Sampler, gather_logprobs
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.speculative import accept
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 # attention in the native decode kernel, query by query, reading the blocks in place: at 3,000 tokens of
 # context it takes 0.15 ms per layer for one query against 0.85 ms for SDPA with its gather; they meet near 8.
 SHORT_CHUNK_TOKENS = 4
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: the logits of this many positions at a time ([rows, vocab] float32)
 
 
 def _is_decode(s: ScheduledRequest) -> bool:
@@ -48,6 +51,10 @@ class StepInputs:
     # the N draws, in sample_indices order: the request, and how many tokens past its next one the draw is (a
     # verification step draws after its last token and after each of its drafts)
     sampled: list[tuple[ScheduledRequest, int]]
+    # params.prompt_logprobs: the token index of each prompt position whose next token's logprobs are gathered,
+    # and for each, its request and the position
+    prompt_indices: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -55,6 +62,9 @@ class RunnerOutput:
     """What one ``execute`` did: the tokens sampled, and what each KV load copied."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> its new tokens (drafts verified)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # their logprobs, if the request asks
+    # params.prompt_logprobs: request id -> the entries of the prompt positions computed this step, in order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     loaded: dict[str, LoadedTokens] = field(default_factory=dict)  # request id -> its load's result
     skipped: set[str] = field(default_factory=set)  # requests left out of the pass: their load came up short
 
@@ -85,6 +95,7 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         model.bind_kv_cache(self.kv_cache, block_size)
         self.sampler = Sampler(seed)
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         self._offsets = torch.arange(block_size, device=device)
 
     @torch.inference_mode()
@@ -101,18 +112,56 @@ class ModelRunner:
         if not scheduled:
             return out
         inputs = self.prepare(scheduled)
+        masks = self._start_masks(inputs)  # computed while the forward pass runs
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.prompt_rows:
+            self._prompt_logprobs(hidden, inputs, out)
         if inputs.sampled:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            tokens = self.sampler(logits, [s.request for s, _ in inputs.sampled], [j for _, j in inputs.sampled])
+            requests = [s.request for s, _ in inputs.sampled]
+            drafts = [s.draft_token_ids[:j] for s, j in inputs.sampled]
+            bitmasks = masks.result() if masks is not None else None
+            draws = self.sampler(logits, requests, [j for _, j in inputs.sampled], drafts, bitmasks)
             drawn: dict[str, list[int]] = {}
-            for (s, _), token in zip(inputs.sampled, tokens, strict=True):
+            logprobs: dict[str, list[TokenLogprobs | None]] = {}
+            for (s, _), token, entry in zip(inputs.sampled, draws.tokens, draws.logprobs, strict=True):
                 drawn.setdefault(s.request.request_id, []).append(token)
+                logprobs.setdefault(s.request.request_id, []).append(entry)
             for s, j in inputs.sampled:
                 if j == 0:
                     rid = s.request.request_id
-                    out.sampled[rid] = accept(s.draft_token_ids, drawn[rid]) if s.draft_token_ids else drawn[rid]
+                    kept = accept(s.draft_token_ids, drawn[rid]) if s.draft_token_ids else drawn[rid]
+                    out.sampled[rid] = kept
+                    if s.request.params.logprobs is not None:
+                        out.logprobs[rid] = [e for e in logprobs[rid][: len(kept)] if e is not None]
         return out
+
+    def _start_masks(self, inputs: StepInputs) -> Future[torch.Tensor] | None:
+        """The token bitmasks of the step's constrained draws ([draws, words] int32), on the mask thread; None when
+        no draw is constrained. Each grammar is where the tokens so far left it (the engine consumed them)."""
+        rows = [(k, s.request.grammar) for k, (s, _) in enumerate(inputs.sampled) if s.request.grammar is not None]
+        if not rows:
+            return None
+        words = (self.model.config.vocab_size + 31) // 32
+
+        def fill() -> torch.Tensor:
+            masks = torch.full((len(inputs.sampled), words), -1, dtype=torch.int32)
+            for k, grammar in rows:
+                grammar.fill_mask(masks[k])
+            return masks
+
+        return self._mask_thread.submit(fill)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: RunnerOutput) -> None:
+        """Each prompt position's logits, a slice of positions at a time, and its next prompt token's logprobs."""
+        for start in range(0, len(inputs.prompt_rows), PROMPT_LOGITS_ROWS):
+            rows = inputs.prompt_rows[start : start + PROMPT_LOGITS_ROWS]
+            indices = torch.tensor(inputs.prompt_indices[start : start + PROMPT_LOGITS_ROWS], device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[indices]).float().cpu(), dim=-1)
+            next_ids = torch.tensor([s.request.prompt_token_ids[p + 1] for s, p in rows])
+            ks = [s.request.params.prompt_logprobs or 0 for s, _ in rows]
+            for (s, _), entry in zip(rows, gather_logprobs(logprobs, next_ids, ks), strict=True):
+                out.prompt_logprobs.setdefault(s.request.request_id, []).append(entry)
 
     def _load_kv(self, loads: list[KVLoad]) -> dict[str, LoadedTokens]:
         """Each load by its source connector; one that raises loaded nothing (a bug there never kills the engine)."""
@@ -145,7 +194,15 @@ class ModelRunner:
         sample_indices = [i for i, s in enumerate(decodes) if s.completes_prompt]
         sampled = [(s, 0) for s in decodes if s.completes_prompt]
         offset = len(decodes)
+        prompt_indices: list[int] = []
+        prompt_rows: list[tuple[ScheduledRequest, int]] = []
         for s in prefills:
+            if s.request.params.prompt_logprobs is not None:  # positions not gathered yet, before the last
+                first = s.request.num_computed_tokens
+                end = min(first + s.num_new_tokens, s.request.num_prompt_tokens - 1)
+                positions_left = range(max(first, len(s.request.prompt_logprobs)), end)
+                prompt_indices.extend(offset + p - first for p in positions_left)
+                prompt_rows.extend((s, p) for p in positions_left)
             num_ctx = s.request.num_computed_tokens + s.num_new_tokens
             context_slots = self._context_slots(s.block_ids, num_ctx)
             chunk = PrefillChunk(s.num_new_tokens, context_slots, num_ctx)
@@ -166,6 +223,8 @@ class ModelRunner:
             meta=meta,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=self.device),
             sampled=sampled,
+            prompt_indices=prompt_indices,
+            prompt_rows=prompt_rows,
         )
 
     def _step_rows(

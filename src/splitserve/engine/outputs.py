@@ -12,6 +12,18 @@ if TYPE_CHECKING:
     from splitserve.protocol.kv_transfer import KVTransferResult
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token's log-probability, its rank in the vocabulary (how many tokens are at least as likely, itself
+    included, as vLLM counts: 1 is the most likely), and the ``k`` most likely tokens with theirs, most likely
+    first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
@@ -41,3 +53,6 @@ class RequestOutput:
     timing: RequestPhases | None = None  # on the last output of a request the engine finished
     # on the last output of a prefill-role request: the push of its KV to the decode worker
     kv_transfer_result: Future[KVTransferResult] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # params.logprobs: one per token of new_token_ids
+    # params.prompt_logprobs, on the request's first output: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-from splitserve.engine.outputs import FinishReason
+from splitserve.engine.outputs import FinishReason, TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.keys import hash_blocks, salt_root
+
+if TYPE_CHECKING:
+    from splitserve.engine.structured import Grammar
 
 
 class RequestStatus(StrEnum):
@@ -41,6 +45,9 @@ class Request:
     # draft tokens to follow all_token_ids, verified by the next step (``engine.speculative``); [] when none
     spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # params.prompt_logprobs: entry p is prompt token p + 1's, from the logits at position p
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    grammar: Grammar | None = None  # params.structured: where the output is in its grammar (``engine.structured``)
     # a cold recompute of a finished request, checked against it (``engine.verifier``): no cached or loaded KV,
     # nothing published or saved, admitted only when no client request waits, its output sent to nobody
     is_shadow: bool = False

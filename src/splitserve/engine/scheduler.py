@@ -22,7 +22,9 @@ copies KV. A load that came up short anyway is rolled back after the step (``fin
 computes from where its KV really ends.
 
 A connector may answer that it is still fetching a request's KV (from L2, on its own thread): that request
-keeps its place at the front of the queue, and the ones behind it are admitted meanwhile.
+keeps its place at the front of the queue, and the ones behind it are admitted meanwhile. So does a request
+whose next uncached block a running request is computing now (the same prompt sent n times, or by many users
+at once): it starts once that block is cached, and the prompt is computed once.
 
 Shadow requests (``engine.verifier``: a cold recompute of a finished request, to check it) wait in a queue of
 their own and are admitted one at a time, only when no other request waits, with no cached or loaded KV. When a
@@ -115,7 +117,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._held_back = False  # this step: a running prompt got less than it could, for a short request
         self.num_preemptions = 0
-        self.num_deferred = 0  # waiting requests the last admission passed over: the connector is fetching their KV
+        # waiting requests the last admission passed over: a connector is fetching their KV, or a running request
+        # is computing their next block
+        self.num_deferred = 0
+        self._in_flight: set[int] = set()  # this admission's ``_blocks_in_flight``
 
     @property
     def num_unfinished(self) -> int:
@@ -241,6 +246,7 @@ class Scheduler:
         over. ``whole_only`` (a running prompt was held back for them): only requests whose prompt fits whole.
         Returns the budget left."""
         fetching: list[Request] = []
+        self._in_flight = self._blocks_in_flight()
         try:
             return self._admit(out, budget, fetching, whole_only)
         finally:
@@ -251,6 +257,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
+            if self._in_flight and self._next_block_in_flight(request, len(cached)):
+                fetching.append(self.waiting.popleft())
+                continue
             num_cached = len(cached) * self.kv.block_size
             found = self._find_external(request, num_cached)
             if found is None:
@@ -282,6 +291,21 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
         return budget
+
+    def _blocks_in_flight(self) -> set[int]:
+        """The hashes of the full prompt blocks running requests have still to compute (with prefix caching)."""
+        if not self.kv.pool.enable_caching:
+            return set()
+        size = self.kv.block_size
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens and not r.is_shadow
+                for h in r.block_hashes[r.num_computed_tokens // size : r.num_prompt_tokens // size]}  # fmt: skip
+
+    def _next_block_in_flight(self, request: Request, num_cached_blocks: int) -> bool:
+        """Whether the block after the request's cached ones is being computed by a running request."""
+        if request.params.prompt_logprobs is not None:  # reads no cache
+            return False
+        hashes = request.block_hashes  # find_cached_prefix brought them up to date
+        return num_cached_blocks < len(hashes) and hashes[num_cached_blocks] in self._in_flight
 
     def _start_past_cached(
         self,
@@ -315,7 +339,10 @@ class Scheduler:
 
     def _find_external(self, request: Request, num_cached: int) -> tuple[int, KVConnectorBase | None] | None:
         """The tokens past ``num_cached`` the first connector offering any can load, and that connector (the
-        source); ``(0, None)`` when none offers; None while one asked first is still fetching."""
+        source); ``(0, None)`` when none offers (or the request wants its prompt's logprobs, so computes it);
+        None while one asked first is still fetching."""
+        if request.params.prompt_logprobs is not None:
+            return 0, None
         for connector in self.connectors:
             num = connector.num_external_tokens(request, num_cached)
             if num is None:

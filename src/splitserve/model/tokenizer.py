@@ -192,6 +192,15 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt, tools)
         return list(self._hf.encode(text, add_special_tokens=False))
 
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (Jinja) instead of the model's own."""
+        self._hf.chat_template = template
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._hf.chat_template
+        return template if isinstance(template, str) else None
+
     # ----------------------------------------------------------------------------------------- properties
 
     @property
@@ -212,6 +221,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return len(self._hf)
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: the file's text when ``value`` names a file, else ``value`` itself (a template has
+    ``{{`` or ``{%``); ``ValueError`` for a path that does not exist."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def load_tokenizer(model: str | ModelSource, cache_dir: Path | None = None) -> Tokenizer:

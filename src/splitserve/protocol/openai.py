@@ -42,15 +42,57 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
     return counts
 
 
+# ---- log-probabilities ----------------------------------------------------------------------------------------
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text as UTF-8
+
+
+class ChatTokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]  # the most likely tokens at this position, most likely first
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(TypedDict):
+    """The legacy shape: parallel lists; ``top_logprobs`` maps the most likely tokens' text (and the chosen
+    one's) to their logprobs; an echoed prompt's first token has None for both."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text starts in the choice's text (streamed: in the whole text)
+
+
+class PromptLogprob(TypedDict):
+    """vLLM's ``prompt_logprobs`` entry for one token id (the prompt's own token and the most likely ones)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # one per prompt token, None for the first
+
+
 # ---- completions: /v1/completions answers the same object whole and streamed ---------------------------------
 
 
 class CompletionChoice(TypedDict):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
     stop_reason: StopReason
+    prompt_logprobs: NotRequired[PromptLogprobs]  # vLLM's, when asked
     # return_token_ids: the prompt's (first chunk only, when streaming) and the output's, as vLLM puts them
     prompt_token_ids: NotRequired[list[int]]
     token_ids: NotRequired[list[int]]
@@ -73,9 +115,14 @@ def completion_choice(
     *,
     prompt_token_ids: list[int] | None = None,
     token_ids: list[int] | None = None,
+    index: int = 0,
+    logprobs: CompletionLogprobs | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> CompletionChoice:
-    choice: CompletionChoice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+    choice: CompletionChoice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                                 "stop_reason": stop_reason}  # fmt: skip
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
     if prompt_token_ids is not None:
         choice["prompt_token_ids"] = prompt_token_ids
     if token_ids is not None:
@@ -102,15 +149,28 @@ def completion(
 # ---- chat completions -------------------------------------------------------------------------------------
 
 
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is tool calls only
+    reasoning_content: NotRequired[str | None]  # --reasoning-parser: the text up to </think>
+    tool_calls: NotRequired[list[ToolCall]]
 
 
 class ChatChoice(TypedDict):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: StopReason
     token_ids: NotRequired[list[int]]  # return_token_ids
@@ -124,14 +184,29 @@ class ChatCompletion(TypedDict):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: NotRequired[list[int]]  # return_token_ids
+    prompt_logprobs: NotRequired[PromptLogprobs]  # vLLM's, when asked
     kv_transfer_params: NotRequired[dict[str, Any]]  # the prefill role's report of its push
 
 
 def chat_choice(
-    content: str, finish_reason: FinishReason = None, stop_reason: StopReason = None, token_ids: list[int] | None = None
+    content: str | None,
+    finish_reason: FinishReason = None,
+    stop_reason: StopReason = None,
+    token_ids: list[int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: ChatLogprobs | None = None,
+    tool_calls: list[ToolCall] | None = None,
+    reasoning: str | None = None,
 ) -> ChatChoice:
-    choice: ChatChoice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                          "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
+    """``content`` None: tool calls only. ``reasoning``: set only with a reasoning parser."""
+    message: AssistantMessage = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice: ChatChoice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}  # fmt: skip
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
@@ -145,12 +220,15 @@ def chat_completion(
     usage: Usage,
     *,
     prompt_token_ids: list[int] | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> ChatCompletion:
     answer: ChatCompletion = {"id": id, "object": "chat.completion", "created": created, "model": model,
                               "choices": choices, "usage": usage}  # fmt: skip
     if prompt_token_ids is not None:
         answer["prompt_token_ids"] = prompt_token_ids
+    if prompt_logprobs is not None:
+        answer["prompt_logprobs"] = prompt_logprobs
     if kv_transfer_params is not None:
         answer["kv_transfer_params"] = kv_transfer_params
     return answer
@@ -161,12 +239,14 @@ class ChatDelta(TypedDict, total=False):
 
     role: Literal["assistant"]
     content: str
+    reasoning_content: str  # --reasoning-parser
+    tool_calls: list[dict[str, Any]]  # deltas: a call's index, id, type and name first, then its arguments
 
 
 class ChatChunkChoice(TypedDict):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     token_ids: NotRequired[list[int]]  # return_token_ids
 
@@ -191,9 +271,14 @@ def chat_delta(text: str, finish_reason: FinishReason = None, *, role: bool = Fa
 
 
 def chat_chunk_choice(
-    delta: ChatDelta, finish_reason: FinishReason = None, token_ids: list[int] | None = None
+    delta: ChatDelta,
+    finish_reason: FinishReason = None,
+    token_ids: list[int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: ChatLogprobs | None = None,
 ) -> ChatChunkChoice:
-    choice: ChatChunkChoice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice: ChatChunkChoice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice

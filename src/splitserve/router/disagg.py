@@ -29,6 +29,13 @@ Per request (``Disaggregator.proxy``):
    streaming client gets the first token from P's answer at once; D then streams the rest
    (``skip_first_token``). If P fails, D computes the prompt itself: slower, never an error.
 
+A request that disaggregation would answer differently goes to D as to a colocated worker (the log says
+why): several sequences (``n`` or ``best_of`` above 1), which would all start with P's one first token, and
+a request for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``), which computes its whole
+prompt wherever it runs, and a streamed one with tools, whose tool-call deltas come from reading the whole output.
+A schema, regex or grammar goes through as it is: P draws the first token within it, and D's grammar starts by
+taking that token.
+
 Streams are followed for migration as colocated ones are (``router/migrate.py``), on every path: when D dies
 mid-stream, another decode worker goes on from the prompt and the tokens generated so far (the first one, P's,
 included), computing them itself or loading them from L2.
@@ -176,7 +183,10 @@ class Disaggregator:
         prefillers = [w for w in self.prefill_pool() if w.is_routable]
         prefill: Decision | None = None
         costs: PDCosts | None = None
-        if decode.uncached_tokens >= self.threshold and prefillers:
+        colocated = kept_colocated(call.body)
+        if colocated is not None and decode.uncached_tokens >= self.threshold and prefillers:
+            logger.info("Conditional routing: not disaggregated, %s", colocated)
+        elif decode.uncached_tokens >= self.threshold and prefillers:
             prefill = self.prefill_policy.select(call.routing, prefillers)
             prefill = replace(prefill, uncached_tokens=max(0, estimated - prefill.matched_tokens))
         if prefill is not None and self.decision == PDDecision.COST:
@@ -267,6 +277,18 @@ class Disaggregator:
         if call.routing.token_ids is not None:
             return len(call.routing.token_ids)
         return len(json.dumps(call.body.get("messages") or call.body.get("prompt") or "")) // CHARS_PER_TOKEN
+
+
+def kept_colocated(body: dict[str, Any]) -> str | None:
+    """Why a request is not disaggregated whatever its length (None: it may be)."""
+    for name in ("n", "best_of"):
+        if isinstance(body.get(name), int) and body[name] > 1:
+            return f"{name}={body[name]}: every sequence draws its own first token"
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        return "the prompt's logprobs are asked for: the prompt is computed where the answer is"
+    if body.get("stream") and body.get("tools") and body.get("tool_choice") != "none":
+        return "a streamed answer with tools: its calls are read from the whole output on one worker"
+    return None
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:

@@ -27,7 +27,10 @@ What it guarantees:
 Disaggregated streams migrate too (``router/disagg.py``): the tracker follows the decode worker's stream,
 whose first chunk carries the prefill worker's first token's id, and counts that token's text as sent.
 
-Not migrated: ``n`` > 1, logprobs and ``echo``; those end with an error event as before.
+A constrained output (a JSON schema, regex, choice or grammar) migrates with its constraint: the new worker's
+grammar first takes the tokens already sent (``engine/structured.py``), so the output stays valid.
+
+Not migrated: ``n`` > 1, logprobs, ``echo`` and tool calls; those end with an error event as before.
 """
 
 from __future__ import annotations
@@ -44,17 +47,21 @@ from splitserve.protocol.openai import sse_event, text_chunk
 CARRIED_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "user", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "cache_salt",
+    "repetition_penalty", "logit_bias", "cache_salt", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar",
 )  # fmt: skip
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover held-back text
 
 
 def is_migratable(path: str, body: dict[str, Any]) -> bool:
-    """A streamed request the router can resume elsewhere: one choice, no logprobs, no echo."""
+    """A streamed request the router can resume elsewhere: one choice, no logprobs, no echo, no tool calls (their
+    deltas are not text). A schema, regex or grammar resumes: the new worker's grammar takes the tokens sent."""
     if body.get("stream") is not True or not path.endswith(("/v1/completions", "/v1/chat/completions")):
         return False
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("echo"):
+        return False
+    if body.get("tools") and body.get("tool_choice") != "none":
         return False
     return not (body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"))
 

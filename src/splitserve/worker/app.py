@@ -65,7 +65,10 @@ def build_app(
     caches hold) is served at ``GET /kv/events``; without it that route is a 404."""
     config = config or ServerConfig()
     draining = draining or threading.Event()
-    serving = OpenAIServing(engine, config.max_tokens_limit, draining, config.cluster_secret)
+    serving = OpenAIServing(
+        engine, config.max_tokens_limit, draining, config.cluster_secret, config.max_logprobs,
+        config.tool_call_parser, config.reasoning_parser,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

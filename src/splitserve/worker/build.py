@@ -16,7 +16,7 @@ from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, kv_cache_layout, resolve_device, set_cpu_threads
 from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
 from splitserve.model.source import resolve_model
-from splitserve.model.tokenizer import load_tokenizer
+from splitserve.model.tokenizer import load_tokenizer, read_chat_template
 from splitserve.protocol.kv_events import KVEventSink
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def build_engine(
     if quantized:
         logger.info("matmuls use %s", quantized)
     tokenizer = load_tokenizer(source)
+    if config.model.chat_template is not None:
+        tokenizer.set_chat_template(read_chat_template(config.model.chat_template))
     name = config.model.served_model_name or config.model.model
     layout = kv_cache_layout(model, config.cache.block_size)
     connectors: list[KVConnectorBase] = []

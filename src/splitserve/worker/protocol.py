@@ -2,22 +2,24 @@
 (models, tokenize, KV lookup); completions and chat completions answer with ``splitserve.protocol.openai``.
 
 Requests accept every field the official ``openai`` client sends for completions and chat completions, plus
-vLLM's extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``cache_salt``) and ``kv_transfer_params`` (disaggregated prefill/decode).
-Unknown fields are a validation error naming the field. Fields that are accepted but unsupported with a
-non-default value (``n`` > 1, logprobs, echo, penalties, JSON response formats, tool calling, ...) are refused
-by ``unsupported_reason()`` with a message the server returns as a 400. Tool-call messages (``tool_calls``,
+vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``prompt_logprobs``, ``cache_salt``) and ``kv_transfer_params`` (disaggregated
+prefill/decode). Unknown fields are a validation error naming the field. Fields that are accepted but
+unsupported with a non-default value (``suffix``, other modalities, ...) are refused by
+``unsupported_reason()`` with a message the server returns as a 400. Tool-call messages (``tool_calls``,
 ``tool_call_id``, ``name``) reach the chat template, which must render them (else a 400, never a silent drop).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.engine.sampling_params import StructuredKind, StructuredOutput
 from splitserve.keys import MAX_CACHE_SALT_CHARS
 
 
@@ -47,8 +49,30 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
+class JSONSchemaFormat(_Open):
+    """``response_format.json_schema``: the schema the output follows (``strict`` is accepted: the grammar makes
+    every output follow the schema anyway)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Open):
     type: str = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Strict):
@@ -82,6 +106,12 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool | None = False  # vLLM's: token ids beside the text (a router's stream migration uses them)
     cache_salt: CacheSalt | None = None  # vLLM's: cached prefixes are shared only among requests with the same salt
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many most likely tokens'
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's; and its older guided_* fields:
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # disaggregated prefill/decode: the router's signed transfer instructions (a worker with a secret checks them)
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -89,6 +119,38 @@ class _SamplingFields(_Strict):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """The one constraint on the output and the field that set it, or None; ``ValueError`` naming the
+        field when two are given or one is malformed (a schema that is not JSON, an empty choice list)."""
+        given: list[tuple[str, StructuredKind, Any]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", StructuredKind.JSON_OBJECT, None))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+            given.append(("response_format", StructuredKind.JSON if schema is not None else StructuredKind.JSON_OBJECT,
+                          schema))  # fmt: skip
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in ((StructuredKind.JSON, so.json_), (StructuredKind.REGEX, so.regex),
+                                (StructuredKind.CHOICE, so.choice), (StructuredKind.GRAMMAR, so.grammar)):  # fmt: skip
+                if value is not None:
+                    given.append(("structured_outputs", kind, value))
+            if so.json_object:
+                given.append(("structured_outputs", StructuredKind.JSON_OBJECT, None))
+        for name, kind, value in (("guided_json", StructuredKind.JSON, self.guided_json),
+                                  ("guided_regex", StructuredKind.REGEX, self.guided_regex),
+                                  ("guided_choice", StructuredKind.CHOICE, self.guided_choice),
+                                  ("guided_grammar", StructuredKind.GRAMMAR, self.guided_grammar)):  # fmt: skip
+            if value is not None:
+                given.append((name, kind, value))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]}: give one constraint on the output, got {len(given)}")
+        name, kind, value = given[0]
+        return name, StructuredOutput(kind, _spec_text(name, kind, value))
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -100,12 +162,6 @@ class _SamplingFields(_Strict):
     def unsupported_reason(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first field set to a value we do not support, else None."""
         checks: list[tuple[bool, str, str]] = [
-            (self.n not in (None, 1), "n", "only n=1 is supported"),
-            (bool(self.presence_penalty), "presence_penalty", "presence_penalty is not supported (use 0)"),
-            (bool(self.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported (use 0)"),
-            (self.repetition_penalty not in (None, 1.0), "repetition_penalty", "repetition_penalty is not supported"),
-            (bool(self.logit_bias), "logit_bias", "logit_bias is not supported"),
-            (self.min_p not in (None, 0.0), "min_p", "min_p is not supported"),
             (not self.skip_special_tokens, "skip_special_tokens", "skip_special_tokens=false is not supported"),
             (
                 self.stream_options is not None and not self.stream,
@@ -113,15 +169,38 @@ class _SamplingFields(_Strict):
                 "Stream options can only be defined when `stream=True`.",
             ),
             (
-                self.response_format is not None and self.response_format.type != "text",
+                self.response_format is not None
+                and self.response_format.type not in ("text", "json_object", "json_schema"),
                 "response_format",
-                "only response_format type 'text' is supported",
+                "response_format type must be 'text', 'json_object' or 'json_schema'",
             ),
         ]
         for failed, param, message in checks:
             if failed:
                 return param, message
         return None
+
+
+def _spec_text(name: str, kind: StructuredKind, value: Any) -> str:
+    """A constraint's text: a schema or choice list as compact JSON (keys in the client's order), else as given."""
+    if kind == StructuredKind.JSON_OBJECT:
+        return ""
+    if kind == StructuredKind.JSON:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"{name}: the schema is not JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: the schema must be a JSON object")
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    if kind == StructuredKind.CHOICE:
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"{name}: choice must be a non-empty list of non-empty strings")
+        return json.dumps(value, ensure_ascii=False)
+    if not value:
+        raise ValueError(f"{name}: the {kind} is empty")
+    return str(value)
 
 
 class CompletionRequest(_SamplingFields):
@@ -136,14 +215,8 @@ class CompletionRequest(_SamplingFields):
     def unsupported_reason(self) -> tuple[str, str] | None:
         if (reason := super().unsupported_reason()) is not None:
             return reason
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
         prompt = self.prompt
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
             return "prompt", "batched prompts are not supported: send one prompt per request"
@@ -196,15 +269,6 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported_reason(self) -> tuple[str, str] | None:
         if (reason := super().unsupported_reason()) is not None:
             return reason
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
-        if self.tools and self.tool_choice != "none":
-            return "tool_choice", (
-                "tool calling needs a tool-call parser, which splitserve does not have: send tool_choice 'none' to "
-                "give the model the tools as text (its chat template must render them), or leave out 'tools'"
-            )
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "a named or required tool_choice needs 'tools' and a tool-call parser"
         if self.modalities not in (None, ["text"]):
             return "modalities", "only the text modality is supported"
         if self.chat_template_kwargs:
@@ -219,8 +283,9 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.as_dict() for m in self.messages]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template renders (``tool_choice`` 'none': the model reads them, calls nothing)."""
-        return self.tools if self.tools and self.tool_choice == "none" else None
+        """The tools the chat template renders (with ``tool_choice`` 'none' too: the model reads them, calls
+        nothing)."""
+        return self.tools or None
 
 
 class KVLookupRequest(_Strict):

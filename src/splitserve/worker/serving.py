@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,8 @@ from splitserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.outputs import RequestOutput, TokenLogprobs
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.errors import SplitserveError
 from splitserve.model.tokenizer import TokenizerLike
 from splitserve.protocol import openai
@@ -46,6 +47,8 @@ from splitserve.worker.protocol import (
     now_s,
     random_id,
 )
+from splitserve.worker.reasoning import ReasoningSplitter
+from splitserve.worker.tools import ToolCall, ToolPlan, ToolStream, plan_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
@@ -76,12 +79,72 @@ class ApiError(SplitserveError):
 
 @dataclass(frozen=True, slots=True)
 class EngineInput:
-    """What one OpenAI request becomes: the engine's id, prompt and sampling parameters."""
+    """What one OpenAI request becomes: the engine's id, prompt and sampling parameters, and how many
+    sequences it generates (``best_of``) and answers with (``n``)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     return_token_ids: bool = False  # vLLM's option: token ids beside the text
+    n: int = 1
+    best_of: int = 1  # at least n: the n sequences with the highest cumulative logprob are the answer
+    logprobs: bool = False  # the answer carries each token's logprobs (and params.logprobs most likely ones)
+    echo: str | None = None  # completions' echo: the prompt's text, which the answer's text starts with
+    tools: ToolPlan | None = None  # chat: how the answer becomes tool calls
+    reasoning: str | None = None  # chat: the --reasoning-parser that splits reasoning_content off
+
+    def sequences(self) -> list[tuple[str, SamplingParams]]:
+        """The engine request of each sequence: its id and parameters. With a seed, sequence i draws from
+        seed + i (as vLLM's), so each is reproducible and they differ."""
+        if self.best_of == 1:
+            return [(self.request_id, self.params)]
+        seed = self.params.seed
+        return [
+            (f"{self.request_id}-{i}", self.params if seed is None else dataclasses.replace(self.params, seed=seed + i))
+            for i in range(self.best_of)
+        ]
+
+
+class Choices:
+    """The engine streams of one request's sequences; ``merged()`` yields ``(index, output)`` as they come.
+    ``close()`` aborts every sequence still running."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for output in self.streams[0]:
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # the engine died: the consumer raises it
+                queue.put_nowait((index, exc))
+            queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(self.streams)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 class OpenAIServing:
@@ -93,9 +156,16 @@ class OpenAIServing:
         max_tokens_limit: int | None = None,
         draining: threading.Event | None = None,
         cluster_secret: str | None = None,
+        max_logprobs: int = 20,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.max_tokens_limit = max_tokens_limit
+        self.max_logprobs = max_logprobs  # -1: up to the vocabulary
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (tokenizer thread only)
         self.draining = draining or threading.Event()
         self.cluster_secret = cluster_secret  # with it, kv_transfer_params must be signed by the router
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -140,10 +210,22 @@ class OpenAIServing:
         max_tokens = self._resolve_max_tokens(
             request.max_tokens, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
         )
-        params = _sampling_params(request, max_tokens)
+        top = self._check_logprobs("logprobs", request.logprobs)
+        echo = bool(request.echo)
+        prompt_top = top if echo and top is not None else request.prompt_logprobs
+        prompt_top = self._check_logprobs("prompt_logprobs", prompt_top)
+        params = _sampling_params(request, max_tokens, top, prompt_top, self._ready_engine().vocab_size)
+        params = dataclasses.replace(params, structured=await self._structured(request))
         if resumed_prompt_tokens is not None and 0 < resumed_prompt_tokens < len(prompt_ids):
             params = dataclasses.replace(params, resumed_prompt_tokens=resumed_prompt_tokens)
-        return EngineInput(random_id("cmpl"), prompt_ids, params, bool(request.return_token_ids))
+        n, best_of = self._check_choices(request, request.best_of, len(prompt_ids), max_tokens)
+        if best_of > n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # to rank the sequences
+        echo_text = (await self._completion_prompt_text(request.prompt, prompt_ids)) if echo else None
+        return EngineInput(
+            random_id("cmpl"), prompt_ids, params, bool(request.return_token_ids), n, best_of, top is not None,
+            echo_text,
+        )  # fmt: skip
 
     async def chat_input(self, request: ChatCompletionRequest) -> EngineInput:
         self._check_common(request)
@@ -153,8 +235,70 @@ class OpenAIServing:
         if not prompt_ids:
             raise ApiError(400, "the messages produced an empty prompt", "messages")
         max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
-        params = _sampling_params(request, max_tokens)
-        return EngineInput(random_id("chatcmpl"), prompt_ids, params, bool(request.return_token_ids))
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
+        top = self._check_logprobs("top_logprobs", (request.top_logprobs or 0) if request.logprobs else None)
+        prompt_top = self._check_logprobs("prompt_logprobs", request.prompt_logprobs)
+        params = _sampling_params(request, max_tokens, top, prompt_top, self._ready_engine().vocab_size)
+        structured = await self._structured(request)
+        tools, tool_grammar = self._tool_plan(request)
+        if tool_grammar is not None:
+            if structured is not None:
+                raise ApiError(400, "a required or named tool_choice and an output constraint cannot both be given",
+                               "tool_choice")  # fmt: skip
+            await self._off_loop(self._ready_engine().check_structured, tool_grammar)
+            structured = tool_grammar
+        params = dataclasses.replace(params, structured=structured)
+        n, best_of = self._check_choices(request, None, len(prompt_ids), max_tokens)
+        return EngineInput(
+            random_id("chatcmpl"), prompt_ids, params, bool(request.return_token_ids), n, best_of, top is not None,
+            tools=tools, reasoning=self.reasoning_parser,
+        )  # fmt: skip
+
+    def _tool_plan(self, request: ChatCompletionRequest) -> tuple[ToolPlan | None, StructuredOutput | None]:
+        """How the answer becomes tool calls, and the grammar a required or named tool_choice needs."""
+        template = getattr(self._tokenizer(), "chat_template", None)
+        try:
+            return plan_tools(
+                request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_call_parser, template
+            )
+        except ValueError as exc:
+            message = str(exc)
+            param, _, detail = message.partition(": ")
+            raise ApiError(400, detail or message, param if detail else "tools") from exc
+
+    def _check_logprobs(self, param: str, value: int | None) -> int | None:
+        """A logprobs count within --max-logprobs (and the vocabulary), else a 400 naming ``param``."""
+        if value is None:
+            return None
+        vocab_size = self._ready_engine().vocab_size
+        limit = vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
+        if not 0 <= value <= limit:
+            raise ApiError(400, f"{param} must be in [0, {limit}] (--max-logprobs), got {value}", param)
+        return value
+
+    def _check_choices(
+        self, request: CompletionRequest | ChatCompletionRequest, best_of: int | None, num_prompt: int, max_tokens: int
+    ) -> tuple[int, int]:
+        """``(n, best_of)``: at least 1, best_of at least n and not streamed, and as many sequences as the KV
+        cache holds beside their shared prompt (else a 400)."""
+        n = 1 if request.n is None else request.n
+        if n < 1:
+            raise ApiError(400, f"n must be at least 1, got {n}", "n")
+        sequences = n if best_of is None else best_of
+        if sequences < n:
+            raise ApiError(400, f"best_of must be at least n ({n}), got {best_of}", "best_of")
+        if sequences > n and request.stream:
+            raise ApiError(400, "best_of greater than n cannot be streamed", "best_of")
+        engine = self._ready_engine()
+        needed = num_prompt + sequences * (max_tokens + BLOCK_SLACK_TOKENS)
+        if sequences > 1 and needed > engine.kv_capacity_tokens:
+            param = "n" if sequences == n else "best_of"
+            raise ApiError(
+                400, f"{sequences} sequences of up to {max_tokens} tokens after a prompt of {num_prompt} need about "
+                f"{needed} tokens of KV cache; this worker holds {engine.kv_capacity_tokens}", param,
+            )  # fmt: skip
+        return n, sequences
 
     def kv_transfer_info(self) -> dict[str, Any]:
         """Decode role: the KV receiver's address and PD buffer; a 404 on other roles."""
@@ -203,6 +347,23 @@ class OpenAIServing:
             raise ApiError(400, f"token ids must be in [0, {vocab_size})", "tokens")
         return DetokenizeResponse(prompt=await self._off_loop(tokenizer.decode, request.tokens))
 
+    async def _structured(self, request: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+        """The request's constraint on its output, compiled now on the tokenizer thread (the engine then finds
+        it compiled); a 400 naming the field when it is malformed or does not compile."""
+        try:
+            found = request.structured_output()
+        except ValueError as exc:
+            message = str(exc)
+            raise ApiError(400, message, message.split(":", 1)[0]) from exc
+        if found is None:
+            return None
+        param, spec = found
+        try:
+            await self._off_loop(self._ready_engine().check_structured, spec)
+        except ValueError as exc:
+            raise ApiError(400, f"{param}: invalid {spec.kind}: {exc}", param) from exc
+        return spec
+
     def _check_common(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         self.check_model(request.model)
         params = request.kv_transfer_params
@@ -227,6 +388,16 @@ class OpenAIServing:
             param = "tools" if str(exc).startswith("tools:") else "messages"
             raise ApiError(400, f"invalid {param}: {exc}", param) from exc
         return ids
+
+    async def _completion_prompt_text(
+        self, prompt: str | list[str] | list[int] | list[list[int]], prompt_ids: list[int]
+    ) -> str:
+        """What echo puts before the output: the prompt as sent, or its token ids' text."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        return str(await self._off_loop(self._tokenizer().decode, prompt_ids, False))
 
     async def _completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -276,12 +447,23 @@ class OpenAIServing:
             )
         return requested
 
-    async def submit(self, engine_input: EngineInput) -> RequestStream:
-        """Hand the request to the engine; its ``ValueError`` is the client's mistake (400)."""
+    async def submit(self, engine_input: EngineInput) -> Choices:
+        """Hand the request's sequences to the engine (all or none); its ``ValueError`` is the client's mistake
+        (400). The sequences share the prompt: the scheduler computes it once (``Scheduler``)."""
         if self.draining.is_set():
             raise ApiError(503, "the worker is draining: send the request to another worker", code="draining")
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.submit(engine_input.prompt_token_ids, engine_input.params, engine_input.request_id)
+            for request_id, params in engine_input.sequences():
+                streams.append(await self._submit_one(engine_input.prompt_token_ids, params, request_id))
+        except BaseException:
+            Choices(streams).close()
+            raise
+        return Choices(streams)
+
+    async def _submit_one(self, prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        try:
+            return await self.engine.submit(prompt, params, request_id)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         except QueueFullError as exc:
@@ -293,61 +475,106 @@ class OpenAIServing:
 
     # ---- engine outputs -> responses ------------------------------------------------------------------
 
-    async def complete(self, engine_input: EngineInput, stream: RequestStream) -> openai.Completion:
-        text, token_ids, last = await _collect(stream)
+    async def complete(self, engine_input: EngineInput, choices: Choices) -> openai.Completion:
+        sequences = _best(await _collect_all(choices), engine_input)
         ids = engine_input.return_token_ids
-        prompt_ids, output_ids = (engine_input.prompt_token_ids, token_ids) if ids else (None, None)
-        choice = openai.completion_choice(
-            text, _reason(last), last.stop_reason, prompt_token_ids=prompt_ids, token_ids=output_ids
-        )
-        transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
-        return openai.completion(engine_input.request_id, now_s(), self.model_name, [choice], _usage(last), transfer)
+        echo = engine_input.echo
+        answers = []
+        prompt_ids = engine_input.prompt_token_ids
+        for index, seq in enumerate(sequences):
+            logprobs = None
+            if engine_input.logprobs:
+                entries = [*((seq.prompt_logprobs or []) if echo is not None else []), *seq.logprobs]
+                logprobs = await self._completion_logprobs(entries, [] if echo is None else prompt_ids)
+            answers.append(openai.completion_choice(
+                (echo or "") + seq.text, _reason(seq.last), seq.last.stop_reason, index=index, logprobs=logprobs,
+                prompt_token_ids=prompt_ids if ids else None, token_ids=seq.token_ids if ids else None,
+                prompt_logprobs=await self._prompt_logprobs(engine_input, seq.prompt_logprobs),
+            ))  # fmt: skip
+        first = sequences[0]
+        transfer = await _transfer_report(first.last, first.token_ids[0] if first.token_ids else None)
+        usage = _usage_of([seq.last for seq in sequences])
+        return openai.completion(engine_input.request_id, now_s(), self.model_name, answers, usage, transfer)
 
-    async def chat(self, engine_input: EngineInput, stream: RequestStream) -> openai.ChatCompletion:
-        text, token_ids, last = await _collect(stream)
+    async def chat(self, engine_input: EngineInput, choices: Choices) -> openai.ChatCompletion:
+        sequences = _best(await _collect_all(choices), engine_input)
         ids = engine_input.return_token_ids
-        choice = openai.chat_choice(text, _reason(last), last.stop_reason, token_ids if ids else None)
-        transfer = await _transfer_report(last, token_ids[0] if token_ids else None)
-        prompt_ids = engine_input.prompt_token_ids if ids else None
+        answers = []
+        for index, seq in enumerate(sequences):
+            logprobs = await self._chat_logprobs(seq.logprobs) if engine_input.logprobs else None
+            reasoning: str | None = None
+            content: str | None = seq.text
+            if engine_input.reasoning is not None:
+                reasoning, content = ReasoningSplitter(engine_input.reasoning).split(seq.text)
+            reason = _reason(seq.last)
+            calls: list[ToolCall] = []
+            if engine_input.tools is not None:
+                content, calls = engine_input.tools.extract(content or "")
+                reason = engine_input.tools.finish_reason(reason, calls)
+            if content is None and not calls and engine_input.reasoning is None:
+                content = ""
+            answers.append(openai.chat_choice(
+                content, reason, seq.last.stop_reason, seq.token_ids if ids else None, index=index,
+                logprobs=logprobs, tool_calls=[c.as_api() for c in calls],  # type: ignore[misc]
+                reasoning=reasoning if engine_input.reasoning is not None else None,
+            ))  # fmt: skip
+        first = sequences[0]
+        transfer = await _transfer_report(first.last, first.token_ids[0] if first.token_ids else None)
         return openai.chat_completion(
             engine_input.request_id,
             now_s(),
             self.model_name,
-            [choice],
-            _usage(last),
-            prompt_token_ids=prompt_ids,
+            answers,
+            _usage_of([seq.last for seq in sequences]),
+            prompt_token_ids=engine_input.prompt_token_ids if ids else None,
+            prompt_logprobs=await self._prompt_logprobs(engine_input, first.prompt_logprobs),
             kv_transfer_params=transfer,
         )
 
     async def stream_completion(
-        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool, continuous_usage: bool = False
+        self, engine_input: EngineInput, choices: Choices, include_usage: bool, continuous_usage: bool = False
     ) -> AsyncIterator[bytes]:
-        """SSE events: one chunk per piece of text, the finishing chunk, optional usage, ``[DONE]``. With
-        ``continuous_usage`` every chunk carries the usage so far."""
+        """SSE events: one chunk per piece of text (per choice), the finishing chunks, optional usage, ``[DONE]``.
+        With ``continuous_usage`` every chunk carries the usage so far."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
         with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
-        prompt_ids: list[int] | None = engine_input.prompt_token_ids if with_ids else None
+        offsets: dict[int, int] = {}  # each choice's text so far (for text_offset); a choice not in it is new
+        echo = engine_input.echo
 
         def chunk(choices: list[openai.CompletionChoice], usage: openai.Usage | None = None) -> bytes:
             return openai.sse_event(openai.completion(rid, created, model, choices, usage))
 
-        async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
+        async for event in _stream_events(choices, include_usage, _skips_first_text(engine_input)):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
                 yield event
-            elif event.new_text or event.finished or with_ids:
-                ids = event.new_token_ids if with_ids else None
+            else:
+                index, output = event
+                first = index not in offsets
+                text = (echo or "") + output.new_text if first else output.new_text
+                if not (text or output.finished or with_ids or engine_input.logprobs):
+                    continue
+                logprobs = prompt_logprobs = None
+                if engine_input.logprobs:
+                    entries = [*((output.prompt_logprobs or []) if first and echo is not None else []),
+                               *(output.new_logprobs or [])]  # fmt: skip
+                    tokens = engine_input.prompt_token_ids if first and echo is not None else []
+                    logprobs = await self._completion_logprobs(entries, tokens, offsets.get(index, 0))
+                if first:
+                    prompt_logprobs = await self._prompt_logprobs(engine_input, output.prompt_logprobs)
+                offsets[index] = offsets.get(index, 0) + len(text)
                 choice = openai.completion_choice(
-                    event.new_text, _reason(event), prompt_token_ids=prompt_ids, token_ids=ids
-                )
-                prompt_ids = None  # the prompt's ids go in the first chunk only
-                yield chunk([choice], _usage(event) if continuous_usage else None)
+                    text, _reason(output), index=index, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                    prompt_token_ids=engine_input.prompt_token_ids if with_ids and first else None,  # the first only
+                    token_ids=output.new_token_ids if with_ids else None,
+                )  # fmt: skip
+                yield chunk([choice], _usage(output) if continuous_usage else None)
 
     async def stream_chat(
-        self, engine_input: EngineInput, stream: RequestStream, include_usage: bool, continuous_usage: bool = False
+        self, engine_input: EngineInput, choices: Choices, include_usage: bool, continuous_usage: bool = False
     ) -> AsyncIterator[bytes]:
-        """SSE events: a role chunk, content chunks, a finishing chunk, optional usage, ``[DONE]``. With
+        """SSE events: a role chunk per choice, content chunks, finishing chunks, optional usage, ``[DONE]``. With
         ``continuous_usage`` every chunk carries the usage so far."""
         rid, model, created = engine_input.request_id, self.model_name, now_s()
         with_ids = engine_input.return_token_ids  # then every token gets a chunk, with its id
@@ -355,57 +582,223 @@ class OpenAIServing:
         def chunk(choices: list[openai.ChatChunkChoice], usage: openai.Usage | None = None) -> bytes:
             return openai.sse_event(openai.chat_chunk(rid, created, model, choices, usage))
 
-        role = openai.chat_chunk_choice(openai.chat_delta("", role=True))
         first_usage = openai.usage(len(engine_input.prompt_token_ids), 0) if continuous_usage else None
         prompt_ids = engine_input.prompt_token_ids if with_ids else None
-        yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
-        async for event in _stream_events(stream, include_usage, _skips_first_text(engine_input)):
+        for index in range(engine_input.n):
+            role = openai.chat_chunk_choice(openai.chat_delta("", role=True), index=index)
+            yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
+        readers: dict[int, _ChatStreamReader] = {}
+        async for event in _stream_events(choices, include_usage, _skips_first_text(engine_input)):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
                 yield event
             else:
-                token_ids = event.new_token_ids if with_ids else None
-                usage = _usage(event) if continuous_usage else None
-                if event.new_text or (with_ids and not event.finished):
-                    yield chunk([openai.chat_chunk_choice(openai.chat_delta(event.new_text), None, token_ids)], usage)
-                    token_ids = None
-                if event.finished:  # its text went in the chunk before: an empty delta
-                    yield chunk([openai.chat_chunk_choice({}, _reason(event), token_ids)], usage)
+                index, output = event
+                reader = readers.setdefault(index, _ChatStreamReader(engine_input))
+                token_ids = output.new_token_ids if with_ids else None
+                usage = _usage(output) if continuous_usage else None
+                logprobs = await self._chat_logprobs(output.new_logprobs or []) if engine_input.logprobs else None
+                for delta in reader.deltas(output.new_text, output.finished):
+                    yield chunk([openai.chat_chunk_choice(delta, None, token_ids, index=index, logprobs=logprobs)],
+                                usage)  # fmt: skip
+                    token_ids = logprobs = None
+                if (token_ids is not None or logprobs is not None) and not output.finished:  # its text held back
+                    delta = openai.chat_delta("")
+                    yield chunk([openai.chat_chunk_choice(delta, None, token_ids, index=index, logprobs=logprobs)],
+                                usage)  # fmt: skip
+                    token_ids = logprobs = None
+                if output.finished:  # its text went in the chunk before: an empty delta
+                    reason = reader.finish_reason(_reason(output))
+                    finish = openai.chat_chunk_choice({}, reason, token_ids, index=index, logprobs=logprobs)
+                    yield chunk([finish], usage)
+
+    # ---- log-probabilities in OpenAI's shapes ---------------------------------------------------------------
+
+    async def _texts(self, entries: list[TokenLogprobs], extra: tuple[int, ...] = ()) -> dict[int, str]:
+        """The text of every token the entries name (and ``extra``), decoded on the tokenizer thread."""
+        ids = {*extra, *(e.token_id for e in entries), *(t for e in entries for t, _ in e.top)}
+        return dict(await self._off_loop(self._token_texts_of, sorted(ids)))
+
+    def _token_texts_of(self, ids: list[int]) -> list[tuple[int, str]]:
+        tokenizer = self._tokenizer()
+        for token_id in ids:
+            if token_id not in self._token_texts:
+                self._token_texts[token_id] = tokenizer.decode([token_id], False)
+        return [(token_id, self._token_texts[token_id]) for token_id in ids]
+
+    async def _chat_logprobs(self, entries: list[TokenLogprobs]) -> openai.ChatLogprobs:
+        texts = await self._texts(entries)
+
+        def top(token_id: int, logprob: float) -> openai.TopLogprob:
+            return {"token": texts[token_id], "logprob": _finite(logprob), "bytes": list(texts[token_id].encode())}
+
+        content: list[openai.ChatTokenLogprob] = [
+            {**top(e.token_id, e.logprob), "top_logprobs": [top(t, lp) for t, lp in e.top]} for e in entries
+        ]
+        return {"content": content}
+
+    async def _completion_logprobs(
+        self, entries: list[TokenLogprobs | None], prompt_ids: list[int], offset: int = 0
+    ) -> openai.CompletionLogprobs:
+        """``entries``: an echoed prompt's (the first None) then the output's; ``prompt_ids``: the echoed prompt."""
+        known = [e for e in entries if e is not None]
+        texts = await self._texts(known, tuple(prompt_ids[:1]))
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for i, entry in enumerate(entries):
+            text = texts[entry.token_id] if entry is not None else texts[prompt_ids[i]]
+            offsets.append(offset)
+            offset += len(text)
+            tokens.append(text)
+            if entry is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(_finite(entry.logprob))
+            top = {texts[t]: _finite(lp) for t, lp in entry.top}
+            top.setdefault(text, _finite(entry.logprob))  # the chosen token always, as OpenAI's legacy shape has it
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _prompt_logprobs(
+        self, engine_input: EngineInput, entries: list[TokenLogprobs | None] | None
+    ) -> openai.PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, its own and the most likely tokens' entries by id."""
+        if entries is None or (engine_input.echo is not None and engine_input.logprobs):
+            return None  # echo with logprobs carries them in the choice's logprobs
+        known = [e for e in entries if e is not None]
+        texts = await self._texts(known)
+        answer: openai.PromptLogprobs = []
+        for entry in entries:
+            if entry is None:
+                answer.append(None)
+                continue
+            ranked: dict[str, openai.PromptLogprob] = {
+                str(entry.token_id): {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                      "decoded_token": texts[entry.token_id]}}  # fmt: skip
+            for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+                ranked.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": rank,
+                                                  "decoded_token": texts[token_id]})  # fmt: skip
+            answer.append(ranked)
+        return answer
+
+
+class _ChatStreamReader:
+    """One streamed chat choice's text as deltas: the reasoning split off (``--reasoning-parser``), tool calls
+    read out (``tools``), the rest as content."""
+
+    def __init__(self, engine_input: EngineInput) -> None:
+        self.splitter = ReasoningSplitter(engine_input.reasoning) if engine_input.reasoning is not None else None
+        self.tools = ToolStream(engine_input.tools) if engine_input.tools is not None else None
+        self.plain = self.splitter is None and self.tools is None
+
+    def deltas(self, new_text: str, finished: bool) -> list[openai.ChatDelta]:
+        if self.plain:
+            return [openai.chat_delta(new_text)] if new_text else []
+        out: list[openai.ChatDelta] = []
+        content = new_text
+        if self.splitter is not None:
+            reasoning, content = self.splitter.feed(new_text, final=finished)
+            if reasoning:
+                out.append({"reasoning_content": reasoning})
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if finished:
+                rest, more = self.tools.finish()
+                content, calls = content + rest, calls + more
+            if content:
+                out.append(openai.chat_delta(content))
+            if calls:
+                out.append({"tool_calls": calls})
+        elif content:
+            out.append(openai.chat_delta(content))
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if self.tools is None:
+            return reason
+        return self.tools.plan.finish_reason(reason, self.tools.calls)
+
+
+BLOCK_SLACK_TOKENS = 16  # a sequence's share of a partly filled KV block, in the n / best_of capacity check
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One sequence's whole answer: its text, tokens, logprobs (when asked) and last output."""
+
+    text: str
+    token_ids: list[int]
+    last: RequestOutput
+    logprobs: list[TokenLogprobs]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(e.logprob for e in self.logprobs)
+
+
+def _best(sequences: list[Sequence], engine_input: EngineInput) -> list[Sequence]:
+    """The n sequences to answer with: all when n == best_of, else the n with the highest cumulative logprob
+    (ties: the first generated), in that order."""
+    if engine_input.best_of == engine_input.n:
+        return sequences
+    order = sorted(range(len(sequences)), key=lambda i: (-sequences[i].cumulative_logprob, i))
+    return [sequences[i] for i in order[: engine_input.n]]
+
+
+def _finite(value: float) -> float:
+    """JSON has no -inf: a token the model rules out (a -inf logit) reads as the float's lowest value."""
+    return value if value > -math.inf else -9999.0
 
 
 async def _stream_events(
-    stream: RequestStream, include_usage: bool, skip_first_text: bool = False
-) -> AsyncIterator[RequestOutput | openai.Usage | bytes]:
-    """The stream's outputs, then its usage (if asked), then ``[DONE]``; an engine failure becomes an SSE
-    error event. The request is aborted if the consumer stops early (client disconnect). With
+    choices: Choices, include_usage: bool, skip_first_text: bool = False
+) -> AsyncIterator[tuple[int, RequestOutput] | openai.Usage | bytes]:
+    """The choices' outputs as ``(index, output)``, then the usage (if asked), then ``[DONE]``; an engine failure
+    becomes an SSE error event. Every sequence is aborted if the consumer stops early (client disconnect). With
     ``skip_first_text`` the first token's text is left out (a router already sent it)."""
     try:
-        last: RequestOutput | None = None
-        async for output in stream:
-            if last is None and skip_first_text:
+        last: dict[int, RequestOutput] = {}
+        async for index, output in choices.merged():
+            if index not in last and skip_first_text:
                 output.new_text = ""
-            last = output
-            yield output
-        if include_usage and last is not None:
-            yield _usage(last)
+            last[index] = output
+            yield index, output
+        if include_usage and last:
+            yield _usage_of(list(last.values()))
     except EngineDeadError as exc:
         body = ApiError(503, f"the engine stopped: {exc}", code="engine_dead").body()
         yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
     finally:
-        stream.close()
+        choices.close()
     yield b"data: [DONE]\n\n"
 
 
-async def _collect(stream: RequestStream) -> tuple[str, list[int], RequestOutput]:
-    """A request's text and token ids; its last output carries the finish reason and token counts."""
+async def _collect_all(choices: Choices) -> list[Sequence]:
+    """Every sequence's whole answer, in order; all are aborted if this is cancelled (client disconnect)."""
+    try:
+        return list(await asyncio.gather(*(_collect(stream) for stream in choices.streams)))
+    finally:
+        choices.close()
+
+
+async def _collect(stream: RequestStream) -> Sequence:
+    """A sequence's text, token ids and logprobs; its last output carries the finish reason and token counts."""
     parts: list[str] = []
     last: RequestOutput | None = None
     token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     try:
         async for output in stream:
             parts.append(output.new_text)
             token_ids.extend(output.new_token_ids)
+            logprobs.extend(output.new_logprobs or ())
+            prompt_logprobs = output.prompt_logprobs if output.prompt_logprobs is not None else prompt_logprobs
             last = output
     except EngineDeadError as exc:
         raise ApiError(503, f"the engine stopped: {exc}", code="engine_dead") from exc
@@ -413,7 +806,7 @@ async def _collect(stream: RequestStream) -> tuple[str, list[int], RequestOutput
         stream.close()
     if last is None:
         raise ApiError(503, "the request ended without output", code="engine_dead")
-    return "".join(parts), token_ids, last
+    return Sequence("".join(parts), token_ids, last, logprobs, prompt_logprobs)
 
 
 TRANSFER_WAIT_S = 60.0
@@ -441,14 +834,36 @@ def _usage(output: RequestOutput) -> openai.Usage:
     return openai.usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
 
 
+def _usage_of(outputs: list[RequestOutput]) -> openai.Usage:
+    """The usage of a request's sequences: the prompt once, every sequence's output (as vLLM counts n)."""
+    first = outputs[0]
+    return openai.usage(first.num_prompt_tokens, sum(o.num_output_tokens for o in outputs), first.num_cached_tokens)
+
+
 def _reason(output: RequestOutput) -> str | None:
     return None if output.finish_reason is None else output.finish_reason.value
 
 
-def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    vocab_size: int | None = None,
+) -> SamplingParams:
     """Build the engine's parameters; their ``ValueError`` (range checks) becomes a 400 naming the field."""
+    bias = _logit_bias(request.logit_bias)
+    if vocab_size is not None and any(t >= vocab_size for t, _ in bias):
+        raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {vocab_size}", "logit_bias")
     try:
         return SamplingParams(
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=bias,
+            min_p=request.min_p or 0.0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -465,3 +880,13 @@ def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tok
     except ValueError as exc:
         message = str(exc)
         raise ApiError(400, message, message.split(" ", 1)[0]) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as the engine's pairs; a key that is no id is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
