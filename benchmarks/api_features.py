@@ -6,10 +6,11 @@ valid through a router and a disaggregated pair.
 1. **A json_schema workload at 16 streams.** 48 chat requests, 16 at a time, each asking for a person with pets
    under one schema (nested objects, enums, arrays, required fields), sampled (temperature 0.8, a seed each),
    up to 160 tokens: output tokens per second with ``response_format`` json_schema, and without it (the same
-   requests), on splitserve's defaults and on vLLM (its default structured-output backend, xgrammar). Every
-   constrained answer is checked with ``jsonschema``.
+   requests, each made to give as many tokens as its constrained answer had), on splitserve's defaults and on
+   vLLM (its default structured-output backend, xgrammar); five pairs in alternating order after a warm-up
+   round, the median of the pairs' ratios. Every constrained answer is checked with ``jsonschema``.
 2. **n=4 against n=1** on prompts of 256 tokens, one request at a time, 64 tokens per choice (``ignore_eos``):
-   the median request time of each, and the ratio.
+   the median request time of each over 7 turns, and the ratio.
 3. **Validity on the other paths** (splitserve only): 200 json_schema requests (four schemas, 50 each, sampled)
    through a router over two workers, and 200 through a router, a prefill worker and a decode worker (every
    prompt past the threshold, so disaggregated); each answer checked with ``jsonschema``.
@@ -99,13 +100,15 @@ async def run_requests(url: str, bodies: list[tuple[str, dict]], concurrency: in
     valid = invalid = 0
     tokens = 0
     failures: list[str] = []
+    lengths = [0] * len(bodies)
 
-    async def one(client: httpx.AsyncClient, kind: str, body: dict) -> None:
+    async def one(client: httpx.AsyncClient, index: int, kind: str, body: dict) -> None:
         nonlocal valid, invalid, tokens
         async with gate:
             reply = await client.post(f"{url}/v1/chat/completions", json=body)
         answer = reply.json()
         tokens += answer["usage"]["completion_tokens"]
+        lengths[index] = answer["usage"]["completion_tokens"]
         if "response_format" not in body:
             return
         text = answer["choices"][0]["message"]["content"]
@@ -118,18 +121,40 @@ async def run_requests(url: str, bodies: list[tuple[str, dict]], concurrency: in
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(one(client, kind, body) for kind, body in bodies))
+        await asyncio.gather(*(one(client, i, kind, body) for i, (kind, body) in enumerate(bodies)))
     elapsed = time.perf_counter() - start
     return {"output_tok_s": tokens / elapsed, "seconds": elapsed, "output_tokens": tokens, "valid": valid,
-            "invalid": invalid, "failures": failures[:5]}  # fmt: skip
+            "invalid": invalid, "failures": failures[:5], "lengths": lengths}  # fmt: skip
 
 
-def throughput(url: str) -> dict[str, Any]:
-    asyncio.run(run_requests(url, [("person", chat_body(i)) for i in range(4)], 4))  # warm-up (and compile)
-    free = asyncio.run(run_requests(url, [("person", chat_body(i, constrained=False)) for i in range(48)], 16))
-    schema = asyncio.run(run_requests(url, [("person", chat_body(i)) for i in range(48)], 16))
-    return {"unconstrained": free, "json_schema": schema,
-            "ratio": schema["output_tok_s"] / free["output_tok_s"]}  # fmt: skip
+def throughput(url: str, rounds: int = 5) -> dict[str, Any]:
+    """The json_schema requests, and the same requests unconstrained with as many output tokens each (the
+    constrained answer's length, ``ignore_eos``), so both do the same work but for the constraint. After a
+    warm-up round, ``rounds`` pairs in alternating order; the ratio is the median of the pairs' ratios (this
+    machine's speed drifts by tens of percent between runs)."""
+    bodies = [("person", chat_body(i)) for i in range(48)]
+    warm = asyncio.run(run_requests(url, bodies, 16))  # also warms the grammar engine's caches
+    free_bodies = []
+    for i, length in enumerate(warm["lengths"]):
+        body = chat_body(i, constrained=False, max_tokens=length)
+        free_bodies.append(("person", {**body, "ignore_eos": True, "min_tokens": length}))
+    asyncio.run(run_requests(url, free_bodies, 16))
+    runs: dict[str, list[dict[str, Any]]] = {"json_schema": [], "unconstrained": []}
+    for round_index in range(rounds):
+        order = ["json_schema", "unconstrained"] if round_index % 2 == 0 else ["unconstrained", "json_schema"]
+        for mode in order:
+            runs[mode].append(asyncio.run(run_requests(url, bodies if mode == "json_schema" else free_bodies, 16)))
+    result: dict[str, Any] = {}
+    for mode, results in runs.items():
+        result[mode] = {**results[0], "output_tok_s": statistics.median(r["output_tok_s"] for r in results),
+                        "rounds_tok_s": [r["output_tok_s"] for r in results]}  # fmt: skip
+    pairs = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs["json_schema"], runs["unconstrained"],
+                                                                   strict=True)]  # fmt: skip
+    result["ratio"] = statistics.median(pairs)
+    result["pair_ratios"] = pairs
+    result["valid"] = sum(r["valid"] for r in runs["json_schema"])
+    result["invalid"] = sum(r["invalid"] for r in runs["json_schema"])
+    return result
 
 
 def n_cost(url: str) -> dict[str, Any]:
@@ -145,9 +170,12 @@ def n_cost(url: str) -> dict[str, Any]:
         return time.perf_counter() - start
 
     seconds(0, 4)
-    one = statistics.median(seconds(10 + i, 1) for i in range(5))
-    four = statistics.median(seconds(20 + i, 4) for i in range(5))
-    return {"n1_s": one, "n4_s": four, "ratio": four / one}
+    ones, fours = [], []
+    for i in range(7):  # in turns
+        ones.append(seconds(10 + i, 1))
+        fours.append(seconds(30 + i, 4))
+    one, four = statistics.median(ones), statistics.median(fours)
+    return {"n1_s": one, "n4_s": four, "ratio": four / one, "n1_runs": ones, "n4_runs": fours}
 
 
 def validity_bodies(pad: str) -> list[tuple[str, dict]]:

@@ -1,7 +1,7 @@
 """lm-evaluation-harness against a splitserve worker: a loglikelihood task from a local JSONL file, each item's
 log-likelihood compared with transformers' on the same float32 weights.
 
-    python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install "lm-eval==0.4.*"
+    python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install "lm-eval[api]==0.4.*" transformers
     .venv/bin/python benchmarks/lm_eval_loglikelihood.py --lm-eval /tmp/lmeval/bin/lm_eval
 
 The harness runs as ``local-completions`` (tokenized requests, ``echo`` with ``logprobs``: the prompt's

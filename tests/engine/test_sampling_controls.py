@@ -10,6 +10,7 @@ import torch
 
 from splitserve.config import SpeculativeConfig
 from splitserve.engine.outputs import RequestOutput, TokenLogprobs
+from splitserve.engine.sampler import draw
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.decoder import DecoderForCausalLM
 from tests.support.engine import EngineFactory, random_prompts, run_to_completion, tokens_of
@@ -141,3 +142,15 @@ def test_prompt_logprobs_are_computed_whole_even_when_the_prefix_is_cached(make_
     assert again[0].num_cached_tokens == 0
     assert again[0].prompt_logprobs == cold[0].prompt_logprobs
     assert again[0].prompt_logprobs is not None and all(e is None or not e.top for e in again[0].prompt_logprobs)
+
+
+def test_a_draw_follows_the_distribution_and_never_picks_an_impossible_token() -> None:
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    counts = torch.zeros(5)
+    for _ in range(20_000):
+        counts[draw(probs, generator)] += 1
+    assert counts[1] == counts[4] == 0
+    assert torch.allclose(counts / 20_000, probs, atol=0.015)
+    seeded = [draw(probs, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert len(set(seeded)) == 1  # a generator seeded the same draws the same token

@@ -21,6 +21,7 @@ from splitserve.config import PDDecision, RouterConfig
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.build import build_router
 from splitserve.router.cost import PRIOR_S_PER_TOKEN
+from splitserve.router.disagg import kept_colocated
 from splitserve.router.discovery import Worker
 from tests.support.transport import FakeTransport, FakeUpstream, completion_chunk, sse
 
@@ -229,6 +230,13 @@ class TestTheThresholdRule:
         assert [url for url, _ in transport.sent] == [f"{D}/v1/completions"]
         assert paths(router) == {"direct": 1, "disaggregated": 0, "fallback": 0}
         assert routing_lines(caplog)[0].startswith("Conditional routing: not disaggregated, ")
+
+    def test_a_streamed_answer_with_tools_stays_and_a_constrained_one_may_go(self) -> None:
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        assert kept_colocated({"stream": True, "tools": tools}) is not None
+        assert kept_colocated({"stream": True, "tools": tools, "tool_choice": "none"}) is None
+        assert kept_colocated({"tools": tools}) is None  # whole: read on D from the whole output
+        assert kept_colocated({"stream": True, "response_format": {"type": "json_object"}}) is None
 
 
 class TestTheSetting:

@@ -322,6 +322,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("unknown-model", "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
     ("n-0", "/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
     ("n-past-the-kv-cache", "/v1/completions", {"prompt": "Hi", "n": 5000, "max_tokens": 100}, 400, "n"),
+    ("n-seeds-past-64-bits", "/v1/completions", {"prompt": "Hi", "n": 2, "seed": 2**63 - 1}, 400, "seed"),
     ("best-of-below-n", "/v1/completions", {"prompt": "Hi", "n": 3, "best_of": 2}, 400, "best_of"),
     ("best-of-streamed", "/v1/completions", {"prompt": "Hi", "best_of": 2, "stream": True}, 400, "best_of"),
     ("logprobs-past-the-limit", "/v1/completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),

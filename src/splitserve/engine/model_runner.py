@@ -18,6 +18,7 @@ from splitserve.engine.outputs import TokenLogprobs
 from splitserve.engine.sampler import Sampler, gather_logprobs
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.speculative import accept
+from splitserve.engine.structured import TokenMasks
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import native
@@ -136,19 +137,19 @@ class ModelRunner:
                         out.logprobs[rid] = [e for e in logprobs[rid][: len(kept)] if e is not None]
         return out
 
-    def _start_masks(self, inputs: StepInputs) -> Future[torch.Tensor] | None:
-        """The token bitmasks of the step's constrained draws ([draws, words] int32), on the mask thread; None when
-        no draw is constrained. Each grammar is where the tokens so far left it (the engine consumed them)."""
+    def _start_masks(self, inputs: StepInputs) -> Future[TokenMasks] | None:
+        """The masks of the step's constrained draws, made on the mask thread; None when no draw is constrained.
+        Each grammar is where the tokens so far left it (the engine consumed them)."""
         rows = [(k, s.request.grammar) for k, (s, _) in enumerate(inputs.sampled) if s.request.grammar is not None]
         if not rows:
             return None
-        words = (self.model.config.vocab_size + 31) // 32
+        vocab_size = self.model.config.vocab_size
 
-        def fill() -> torch.Tensor:
-            masks = torch.full((len(inputs.sampled), words), -1, dtype=torch.int32)
-            for k, grammar in rows:
-                grammar.fill_mask(masks[k])
-            return masks
+        def fill() -> TokenMasks:
+            bitmasks = torch.zeros((len(rows), (vocab_size + 31) // 32), dtype=torch.int32)
+            for row, (_, grammar) in zip(bitmasks, rows, strict=True):
+                grammar.fill_mask(row)
+            return TokenMasks.from_bitmasks([k for k, _ in rows], bitmasks, vocab_size)
 
         return self._mask_thread.submit(fill)
 

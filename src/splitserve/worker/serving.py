@@ -452,9 +452,13 @@ class OpenAIServing:
         (400). The sequences share the prompt: the scheduler computes it once (``Scheduler``)."""
         if self.draining.is_set():
             raise ApiError(503, "the worker is draining: send the request to another worker", code="draining")
+        try:
+            sequences = engine_input.sequences()
+        except ValueError as exc:  # a seed + index past 64 bits
+            raise ApiError(400, str(exc), "seed") from exc
         streams: list[RequestStream] = []
         try:
-            for request_id, params in engine_input.sequences():
+            for request_id, params in sequences:
                 streams.append(await self._submit_one(engine_input.prompt_token_ids, params, request_id))
         except BaseException:
             Choices(streams).close()
