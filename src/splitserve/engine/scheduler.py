@@ -246,7 +246,7 @@ class Scheduler:
         over. ``whole_only`` (a running prompt was held back for them): only requests whose prompt fits whole.
         Returns the budget left."""
         fetching: list[Request] = []
-        self._in_flight = self._blocks_in_flight()
+        self._in_flight = self._blocks_in_flight() if self.waiting else set()
         try:
             return self._admit(out, budget, fetching, whole_only)
         finally:

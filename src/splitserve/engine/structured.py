@@ -47,10 +47,9 @@ def grammar_text(spec: StructuredOutput) -> str:
     from llguidance import LLMatcher, grammar_from
 
     try:
-        if spec.kind == StructuredKind.JSON:
-            return str(LLMatcher.grammar_from_json_schema(spec.spec, defaults=JSON_OPTIONS))  # type: ignore[arg-type]
-        if spec.kind == StructuredKind.JSON_OBJECT:
-            return str(LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS))  # type: ignore[arg-type]
+        if spec.kind in (StructuredKind.JSON, StructuredKind.JSON_OBJECT):
+            schema = spec.spec if spec.kind == StructuredKind.JSON else '{"type": "object"}'
+            return str(LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))  # type: ignore[arg-type]
         if spec.kind == StructuredKind.REGEX:
             return str(LLMatcher.grammar_from_regex(spec.spec))
         if spec.kind == StructuredKind.CHOICE:
@@ -92,10 +91,9 @@ class Grammar:
 class GrammarCompiler:
     """Compiles specs for one tokenizer and keeps the compiled matchers by spec (thread-safe)."""
 
-    def __init__(self, tokenizer_factory: Callable[[], llguidance.LLTokenizer], vocab_size: int) -> None:
+    def __init__(self, tokenizer_factory: Callable[[], llguidance.LLTokenizer]) -> None:
         self._tokenizer_factory = tokenizer_factory
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self.vocab_size = vocab_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -113,7 +111,7 @@ class GrammarCompiler:
             eos = sorted(tokenizer.stop_token_ids) or None  # type: ignore[attr-defined]
             return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
 
-        return cls(build, vocab_size)
+        return cls(build)
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -155,10 +153,6 @@ class GrammarCompiler:
             if not grammar.accept(token):
                 raise GrammarError(f"the tokens generated before do not follow the grammar: {grammar.error}")
         return grammar
-
-    @property
-    def mask_words(self) -> int:
-        return (self.vocab_size + 31) // 32
 
 
 @dataclass(frozen=True, slots=True)

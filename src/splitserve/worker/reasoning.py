@@ -65,7 +65,7 @@ class ReasoningSplitter:
             rest = self.text[end + len(END) :]
             self.sent = len(self.text)
             return reasoning, self._answer(rest)
-        keep = 0 if final else _partial_suffix(self.text[self.sent :], END)
+        keep = 0 if final else partial_suffix(self.text[self.sent :], END)
         reasoning = self.text[self.sent : len(self.text) - keep]
         self.sent = len(self.text) - keep
         return reasoning, ""
@@ -77,8 +77,8 @@ class ReasoningSplitter:
         return content
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many of ``text``'s last characters begin ``marker``."""
+def partial_suffix(text: str, marker: str) -> int:
+    """How many of ``text``'s last characters begin ``marker`` (a marker the text so far may be cut off in)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:size]):
             return size

@@ -23,6 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from splitserve.engine.sampling_params import StructuredKind, StructuredOutput
+from splitserve.worker.reasoning import partial_suffix
 
 
 class ToolChoice(StrEnum):
@@ -73,9 +74,8 @@ class ToolParser:
         if found:
             return min(found)
         for marker in self.markers:  # a marker cut by the end of the text so far
-            for size in range(min(len(marker) - 1, len(text)), 0, -1):
-                if text.endswith(marker[:size]):
-                    return len(text) - size
+            if size := partial_suffix(text, marker):
+                return len(text) - size
         return None
 
 
