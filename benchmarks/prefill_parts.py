@@ -6,7 +6,7 @@ The float path (``--quantization none``): the default, the GGUF's blocks, runs e
 forward step, which these part timers cannot see into. One 2,500-token prompt (prefix caching off, the default
 chunks of 1,024 tokens, ``max_tokens`` 1) in the
 default dtype, each configuration in a fresh process:
-- ``native``: the default: attention on AMX tiles where the CPU has them (``csrc/amx/prefill_attention.c``),
+- ``native``: the default: attention on AMX tiles where the CPU has them (``csrc/amx/attention.c``),
   SiLU x up and the rotary embedding in one native pass each (``csrc/elementwise.c``);
 - ``pytorch``: those three declined, so PyTorch's SDPA and elementwise ops run (the engine of before).
 

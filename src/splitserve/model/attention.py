@@ -9,7 +9,7 @@ A model with the GGUF's quantized blocks runs whole steps in the native forward 
 ``AttentionMetadata.rows``: every token a query over its own context, computed the same way in a decode step
 and in a prefill chunk. The module path (float models, and a fallback) reads the rest: decode attention in the
 same native kernel, which reads each sequence's blocks in place, or where it is unavailable a padded gather and
-SDPA; prefill attention in bfloat16 on AMX tiles where the CPU has them (``csrc/amx/prefill_attention.c``), and
+SDPA; prefill attention in bfloat16 on AMX tiles where the CPU has them (``csrc/amx/attention.c``), and
 elsewhere in PyTorch's fused (flash) SDPA over the chunk's gathered context.
 
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens

@@ -712,6 +712,12 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
                             const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
                             float scale, int num_threads) {
+#if defined(SS_AMX)
+    /* head size 64 on a CPU that grants the tiles: every call of the process takes the tiles' arithmetic */
+    if (head_dim == 64 && ss_amx_permitted())
+        return amx_paged_attention_bf16(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out,
+                                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+#endif
     attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, SS_BF16,
                         num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0};
     return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);

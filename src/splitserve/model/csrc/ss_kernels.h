@@ -61,7 +61,7 @@ void ss_add_rms_norm_f32(float *x, const float *delta, const float *weight, floa
 void ss_dot_rows_f32(const float *x, int64_t m, int64_t k, const float *w, const int64_t *rows, int64_t per_row,
                      float *out, int num_threads);
 
-/* amx/prefill_attention.c (-1 on builds without AMX) */
+/* amx/attention.c (-1 on builds without AMX) */
 int ss_prefill_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int64_t *slots, int64_t num_ctx, int64_t num_q,
                               uint16_t *out, int num_heads, int num_kv_heads, int head_dim, float scale,

@@ -1,6 +1,6 @@
 /*
  * AMX's one piece of process state: Linux hands out the tile registers only on request, once per process,
- * before the first tile instruction (amx/prefill_attention.c, amx/quant_matmul.c).
+ * before the first tile instruction (amx/attention.c, amx/quant_matmul.c).
  */
 #include "../common.h"
 #include "../ss_kernels.h"
