@@ -61,10 +61,12 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
     # the whole prompt as one prefill chunk (tiles of queries)
     whole = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, torch.zeros(length, dtype=torch.long))
     assert whole is not None
-    # chunks of 37 queries, each beside a decode row of another sequence (its table: the same blocks reversed)
+    # chunks of 37 queries, each beside a decode row of another sequence (its table: the same blocks reversed);
+    # chunks of 5 too, whose rows and query heads share a tile where the build packs a short chunk's heads
+    # into one (the amx build's tiles of 16 lanes)
     tables = torch.cat([table, table.flip(1)]).contiguous()
-    for start in range(0, length, 37):
-        rows = torch.arange(start, min(start + 37, length))
+    for start, size in [(start, 37) for start in range(0, length, 37)] + [(start, 5) for start in (0, 30, 250, 695)]:
+        rows = torch.arange(start, min(start + size, length))
         batch_q = torch.cat([q[rows], q[:1]])
         batch_lens = torch.cat([lens[rows], torch.tensor([length])])
         row_seq = torch.cat([torch.zeros(len(rows), dtype=torch.long), torch.ones(1, dtype=torch.long)])
