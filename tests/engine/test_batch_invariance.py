@@ -73,6 +73,11 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
         out = kernels.paged_attention(batch_q, k, v, tables, batch_lens, BLOCK, scale, row_seq)
         assert out is not None
         assert torch.equal(out[: len(rows)], whole[rows]), f"chunk at {start}"
+    # a decode step of many sequences (here views of one at different lengths), more than the threads
+    positions = torch.tensor([0, 15, 16, 255, 256, 257, 511, 699])
+    step = kernels.paged_attention(q[positions], k, v, table.expand(len(positions), -1).contiguous(),
+                                   lens[positions], BLOCK, scale)  # fmt: skip
+    assert step is not None and torch.equal(step, whole[positions])
     # rows alone, as decodes: the first and last of a block, of a partition, the very first and last
     for position in (0, 15, 16, 255, 256, 257, 511, 699):
         alone = kernels.paged_attention(q[position : position + 1], k, v, table, lens[position : position + 1],
