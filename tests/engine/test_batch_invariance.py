@@ -47,6 +47,28 @@ def _sequence(
 SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (8, 2, 96), (14, 2, 128)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_attention_row_is_the_same_over_blocks_of_8_and_of_16(
+    kernels: NativeKernels, threads: int, dtype: torch.dtype
+) -> None:
+    """The block size only addresses the cache (the amx build's decode rows read K in place from blocks of 16
+    and copy it from smaller ones): decode rows and a prefill chunk give the same bits over either."""
+    length = 300
+    k, v, _, q = _sequence(length, dtype)
+    scale = HEAD_DIM**-0.5
+    lens = torch.arange(1, length + 1)
+    positions = torch.tensor([0, 7, 8, 15, 16, 31, 32, 150, 299])
+    outs = []
+    for block in (16, 8):
+        table = torch.arange(-(-length // block))[None]  # slot = position
+        chunk = kernels.paged_attention(q, k, v, table, lens, block, scale, torch.zeros(length, dtype=torch.long))
+        rows = kernels.paged_attention(q[positions], k, v, table.expand(len(positions), -1).contiguous(),
+                                       lens[positions], block, scale)  # fmt: skip
+        assert chunk is not None and rows is not None and torch.equal(rows, chunk[positions])
+        outs.append(chunk)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{h}x{kv}x{d}" for h, kv, d in SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequences(

@@ -28,7 +28,8 @@
  *
  * Per call: each sequence's keys are gathered by slot into [kv head][key][dim] (A tiles of 16 keys) and its
  * values transposed into [kv head][block of 32 keys][dim tile][16 dims][32 keys] (A tiles of V^T), once for
- * the sequence's lane sets (a decode row's one set per KV head packs its own, in its thread's buffer). Then
+ * the sequence's lane sets (a decode row's one set per KV head packs its own, in its thread's buffer, and
+ * only its values: its K tiles are loaded from the cache itself, 16 slots of a block at a time). Then
  * one work item per lane set, the heaviest first; where the decode rows are enough to go round the threads,
  * one per decode row instead, packing every KV head block by block in one pass over its slots (a 16-row decode
  * step of SmolLM2 at about 300 tokens: 30.6-31.3 -> 27.2-28.9 ms, its reads of the cache the bound).
@@ -109,8 +110,8 @@ static inline int64_t slot_of(const key_slots *ks, int64_t j) {
     return ks->slots != NULL ? ks->slots[j] : ks->table[j / ks->block_size] * ks->block_size + j % ks->block_size;
 }
 
-/* One kv head's block of 32 keys into kp: K rows gathered in key order, then V transposed into four 16 x 32 A
- * tiles, i.e. [dim][key]. Keys 2j and 2j+1 interleaved are 32-bit pairs (V[2j][d], V[2j+1][d]); a 16 x 16
+/* One kv head's block of 32 keys into kp: K rows gathered in key order (unless k_cache is NULL: the tiles then
+ * read K from the cache), then V transposed into four 16 x 32 A tiles, i.e. [dim][key]. Keys 2j and 2j+1 interleaved are 32-bit pairs (V[2j][d], V[2j+1][d]); a 16 x 16
  * transpose of those over the 16 pairs gives, per dim, its 32 keys in order. Keys past the context are zero. */
 static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const key_slots *ks, int num_kv_heads,
                        int kvh, int64_t key0, uint16_t *kp) {
@@ -120,10 +121,10 @@ static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const k
         const int64_t key = key0 + r;
         if (key < ks->num_ctx) {
             const int64_t at = (slot_of(ks, key) * num_kv_heads + kvh) * HEAD_DIM;
-            memcpy(kp + r * HEAD_DIM, k_cache + at, HEAD_DIM * sizeof(uint16_t));
+            if (k_cache != NULL) memcpy(kp + r * HEAD_DIM, k_cache + at, HEAD_DIM * sizeof(uint16_t));
             vrows[r] = v_cache + at;
         } else {
-            memset(kp + r * HEAD_DIM, 0, HEAD_DIM * sizeof(uint16_t));
+            if (k_cache != NULL) memset(kp + r * HEAD_DIM, 0, HEAD_DIM * sizeof(uint16_t));
             vrows[r] = NULL;
         }
     }
@@ -156,6 +157,36 @@ static void pack_blocks(const uint16_t *k_cache, const uint16_t *v_cache, const 
                        kp + ((kvh - kv0) * num_blocks + b) * BLOCK_ELEMS);
 }
 
+/* Where a lane set's K rows come from: its packed blocks, or straight from the cache where each run of 16 keys
+ * is 16 consecutive slots (block tables with blocks of a multiple of 16): a decode row, which packs for itself,
+ * then copies only V. Keys past the context read whatever the slot holds (their scores are masked) or, past the
+ * sequence's last block, zeros. */
+typedef struct {
+    const uint16_t *packed; /* NULL: from the cache */
+    const uint16_t *k_cache;
+    const key_slots *ks;
+    int num_kv_heads, kvh;
+} key_source;
+
+static const uint16_t zero_keys[16 * HEAD_DIM] __attribute__((aligned(64)));
+
+/* The 16 K rows of keys 32 b + 16 h .. + 15, and the bytes between rows. */
+static inline const uint16_t *key_rows(const key_source *src, int64_t b, int h, int64_t *stride) {
+    if (src->packed != NULL) {
+        *stride = HEAD_DIM * 2;
+        return src->packed + b * BLOCK_ELEMS + h * 16 * HEAD_DIM;
+    }
+    const int64_t key = b * KEYS + h * 16;
+    if (key >= src->ks->num_ctx) {
+        *stride = HEAD_DIM * 2;
+        return zero_keys;
+    }
+    *stride = (int64_t)src->num_kv_heads * HEAD_DIM * 2;
+    return src->k_cache + (slot_of(src->ks, key) * src->num_kv_heads + src->kvh) * HEAD_DIM;
+}
+
+static inline int keys_direct(const key_slots *ks) { return ks->slots == NULL && ks->block_size % 16 == 0; }
+
 /* Up to 16 lanes of one sequence and KV head: lane i is the query q[i] (64 bfloat16) at position pos[i], whose
  * output goes to out[i]. Unused lanes repeat lane 0 and are not stored. */
 typedef struct {
@@ -176,19 +207,21 @@ static void pack_queries(const lane_set *ls, uint16_t qt[2][16][32]) {
     }
 }
 
-/* S^T of one packed block of 32 keys into tiles 0 and 1 (keys 0-15, 16-31), from its K rows and Q^T. */
-static inline void scores(const uint16_t *kb, uint16_t qt[2][16][32]) {
+/* S^T of block b's 32 keys into tiles 0 and 1 (keys 0-15, 16-31), from their K rows and Q^T. */
+static inline void scores(const key_source *src, int64_t b, uint16_t qt[2][16][32]) {
+    int64_t s0, s1;
+    const uint16_t *k0 = key_rows(src, b, 0, &s0), *k1 = key_rows(src, b, 1, &s1);
     _tile_zero(0);
     _tile_zero(1);
     _tile_loadd(2, qt[0], 64);
-    _tile_loadd(3, kb, HEAD_DIM * 2);
+    _tile_loadd(3, k0, s0);
     _tile_dpbf16ps(0, 3, 2);
-    _tile_loadd(3, kb + 16 * HEAD_DIM, HEAD_DIM * 2);
+    _tile_loadd(3, k1, s1);
     _tile_dpbf16ps(1, 3, 2);
     _tile_loadd(2, qt[1], 64);
-    _tile_loadd(3, kb + 32, HEAD_DIM * 2);
+    _tile_loadd(3, k0 + 32, s0);
     _tile_dpbf16ps(0, 3, 2);
-    _tile_loadd(3, kb + 16 * HEAD_DIM + 32, HEAD_DIM * 2);
+    _tile_loadd(3, k1 + 32, s1);
     _tile_dpbf16ps(1, 3, 2);
 }
 
@@ -257,8 +290,8 @@ static inline void probabilities(float s[KEYS][16], int masked, int64_t key0, __
     st->l = _mm512_add_ps(st->l, _mm512_add_ps(sum0, sum1));
 }
 
-/* The lanes of ls over their sequence's packed blocks kp (BLOCK_ELEMS each, from key 0). */
-static void attend(const lane_set *ls, const uint16_t *kp, float scale) {
+/* The lanes of ls over their sequence's packed blocks kp (BLOCK_ELEMS each, from key 0), K from src. */
+static void attend(const lane_set *ls, const key_source *src, const uint16_t *kp, float scale) {
     _Alignas(64) uint16_t qt[2][16][32];
     _Alignas(64) float s[2][KEYS][16];
     _Alignas(64) uint16_t pt[2][16][32];
@@ -279,12 +312,12 @@ static void attend(const lane_set *ls, const uint16_t *kp, float scale) {
     _tile_zero(6);
     _tile_zero(7);
     const int64_t num_blocks = last_pos / KEYS + 1;
-    scores(kp, qt);
+    scores(src, 0, qt);
     _tile_stored(0, s[0][0], 64);
     _tile_stored(1, s[0][16], 64);
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t key0 = b * KEYS;
-        if (b + 1 < num_blocks) scores(kp + (b + 1) * BLOCK_ELEMS, qt); /* the tiles work while we softmax */
+        if (b + 1 < num_blocks) scores(src, b + 1, qt); /* the tiles work while we softmax */
         if (key0 + KEYS - 1 > first_pos)
             probabilities(s[b & 1], 1, key0, pos, c, b == 0, &st, pt, acc);
         else
@@ -444,17 +477,21 @@ static int run_items(const attention_args *a, sequence *seqs, int64_t num_seqs, 
             if (failed) continue;
             const int kv0 = w->kvh < 0 ? 0 : w->kvh, kv1 = w->kvh < 0 ? a->num_kv_heads : w->kvh + 1;
             const uint16_t *kp;
+            const int direct = s->packed_at < 0 && keys_direct(&s->keys);
             if (s->packed_at >= 0) {
                 kp = shared + (size_t)(s->packed_at + (int64_t)kv0 * s->num_blocks) * BLOCK_ELEMS;
             } else {
-                pack_blocks(a->k_cache, a->v_cache, &s->keys, a->num_kv_heads, kv0, kv1, s->num_blocks, own);
+                pack_blocks(direct ? NULL : a->k_cache, a->v_cache, &s->keys, a->num_kv_heads, kv0, kv1,
+                            s->num_blocks, own);
                 kp = own;
             }
             for (int kvh = kv0; kvh < kv1; kvh++) {
                 const work_item one = {w->seq, w->set, kvh};
+                const uint16_t *blocks = kp + (size_t)((kvh - kv0) * s->num_blocks) * BLOCK_ELEMS;
+                const key_source src = {direct ? NULL : blocks, a->k_cache, &s->keys, a->num_kv_heads, kvh};
                 lane_set ls;
                 fill_lanes(a, s, &one, lens, &ls);
-                attend(&ls, kp + (size_t)((kvh - kv0) * s->num_blocks) * BLOCK_ELEMS, a->scale);
+                attend(&ls, &src, blocks, a->scale);
             }
         }
         _tile_release();
