@@ -43,8 +43,9 @@ def _sequence(
     return k, v, table, q
 
 
-# SmolLM2's heads; a group of 4 over head_dim 96 (the value pass's plain loop); a group of 7 over 128 (Qwen2.5's)
-SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (8, 2, 96), (14, 2, 128)]
+# SmolLM2's heads; Llama-3.2-1B's (a group of 4 over 8 KV heads); a group of 16, a whole amx tile for one row's
+# heads; a group of 4 over head_dim 96 (the value pass's plain loop); a group of 7 over 128 (Qwen2.5's)
+SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (32, 8, 64), (16, 1, 64), (8, 2, 96), (14, 2, 128)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
