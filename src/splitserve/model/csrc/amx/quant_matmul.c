@@ -4,7 +4,8 @@
  * activation bytes x unsigned weight codes, K = one block of 32). The repacked layout already holds each weight row's codes 4 at a time, which is the tile's VNNI form:
  * B row v is group A's qs[v] beside group B's, low nibbles (weights 4v..4v+3), and row v + 4 their high
  * nibbles (16 + 4v..); Q8_0 codes are byte-for-byte B rows. The same integers as the AVX-512 VNNI path; each
- * block's int32 tile is then scaled in float32 as there (d_w d_x, plus m_w s_x).
+ * block's int32 tile is then scaled in float32 as there (d_w d_x, plus m_w s_x). A thread unpacks a weight
+ * tile's codes once (amx_weights) and runs every 16-row chunk of the activations over them (amx_chunk).
  */
 #include <stdlib.h>
 
@@ -13,8 +14,11 @@
 
 #if defined(SS_AMX)
 
-#define AMX_AHEAD 2 /* blocks between starting a block's product and scaling its dot products */
-#define AMX_RING 4  /* dot-product buffers: blocks kb - 2 .. kb */
+/* Blocks between starting a block's product and scaling its dot products: at least 2, since a block's tile
+ * is stored one iteration after its product starts (amx_chunk). */
+#define AMX_AHEAD 2
+#define AMX_RING 4 /* dot-product buffers, more than AMX_AHEAD: blocks kb - AMX_AHEAD .. kb - 1 */
+_Static_assert(AMX_AHEAD >= 2 && AMX_RING > AMX_AHEAD, "amx_chunk's pipeline");
 
 static void amx_configure(int rows) {
     ss_tile_config cfg;
