@@ -96,6 +96,14 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
         out = kernels.paged_attention(batch_q, k, v, tables, batch_lens, BLOCK, scale, row_seq)
         assert out is not None
         assert torch.equal(out[: len(rows)], whole[rows]), f"chunk at {start}"
+    # two prefill chunks of different sequences in one call (the second reads the same blocks in reverse)
+    other = kernels.paged_attention(q[300:340], k, v, table.flip(1).contiguous(), lens[300:340], BLOCK, scale,
+                                    torch.zeros(40, dtype=torch.long))  # fmt: skip
+    pair = kernels.paged_attention(torch.cat([q[100:137], q[300:340]]), k, v, tables,
+                                   torch.cat([lens[100:137], lens[300:340]]), BLOCK, scale,
+                                   torch.cat([torch.zeros(37), torch.ones(40)]).long())  # fmt: skip
+    assert other is not None and pair is not None
+    assert torch.equal(pair[:37], whole[100:137]) and torch.equal(pair[37:], other)
     # a decode step of many sequences (here views of one at different lengths), more than the threads
     positions = torch.tensor([0, 15, 16, 255, 256, 257, 511, 699])
     step = kernels.paged_attention(q[positions], k, v, table.expand(len(positions), -1).contiguous(),

@@ -32,8 +32,10 @@ typedef struct { /* the LDTILECFG operand */
     uint16_t colsb[16];
     uint8_t rows[16];
 } ss_tile_config;
-/* amx/attention.c: the amx build's paged attention, bfloat16 K/V with head size 64, for every row of a call
- * (cpu_kernels.c's ss_paged_attention_bf16 hands it over); -1 where it does not apply or memory runs out. */
+/* amx/attention.c: the amx build's paged attention, bfloat16 K/V with head size SS_AMX_HEAD_DIM, for every row
+ * of a call (cpu_kernels.c's ss_paged_attention_bf16 hands it over); -1 where it does not apply or memory runs
+ * out. */
+#define SS_AMX_HEAD_DIM 64
 __attribute__((visibility("hidden"))) int amx_paged_attention_bf16(
     const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
     int64_t max_blocks, const int64_t *row_seq, const int64_t *lens, uint16_t *out, int num_rows, int num_heads,

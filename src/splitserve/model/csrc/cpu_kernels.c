@@ -713,8 +713,8 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
                             float scale, int num_threads) {
 #if defined(SS_AMX)
-    /* head size 64 on a CPU that grants the tiles: every call of the process takes the tiles' arithmetic */
-    if (head_dim == 64 && ss_amx_permitted())
+    /* the tiles' head size on a CPU that grants them: every call of the process takes the tiles' arithmetic */
+    if (head_dim == SS_AMX_HEAD_DIM && ss_amx_permitted())
         return amx_paged_attention_bf16(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out,
                                         num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
 #endif

@@ -43,7 +43,7 @@
 #if defined(SS_AMX)
 #define KEYS 32        /* keys per block: one B tile of P^T (16 pairs) */
 #define LANES_PER_SET 16
-#define HEAD_DIM 64    /* the one head size this kernel takes */
+#define HEAD_DIM SS_AMX_HEAD_DIM /* the one head size this kernel takes */
 #define RESCALE_AT 8.f /* log2 units: rescale the accumulators only when a max grows by more than 2^8 */
 #define BLOCK_ELEMS (2 * KEYS * HEAD_DIM) /* a packed block: K rows, then V^T */
 
@@ -111,8 +111,9 @@ static inline int64_t slot_of(const key_slots *ks, int64_t j) {
 }
 
 /* One kv head's block of 32 keys into kp: K rows gathered in key order (unless k_cache is NULL: the tiles then
- * read K from the cache), then V transposed into four 16 x 32 A tiles, i.e. [dim][key]. Keys 2j and 2j+1 interleaved are 32-bit pairs (V[2j][d], V[2j+1][d]); a 16 x 16
- * transpose of those over the 16 pairs gives, per dim, its 32 keys in order. Keys past the context are zero. */
+ * read K from the cache), then V transposed into four 16 x 32 A tiles, i.e. [dim][key]. Keys 2j and 2j+1
+ * interleaved are 32-bit pairs (V[2j][d], V[2j+1][d]); a 16 x 16 transpose of those over the 16 pairs gives, per
+ * dim, its 32 keys in order. Keys past the context are zero. */
 static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const key_slots *ks, int num_kv_heads,
                        int kvh, int64_t key0, uint16_t *kp) {
     uint16_t *vt = kp + KEYS * HEAD_DIM;
@@ -460,10 +461,11 @@ static int run_items(const attention_args *a, sequence *seqs, int64_t num_seqs, 
             failed = 1;
         }
         configure_tiles();
+        int64_t s = 0; /* the sequence of a thread's packing item, a cursor: a thread's items come in order */
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < shared_blocks; it++) { /* shared packing: (sequence, kv head, block) */
-            int64_t s = 0;
-            while (s + 1 < num_seqs && (seqs[s].packed_at < 0 || seqs[s].packed_at + seqs[s].num_blocks * a->num_kv_heads <= it)) s++;
+            if (seqs[s].packed_at > it) s = 0;
+            while (seqs[s].packed_at < 0 || seqs[s].packed_at + seqs[s].num_blocks * a->num_kv_heads <= it) s++;
             const int64_t local = it - seqs[s].packed_at;
             const int kvh = (int)(local / seqs[s].num_blocks);
             const int64_t b = local % seqs[s].num_blocks;
