@@ -10,15 +10,14 @@ For each kernel build this CPU runs (or those named):
 - **the matmuls at 1,024 rows**: layer 0's fused q/k/v, output, fused gate/up and down, from the GGUF's blocks;
 - **decode attention**: 1 and 16 rows, each its own sequence, at 300 and 2,500 tokens.
 
-Medians of ``--repeats`` calls after one warm-up. Results go to ``benchmarks/results/prefill_kernels.json``.
+Medians over at least 5 calls and 0.3 s after one warm-up (``quant_kernels.median_s``). Results go to
+``benchmarks/results/prefill_kernels.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result
-from quant_kernels import model_matrices, shapes
+from quant_kernels import median_s, model_matrices, shapes
 
 from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for
 
@@ -35,14 +34,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 PROMPT, CHUNK = 2500, 1024
 
 
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
+def median_ms(fn: Callable[[], Any]) -> float:
+    return median_s(fn) * 1e3
 
 
 def cache(tokens: int, seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,7 +48,7 @@ def cache(tokens: int, seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return k, v, tables
 
 
-def attention_per_layer(kernels: NativeKernels, repeats: int) -> float:
+def attention_per_layer(kernels: NativeKernels) -> float:
     k, v, table = cache(PROMPT, 1)
     total = 0.0
     for start in range(0, PROMPT, CHUNK):
@@ -66,23 +59,21 @@ def attention_per_layer(kernels: NativeKernels, repeats: int) -> float:
         total += median_ms(
             lambda q=q, lens=lens, row_seq=row_seq: kernels.paged_attention(
                 q, k, v, table, lens, BLOCK, HEAD_DIM**-0.5, row_seq
-            ),
-            repeats,
+            )
         )
     return total
 
 
-def decode_attention(kernels: NativeKernels, rows: int, tokens: int, repeats: int) -> float:
+def decode_attention(kernels: NativeKernels, rows: int, tokens: int) -> float:
     k, v, tables = cache(tokens, rows)
     q = torch.randn(rows, HEADS, HEAD_DIM).bfloat16()
     lens = torch.full((rows,), tokens)
-    return median_ms(lambda: kernels.paged_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5), repeats)
+    return median_ms(lambda: kernels.paged_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--builds", default="", help="comma-separated kernel builds (default: every one here)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prefill_kernels.json")
     args = parser.parse_args()
@@ -97,15 +88,15 @@ def main() -> None:
         kernels = kernels_for(level)
         if kernels is None:
             continue
-        row: dict[str, float] = {"attention per layer ms": attention_per_layer(kernels, args.repeats)}
+        row: dict[str, float] = {"attention per layer ms": attention_per_layer(kernels)}
         for name, w in matrices.items():
             packed = kernels.pack(w.rows, w.wtype, w.k)
             x = torch.randn(CHUNK, w.k)
-            took = median_ms(lambda x=x, p=packed, k=kernels: k.quant_matmul(x, p), args.repeats)
+            took = median_ms(lambda x=x, p=packed, k=kernels: k.quant_matmul(x, p))
             row[f"{name} at {CHUNK} rows ms"] = took
             row[f"{name} GMAC/s"] = CHUNK * w.n * w.k / took / 1e6
         for rows, tokens in ((1, 300), (1, 2500), (16, 300), (16, 2500)):
-            row[f"decode {rows} rows at {tokens} us"] = decode_attention(kernels, rows, tokens, args.repeats) * 1e3
+            row[f"decode {rows} rows at {tokens} us"] = decode_attention(kernels, rows, tokens) * 1e3
         results["builds"][level.name] = row
         print(level.name, {key: round(value, 2) for key, value in row.items()}, flush=True)
     write_result(args.out, "prefill_kernels", args, results)
