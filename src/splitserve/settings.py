@@ -176,6 +176,27 @@ def by_flag(sections: Sequence[Section]) -> dict[str, Declared]:
     return {item.flag: item for item in declared_in(sections)}
 
 
+TRUE_WORDS = ("1", "true", "yes", "y", "on")
+FALSE_WORDS = ("0", "false", "no", "n", "off")
+
+
+def parse_text(item: Declared, text: str) -> Any:
+    """The field value of ``item`` written as ``text`` (an environment variable's, say), parsed as its option
+    would parse it; ``ValueError`` for text that does not parse."""
+    kind: Any = item.kind
+    value: Any
+    if item.is_bool:
+        word = text.strip().lower()
+        if word not in TRUE_WORDS + FALSE_WORDS:
+            raise ValueError(f"{text!r} is not a boolean")
+        value = word in TRUE_WORDS
+    elif kind in (int, float, str) or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        value = kind(text.strip())
+    else:
+        value = text
+    return item.to_field(value)
+
+
 def build(config: type, values: dict[str, Any], **derived: Any) -> Any:
     """An instance of ``config`` from a command's option values (keyed by parameter), converted to the fields'
     types, with ``derived`` fields set (or overridden) by the caller. A setting the command does not take keeps

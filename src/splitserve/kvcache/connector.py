@@ -488,7 +488,7 @@ def build_connector(
     """
     on_evict = None if events is None else lambda key: events.removed(Tier.L1, (hash_of_key(key),))
     l1: KVTier = CPUTier(config.l1_cache_bytes, on_evict) if config.l1_cache else NullTier()
-    l2 = _build_l2(config)
+    l2 = build_l2(config)
     signer = serde.RecordSigner.for_secret(cluster_secret, model_id, layout)
     store = TieredStore(l1, l2, validate=signer.verify, events=events)
     connector = KVConnector(
@@ -504,7 +504,8 @@ def build_connector(
     return connector
 
 
-def _build_l2(config: KVTierConfig) -> KVTier | None:
+def build_l2(config: KVTierConfig) -> KVTier | None:
+    """The L2 tier the config names (a Redis or a directory; not yet reached), or None."""
     if config.l2_backend == L2Backend.REDIS:
         assert config.l2_url is not None  # validated
         client = connect(config.l2_url, username=config.l2_username, password=config.l2_password)
