@@ -655,6 +655,11 @@ class RouterConfig(AccessConfig):
         "names it, if it does; without one, missed events make the router forget that worker's blocks).",
         panel=ROUTING_PANEL,
     )  # fmt: skip
+    vllm_kv_transfer_port: str | None = setting(
+        None, "Disaggregation over vLLM workers: a decode vLLM's KV receiver (splitserve's connector, its "
+        "kv-transfer-port), reached at <worker host>:PORT; +N means the worker's HTTP port plus N. Decode workers "
+        "that answer GET /kv/transfer (splitserve's) say where theirs is.", panel=ROUTING_PANEL,
+    )  # fmt: skip
     # off by default: on the long-history chat it kept fewer users on their cache than the thresholds do
     routing_cost_model: bool = setting(
         False, "Cache-aware: pick the worker with the lowest estimated TTFT (its uncached tokens plus the prefill "
@@ -764,7 +769,8 @@ class RouterConfig(AccessConfig):
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of debug, info, warning, error; got {self.log_level!r}")
         for flag, spec in (("--vllm-kv-events-port", self.vllm_kv_events_port),
-                           ("--vllm-kv-replay-port", self.vllm_kv_replay_port)):  # fmt: skip
+                           ("--vllm-kv-replay-port", self.vllm_kv_replay_port),
+                           ("--vllm-kv-transfer-port", self.vllm_kv_transfer_port)):  # fmt: skip
             if spec is not None:
                 port_of(spec, 0, flag)
 

@@ -17,7 +17,7 @@ redis-server); ``environmentVariables`` take Kubernetes' ``valueFrom.secretKeyRe
 secrets (SECRET_ENV_NAMES: client keys, Redis' password) only from there: a literal in the resource is readable
 by whoever reads the resource. The cluster secret is splitserve's to set (envs.CLUSTER_SECRET), never the resource's.
 ``spec.worker.engine`` (splitserve's own field, default ``splitserve``) says what the workers run: ``vllm`` makes
-them vLLM's OpenAI server, colocated and without splitserve's KV tiers (``pdSpec`` and L1/L2 are errors then).
+them vLLM's OpenAI server, which takes ``pdSpec`` and the L1/L2 tiers through splitserve's KV connector for vLLM.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class WorkerEngine(StrEnum):
     """What the workers run (``spec.worker.engine``)."""
 
     SPLITSERVE = "splitserve"  # `splitserve worker`: every feature of the resource
-    VLLM = "vllm"  # vLLM's OpenAI server (`vllm serve`), colocated, without splitserve's KV tiers
+    VLLM = "vllm"  # vLLM's OpenAI server (`vllm serve`); PD and the tiers through splitserve's KV connector
 
 
 class ModelSourceType(StrEnum):
@@ -434,7 +434,6 @@ def _semantic_errors(config: InferenceEndpointConfig) -> list[str]:
         )
     errors += _port_errors(spec)
     errors += _cache_errors(spec.kv_cache_spec)
-    errors += _engine_errors(spec)
     if invocation_path(spec.invocation_endpoint) not in INVOCATION_PATHS:
         allowed = ", ".join(p.lstrip("/") for p in INVOCATION_PATHS)
         errors.append(f"spec.invocationEndpoint: {spec.invocation_endpoint!r} is not one of {allowed}")
@@ -486,27 +485,6 @@ def _cache_errors(kv: KVCacheSpec | None) -> list[str]:
         )
     if l2.l2_cache_path is not None and l2.l2_cache_backend != "tieredstorage":
         errors.append(f"{where}.l2CachePath is only used when l2CacheBackend is tieredstorage")
-    return errors
-
-
-def _engine_errors(spec: EndpointSpec) -> list[str]:
-    """What vLLM workers cannot do: splitserve's prefill/decode handoff and its KV tiers (L1, L2)."""
-    if spec.worker.engine != WorkerEngine.VLLM:
-        return []
-    why = "is not supported with spec.worker.engine vllm"
-    errors = []
-    if spec.pd_spec is not None:
-        errors.append(
-            f"spec.pdSpec {why}: disaggregation hands KV over splitserve's own transfer; remove pdSpec for "
-            "colocated vLLM workers, or use engine splitserve"
-        )
-    kv = spec.kv_cache_spec
-    for field, enabled in (("enableL1Cache", "enable_l1_cache"), ("enableL2Cache", "enable_l2_cache")):
-        if kv is not None and getattr(kv, enabled):
-            errors.append(
-                f"spec.kvCacheSpec.{field} {why}: the tiers are splitserve's; give vLLM its own offloading "
-                "in spec.worker.args (e.g. --kv-transfer-config), or use engine splitserve"
-            )
     return errors
 
 

@@ -120,6 +120,7 @@ class RolePlan:
     container_port: int  # the port a worker listens on in its pod (locally, each instance gets its own)
     num_threads: int | None  # --num-threads in flags (from args, else from the CPU resources); None: all CPUs
     labels: dict[str, str]  # "<api group>/dpd-role": "prefill" | "decode"; empty when colocated
+    kv_connector: dict[str, Any] | None = None  # engine vllm: splitserve's connector's --kv-transfer-config
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +237,9 @@ def _role_plan(
 ) -> RolePlan:
     resources = resource_plan(part.resources)
     engine_env: dict[str, str] = {}
+    connector = None
     if config.spec.worker.engine == WorkerEngine.VLLM:
+        connector = vllm.connector_config(part.role, cache_flags, config.spec.model_name)
         flags, num_threads = vllm.serve_flags(model, config.spec.model_name, part.flags), resources.num_threads
         memory = resources.memory_limit_bytes or resources.memory_request_bytes
         names = [var.name for var in config.spec.worker.environment_variables]
@@ -256,6 +259,7 @@ def _role_plan(
         container_port=config.spec.worker.model_invocation_port.container_port,
         num_threads=num_threads,
         labels=labels,
+        kv_connector=connector,
     )
 
 
@@ -311,7 +315,8 @@ def _router_plan(config: InferenceEndpointConfig, model: str, roles: Sequence[Ro
     vllm_events = is_vllm and strategy == RoutingStrategy.KVAWARE
     if is_vllm:
         sizes = [size for role in roles if (size := _token_value(role.flags, "--block-size")) is not None]
-        flags += vllm.router_flags(in_pod=target == Target.KUBERNETES, kv_events=vllm_events, block_sizes=sizes)
+        flags += vllm.router_flags(in_pod=target == Target.KUBERNETES, kv_events=vllm_events, block_sizes=sizes,
+                                   disaggregated=config.is_disaggregated)  # fmt: skip
     else:
         flags += _block_flags(roles)
     return RouterPlan(

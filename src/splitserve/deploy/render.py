@@ -311,7 +311,8 @@ def _worker_args(ep: _Endpoint, role: RolePlan) -> list[str]:
 
 def _vllm_args(ep: _Endpoint, role: RolePlan) -> list[str]:
     """``vllm serve``'s arguments: the plan's (from ``--model`` on), then the address and the KV events."""
-    return [*role.flags, *vllm.instance_args("0.0.0.0", role.container_port, ep.plan.router.vllm_events, in_pod=True)]
+    return [*role.flags, *vllm.instance_args("0.0.0.0", role.container_port, ep.plan.router.vllm_events, in_pod=True,
+                                             connector=role.kv_connector)]  # fmt: skip
 
 
 def _vllm_env(ep: _Endpoint, role: RolePlan) -> list[Manifest]:
@@ -319,6 +320,8 @@ def _vllm_env(ep: _Endpoint, role: RolePlan) -> list[Manifest]:
     variables but its client keys (the router checks those; vLLM's key is the one the router sends)."""
     own = [{"name": name, "value": value} for name, value in role.engine_env.items()]
     env = [_home_env(), _secret_env(ep, vllm.API_KEY_ENV), *own]
+    if role.kv_connector is not None:  # the connector signs pushes and records, and checks the router's params
+        env.insert(2, _secret_env(ep, envs.CLUSTER_SECRET.name))
     variables = ep.config.spec.worker.environment_variables
     return env + [var.manifest() for var in variables if var.name not in vllm.CLIENT_KEY_ENV]
 

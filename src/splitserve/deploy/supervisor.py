@@ -218,12 +218,14 @@ class Supervisor:
 
     def _template(self, role_plan: RolePlan, vllm_events: bool) -> _Template:
         env = {**role_plan.engine_env, **role_plan.env}
-        return _Template(role_plan.role, tuple(role_plan.flags), tuple(sorted(env.items())),
+        connector = role_plan.kv_connector  # a pod whose connector changes (its tiers, say) is replaced
+        flags = (*role_plan.flags, *([json.dumps(connector, sort_keys=True)] if connector is not None else []))
+        return _Template(role_plan.role, flags, tuple(sorted(env.items())),
                          role_plan.num_threads, role_plan.resources.num_gpus, vllm_events)  # fmt: skip
 
     def _start_worker(self, endpoint: EndpointPlan, role_plan: RolePlan, template: _Template) -> Pod:
         is_vllm = endpoint.engine == WorkerEngine.VLLM
-        port = free_port(3 if is_vllm else 1)
+        port = free_port(vllm.LOCAL_TRANSFER_OFFSET + 1 if is_vllm else 1)  # HTTP, events, replay, KV receiver
         name = pod_name(role_plan.role.value, endpoint.name)
         env = dict(template.env)
         if self._redis is not None:
@@ -234,9 +236,11 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         cpus = self._cpus.take(template.num_threads) if template.num_threads else ()
         if is_vllm:
-            env |= vllm.local_env(() if gpus else cpus, role_plan.env, self._secret)
-            command = (*self._vllm_command, *role_plan.flags,
-                       *vllm.instance_args(self.host, port, template.vllm_events, in_pod=False))  # fmt: skip
+            connector = role_plan.kv_connector
+            path = vllm.connector_pythonpath(self.run_dir) if connector is not None else None
+            env |= vllm.local_env(() if gpus else cpus, role_plan.env, self._secret, path)
+            own = vllm.instance_args(self.host, port, template.vllm_events, in_pod=False, connector=connector)
+            command = (*self._vllm_command, *role_plan.flags, *own)
         else:
             command = splitserve_command("worker", *self._worker_flags(endpoint, role_plan, name, port))
         spec = PodSpec(role_plan.role.value, command, port, tuple(env.items()), cpus)

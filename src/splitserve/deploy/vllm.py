@@ -45,9 +45,10 @@ import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from splitserve import envs
-from splitserve.config import port_of
+from splitserve.config import Role, port_of
 from splitserve.endpoint import EndpointError, Flag, InferenceEndpointConfig, ModelSourceType, last_flag, parse_args
 from splitserve.model.source import known_names
 
@@ -67,7 +68,12 @@ REFUSED_FLAGS = {
     f"secret ({API_KEY_ENV}, set by splitserve), and client keys go to the router (SPLITSERVE_API_KEY in "
     "spec.worker.environmentVariables, from a secretKeyRef)",
     "kv-events-config": "is set by splitserve when spec.intelligentRoutingSpec.routingStrategy is kvaware",
+    "kv-transfer-config": "is set by splitserve: its KV connector, for spec.pdSpec and spec.kvCacheSpec's tiers",
 }
+CONNECTOR_MODULE, CONNECTOR_CLASS = "splitserve.worker.vllm_connector", "SplitserveConnector"
+KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.COLOCATED: "kv_both"}
+LOCAL_TRANSFER_OFFSET, POD_TRANSFER_OFFSET = 3, 1  # a decode worker's KV receiver, from its HTTP port
+CONNECTOR_PATH_DIR = "vllm-connector"  # in a local run's directory: a PYTHONPATH holding only splitserve
 # `splitserve worker` flags vLLM has no equivalent for (it would refuse to start).
 WORKER_ONLY_FLAGS = frozenset({
     "num-threads", "kv-cache-memory", "l1-cache-bytes", "l2-max-bytes", "kv-chunk-size", "save-decode-cache",
@@ -115,10 +121,38 @@ def check_flag(flag: Flag) -> bool:
     return True
 
 
-def instance_args(host: str, port: int, kv_events: bool, *, in_pod: bool) -> list[str]:
-    """What one worker adds to :func:`serve_flags`: its address and, for a router that follows its KV events,
-    ``--kv-events-config`` publishing on :func:`event_ports`, bound where the HTTP port is (:func:`zmq_bind`)."""
+def connector_config(role: Role, cache_flags: Sequence[str], model_id: str) -> dict[str, Any] | None:
+    """vLLM's ``--kv-transfer-config`` for splitserve's connector (``splitserve.worker.vllm_connector``) in a
+    worker of ``role``, with the resource's tier flags (``cache_flags``, splitserve worker flags) as its extra
+    config; None for a colocated worker without tiers. A failed load is recomputed, never an error. The decode
+    side's receiver address is added per instance (:func:`instance_args`)."""
+    if role == Role.COLOCATED and not cache_flags:
+        return None
+    extra: dict[str, Any] = {"model-id": model_id}
+    for flag in parse_args(list(cache_flags), "kvCacheSpec"):
+        extra[flag.name] = True if flag.value is None else flag.value
+    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": KV_ROLES[role],
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+
+
+def transfer_port_spec(*, in_pod: bool) -> str:
+    """``--vllm-kv-transfer-port``: a decode vLLM's KV receiver, as an offset from its HTTP port."""
+    return f"+{POD_TRANSFER_OFFSET if in_pod else LOCAL_TRANSFER_OFFSET}"
+
+
+def instance_args(
+    host: str, port: int, kv_events: bool, *, in_pod: bool, connector: Mapping[str, Any] | None = None
+) -> list[str]:
+    """What one worker adds to :func:`serve_flags`: its address; for a router that follows its KV events,
+    ``--kv-events-config`` publishing on :func:`event_ports`, bound where the HTTP port is (:func:`zmq_bind`); and
+    the connector's ``--kv-transfer-config``, a decode worker's with its receiver's address."""
     args = ["--host", host, "--port", str(port)]
+    if connector is not None:
+        config = dict(connector)
+        if config["kv_role"] == KV_ROLES[Role.DECODE]:
+            receiver = {"kv-transfer-host": host, "kv-transfer-port": port_of(transfer_port_spec(in_pod=in_pod), port)}
+            config["kv_connector_extra_config"] = {**config["kv_connector_extra_config"], **receiver}
+        args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if kv_events:
         events, replay = event_ports(port, in_pod=in_pod)
         bind = zmq_bind(host)
@@ -170,10 +204,16 @@ def engine_env(
     return {name: value for name, value in env.items() if name not in resource_env}
 
 
-def local_env(cpus: Sequence[int], resource_env: Mapping[str, str], cluster_secret: str) -> dict[str, str]:
-    """What a local vLLM worker gets at start: the cluster secret as its key, and its threads bound to the
-    cores the supervisor gave it (``cpus``; none: vLLM's own binding), unless the resource sets them."""
+def local_env(
+    cpus: Sequence[int], resource_env: Mapping[str, str], cluster_secret: str, connector_path: Path | None = None
+) -> dict[str, str]:
+    """What a local vLLM worker gets at start: the cluster secret as its key (and as the connector's secret),
+    ``connector_path`` on its ``PYTHONPATH`` (:func:`connector_pythonpath`), and its threads bound to the cores
+    the supervisor gave it (``cpus``; none: vLLM's own binding), unless the resource sets them."""
     env = {API_KEY_ENV: cluster_secret}
+    if connector_path is not None:
+        env[envs.CLUSTER_SECRET.name] = cluster_secret
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(connector_path), resource_env.get("PYTHONPATH")) if p)
     if cpus:
         bind = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         env |= {name: value for name, value in bind.items() if name not in resource_env}
@@ -183,11 +223,15 @@ def local_env(cpus: Sequence[int], resource_env: Mapping[str, str], cluster_secr
 # ---------------------------------------------------------------------------------------------- the router
 
 
-def router_flags(*, in_pod: bool, kv_events: bool, block_sizes: Sequence[str]) -> list[str]:
+def router_flags(
+    *, in_pod: bool, kv_events: bool, block_sizes: Sequence[str], disaggregated: bool = False
+) -> list[str]:
     """What the router adds for vLLM workers: ``--backend-kind vllm``, the event ports when it follows their
-    KV events, and a ``--block-size`` that divides vLLM's when the args set one (the router re-hashes vLLM's
-    blocks in its own, smaller ones)."""
+    KV events, where decode workers receive KV when disaggregated, and a ``--block-size`` that divides vLLM's
+    when the args set one (the router re-hashes vLLM's blocks in its own, smaller ones)."""
     flags = ["--backend-kind", "vllm"]
+    if disaggregated:
+        flags += ["--vllm-kv-transfer-port", transfer_port_spec(in_pod=in_pod)]
     if kv_events:
         events, replay = router_event_ports(in_pod=in_pod)
         flags += ["--vllm-kv-events-port", events, "--vllm-kv-replay-port", replay]
@@ -299,6 +343,18 @@ def local_command(environ: Mapping[str, str], which: Callable[[str], str | None]
         f"{envs.VLLM_PYTHON.name} to the python of an environment with vLLM (scripts/setup_vllm_cpu.sh makes one), "
         "or put the vllm command on PATH"
     )
+
+
+def connector_pythonpath(run_dir: Path) -> Path:
+    """A directory holding only ``splitserve`` (a link to this package), for vLLM's ``PYTHONPATH``: vLLM loads
+    splitserve's connector from the very code that plans the endpoint, and nothing else of this environment."""
+    folder = run_dir / CONNECTOR_PATH_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    link, package = folder / "splitserve", Path(__file__).resolve().parents[1]
+    if not link.is_symlink() or link.resolve() != package:
+        link.unlink(missing_ok=True)
+        link.symlink_to(package, target_is_directory=True)
+    return folder
 
 
 def _interpreter_of(script: Path) -> str | None:

@@ -29,6 +29,11 @@ Per request (``Disaggregator.proxy``):
    streaming client gets the first token from P's answer at once; D then streams the rest
    (``skip_first_token``). If P fails, D computes the prompt itself: slower, never an error.
 
+vLLM pairs (splitserve's KV connector in both, ``splitserve.worker.vllm_connector``) go the same way, but D's
+receiver is at ``--vllm-kv-transfer-port`` of its host (vLLM has no ``/kv/transfer``), and D computes the
+prompt's last token on the loaded KV and samples the first token itself, as vLLM's own disaggregation does: a
+stream is D's whole stream, and P's first token is not sent.
+
 A request that disaggregation would answer differently goes to D as to a colocated worker (the log says
 why): several sequences (``n`` or ``best_of`` above 1), which would all start with P's one first token, and
 a request for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``), which computes its whole
@@ -49,11 +54,12 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from starlette.responses import Response, StreamingResponse
 
 from splitserve.auth import sign
-from splitserve.config import PDDecision
+from splitserve.config import BackendKind, PDDecision, port_of
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
 from splitserve.protocol.openai import answer_text, sse_event, stream_error_end, text_chunk
 from splitserve.router.cost import PDCosts, PrefillCostModel, QueuedPrefill, pd_costs
@@ -164,7 +170,9 @@ class Disaggregator:
         )
         decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
         decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
-        if not call.is_stream or first_token is None:
+        if not call.is_stream or first_token is None or not decoder.forces_first_token:
+            if migratable and call.is_stream:
+                forwarder.track(decode_call)
             return await forwarder.forward(decode_call, self.decode_pool, decision)
         is_chat = call.path.endswith("/chat/completions")
         first_text = answer_text(is_chat, p_body)
@@ -260,10 +268,16 @@ class Disaggregator:
         queued.answered(self.cost, not_prefill_s=report.transfer_ms / 1000)
 
     async def _kv_addr(self, worker: Worker) -> str | None:
-        """D's KV receiver address (cached); None if it has none or did not answer."""
+        """D's KV receiver address (cached): what its ``GET /kv/transfer`` names (a splitserve worker's), else a
+        vLLM worker's at ``--vllm-kv-transfer-port``; None if it has none."""
         if worker.kv_transfer_addr is None:
-            info = await self.forwarder.get_json(f"{worker.url}/kv/transfer")
+            vllm_port = self.config.vllm_kv_transfer_port
+            info = None if self.config.backend_kind == BackendKind.VLLM else await self.forwarder.get_json(
+                f"{worker.url}/kv/transfer"
+            )  # fmt: skip
             worker.kv_transfer_addr = info.get("addr") if isinstance(info, dict) else None
+            if worker.kv_transfer_addr is None and vllm_port is not None:
+                worker.kv_transfer_addr, worker.forces_first_token = vllm_receiver(worker.url, vllm_port), False
             if worker.kv_transfer_addr is None:
                 logger.warning("decode worker %s reports no KV receiver (is it --role decode?)", worker.name)
         return worker.kv_transfer_addr
@@ -277,6 +291,13 @@ class Disaggregator:
         if call.routing.token_ids is not None:
             return len(call.routing.token_ids)
         return len(json.dumps(call.body.get("messages") or call.body.get("prompt") or "")) // CHARS_PER_TOKEN
+
+
+def vllm_receiver(worker_url: str, port: str) -> str:
+    """``host:port`` of a vLLM worker's KV receiver: ``port`` (or ``+N``, from its HTTP port) at its host."""
+    parts = urlsplit(worker_url)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else str(parts.hostname)
+    return f"{host}:{port_of(port, parts.port or (443 if parts.scheme == 'https' else 80))}"
 
 
 def kept_colocated(body: dict[str, Any]) -> str | None:

@@ -37,6 +37,7 @@ class Worker:
     pending_prefill_tokens: int = 0  # uncached tokens of the requests sent here that have not started to answer
     worker_id: str | None = None  # the name it registered with (KV events), if it did
     kv_transfer_addr: str | None = None  # a decode worker's KV receiver (host:port), once asked
+    forces_first_token: bool = True  # a decode worker takes prefill's first token (splitserve's); vLLM samples its own
 
     @property
     def is_routable(self) -> bool:
