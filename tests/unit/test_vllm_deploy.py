@@ -86,14 +86,43 @@ def test_the_engine_is_splitserve_unless_the_resource_says_vllm() -> None:
     assert line.startswith("spec.worker.engine: 'sglang' is not one of splitserve, vllm")
 
 
-def test_what_vllm_workers_cannot_do_is_refused_naming_the_field() -> None:
-    errors = errors_of(pdSpec={}, kvCacheSpec={"enableL1Cache": True, "enableL2Cache": True,
-                                               "l2CacheSpec": {"l2CacheBackend": "tieredstorage"}})  # fmt: skip
-    assert [e.split(" ", 1)[0] for e in errors] == [
-        "spec.pdSpec", "spec.kvCacheSpec.enableL1Cache", "spec.kvCacheSpec.enableL2Cache"
-    ]  # fmt: skip
-    assert all("not supported with spec.worker.engine vllm" in e for e in errors)
-    resource(kvCacheSpec={"enableL1Cache": False})  # written but off: fine
+def test_pd_and_the_tiers_run_through_splitserves_connector_in_vllm() -> None:
+    l2 = {"l2CacheBackend": "tieredstorage", "l2CachePath": "/tmp/l2"}
+    config = resource(pdSpec={"prefillSpec": {"replicas": 1}, "decodingSpec": {"replicas": 2}},
+                      kvCacheSpec={"enableL1Cache": True, "enableL2Cache": True, "l2CacheSpec": l2})  # fmt: skip
+    endpoint = plan(config, Target.LOCAL)
+    roles = {role.role.value: role for role in endpoint.roles}
+    assert {name: role.kv_connector["kv_role"] for name, role in roles.items() if role.kv_connector} == {
+        "prefill": "kv_producer", "decode": "kv_consumer"
+    }  # fmt: skip
+    for role in roles.values():
+        assert role.kv_connector is not None
+        assert role.kv_connector["kv_connector_module_path"] == vllm.CONNECTOR_MODULE
+        assert role.kv_connector["kv_load_failure_policy"] == "recompute"  # a failed load is recomputed
+        assert role.kv_connector["kv_connector_extra_config"] == {
+            "model-id": "smollm2", "l1-cache": True, "l2-backend": "tieredstorage", "l2-path": "/tmp/l2"
+        }  # fmt: skip
+        assert "--kv-transfer-config" not in role.flags  # added per instance
+    decode_args = vllm.instance_args("127.0.0.1", 9000, False, in_pod=False, connector=roles["decode"].kv_connector)
+    extra = json.loads(value_after(decode_args, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert (extra["kv-transfer-host"], extra["kv-transfer-port"]) == ("127.0.0.1", 9003)
+    prefill_args = vllm.instance_args("0.0.0.0", 8000, False, in_pod=True, connector=roles["prefill"].kv_connector)
+    assert "kv-transfer-port" not in json.loads(value_after(prefill_args, "--kv-transfer-config"))[
+        "kv_connector_extra_config"]  # fmt: skip
+    assert value_after(endpoint.router.flags, "--vllm-kv-transfer-port") == "+3"
+    assert value_after(plan(config, Target.KUBERNETES).router.flags, "--vllm-kv-transfer-port") == "+1"
+    colocated = plan(resource(kvCacheSpec={"enableL1Cache": False}), Target.LOCAL).roles[0]
+    assert colocated.kv_connector is None  # no tiers, no PD: vLLM as it is
+
+
+def test_the_connectors_path_holds_only_splitserve(tmp_path: Path) -> None:
+    folder = vllm.connector_pythonpath(tmp_path)
+    assert [p.name for p in folder.iterdir()] == ["splitserve"]
+    assert (folder / "splitserve" / "worker" / "vllm_connector.py").is_file()
+    assert vllm.connector_pythonpath(tmp_path) == folder  # again: the same link
+    env = vllm.local_env((), {"PYTHONPATH": "/mine"}, "s" * 43, folder)
+    assert env["PYTHONPATH"] == f"{folder}{os.pathsep}/mine"
+    assert env[envs.CLUSTER_SECRET.name] == env[vllm.API_KEY_ENV] == "s" * 43
 
 
 @pytest.mark.parametrize(
@@ -101,6 +130,7 @@ def test_what_vllm_workers_cannot_do_is_refused_naming_the_field() -> None:
     [
         (["--api-key", "k"], "spec.worker.args[0]: --api-key would put a key in argv"),
         (["--kv-events-config", "{}"], "spec.worker.args[0]: --kv-events-config is set by splitserve"),
+        (["--kv-transfer-config", "{}"], "spec.worker.args[0]: --kv-transfer-config is set by splitserve"),
         (["--seed", "1", "--num-threads", "2"], "spec.worker.args[2]: --num-threads is a splitserve worker flag"),
         (["--l1-cache"], "spec.worker.args[0]: --l1-cache is a splitserve worker flag"),
     ],
