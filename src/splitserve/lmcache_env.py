@@ -38,14 +38,13 @@ from urllib.parse import urlsplit
 import yaml
 
 from splitserve import envs
+from splitserve.settings import parse_bool
 
 PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = envs.LMCACHE_CONFIG_FILE.name
 NOTHING_TO_DO = frozenset({"LMCACHE_USE_EXPERIMENTAL", CONFIG_FILE_ENV})
 READ_BY_THE_OPTION = frozenset({"LMCACHE_SAVE_DECODE_CACHE"})  # the --save-decode-cache option reads it itself
 GIB = 1 << 30
-TRUE_WORDS = ("true", "1", "yes", "y", "on")
-FALSE_WORDS = ("false", "0", "no", "n", "off")
 REDIS_SCHEMES = ("redis", "rediss")
 
 
@@ -58,10 +57,10 @@ class Translation:
 
 
 def _flag(name: str, value: str) -> bool:
-    word = value.strip().lower()
-    if word in TRUE_WORDS or word in FALSE_WORDS:
-        return word in TRUE_WORDS
-    raise ValueError(f"{name}={value!r} is not a boolean (true or false)")
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a boolean (true or false)") from None
 
 
 def _gib(name: str, value: str) -> int:

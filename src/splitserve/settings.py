@@ -180,16 +180,21 @@ TRUE_WORDS = ("1", "true", "yes", "y", "on")
 FALSE_WORDS = ("0", "false", "no", "n", "off")
 
 
+def parse_bool(text: str) -> bool:
+    """``text`` as a boolean (``TRUE_WORDS``, ``FALSE_WORDS``, any case); ``ValueError`` for anything else."""
+    word = text.strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"{text!r} is not a boolean")
+    return word in TRUE_WORDS
+
+
 def parse_text(item: Declared, text: str) -> Any:
     """The field value of ``item`` written as ``text`` (an environment variable's, say), parsed as its option
     would parse it; ``ValueError`` for text that does not parse."""
     kind: Any = item.kind
     value: Any
     if item.is_bool:
-        word = text.strip().lower()
-        if word not in TRUE_WORDS + FALSE_WORDS:
-            raise ValueError(f"{text!r} is not a boolean")
-        value = word in TRUE_WORDS
+        value = parse_bool(text)
     elif kind in (int, float, str) or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
         value = kind(text.strip())
     else:

@@ -54,7 +54,6 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from starlette.responses import Response, StreamingResponse
 
@@ -68,6 +67,7 @@ from splitserve.router.forward import Call, Forwarder
 from splitserve.router.migrate import is_migratable
 from splitserve.router.policies import Decision, build_policy
 from splitserve.router.transport import TransportError
+from splitserve.router.vllm_events import host_and_port
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -295,9 +295,8 @@ class Disaggregator:
 
 def vllm_receiver(worker_url: str, port: str) -> str:
     """``host:port`` of a vLLM worker's KV receiver: ``port`` (or ``+N``, from its HTTP port) at its host."""
-    parts = urlsplit(worker_url)
-    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else str(parts.hostname)
-    return f"{host}:{port_of(port, parts.port or (443 if parts.scheme == 'https' else 80))}"
+    host, http_port = host_and_port(worker_url)
+    return f"{host}:{port_of(port, http_port)}"
 
 
 def kept_colocated(body: dict[str, Any]) -> str | None:

@@ -80,13 +80,18 @@ class VLLMSource:
         """The ZMQ addresses of the worker's publisher and replay socket: the flags', else those its answer
         to ``GET /kv_event_sources`` (``sources``, vLLM's ``{rank: KVEventsConfig}``) names for rank 0 (their
         ports, at the worker's host), else port 5557 and no replay socket."""
-        parts = urlsplit(worker_url)
-        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else str(parts.hostname)
-        http_port = parts.port or (443 if parts.scheme == "https" else 80)
+        host, http_port = host_and_port(worker_url)
         named = _rank0_endpoints(sources, host)
         events = f"tcp://{host}:{port_of(self.events_port, http_port)}" if self.events_port else None
         replay = f"tcp://{host}:{port_of(self.replay_port, http_port)}" if self.replay_port else None
         return events or named[0] or f"tcp://{host}:5557", replay or named[1]
+
+
+def host_and_port(worker_url: str) -> tuple[str, int]:
+    """A worker URL's host (an IPv6 address in brackets) and HTTP port (the scheme's when it names none)."""
+    parts = urlsplit(worker_url)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else str(parts.hostname)
+    return host, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _rank0_endpoints(sources: object, host: str) -> tuple[str | None, str | None]:

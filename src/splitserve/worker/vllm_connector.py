@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from splitserve import envs, lmcache_env
 from splitserve.auth import verified
-from splitserve.config import KVTierConfig, L2Backend, PDConfig
+from splitserve.config import KVTierConfig, PDConfig
 from splitserve.keys import cache_key, hash_blocks, hash_tokens, salt_root
 from splitserve.kvcache import serde
 from splitserve.kvcache.connector import build_l2
@@ -107,10 +107,6 @@ class ConnectorSettings:
     model_id: str  # written into every record and key: workers that share KV name the model alike
     key_block_size: int
     secret: str | None  # the cluster secret: signs pushes, records, and checks the router's params
-
-    @property
-    def has_tiers(self) -> bool:
-        return self.tiers.l1_cache or self.tiers.l2_backend != L2Backend.NONE
 
     @classmethod
     def read(cls, extra: Mapping[str, Any], environ: Mapping[str, str], default_model_id: str) -> ConnectorSettings:
@@ -332,9 +328,7 @@ class _SchedulerSide:
     def __init__(self, owner: SplitserveConnector) -> None:
         self.owner = owner
         self.settings = owner.settings
-        self._l2: KVTier | None = (
-            build_l2(self.settings.tiers) if self.settings.tiers.l2_backend != L2Backend.NONE else None
-        )
+        self._l2: KVTier | None = build_l2(self.settings.tiers)
         self._in_l1: set[str] = set()  # the worker side's L1, as it reported it
         self._offers: dict[str, tuple[int, Load | None]] = {}  # request id -> (num computed, what it would load)
         self._loads: list[Load] = []
@@ -360,7 +354,7 @@ class _SchedulerSide:
             end = -(-last // bs)
             return Load(request.request_id, PD_SOURCE, (), first, end, last - num_computed, request.num_prompt_tokens,
                         params.transfer_id, hash_tokens(request.prompt_token_ids))  # fmt: skip
-        if not self.settings.has_tiers:
+        if not self.settings.tiers.is_enabled:
             return None
         keys = self._block_keys(request)
         records = self._held_records(keys, first, request.num_prompt_tokens // bs)
@@ -432,7 +426,7 @@ class _SchedulerSide:
                 )
         params = self._params(request)
         push_to = params if params is not None and params.is_sender and self.owner.is_producer else None
-        saves = self.settings.has_tiers and self.owner.is_producer
+        saves = self.settings.tiers.is_enabled and self.owner.is_producer
         if push_to is not None or saves:
             done = load.end_block if load is not None else request.num_computed_tokens // self.owner.block_size
             self._tracked[request.request_id] = _Tracked(
@@ -518,7 +512,7 @@ class _WorkerSide:
         self._stream: Any = None
         tiers = self.settings.tiers
         self.store: TieredStore | None = None
-        if self.settings.has_tiers:
+        if self.settings.tiers.is_enabled:
             l1: KVTier = CPUTier(tiers.l1_cache_bytes, self._report_eviction) if tiers.l1_cache else NullTier()
             signer = serde.RecordSigner.for_secret(self.settings.secret, self.settings.model_id, owner.layout_name)
             self.signer = signer
