@@ -6,6 +6,8 @@ and one decode vLLM, splitserve's KV connector in both, a disk L2), with the rea
   or not.
 - An L2 hit from the second worker: a prompt the prefill worker computed loads on the decode worker from L2, and
   answers the same.
+- The router's KV index (``kvaware``) sees the workers' L1 and the shared L2 through vLLM's KV events, and a
+  prefill answer prices its push (what the router's cost rule learns from).
 - Faults never hang and never answer wrong: a transfer that never came and a prompt whose KV does not fit the
   decode worker's PD buffer (``PD_BUFFER_SIZE``) are recomputed; with the prefill worker killed, the router has the
   decode worker compute the prompt.
@@ -27,6 +29,7 @@ import pytest
 import yaml
 
 from splitserve.auth import bearer_header, sign
+from splitserve.metrics import sum_samples
 from tests.support.paths import EXAMPLES
 from tests.support.supervisor import Up
 from tests.support.tiers import long_prompt
@@ -82,6 +85,10 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _router_metric(url: str, headers: dict[str, str], name: str, **labels: str) -> float:
+    return sum_samples(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text, name, **labels)
+
+
 def _log(home: Path, role: str) -> str:
     logs = home / "endpoints" / "vllm-dpd" / "logs"
     return "".join(path.read_text(errors="replace") for path in logs.glob(f"{role}-*.log"))
@@ -93,6 +100,7 @@ def test_vllm_workers_disaggregate_share_l2_and_recompute_on_faults(tmp_path: Pa
     spec["modelSourceConfig"]["modelLocation"] = str(hf_folder(tmp_path / "smollm2-hf"))
     spec["kvCacheSpec"]["l2CacheSpec"] = {"l2CacheBackend": "tieredstorage", "l2CachePath": str(tmp_path / "l2")}
     spec["pdSpec"]["routingThreshold"] = 256
+    spec["intelligentRoutingSpec"]["routingStrategy"] = "kvaware"  # the router follows vLLM's KV events
     spec["worker"]["environmentVariables"] = [{"name": "PD_BUFFER_SIZE", "value": "100MB"}]  # ~2,000 tokens
     path = tmp_path / "vllm-dpd.yaml"
     path.write_text(yaml.safe_dump(resource))
@@ -103,6 +111,8 @@ def test_vllm_workers_disaggregate_share_l2_and_recompute_on_faults(tmp_path: Pa
         secret = (tmp_path / "endpoints" / "vllm-dpd" / "cluster-secret").read_text().strip()
         auth = bearer_header(secret)
         decode, prefill = pods["decode"]["url"], pods["prefill"]["url"]
+        # the router probes its workers on its own schedule: wait until it has seen both answer
+        wait_until(lambda: _router_metric(up.url, auth, "splitserve:router_worker_healthy") == 2, timeout_s=30)
 
         # disaggregated: pushed, loaded, and the decode worker's own cold answer
         prompt = long_prompt(60, "box")
@@ -114,12 +124,20 @@ def test_vllm_workers_disaggregate_share_l2_and_recompute_on_faults(tmp_path: Pa
         assert answer == cold and len(answer) > 400
         other = long_prompt(61, "jar")
         assert _streamed(up.url, other, 48) == _completion(decode, other, 48, auth, cache_salt="cold reference")
+        # the second push's answer priced it at the first one's rate: the router's cost rule learns from it
+        assert _router_metric(up.url, auth, "splitserve:kv_transfer_time_seconds_count") >= 1
 
         # an L2 hit on the second worker: the prefill worker saved the prompt's chunks, the decode worker loads them
         shared = long_prompt(50, "cup")
         computed = _completion(prefill, shared, 48, auth)
         assert _completion(decode, shared, 48, auth) == computed
         assert "(tiers)" in _log(tmp_path, "decode")
+
+        # the router's index holds the records the connectors published: L1 on both workers, the shared L2
+        def entries(tier: str) -> float:
+            return _router_metric(up.url, auth, "splitserve:router_index_entries", index=f"kv_{tier}")
+
+        wait_until(lambda: entries("l2") > 0 and entries("l1") > entries("l2"), timeout_s=30)
 
         # a transfer that never came: the decode worker recomputes
         missing = long_prompt(40, "bag")

@@ -10,6 +10,7 @@ import pytest
 from splitserve.planner import calibrate
 from splitserve.planner.calibrate import MeasurePlan, build_calibration_engine, calibration_key, ensure_calibration
 from splitserve.planner.costs import Calibration, ServedScale, load_cached, save_cached
+from tests.support.planner import calibration as hand_made
 
 SMALL = MeasurePlan(
     prefill_lengths=(64, 128, 256, 512),
@@ -92,6 +93,34 @@ def test_a_cached_calibration_is_used_and_only_what_is_missing_measured(
         ensure_calibration(measured.key, (1,), directory=tmp_path, recalibrate=True)
     # a calibration cached before the served scale existed gets it measured, and nothing else
     save_cached(replace(measured, served=None), tmp_path)
-    monkeypatch.setattr(calibrate, "measure_served", lambda c, n: ServedScale(1.5, 1.25))
+    monkeypatch.setattr(calibrate, "measure_served", lambda c, n, flags: ServedScale(1.5, 1.25))
     assert ensure_calibration(measured.key, (1, 2), directory=tmp_path).served == ServedScale(1.5, 1.25)
     assert load_cached(measured.key, tmp_path) == replace(measured, served=ServedScale(1.5, 1.25))
+
+
+def test_a_vllm_key_is_served_by_vllm_with_the_resources_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    class Refused(Exception):
+        pass
+
+    def popen(command: list[str], **kwargs: object) -> None:
+        env = kwargs["env"]
+        assert isinstance(env, dict)
+        started.append((command, env))
+        raise Refused
+
+    monkeypatch.setenv("SPLITSERVE_VLLM_PYTHON", "/bin/sh")  # any executable: the command is not run
+    monkeypatch.setattr(calibrate.subprocess, "Popen", popen)
+    key = replace(calibration_key("/models/smollm2-hf", "float32"), engine="vllm")
+    bare = replace(hand_made(), key=key)
+    flags = ["--model", "/models/smollm2-hf", "--enforce-eager", "--served-model-name", "smollm2"]
+    with pytest.raises(Refused):
+        calibrate.measure_served(bare, 2048, flags)
+    command, env = started[0]
+    assert command[:3] == ["/bin/sh", "-m", "vllm.entrypoints.openai.api_server"]
+    assert command[3:8] == flags and command[8:10] == ["--host", "127.0.0.1"]
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "SPLITSERVE_VLLM_PYTHON" not in env
+    assert key.file_name.startswith("vllm-") and calibrate._served_name(flags) == "smollm2"
+    with pytest.raises(ValueError, match="--model"):
+        calibrate.measure_served(bare, 2048, [])

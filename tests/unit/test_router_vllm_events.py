@@ -295,6 +295,19 @@ class TestBlockKeys:
         event = BlockStored([9], None, [5, 6, 7, 8], 4, medium="CPU")
         assert keys.translate(event) == [(Tier.L1, EventKind.STORED, hash_blocks([5, 6, 7, 8], 4))]
 
+    def test_a_connectors_records_are_named_by_their_last_block_and_remote_ones_are_the_shared_l2(self) -> None:
+        # splitserve's connector: a record of 8 tokens (two router blocks) after a GPU block, in L1 and in L2
+        keys = VLLMBlockKeys(block_size=4, max_blocks=100)
+        gpu, gpu_hashes = stored([1, 2, 3, 4])
+        keys.translate(gpu)
+        chained = hash_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4)
+        l1 = BlockStored([77], gpu_hashes[0], list(range(5, 13)), 8, medium="CPU", locality="LOCAL")
+        assert keys.translate(l1) == [(Tier.L1, EventKind.STORED, [chained[-1]])]
+        l2 = BlockStored([77], gpu_hashes[0], list(range(5, 13)), 8, medium="STORAGE", locality="REMOTE")
+        assert keys.translate(l2) == [(Tier.L2, EventKind.STORED, [chained[-1]])]
+        assert keys.translate(BlockRemoved([77], medium="CPU")) == [(Tier.L1, EventKind.REMOVED, [chained[-1]])]
+        assert keys.translate(BlockRemoved(gpu_hashes)) == [(Tier.ENGINE, EventKind.REMOVED, chained[:1])]
+
     def test_the_map_is_bounded(self) -> None:
         keys = VLLMBlockKeys(block_size=4, max_blocks=2)
         first, hashes = stored(list(range(12)))  # three blocks, two remembered

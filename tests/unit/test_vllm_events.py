@@ -36,6 +36,9 @@ from splitserve.worker.vllm_publisher import VLLMEventPublisher
 RECORDED = json.loads((Path(__file__).parents[1] / "data" / "vllm_0_32_kv_events.json").read_text())
 
 
+OPTIONAL_FIELDS = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality")
+
+
 def frames_of(hex_frames: list[str]) -> list[bytes]:
     return [bytes.fromhex(f) for f in hex_frames]
 
@@ -45,10 +48,9 @@ def as_vllm_builtins(batch: EventBatch) -> list[Any]:
     events = []
     for event in batch.events:
         fields = {k: getattr(event, k) for k in event.__dataclass_fields__}
-        if isinstance(event, BlockStored) and fields["extra_keys"] is None:
-            del fields["extra_keys"]  # nil optional fields are left out
-        if fields.get("group_idx") is None:
-            fields.pop("group_idx", None)
+        for name in OPTIONAL_FIELDS:
+            if fields.get(name, 0) is None:
+                del fields[name]  # nil optional fields are left out
         events.append({"type": type(event).__name__, **fields})
     return [batch.ts, events, batch.data_parallel_rank]
 
@@ -116,9 +118,9 @@ class TestCodec:
     def test_unknown_event_types_and_fields_are_skipped(self) -> None:
         future = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
                   "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None,
-                  "locality": "LOCAL"}  # fmt: skip
+                  "locality": "LOCAL", "ownership": "tier-2"}  # fmt: skip
         payload = msgpack.packb([1.0, [{"type": "BlockPromoted", "x": 1}, future]])
-        assert decode_batch(payload).events == [BlockStored([1], None, [1, 2], 2)]
+        assert decode_batch(payload).events == [BlockStored([1], None, [1, 2], 2, locality="LOCAL")]
 
     @pytest.mark.parametrize(
         ("body", "message"),

@@ -143,19 +143,21 @@ class TieredStore:
 
     # -- writes -------------------------------------------------------------------------------------------
 
-    def put(self, key: str, value: bytes) -> None:
-        """Store in L1 now and queue for L2; never blocks (a full queue drops the L2 write, counted)."""
+    def put(self, key: str, value: bytes) -> bool:
+        """Store in L1 now and queue for L2; never blocks (a full queue drops the L2 write, counted). True when
+        the record was queued for L2."""
         self._put_l1(key, value)
         if self.l2 is None:
-            return
+            return False
         with self._cond:
             if self._is_closed or self._stats.pending_write_bytes + len(value) > self.max_pending_write_bytes:
                 self._stats.num_l2_writes_dropped += 1
-                return
+                return False
             self._pending.append((key, value))
             self._stats.pending_write_bytes += len(value)
             self._stats.num_l2_writes_queued += 1
             self._cond.notify()
+            return True
 
     def discard(self, key: str) -> None:
         """Delete a key from every tier (e.g. a record that failed to decode)."""

@@ -27,6 +27,13 @@ speed-up of a thread count not yet measured. :func:`measure` does the whole meas
   ratios scale every prefill and decode cost (:class:`~splitserve.planner.costs.ServedScale`): the HTTP streams,
   the engine thread's hand-offs and the core they share are what a deployed worker pays and the bare engine
   does not (on the project's 2-core Xeon, 1.1x to 1.5x).
+- **vLLM workers** (a resource with ``spec.worker.engine: vllm``, ``CalibrationKey.engine`` ``vllm``): the bare
+  engine measured is still splitserve's, on the same model folder and dtype (the shape of the costs: how they
+  grow with tokens, batch and context; the KV bytes, the push and the loads, which run the same wire and records
+  in splitserve's connector). The served worker is vLLM itself, started with the resource's flags, one core
+  bound (``VLLM_CPU_OMP_THREADS_BIND``): its ITLs and TTFTs against splitserve's fit scale every step to vLLM's
+  speed. vLLM's scheduling is modelled by splitserve's (chunks of the step budget, first come first served),
+  and its thread scaling by splitserve's engine's.
 
 Torch and the engine are imported inside the functions: importing this module is cheap and torch-free.
 """
@@ -101,9 +108,11 @@ class MeasurePlan:
         )
 
 
-def calibration_key(model: str, dtype: str = "auto", quantization: str = "auto") -> CalibrationKey:
+def calibration_key(
+    model: str, dtype: str = "auto", quantization: str = "auto", engine: str = "splitserve"
+) -> CalibrationKey:
     cpu = cpu_identity()
-    return CalibrationKey(cpu.model_name, cpu.flags_digest, model, dtype, quantization)
+    return CalibrationKey(cpu.model_name, cpu.flags_digest, model, dtype, quantization, engine)
 
 
 def ensure_calibration(
@@ -114,9 +123,11 @@ def ensure_calibration(
     max_model_len: int = 8192,
     directory: Path | None = None,
     progress: Progress = lambda _: None,
+    vllm_flags: Sequence[str] = (),
 ) -> Calibration:
     """The calibration for ``key`` with a scale for every count in ``thread_counts``: from the cache, measuring
-    (and caching) what it lacks; everything when ``recalibrate``."""
+    (and caching) what it lacks; everything when ``recalibrate``. ``vllm_flags``: a vLLM worker's ``vllm serve``
+    arguments (``--model`` ... ``--served-model-name``), for a key of engine ``vllm``."""
     cached = None if recalibrate else load_cached(key, directory)
     missing = sorted({t for t in thread_counts if cached is None or not cached.has_threads(t)})
     if cached is not None and not missing and cached.served is not None:
@@ -134,8 +145,8 @@ def ensure_calibration(
             engine.close()
         save_cached(calibration, directory)
     if calibration.served is None:
-        progress("a served worker")
-        calibration = replace(calibration, served=measure_served(calibration, max_model_len))
+        progress("a served vLLM worker" if key.engine == "vllm" else "a served worker")
+        calibration = replace(calibration, served=measure_served(calibration, max_model_len, vllm_flags))
         save_cached(calibration, directory)
     return calibration
 
@@ -425,29 +436,40 @@ SERVED_DECODE_BATCHES = (1, 8, 16)
 SERVED_PROMPTS = (512, 2048)
 SERVED_STEP_BUDGET = 1024  # a worker's default --max-num-batched-tokens: the chunks a served prompt is computed in
 SERVED_READY_S = 300.0
+VLLM_READY_S = 900.0  # vLLM compiles the model first unless --enforce-eager
+SERVED_FACTOR_BOUNDS = {"splitserve": (0.5, 4.0), "vllm": (0.2, 25.0)}  # a served worker against the bare fit
 
 
-def measure_served(calibration: Calibration, max_model_len: int) -> ServedScale:
+def measure_served(calibration: Calibration, max_model_len: int, vllm_flags: Sequence[str] = ()) -> ServedScale:
     """Run a one-thread worker pinned to one core, as the supervisor runs it, and compare its streamed ITLs and
-    TTFTs with what ``calibration``'s bare-engine fit predicts (module docstring)."""
+    TTFTs with what ``calibration``'s bare-engine fit predicts (module docstring). For a key of engine ``vllm``
+    the worker is vLLM, started with ``vllm_flags``."""
     from splitserve.deploy.supervisor import free_port, splitserve_command
 
     key, port = calibration.key, free_port()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin = (lambda: os.sched_setaffinity(0, {cpus[-1]})) if cpus else None
-    command = splitserve_command(
-        "worker", "--model", key.model, "--dtype", key.dtype, "--quantization", key.quantization,
-        "--num-threads", "1", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
-    )  # fmt: skip
     # this machine's defaults only: no settings or keys of the user's (the worker serves this process alone)
     env = {k: v for k, v in envs.copy().items() if not k.startswith(("SPLITSERVE_", "VLLM_", "LMCACHE_"))}
+    address = ("--host", "127.0.0.1", "--port", str(port))
+    if key.engine == "vllm":
+        command, model, ready_s = _vllm_command(vllm_flags, address), _served_name(vllm_flags), VLLM_READY_S
+        env |= {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        if cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[-1])
+    else:
+        command = [*splitserve_command(
+            "worker", "--model", key.model, "--dtype", key.dtype, "--quantization", key.quantization,
+            "--num-threads", "1", "--max-model-len", str(max_model_len), *address,
+        )]  # fmt: skip
+        model, ready_s = key.model, SERVED_READY_S
     with tempfile.TemporaryFile() as log:
         worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(worker, url, log)
+            _wait_healthy(worker, url, log, ready_s)
             prompts = sorted({min(n, max_model_len - 16) for n in SERVED_PROMPTS})
-            samples = asyncio.run(_served_samples(url, key.model, bare_step_cost(calibration), prompts))
+            samples = asyncio.run(_served_samples(url, model, bare_step_cost(calibration), prompts))
         finally:
             worker.terminate()
             try:
@@ -456,17 +478,34 @@ def measure_served(calibration: Calibration, max_model_len: int) -> ServedScale:
                 worker.kill()
                 worker.wait()
 
+    low, high = SERVED_FACTOR_BOUNDS.get(key.engine, SERVED_FACTOR_BOUNDS["splitserve"])
+
     def factor(kind: str) -> float:
         ratios = [served / bare for what, served, bare in samples if what.startswith(kind) and bare > 0]
-        return min(max(statistics.median(ratios), 0.5), 4.0)
+        return min(max(statistics.median(ratios), low), high)
 
     return ServedScale(prefill=factor("prefill"), decode=factor("decode"), samples=tuple(samples))
 
 
-def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes]) -> None:
+def _vllm_command(flags: Sequence[str], address: Sequence[str]) -> list[str]:
+    """``vllm serve`` here (``deploy.vllm.local_command``) with a worker's flags, at ``address``."""
+    from splitserve.deploy import vllm
+
+    if "--model" not in flags:
+        raise ValueError("a vLLM worker's calibration needs its vllm serve flags (--model ...)")
+    return [*vllm.local_command(envs.copy()), *flags, *address]
+
+
+def _served_name(flags: Sequence[str]) -> str:
+    positions = [i for i, token in enumerate(flags[:-1]) if token in ("--served-model-name", "--model")]
+    named = [i for i in positions if flags[i] == "--served-model-name"]
+    return flags[(named or positions)[-1] + 1]
+
+
+def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes], ready_s: float) -> None:
     from splitserve.planner.verify import answers_ok
 
-    deadline = time.monotonic() + SERVED_READY_S
+    deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if worker.poll() is not None:
             log.seek(0)
@@ -475,7 +514,7 @@ def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes]) -> 
         if answers_ok(f"{url}/health"):
             return
         time.sleep(0.5)
-    raise RuntimeError(f"the calibration's worker was not healthy after {SERVED_READY_S:.0f} s")
+    raise RuntimeError(f"the calibration's worker was not healthy after {ready_s:.0f} s")
 
 
 def bare_step_cost(calibration: Calibration) -> StepCost:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from splitserve.bench.sweep import parse_slo
 from splitserve.deploy.plan import plan
-from splitserve.endpoint import InferenceEndpointConfig, load_endpoint
+from splitserve.endpoint import InferenceEndpointConfig, WorkerEngine, load_endpoint
 from splitserve.planner.calibrate import calibration_key, ensure_calibration
 from splitserve.planner.costs import Calibration
 from splitserve.planner.options import PlanOptions
@@ -117,10 +117,13 @@ def _run_plan(options: PlanOptions, config: InferenceEndpointConfig, sweeping: b
         requests = list(replayed.requests)
     cores = allowed_cores(config)
     threads = {*thread_counts(cores), current_layout(config, cores).num_threads}
-    key = calibration_key(endpoint.model, _flag(flags, "--dtype") or "auto", _flag(flags, "--quantization") or "auto")
+    is_vllm = endpoint.engine == WorkerEngine.VLLM
+    key = calibration_key(endpoint.model, _flag(flags, "--dtype") or "auto",
+                          "auto" if is_vllm else _flag(flags, "--quantization") or "auto",
+                          endpoint.engine.value)  # fmt: skip
     calibration = ensure_calibration(
         key, sorted(threads), recalibrate=options.recalibrate, max_model_len=max_model_len,
-        progress=lambda what: note(f"calibrating: {what}"),
+        progress=lambda what: note(f"calibrating: {what}"), vllm_flags=flags if is_vllm else (),
     )  # fmt: skip
     if sweeping:
         return _sweep(options, config, calibration, slo, cores, max_model_len, echo, note)

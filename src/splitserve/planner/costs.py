@@ -126,13 +126,16 @@ class StepCost:
 
 @dataclass(frozen=True, slots=True)
 class CalibrationKey:
-    """What a calibration holds for: this CPU, this model, dtype and quantization, with one engine thread."""
+    """What a calibration holds for: this CPU, this model, dtype and quantization, with one engine thread, and
+    the engine the workers run (``splitserve``, or ``vllm``: splitserve's engine measured, scaled to a served
+    vLLM worker)."""
 
     cpu_model: str
     cpu_flags_digest: str  # sha256 of the sorted flags, 12 hex digits
     model: str
     dtype: str
     quantization: str
+    engine: str = "splitserve"
 
     @property
     def file_name(self) -> str:
@@ -140,7 +143,8 @@ class CalibrationKey:
         text = json.dumps(asdict(self), sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         model = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model)[-40:]
-        return f"{model}-{self.dtype}-{self.quantization}-{digest}.json"
+        engine = "" if self.engine == "splitserve" else f"{self.engine}-"
+        return f"{engine}{model}-{self.dtype}-{self.quantization}-{digest}.json"
 
 
 @dataclass(frozen=True, slots=True)

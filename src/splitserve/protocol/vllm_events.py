@@ -14,10 +14,11 @@ writes the map layout unless asked for the array one. The three events:
 
 - ``BlockStored``: ``block_hashes`` (a chain of full blocks), ``parent_block_hash`` (the block before the first;
   nil for a prompt's first block), ``token_ids`` (every token of those blocks), ``block_size``, ``lora_id``,
-  ``medium`` (``"GPU"``, or ``"CPU"`` from an offloading connector), ``lora_name``, then optional
-  ``extra_keys`` (per block: the LoRA name, multimodal ``(identifier, offset)`` pairs and, on a prompt's first
-  block, its ``cache_salt``), ``group_idx`` and a few more.
-- ``BlockRemoved``: ``block_hashes``, ``medium``, optional ``group_idx``.
+  ``medium`` (``"GPU"``, or ``"CPU"``/``"STORAGE"`` from a connector that stores KV elsewhere), ``lora_name``,
+  then optional ``extra_keys`` (per block: the LoRA name, multimodal ``(identifier, offset)`` pairs and, on a
+  prompt's first block, its ``cache_salt``), ``group_idx``, two fields on the KV cache's spec, and ``locality``
+  (``"LOCAL"`` or ``"REMOTE"`` to the publisher: a connector's remote store is shared with other workers).
+- ``BlockRemoved``: ``block_hashes``, ``medium``, optional ``group_idx`` and ``locality``.
 - ``AllBlocksCleared``: no fields (the prefix cache was reset).
 
 Block hashes are unsigned 64-bit ints by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), else 32-byte
@@ -44,6 +45,10 @@ import msgpack
 BlockHash = int | bytes  # vLLM's ExternalBlockHash
 REPLAY_END_SEQ = -1
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+LOCALITY_LOCAL = "LOCAL"
+LOCALITY_REMOTE = "REMOTE"
 
 
 class EventLayout(StrEnum):
@@ -64,6 +69,9 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: list[Any] | None = None  # per block: a tuple of extra hash keys, or None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +79,7 @@ class BlockRemoved:
     block_hashes: list[BlockHash]
     medium: str | None = MEDIUM_GPU
     group_idx: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +100,8 @@ class EventBatch:
 # Each event's fields in wire order; a decoder needs the first few, vLLM writes a few more even when nil.
 _FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                    "extra_keys", "group_idx"),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+                    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality"),
     "AllBlocksCleared": (),
 }  # fmt: skip
 _NUM_NEEDED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
@@ -174,6 +183,8 @@ def _check(event: KVCacheEvent) -> None:
         raise ValueError("block_hashes must be a list of unsigned 64-bit ints or byte strings")
     if not (event.medium is None or isinstance(event.medium, str)):
         raise ValueError("medium must be a string or nil")
+    if not (event.locality is None or isinstance(event.locality, str)):
+        raise ValueError("locality must be a string or nil")
     if isinstance(event, BlockStored):
         if not (event.parent_block_hash is None or _is_hash(event.parent_block_hash)):
             raise ValueError("parent_block_hash must be a block hash or nil")

@@ -112,7 +112,7 @@ class Router:
         ]
 
     def index_sizes(self) -> dict[str, int]:
-        sizes = {"kv": len(self.kv_index)}
+        sizes = {"kv": len(self.kv_index)} | {f"kv_{tier}": n for tier, n in self.kv_index.sizes().items()}
         index = getattr(self.policy, "index", None)
         if index is not None and index is not self.kv_index:
             sizes["prefix"] = len(index)

@@ -97,6 +97,14 @@ class KVIndex:
     def __len__(self) -> int:
         return sum(len(h.engine) + len(h.l1) for h in self._workers.values()) + len(self._l2)
 
+    def sizes(self) -> dict[str, int]:
+        """Blocks held, by tier: every worker's engine and L1 blocks, and the shared L2's."""
+        return {
+            "engine": sum(len(h.engine) for h in self._workers.values()),
+            "l1": sum(len(h.l1) for h in self._workers.values()),
+            "l2": len(self._l2),
+        }
+
     @property
     def num_workers(self) -> int:
         return len(self._workers)

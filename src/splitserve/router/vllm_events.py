@@ -11,7 +11,10 @@ chained from the parent block's key (a prompt's first block from its ``cache_sal
 carries), so a prompt matches as it would on a splitserve worker. It remembers vLLM's hash -> the router's
 keys for ``BlockRemoved`` and for later blocks' parents. Blocks whose hashes depend on more than tokens and a
 salt (LoRA, images) are not indexed; neither is a block whose parent it never saw. ``GPU`` blocks are the
-engine tier; blocks on another medium (an offloading connector's ``CPU``) count as the worker's L1.
+engine tier. A connector's blocks are records the worker loads whole: one on a ``REMOTE`` store (splitserve's
+connector publishes its L2 so) counts as the shared L2, one elsewhere (``CPU``: an offloading connector's, or
+splitserve's L1) as the worker's L1; the index names such a record by its last router block, as it does a
+splitserve worker's records (``KVIndex.match``).
 
 :class:`VLLMEventFollower` keeps the index in step: sequence numbers count from 0 per vLLM process; after a gap
 it asks the replay socket for the missed batches, and where it has none (or they are gone from its buffer) it
@@ -39,6 +42,7 @@ from splitserve.config import RouterConfig, port_of
 from splitserve.keys import hash_blocks, salt_root
 from splitserve.protocol.kv_events import EventKind, Tier
 from splitserve.protocol.vllm_events import (
+    LOCALITY_REMOTE,
     MEDIUM_GPU,
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -118,14 +122,18 @@ class VLLMBlockKeys:
 
     def translate(self, event: BlockStored | BlockRemoved) -> list[Update]:
         """What ``event`` means in the router's keys: a stored or removed run, or nothing."""
-        tier = Tier.ENGINE if event.medium in (None, MEDIUM_GPU) else Tier.L1
+        tier = _tier_of(event)
         if isinstance(event, BlockRemoved):
-            removed = [key for h in event.block_hashes for key in self._keys.get(h, ())]
-            return [(tier, EventKind.REMOVED, removed)] if removed else []
-        stored = self._store(event)
-        return [(tier, EventKind.STORED, stored)] if stored else []
+            runs = [self._keys[h] for h in event.block_hashes if h in self._keys]
+        else:
+            runs = self._store(event)
+        keys = [key for run in runs for key in (run if tier == Tier.ENGINE else run[-1:])]
+        if not keys:
+            return []
+        return [(tier, EventKind.REMOVED if isinstance(event, BlockRemoved) else EventKind.STORED, keys)]
 
-    def _store(self, event: BlockStored) -> list[int]:
+    def _store(self, event: BlockStored) -> list[tuple[int, ...]]:
+        """The router's keys of each of the event's blocks (remembered under vLLM's hash)."""
         per_block = self._tokens_per_block(event)
         if per_block is None or has_foreign_keys(event):
             self.num_unindexed += len(event.block_hashes)
@@ -137,13 +145,13 @@ class VLLMBlockKeys:
         else:
             self.num_unindexed += len(event.block_hashes)
             return []
-        stored: list[int] = []
+        runs: list[tuple[int, ...]] = []
         for i, vllm_hash in enumerate(event.block_hashes):
-            keys = hash_blocks(event.token_ids[i * per_block : (i + 1) * per_block], self.block_size, parent)
-            self._remember(vllm_hash, tuple(keys))
-            stored += keys
+            keys = tuple(hash_blocks(event.token_ids[i * per_block : (i + 1) * per_block], self.block_size, parent))
+            self._remember(vllm_hash, keys)
+            runs.append(keys)
             parent = keys[-1]
-        return stored
+        return runs
 
     def _tokens_per_block(self, event: BlockStored) -> int | None:
         """vLLM's block size, when its blocks split into whole router blocks and the tokens are all there."""
@@ -166,6 +174,13 @@ class VLLMBlockKeys:
         self._keys.move_to_end(vllm_hash)
         while len(self._keys) > self.max_blocks:
             self._keys.popitem(last=False)
+
+
+def _tier_of(event: BlockStored | BlockRemoved) -> Tier:
+    """The engine's prefix cache (``GPU``), a shared store (``REMOTE``), or the worker's own store (the rest)."""
+    if event.medium in (None, MEDIUM_GPU):
+        return Tier.ENGINE
+    return Tier.L2 if event.locality == LOCALITY_REMOTE else Tier.L1
 
 
 class VLLMEventFollower:

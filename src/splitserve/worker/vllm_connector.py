@@ -15,13 +15,20 @@ cache, which moves the bytes. The worker side answers with what its L1 now holds
   (a signed reservation with the cluster secret, a bounded retry, the payload's MAC). The push ends before the
   step's output leaves the engine, so the decode request the router sends after the answer finds the KV
   there. The answer's ``kv_transfer_params`` carry the transfer id, the prompt's length and the first token.
-  The push's own outcome is logged here and seen at the decode side (vLLM asks for the answer's parameters
-  before it hears how the step's pushes went), so the report does not time it.
+  The push's own outcome is logged here and seen at the decode side: vLLM asks for the answer's parameters
+  before it hears how the step's pushes went, so ``transfer_ms`` is this prompt's length at the seconds per
+  token the latest landed push took (none before the first), which is what the router's cost rule learns from.
 - Decode (``kv_consumer``): ``pd.receiver.KVReceiver`` fills a ``PDBuffer`` on ``kv-transfer-port``. A
   request whose params name a transfer loads its prompt but the last token from it, synchronously, before the
   forward pass, and logs ``Retrieved N out of N required tokens``. A transfer that never came, or does not
   belong to the request's tokens, model or layout, is a load error: vLLM recomputes those blocks
   (``kv_load_failure_policy`` ``recompute``, which splitserve sets). Never a hang and never wrong KV.
+
+**Events**: where vLLM publishes KV events (``--kv-events-config``), each record the tiers store or drop goes
+out with the prefix cache's own (``take_events``): one ``BlockStored``/``BlockRemoved`` per record, named by its
+key's hash, chained to the vLLM block before it, with its tokens; ``CPU`` for L1, ``STORAGE`` and ``REMOTE`` for
+L2 (shared). A record is in L2 once its write is queued. The router's ``kvaware`` index reads them
+(``router/vllm_events.py``).
 
 **Tiers**: the prompt's whole chunks (``kv-chunk-size`` tokens, rounded to whole vLLM blocks), and at its
 end the rest of its whole blocks as one shorter record, are saved to L1 (this worker's memory) and L2 (Redis
@@ -41,23 +48,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from splitserve import envs, lmcache_env
 from splitserve.auth import verified
 from splitserve.config import KVTierConfig, PDConfig
-from splitserve.keys import cache_key, hash_blocks, hash_tokens, salt_root
+from splitserve.keys import cache_key, hash_blocks, hash_of_key, hash_tokens, salt_root
 from splitserve.kvcache import serde
 from splitserve.kvcache.connector import build_l2
 from splitserve.kvcache.cpu import CPUTier
@@ -66,7 +77,9 @@ from splitserve.kvcache.tiers import KVTier, NullTier
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver
 from splitserve.pd.sender import push
+from splitserve.protocol.kv_events import EventKind, Tier
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
+from splitserve.protocol.vllm_events import LOCALITY_LOCAL, LOCALITY_REMOTE
 from splitserve.settings import Declared, declared, parse_text
 
 if TYPE_CHECKING:
@@ -93,6 +106,7 @@ def _log_as_vllm() -> None:
 
 KEY_BLOCK_SIZE = 16  # the router's default --block-size: the blocks the key scheme names
 PD_SOURCE, TIER_SOURCE = "pd", "tiers"
+MAX_UNREPORTED_RECORDS = 4096  # records saved or loaded whose tiers have not all said they hold them
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -196,16 +210,51 @@ class ConnectorPlan(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """What the worker side's L1 took in and let go this step (the scheduler side keeps an index of it)."""
+    """What the worker side's tiers took in and let go since the last report, in order: (tier, stored or
+    removed, the record's ``hash_of_key``). The scheduler side keeps an index of L1 and publishes both tiers."""
 
-    l1_stored: list[str] = field(default_factory=list)
-    l1_evicted: list[str] = field(default_factory=list)
+    updates: list[tuple[Tier, EventKind, int]] = field(default_factory=list)
+    pushes: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of each push that landed
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, WorkerReport):
-            self.l1_stored += other.l1_stored
-            self.l1_evicted += other.l1_evicted
+            self.updates += other.updates
+            self.pushes += other.pushes
         return self
+
+
+class _ReportSink:
+    """The worker side's ``KVEventSink``: the store's events for the next :class:`WorkerReport`. A record is
+    reported in L2 once its write is queued (:meth:`queued_for_l2`), not when the writer thread lands it: a
+    prefill worker's step may be its last for a while, and the report rides on steps."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._updates: list[tuple[Tier, EventKind, int]] = []
+        self._pushes: list[tuple[int, float]] = []
+
+    def stored(self, tier: Tier, hashes: Iterable[int]) -> None:
+        if tier == Tier.L2:
+            return  # reported when queued
+        with self._lock:
+            self._updates += [(tier, EventKind.STORED, h) for h in hashes]
+
+    def queued_for_l2(self, name: int) -> None:
+        with self._lock:
+            self._updates.append((Tier.L2, EventKind.STORED, name))
+
+    def removed(self, tier: Tier, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._updates += [(tier, EventKind.REMOVED, h) for h in hashes]
+
+    def pushed(self, num_tokens: int, elapsed_s: float) -> None:
+        with self._lock:
+            self._pushes.append((num_tokens, elapsed_s))
+
+    def take(self) -> WorkerReport | None:
+        with self._lock:
+            updates, self._updates, pushes, self._pushes = self._updates, [], self._pushes, []
+        return WorkerReport(updates, pushes) if updates or pushes else None
 
 
 # ---------------------------------------------------------------------------------------------- the connector
@@ -230,6 +279,8 @@ class SplitserveConnector(KVConnectorBase_V1):
         self.blocks_per_chunk = max(1, chunk // self.block_size)
         self.is_producer, self.is_consumer = transfer.is_kv_producer, transfer.is_kv_consumer
         self.layout_name = _layout_name(vllm_config)
+        events = vllm_config.kv_events_config
+        self.publishes_events = events is not None and bool(events.enable_kv_cache_events)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -310,8 +361,21 @@ class SplitserveConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, self.scheduler.finished(request)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
+
 
 # ---------------------------------------------------------------------------------------------- scheduler side
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """What a stored record holds, for its ``BlockStored`` event: its tokens, the vLLM block hash before them (the
+    router knows it from the engine's own events), and the prompt's salt where the record starts it."""
+
+    parent: Any  # vLLM's ExternalBlockHash, or None for a prompt's first record
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
 
 
 @dataclass
@@ -329,7 +393,10 @@ class _SchedulerSide:
         self.owner = owner
         self.settings = owner.settings
         self._l2: KVTier | None = build_l2(self.settings.tiers)
-        self._in_l1: set[str] = set()  # the worker side's L1, as it reported it
+        self._in_l1: set[int] = set()  # the worker side's L1 (each record's hash_of_key), as it reported it
+        self._records: OrderedDict[int, _Record] = OrderedDict()  # saved or loaded, by hash_of_key, for events
+        self._push_s_per_token: float | None = None  # the latest landed push's
+        self._events: list[KVCacheEvent] = []
         self._offers: dict[str, tuple[int, Load | None]] = {}  # request id -> (num computed, what it would load)
         self._loads: list[Load] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -384,7 +451,7 @@ class _SchedulerSide:
         return records
 
     def _held(self, keys: list[str]) -> list[bool]:
-        in_l1 = [key in self._in_l1 for key in keys]
+        in_l1 = [hash_of_key(key) in self._in_l1 for key in keys]
         if self._l2 is None or all(in_l1):
             return in_l1
         in_l2 = self._l2.contains_many(keys)
@@ -420,6 +487,8 @@ class _SchedulerSide:
         load = offered[1] if offered is not None and num_external > 0 else None
         if load is not None:
             self._loads.append(replace(load, block_ids=block_ids))
+            for key, first, end in load.records:  # L2's come into L1
+                self._remember(request, key, first, end)
             if load.source == PD_SOURCE:
                 logger.info(
                     "request %s loads transfer %s ('pd_role': 'receiver')", request.request_id, load.transfer_id
@@ -471,13 +540,51 @@ class _SchedulerSide:
                 break  # a chunk still being computed
             if chunk_start == start:
                 saves.append(Save(tracked.keys[end - 1], block_ids[start:end]))
+                self._remember(tracked.request, tracked.keys[end - 1], start, end)
             start = end
         tracked.saved_blocks = start
         return saves
 
+    def _remember(self, request: Request, key: str, first: int, end: int) -> None:
+        """Keep what the record of blocks ``[first, end)`` holds until its tiers report it (for the events)."""
+        if not self.owner.publishes_events or (first and len(request.block_hashes) < first):
+            return
+        bs = self.owner.block_size
+        parent = maybe_convert_block_hash(request.block_hashes[first - 1]) if first else None
+        salt = None if first else getattr(request, "cache_salt", None)
+        name = hash_of_key(key)
+        self._records[name] = _Record(parent, tuple(request.prompt_token_ids[first * bs : end * bs]), salt)
+        self._records.move_to_end(name)
+        while len(self._records) > MAX_UNREPORTED_RECORDS:
+            self._records.popitem(last=False)
+
     def heard(self, report: WorkerReport) -> None:
-        self._in_l1.difference_update(report.l1_evicted)
-        self._in_l1.update(report.l1_stored)
+        for num_tokens, elapsed_s in report.pushes:
+            self._push_s_per_token = elapsed_s / max(num_tokens, 1)
+        for tier, kind, name in report.updates:
+            if tier == Tier.L1:
+                (self._in_l1.add if kind == EventKind.STORED else self._in_l1.discard)(name)
+            if self.owner.publishes_events:
+                self._events += self._event(tier, kind, name)
+
+    def _event(self, tier: Tier, kind: EventKind, name: int) -> list[KVCacheEvent]:
+        """vLLM's event for a record stored in or removed from a tier: one block (the record) named by the
+        record's hash, on ``CPU`` (L1) or on a ``REMOTE`` ``STORAGE`` (L2, shared by every worker)."""
+        medium, locality = (MEDIUM_CPU, LOCALITY_LOCAL) if tier == Tier.L1 else (MEDIUM_STORAGE, LOCALITY_REMOTE)
+        if kind == EventKind.REMOVED:
+            return [BlockRemoved(block_hashes=[name], medium=medium, locality=locality)]
+        record = self._records.get(name)
+        if record is None:
+            return []
+        return [BlockStored(
+            block_hashes=[name], parent_block_hash=record.parent, token_ids=list(record.token_ids),
+            block_size=len(record.token_ids), lora_id=None, medium=medium, lora_name=None,
+            extra_keys=[(record.cache_salt,)] if record.cache_salt else None, locality=locality,
+        )]  # fmt: skip
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         self._offers.pop(request.request_id, None)
@@ -487,8 +594,10 @@ class _SchedulerSide:
             return None
         first_token = request.output_token_ids[0] if request.output_token_ids else None
         pushed = tracked is None and request.num_computed_tokens >= request.num_prompt_tokens
+        rate = self._push_s_per_token
         report = KVTransferReport(
             ok=pushed, transfer_id=params.transfer_id, num_tokens=request.num_prompt_tokens if pushed else 0,
+            transfer_ms=round(rate * request.num_prompt_tokens * 1000, 3) if pushed and rate is not None else None,
             reason="" if pushed else "the prompt was not computed", first_token_id=first_token,
         )  # fmt: skip
         return report.as_api()
@@ -508,7 +617,7 @@ class _WorkerSide:
         self._layers: list[torch.Tensor] = []
         self._block_dim = 0
         self._load_errors: set[int] = set()
-        self._report = WorkerReport()
+        self._sink = _ReportSink()
         self._stream: Any = None
         tiers = self.settings.tiers
         self.store: TieredStore | None = None
@@ -516,7 +625,7 @@ class _WorkerSide:
             l1: KVTier = CPUTier(tiers.l1_cache_bytes, self._report_eviction) if tiers.l1_cache else NullTier()
             signer = serde.RecordSigner.for_secret(self.settings.secret, self.settings.model_id, owner.layout_name)
             self.signer = signer
-            self.store = TieredStore(l1, build_l2(tiers), validate=signer.verify)
+            self.store = TieredStore(l1, build_l2(tiers), validate=signer.verify, events=self._sink)
         self.buffer: PDBuffer | None = None
         self.receiver: KVReceiver | None = None
         if owner.is_consumer:
@@ -527,7 +636,7 @@ class _WorkerSide:
             self.receiver.start()
 
     def _report_eviction(self, key: str) -> None:
-        self._report.l1_evicted.append(key)
+        self._sink.removed(Tier.L1, (hash_of_key(key),))
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = list(kv_caches.values())
@@ -643,6 +752,7 @@ class _WorkerSide:
             result = push(item.addr, item.transfer_id, record, item.num_prompt_tokens, item.tokens_hash,
                           self.owner.layout_name, pd.transfer_deadline_s, self.settings.secret)  # fmt: skip
             if result.ok:
+                self._sink.pushed(item.num_prompt_tokens, result.elapsed_s)
                 logger.info(
                     "KV transfer %s ('pd_role': 'sender'): %d tokens, %.1f MB to %s in %.1f ms (%.2f GB/s)",
                     item.transfer_id, item.num_prompt_tokens, len(record) / 1e6, item.addr, result.elapsed_s * 1000,
@@ -654,15 +764,12 @@ class _WorkerSide:
             return
         for save in saves:
             kv, num_tokens = self._gather(save.block_ids)
-            self.store.put(save.key, self.signer.encode(self._as_record_tensor(kv, num_tokens), num_tokens, save.key))
-            if self.settings.tiers.l1_cache:
-                self._report.l1_stored.append(save.key)
+            record = self.signer.encode(self._as_record_tensor(kv, num_tokens), num_tokens, save.key)
+            if self.store.put(save.key, record):
+                self._sink.queued_for_l2(hash_of_key(save.key))
 
     def take_report(self) -> WorkerReport | None:
-        if not self._report.l1_stored and not self._report.l1_evicted:
-            return None
-        report, self._report = self._report, WorkerReport()
-        return report
+        return self._sink.take()
 
     def close(self) -> None:
         if self.receiver is not None:
