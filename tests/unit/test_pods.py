@@ -73,6 +73,33 @@ def test_a_ready_pod_that_stops_answering_is_killed_and_restarted(
         pod_set.stop_all()
 
 
+def test_what_a_dead_pod_leaves_behind_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a vLLM server killed outright leaves its engine and worker processes running, holding their memory
+    monkeypatch.setattr(pods_module, "FIRST_BACKOFF_S", 60.0)
+    child_pid = tmp_path / "child.pid"
+    parent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from pathlib import Path
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        Path({str(child_pid)!r}).write_text(str(child.pid))
+        time.sleep(300)
+    """)
+    pod_set = PodSet(tmp_path / "logs")
+    pod = pod_set.add(PodSpec("colocated", (sys.executable, "-c", parent), 1), "p")
+    try:
+        wait_until(lambda: child_pid.exists() and child_pid.read_text() != "", timeout_s=20, interval_s=0.05)
+        orphan = int(child_pid.read_text())
+        assert pod.process is not None and alive(orphan)
+        os.kill(pod.process.pid, signal.SIGKILL)
+        pod.process.wait()
+        assert alive(orphan)
+        pod_set.tick()  # sees the exit: the pod restarts after its back-off, and nothing of it is left
+        wait_until(lambda: not alive(orphan), timeout_s=10, interval_s=0.05)
+        assert pod.restarts == 1
+    finally:
+        pod_set.stop_all()
+
+
 def test_pods_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
     supervisor = textwrap.dedent(f"""
         import sys, time

@@ -148,7 +148,10 @@ class Pod:
         """SIGTERM the process group, SIGKILL after ``timeout_s``."""
         self.is_stopping = True
         process = self.process
-        if process is None or process.poll() is not None:
+        if process is None:
+            return
+        if process.poll() is not None:
+            self.kill_leftovers()
             return
         try:
             os.killpg(process.pid, signal.SIGTERM)
@@ -180,6 +183,13 @@ class Pod:
         """SIGKILL the process group (the pod is then restarted like one that exited)."""
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the process group of a pod whose main process exited (a vLLM server's engine
+        and workers outlive it when it is killed), as a container's end takes every process in it."""
+        if self.process is not None and self.process.poll() is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
 
     def state(self) -> dict[str, Any]:
@@ -262,6 +272,7 @@ class PodSet:
         for pod in self.pods:
             process = pod.process
             if pod.restart_at is None and process is not None and process.poll() is not None:
+                pod.kill_leftovers()
                 uptime = now - pod.started_at
                 pod.backoff_s = FIRST_BACKOFF_S if uptime > STABLE_AFTER_S else min(pod.backoff_s * 2, MAX_BACKOFF_S)
                 pod.restart_at = now + pod.backoff_s
