@@ -124,6 +124,15 @@ class TestDiskTier:
         assert tier.get_many([key(1)]) == [None]
         assert tier.stats().num_errors == 0 and tier.stats().stored_bytes == 0
 
+    def test_a_value_read_maps_the_file_and_outlives_its_eviction_and_rewrite(self, tmp_path: Path) -> None:
+        tier, other = DiskTier(tmp_path, max_bytes=10_000), DiskTier(tmp_path, max_bytes=10_000)
+        tier.put(key(1), value(1))
+        (held,) = tier.get_many([key(1)])
+        assert isinstance(held, memoryview) and held == value(1)  # a view of the page cache, not a copy
+        other.put(key(1), value(2))  # another worker rewrites the record (a rename over it), then evicts it
+        other.delete(key(1))
+        assert held == value(1) and tier.get_many([key(1)]) == [None]
+
     def test_a_record_written_by_another_worker_is_found(self, tmp_path: Path) -> None:
         reader = DiskTier(tmp_path, max_bytes=10_000)
         DiskTier(tmp_path, max_bytes=10_000).put(key(1), value(1))

@@ -49,7 +49,7 @@ from splitserve.kvcache.cpu import CPUTier
 from splitserve.kvcache.disk import DiskTier
 from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore
-from splitserve.kvcache.tiers import KVTier, NullTier, TierStats
+from splitserve.kvcache.tiers import KVTier, KVValue, NullTier, TierStats
 from splitserve.metrics import LMCACHE_HIT_RATE_BUCKETS, LMCACHE_RETRIEVE_SPEED_BUCKETS, CumulativeHistogram
 from splitserve.protocol.kv_events import KVEventSink, Tier
 
@@ -276,7 +276,7 @@ class KVConnector:
         num_in_l1 = min(lookup.num_in_l1, len(records))
         return _Lookup(plan.num_cached, records, num_in_l1, num_external, tuple(kvs), num_invalid)
 
-    def _decode(self, record: _Record, value: bytes) -> torch.Tensor | None:
+    def _decode(self, record: _Record, value: KVValue) -> torch.Tensor | None:
         """A record's KV, or None (discarded, to be recomputed) when it does not decode."""
         try:
             # L2 values passed the store's MAC and identity check; the xxh3 (~20 GB/s) also guards L1's memory

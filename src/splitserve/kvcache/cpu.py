@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from splitserve.kvcache.tiers import EvictionListener, TierStats
+from splitserve.kvcache.tiers import EvictionListener, KVValue, TierStats
 
 
 class CPUTier:
@@ -23,13 +23,13 @@ class CPUTier:
         self.name = name
         self.max_bytes = max_bytes
         self._on_evict = on_evict
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._entries: OrderedDict[str, KVValue] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._stored_bytes = 0
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        values: list[bytes | None] = []
+    def get_many(self, keys: Sequence[str]) -> list[KVValue | None]:
+        values: list[KVValue | None] = []
         with self._lock:
             for key in keys:
                 value = self._entries.get(key)
@@ -45,7 +45,7 @@ class CPUTier:
         with self._lock:
             return [key in self._entries for key in keys]
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: KVValue) -> None:
         with self._lock:
             if len(value) > self.max_bytes:
                 self._stats.num_skipped += 1

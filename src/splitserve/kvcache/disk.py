@@ -5,6 +5,10 @@ worker sharing the directory) sees a whole record or none. The index (key -> siz
 memory and is rebuilt from the directory on start, oldest modification time first. File names are the
 percent-encoded key plus ``.kv``, so the key can be read back from the name.
 
+A read maps the record's file (``mmap``, private): the value is a view of the page cache, not a copy in fresh
+memory. Files are only ever replaced by a rename or unlinked, never truncated, so a mapping stays whole after
+another worker evicts or rewrites its record.
+
 Several workers may share one directory (L2 across workers on one machine or a shared mount): a key missing
 from this process's index is looked up on the file system and adopted, and a file that vanished (evicted by
 another worker) is a plain miss. Each process enforces the byte budget over the records it knows.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -29,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from splitserve.kvcache.tiers import ErrorBurstLog, EvictionListener, TierStats
+from splitserve.kvcache.tiers import ErrorBurstLog, EvictionListener, KVValue, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +99,7 @@ class DiskTier:
 
     # -- the tier contract ------------------------------------------------------------------------------
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[KVValue | None]:
         if not self._is_open:
             with self._lock:
                 self._stats.num_misses += len(keys)
@@ -107,7 +112,7 @@ class DiskTier:
         with self._lock:
             return [key in self._index or self._adopt(key) is not None for key in keys]
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: KVValue) -> None:
         if len(value) > self.max_bytes:
             with self._lock:
                 self._stats.num_skipped += 1
@@ -153,7 +158,7 @@ class DiskTier:
 
     # -- reading ----------------------------------------------------------------------------------------
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str) -> KVValue | None:
         with self._lock:
             size = self._index.get(key)
             if size is None and (size := self._adopt(key)) is None:
@@ -161,11 +166,11 @@ class DiskTier:
                 return None
             self._index.move_to_end(key)
         try:
-            value = self._file_path(key).read_bytes()
+            value = _map(self._file_path(key))
         except FileNotFoundError:  # evicted by another worker sharing the directory
             self._drop_bad(key, None)
             return None
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self._drop_bad(key, ("read", exc))
             return None
         if len(value) != size:
@@ -202,7 +207,7 @@ class DiskTier:
 
     # -- writing and eviction (callers hold the lock where noted) ---------------------------------------
 
-    def _write_tmp(self, value: bytes) -> Path:
+    def _write_tmp(self, value: KVValue) -> Path:
         tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
@@ -305,6 +310,13 @@ class DiskTier:
                 self._stored_bytes += size
             self._evict_for(0)
         logger.info("disk KV tier %s: %d records, %d bytes", self.path, len(self._index), self._stored_bytes)
+
+
+def _map(path: Path) -> memoryview:
+    """The file's bytes as a private, copy-on-write mapping (never written: writable only so that tensors can be
+    made over it without a copy). ValueError for an empty file."""
+    with open(path, "rb") as f:
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from splitserve.breaker import BreakerState, CircuitBreaker
-from splitserve.kvcache.tiers import ErrorBurstLog, TierStats
+from splitserve.kvcache.tiers import ErrorBurstLog, KVValue, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +104,11 @@ class RedisTier:
 
     # -- the tier contract ------------------------------------------------------------------------------
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[KVValue | None]:
         if not keys:
             return []
-        values = self._call("MGET", lambda: self._mget(self._keys(keys)), None)
-        if values is None:
-            values = [None] * len(keys)
+        got = self._call("MGET", lambda: self._mget(self._keys(keys)), None)
+        values: list[KVValue | None] = [None] * len(keys) if got is None else list(got)
         num_hits = sum(v is not None for v in values)
         with self._lock:
             self._stats.num_hits += num_hits
@@ -121,7 +120,7 @@ class RedisTier:
             return []
         return self._call("EXISTS", lambda: self._exists(self._keys(keys)), [False] * len(keys))
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: KVValue) -> None:
         if self._call("SET", lambda: bool(self._client.set(self.key_prefix + key, value, px=self._ttl_ms)), False):
             with self._lock:
                 self._stats.num_puts += 1

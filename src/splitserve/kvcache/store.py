@@ -15,14 +15,14 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from splitserve.keys import hash_of_key
-from splitserve.kvcache.tiers import KVTier, TierStats
+from splitserve.kvcache.tiers import KVTier, KVValue, TierStats
 from splitserve.protocol.kv_events import KVEventSink, Tier
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_WRITE_BYTES = 256 * 1024 * 1024
 
-RecordValidator = Callable[[str, bytes], object]
+RecordValidator = Callable[[str, KVValue], object]
 """Given the key a value was read under and the value: raises ValueError (e.g. ``serde.RecordError``) for a
 record that must not be served."""
 
@@ -118,7 +118,7 @@ class TieredStore:
                     return i, False
         return (num_before_l1, True) if num_before_l1 < len(keys) else None
 
-    def get_prefix(self, chunk_keys: Sequence[str]) -> list[bytes]:
+    def get_prefix(self, chunk_keys: Sequence[str]) -> list[KVValue]:
         """Values of the longest available leading run of ``chunk_keys`` (L1 first, then L2).
 
         L2 hits within the returned run are validated and copied into L1 (promotion). The result may be
@@ -132,7 +132,7 @@ class TieredStore:
         for i, value in zip(missing, self.l2.get_many([chunk_keys[i] for i in missing]), strict=True):
             values[i] = self._checked(self.l2, chunk_keys[i], value)
         from_l2 = set(missing)
-        prefix: list[bytes] = []
+        prefix: list[KVValue] = []
         for i, value in enumerate(values):
             if value is None:
                 break
@@ -195,7 +195,7 @@ class TieredStore:
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _checked(self, tier: KVTier, key: str, value: bytes | None) -> bytes | None:
+    def _checked(self, tier: KVTier, key: str, value: KVValue | None) -> KVValue | None:
         """The L2 value if it passes the validator; otherwise None, and the record is deleted from L2."""
         if value is None or self._validate is None:
             return value
@@ -212,12 +212,12 @@ class TieredStore:
             return None
         return value
 
-    def _put_l1(self, key: str, value: bytes) -> None:
+    def _put_l1(self, key: str, value: KVValue) -> None:
         self.l1.put(key, value)
         if self._events is not None and self.l1.contains_many((key,))[0]:
             self._events.stored(Tier.L1, (hash_of_key(key),))
 
-    def _promote(self, key: str, value: bytes) -> None:
+    def _promote(self, key: str, value: KVValue) -> None:
         self._put_l1(key, value)
         with self._cond:
             self._stats.num_promotions += 1

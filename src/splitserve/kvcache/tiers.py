@@ -1,8 +1,10 @@
 """The contract every KV tier keeps (CPU memory, disk, Redis), and the pieces they share.
 
-A tier is a byte store keyed by ``keys.cache_key(...)`` strings; values are records from ``serde.encode``.
-Tiers never raise for I/O trouble: a failed read is a miss, a failed write is dropped, and both are counted
-in ``stats()`` and logged once per burst. Every method is safe to call from several threads.
+A tier is a byte store keyed by ``keys.cache_key(...)`` strings; values are records from ``serde.encode``. A
+value read back is ``bytes``, or a ``memoryview`` over the tier's own memory (the disk tier maps its files
+rather than copying them into fresh memory); treat it as read-only. Tiers never raise for I/O trouble: a failed
+read is a miss, a failed write is dropped, and both are counted in ``stats()`` and logged once per burst. Every
+method is safe to call from several threads.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
+
+KVValue = bytes | memoryview
+"""A record as a tier hands it back (see the module's doc)."""
 
 EvictionListener = Callable[[str], None]
 """Called with a key after the tier evicted it to make room (not on an explicit ``delete``)."""
@@ -40,7 +45,7 @@ class KVTier(Protocol):
 
     name: str
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[KVValue | None]:
         """Values in key order, None for each miss (or any failure). Counts hits and misses."""
         ...
 
@@ -48,7 +53,7 @@ class KVTier(Protocol):
         """Whether each key is held, without reading values or counting hits; False on any failure."""
         ...
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: KVValue) -> None:
         """Store (or replace) a value; may evict others. Failures are counted, never raised."""
         ...
 
@@ -105,13 +110,13 @@ class NullTier:
     def __init__(self, name: str = "none") -> None:
         self.name = name
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[KVValue | None]:
         return [None] * len(keys)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [False] * len(keys)
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: KVValue) -> None:
         pass
 
     def delete(self, key: str) -> None:

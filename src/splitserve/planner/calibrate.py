@@ -366,7 +366,7 @@ def _measure_loads(engine: LLMEngine, plan: MeasurePlan, samples: SampleTable) -
     cache = engine.runner.kv_cache
     slots = torch.arange(cache.shape[2] - n, cache.shape[2])  # the cache's last slots: no request holds them
 
-    def copy_in(record: bytes, verify: bool) -> None:
+    def copy_in(record: bytes | memoryview, verify: bool) -> None:
         tensor = serde.decode(record, layout, tuple(kv.shape), kv.dtype, verify_checksum=verify)
         with torch.no_grad():
             cache.index_copy_(2, slots, tensor)
