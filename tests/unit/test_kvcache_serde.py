@@ -64,6 +64,18 @@ def test_non_contiguous_input_is_encoded_in_c_order() -> None:
     assert torch.equal(out, kv)
 
 
+def test_a_record_written_in_place_is_the_one_encode_makes() -> None:
+    kv, layout, key = make_kv(torch.bfloat16), layout_for(torch.bfloat16), cache_key("m", "l", 7)
+    signer = RecordSigner.for_secret("secret", "m", layout)
+    buffer = bytearray(serde.record_nbytes(SHAPE, kv.dtype, layout, "m") + 100)  # a reused, larger buffer
+    record = serde.encode_into(buffer, SHAPE, kv.dtype, lambda out: out.copy_(kv), layout, model_id="m", key=key,
+                               signer=signer)  # fmt: skip
+    assert bytes(record) == encode(kv, NUM_TOKENS, layout, model_id="m", key=key, signer=signer)
+    assert signer.verify(key, record).model_id == "m"
+    with pytest.raises(ValueError, match="cannot hold"):
+        serde.encode_into(bytearray(64), SHAPE, kv.dtype, lambda out: out.copy_(kv), layout)
+
+
 class TestEncodeRejectsCallerBugs:
     def test_token_count_must_match_the_shape(self) -> None:
         with pytest.raises(ValueError, match="does not hold 31 tokens"):

@@ -41,6 +41,7 @@ import hmac
 import math
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -201,9 +202,62 @@ def encode(
     Returns the record; one copy of the payload is made (into the returned bytes).
     Raises ValueError for an unsupported dtype, a malformed shape or an over-long string (a caller's bug).
     """
-    if kv.dtype not in DTYPE_CODES:
-        raise ValueError(f"unsupported KV dtype {kv.dtype}; supported: {sorted(str(d) for d in DTYPE_CODES)}")
     shape = tuple(kv.shape)
+    layout_bytes, model_bytes = _checked_fields(shape, kv.dtype, num_tokens, layout, model_id, key, signer)
+    payload = _byte_view(kv)
+    header = _header(shape, kv.dtype, num_tokens, layout_bytes, model_bytes, payload, key, signer)
+    return b"".join((header, payload))
+
+
+def encode_into(
+    buffer: bytearray,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    fill: Callable[[torch.Tensor], None],
+    layout: str,
+    *,
+    model_id: str = "",
+    key: str | None = None,
+    signer: RecordSigner | None = None,
+) -> memoryview:
+    """Write a record into ``buffer`` (at least :func:`record_nbytes` long) without a copy of the KV: ``fill``
+    writes the KV into the payload's place, a ``shape`` tensor of ``dtype`` over the buffer, then the header
+    (checksum, MAC) goes before it. Returns the record: a view of the buffer's start, valid until the buffer is
+    written again. For a sender that reuses one buffer, or a store that keeps each record in a buffer of its
+    own. The same arguments and errors as :func:`encode`."""
+    num_tokens = shape[TOKEN_DIM] if len(shape) > TOKEN_DIM else 0
+    layout_bytes, model_bytes = _checked_fields(shape, dtype, num_tokens, layout, model_id, key, signer)
+    offset = _payload_offset(len(shape), len(layout_bytes) + len(model_bytes))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(buffer) < offset + nbytes:
+        raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a record of {offset + nbytes}")
+    view = memoryview(buffer)
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+    fill(tensor)
+    del tensor
+    payload = view[offset : offset + nbytes]
+    view[:offset] = _header(shape, dtype, num_tokens, layout_bytes, model_bytes, payload, key, signer)
+    return view[: offset + nbytes]
+
+
+def record_nbytes(shape: tuple[int, ...], dtype: torch.dtype, layout: str, model_id: str = "") -> int:
+    """The size of the record :func:`encode` or :func:`encode_into` writes for KV of ``shape`` and ``dtype``."""
+    strings_nbytes = len(layout.encode()) + len(model_id.encode())
+    return _payload_offset(len(shape), strings_nbytes) + math.prod(shape) * dtype.itemsize
+
+
+def _checked_fields(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    num_tokens: int,
+    layout: str,
+    model_id: str,
+    key: str | None,
+    signer: RecordSigner | None,
+) -> tuple[bytes, bytes]:
+    """The layout and model id as bytes, once the record's fields are known to be writable (ValueError)."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(str(d) for d in DTYPE_CODES)}")
     if (problem := _check_kv_shape(shape, num_tokens)) is not None:
         raise ValueError(problem)
     layout_bytes, model_bytes = layout.encode(), model_id.encode()
@@ -211,10 +265,23 @@ def encode(
         raise ValueError(f"layout or model id over {_MAX_STRING_BYTES} bytes")
     if signer is not None and key is None:
         raise ValueError("a signed record needs the key it is stored under")
-    payload = _byte_view(kv)
+    return layout_bytes, model_bytes
+
+
+def _header(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    num_tokens: int,
+    layout_bytes: bytes,
+    model_bytes: bytes,
+    payload: memoryview,
+    key: str | None,
+    signer: RecordSigner | None,
+) -> bytearray:
+    """The header (padded to the payload's offset) of a record with this payload."""
     token_hash = hash_of_key(key) if key is not None else 0
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[kv.dtype], len(shape), num_tokens, len(layout_bytes), len(model_bytes),
+        MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), num_tokens, len(layout_bytes), len(model_bytes),
         len(payload), xxhash.xxh3_64_intdigest(payload), token_hash, _NO_MAC,
     )  # fmt: skip
     offset = _payload_offset(len(shape), len(layout_bytes) + len(model_bytes))
@@ -223,7 +290,7 @@ def encode(
     if signer is not None:
         assert key is not None
         header[_MAC_OFFSET : _FIXED.size] = signer.mac(key, header, payload)
-    return b"".join((header, payload))
+    return header
 
 
 def _byte_view(kv: torch.Tensor) -> memoryview:

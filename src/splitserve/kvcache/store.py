@@ -83,7 +83,7 @@ class TieredStore:
         self._events = events
         self._stats = StoreStats()
         self._cond = threading.Condition()
-        self._pending: deque[tuple[str, bytes]] = deque()
+        self._pending: deque[tuple[str, KVValue]] = deque()
         self._num_in_flight = 0
         self._is_closed = False
         self._writer: threading.Thread | None = None
@@ -143,7 +143,7 @@ class TieredStore:
 
     # -- writes -------------------------------------------------------------------------------------------
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: KVValue) -> bool:
         """Store in L1 now and queue for L2; never blocks (a full queue drops the L2 write, counted). True when
         the record was queued for L2."""
         self._put_l1(key, value)
@@ -237,7 +237,7 @@ class TieredStore:
                 self._stats.num_l2_writes_done += 1
                 self._cond.notify_all()
 
-    def _next_write(self) -> tuple[str, bytes] | None:
+    def _next_write(self) -> tuple[str, KVValue] | None:
         with self._cond:
             self._cond.wait_for(lambda: self._pending or self._is_closed)
             if not self._pending:

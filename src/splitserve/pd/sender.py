@@ -38,7 +38,7 @@ MAX_BACKOFF_S = 0.5
 def push(
     addr: str,
     transfer_id: str,
-    record: bytes,
+    record: bytes | memoryview,
     num_tokens: int,
     tokens_hash: int,
     layout: str,
@@ -92,7 +92,7 @@ def push(
 SIGNED_PIECE_BYTES = 1 << 20
 
 
-def send_signed(sock: socket.socket, record: bytes, header_mac: str, secret: str) -> None:
+def send_signed(sock: socket.socket, record: bytes | memoryview, header_mac: str, secret: str) -> None:
     """Send ``record``, MAC-ing it piece by piece as it goes, then the trailer carrying that MAC."""
     mac = payload_mac(secret, header_mac)
     view = memoryview(record)
