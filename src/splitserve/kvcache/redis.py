@@ -121,7 +121,8 @@ class RedisTier:
         return self._call("EXISTS", lambda: self._exists(self._keys(keys)), [False] * len(keys))
 
     def put(self, key: str, value: KVValue) -> None:
-        if self._call("SET", lambda: bool(self._client.set(self.key_prefix + key, value, px=self._ttl_ms)), False):
+        view = memoryview(value)  # sent as it is: hiredis's packer would copy a bytes value into the command
+        if self._call("SET", lambda: bool(self._client.set(self.key_prefix + key, view, px=self._ttl_ms)), False):
             with self._lock:
                 self._stats.num_puts += 1
                 self._stats.written_bytes += len(value)
