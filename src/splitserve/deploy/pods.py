@@ -109,6 +109,7 @@ class Pod:
     is_stopping: bool = False
     probed_at: float = 0.0  # last liveness probe
     num_unanswered: int = 0  # liveness probes in a row that got no answer
+    group_is_gone: bool = False  # the process group was killed once its main process exited
 
     @property
     def status(self) -> str:
@@ -140,6 +141,7 @@ class Pod:
         )
         log.close()
         self.started_at = time.time()
+        self.group_is_gone = False
         self.is_ready = False
         self.restart_at = None
         self.num_unanswered = 0
@@ -161,6 +163,7 @@ class Pod:
             process.wait()
         except ProcessLookupError:
             pass
+        self.kill_leftovers()
 
     def probe(self) -> bool:
         """Readiness: the process answers its probe with 200 (Redis: PONG)."""
@@ -187,8 +190,10 @@ class Pod:
 
     def kill_leftovers(self) -> None:
         """SIGKILL what is left of the process group of a pod whose main process exited (a vLLM server's engine
-        and workers outlive it when it is killed), as a container's end takes every process in it."""
-        if self.process is not None and self.process.poll() is not None:
+        and workers outlive it when it is killed), as a container's end takes every process in it. Once per
+        exit, as soon as it is seen: later, the group's number could belong to another process."""
+        if self.process is not None and self.process.poll() is not None and not self.group_is_gone:
+            self.group_is_gone = True
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
 

@@ -5,9 +5,12 @@ worker sharing the directory) sees a whole record or none. The index (key -> siz
 memory and is rebuilt from the directory on start, oldest modification time first. File names are the
 percent-encoded key plus ``.kv``, so the key can be read back from the name.
 
-A read maps the record's file (``mmap``, private): the value is a view of the page cache, not a copy in fresh
-memory. Files are only ever replaced by a rename or unlinked, never truncated, so a mapping stays whole after
-another worker evicts or rewrites its record.
+On a local file system a read maps the record's file (private, copy-on-write, its descriptor closed at once):
+the value is a view of the page cache, not a copy in fresh memory. Files are only ever replaced by a rename or
+unlinked, never truncated, so a mapping stays whole after another worker evicts or rewrites its record; an
+evicted file's blocks are freed once the last view of it (an L1 entry, say) goes. On a network file system
+(NFS, SMB, FUSE mounts) a file removed by another host can vanish under a mapping, so records are read into
+memory there.
 
 Several workers may share one directory (L2 across workers on one machine or a shared mount): a key missing
 from this process's index is looked up on the file system and adopted, and a file that vanished (evicted by
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import stat
 import threading
@@ -33,6 +35,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import quote, unquote
+
+import torch
 
 from splitserve.kvcache.tiers import ErrorBurstLog, EvictionListener, KVValue, TierStats
 
@@ -86,6 +90,7 @@ class DiskTier:
         self._errors = ErrorBurstLog(logger, f"disk KV tier {self.path}")
         self._clock = clock
         self._open_lock = threading.Lock()
+        self._maps = _is_local(self.path)
         self._is_open = False
         self._next_open_s = 0.0
         self._open_error: OSError | None = None
@@ -166,11 +171,12 @@ class DiskTier:
                 return None
             self._index.move_to_end(key)
         try:
-            value = _map(self._file_path(key))
+            path = self._file_path(key)
+            value = _map(path) if self._maps else path.read_bytes()
         except FileNotFoundError:  # evicted by another worker sharing the directory
             self._drop_bad(key, None)
             return None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: torch could not map the file
             self._drop_bad(key, ("read", exc))
             return None
         if len(value) != size:
@@ -312,11 +318,36 @@ class DiskTier:
         logger.info("disk KV tier %s: %d records, %d bytes", self.path, len(self._index), self._stored_bytes)
 
 
+NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "gpfs")
+
+
+def _is_local(path: Path) -> bool:
+    """Whether ``path`` (or the closest existing directory above it) is on a local file system: not a network
+    one, nor a FUSE mount (``/proc/mounts``; True where it cannot be read)."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return True
+    target = path.resolve()
+    best, fs_type = -1, ""
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == Path(point) or Path(point) in target.parents) and len(point) > best:
+            best, fs_type = len(point), fields[2]
+    return not (fs_type in NETWORK_FILE_SYSTEMS or fs_type.startswith("fuse"))
+
+
 def _map(path: Path) -> memoryview:
-    """The file's bytes as a private, copy-on-write mapping (never written: writable only so that tensors can be
-    made over it without a copy). ValueError for an empty file."""
-    with open(path, "rb") as f:
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+    """The file's bytes as a private, copy-on-write mapping whose descriptor is closed (``torch.from_file``;
+    ``mmap.mmap`` would keep one open per mapping). Never written: writable only so that tensors can be made over
+    it without a copy. ValueError for an empty file."""
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{path.name} is empty")
+    mapped = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    return memoryview(mapped.numpy())  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
 def _unlink_quietly(path: Path) -> None:

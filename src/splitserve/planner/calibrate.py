@@ -41,8 +41,10 @@ Torch and the engine are imported inside the functions: importing this module is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -464,19 +466,15 @@ def measure_served(calibration: Calibration, max_model_len: int, vllm_flags: Seq
         )]  # fmt: skip
         model, ready_s = key.model, SERVED_READY_S
     with tempfile.TemporaryFile() as log:
-        worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+        worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin,
+                                  start_new_session=True)  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(worker, url, log, ready_s)
             prompts = sorted({min(n, max_model_len - 16) for n in SERVED_PROMPTS})
             samples = asyncio.run(_served_samples(url, model, bare_step_cost(calibration), prompts))
         finally:
-            worker.terminate()
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+            _stop_group(worker)
 
     low, high = SERVED_FACTOR_BOUNDS.get(key.engine, SERVED_FACTOR_BOUNDS["splitserve"])
 
@@ -485,6 +483,20 @@ def measure_served(calibration: Calibration, max_model_len: int, vllm_flags: Seq
         return min(max(statistics.median(ratios), low), high)
 
     return ServedScale(prefill=factor("prefill"), decode=factor("decode"), samples=tuple(samples))
+
+
+def _stop_group(worker: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the worker's process group (a vLLM server's engine and workers with it), SIGKILL after 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.pid, signal.SIGTERM)
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.pid, signal.SIGKILL)  # what outlived the server
 
 
 def _vllm_command(flags: Sequence[str], address: Sequence[str]) -> list[str]:

@@ -140,7 +140,10 @@ class CalibrationKey:
     @property
     def file_name(self) -> str:
         """A file name for the key: readable parts and a digest of the whole key."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if self.engine == "splitserve":
+            del fields["engine"]  # the default engine's files keep the names they had before engines were named
+        text = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         model = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model)[-40:]
         engine = "" if self.engine == "splitserve" else f"{self.engine}-"
