@@ -422,7 +422,7 @@ class _SchedulerSide:
             end = -(-last // bs)
             return Load(request.request_id, PD_SOURCE, (), first, end, last - num_computed, request.num_prompt_tokens,
                         params.transfer_id, hash_tokens(request.prompt_token_ids))  # fmt: skip
-        if not self.settings.tiers.is_enabled:
+        if not self.settings.tiers.is_enabled or not _keyed_by_tokens(request):
             return None
         keys = self._block_keys(request)
         records = self._held_records(keys, first, request.num_prompt_tokens // bs)
@@ -496,7 +496,7 @@ class _SchedulerSide:
                 )
         params = self._params(request)
         push_to = params if params is not None and params.is_sender and self.owner.is_producer else None
-        saves = self.settings.tiers.is_enabled and self.owner.is_producer
+        saves = self.settings.tiers.is_enabled and self.owner.is_producer and _keyed_by_tokens(request)
         if push_to is not None or saves:
             done = load.end_block if load is not None else request.num_computed_tokens // self.owner.block_size
             self._tracked[request.request_id] = _Tracked(
@@ -827,6 +827,12 @@ class _CudaStreamScope:
     def __exit__(self, *exc: object) -> None:
         self._scope.__exit__(*exc)
         self.stream.synchronize()
+
+
+def _keyed_by_tokens(request: Request) -> bool:
+    """Whether the request's KV follows from its tokens (and salt) alone, as the tiers' keys assume: not under a
+    LoRA adapter, and without images or other inputs beside the tokens (those never share records)."""
+    return getattr(request, "lora_request", None) is None and not getattr(request, "mm_features", None)
 
 
 def _layout_name(vllm_config: VllmConfig) -> str:
