@@ -509,9 +509,13 @@ def _vllm_command(flags: Sequence[str], address: Sequence[str]) -> list[str]:
 
 
 def _served_name(flags: Sequence[str]) -> str:
-    positions = [i for i, token in enumerate(flags[:-1]) if token in ("--served-model-name", "--model")]
-    named = [i for i in positions if flags[i] == "--served-model-name"]
-    return flags[(named or positions)[-1] + 1]
+    """The model name a ``vllm serve`` with ``flags`` answers to: its served name, else its model."""
+    from splitserve.endpoint import last_flag, parse_args
+
+    parsed = parse_args(list(flags))
+    flag = last_flag(parsed, "served-model-name") or last_flag(parsed, "model")
+    assert flag is not None and flag.value  # _vllm_command checked --model
+    return flag.value
 
 
 def _wait_healthy(worker: subprocess.Popen[bytes], url: str, log: IO[bytes], ready_s: float) -> None:

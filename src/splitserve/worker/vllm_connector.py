@@ -618,8 +618,7 @@ class _WorkerSide:
         self._layers: list[torch.Tensor] = []
         self._block_dim = 0
         self._load_errors: set[int] = set()
-        self._fetch_s = 0.0  # the last load's: getting the records and checking them, before copying them in
-        self._push_buffer = bytearray()  # every push is packed here: its pages are faulted in once
+        self._push_buffer = bytearray()  # every push is packed here (_pack)
         self._sink = _ReportSink()
         self._stream: Any = None
         tiers = self.settings.tiers
@@ -655,15 +654,22 @@ class _WorkerSide:
 
     # -- the bytes of whole blocks, every layer
 
-    def _pack(self, block_ids: Iterable[int], buffer: bytearray | None = None, key: str | None = None) -> memoryview:
-        """A record of the blocks, every layer, gathered straight into its payload: into ``buffer`` (a reused
-        one, for a push), else into a buffer of its own (a record a tier keeps; signed under ``key``). The
-        blocks' bytes go in ``serde``'s five dimensions unchanged (the layout names them)."""
+    def _pack(self, block_ids: Iterable[int], *, for_push: bool = False, key: str | None = None) -> memoryview:
+        """A record of the blocks, every layer, gathered straight into its payload: a push's into the buffer every
+        push reuses (its pages fault in once: fresh ones are slow to fault in a vLLM worker), else into a buffer
+        of its own (a record a tier keeps; signed under ``key``). The blocks' bytes go in ``serde``'s five
+        dimensions unchanged (the layout names them)."""
         ids = list(block_ids)
-        per_layer, shape = self._blocks_shape(len(ids)), self._record_shape(len(ids))
+        num_tokens, per_layer = len(ids) * self.owner.block_size, self._blocks_shape(len(ids))
+        shape = (len(self._layers), 2, num_tokens, 1, math.prod(per_layer) // (2 * num_tokens))
         dtype, layout, model_id = self._layers[0].dtype, self.owner.layout_name, self.settings.model_id
-        if buffer is None:
-            buffer = bytearray(serde.record_nbytes(shape, dtype, layout, model_id))
+        nbytes = serde.record_nbytes(shape, dtype, layout, model_id)
+        if not for_push:
+            buffer = bytearray(nbytes)
+        elif len(self._push_buffer) < nbytes:
+            buffer = self._push_buffer = bytearray(nbytes)
+        else:
+            buffer = self._push_buffer
         index = torch.tensor(ids, device=self._layers[0].device)
 
         def gather(payload: torch.Tensor) -> None:
@@ -703,28 +709,29 @@ class _WorkerSide:
         for load in loads:
             began = time.perf_counter()
             try:
-                num_bytes = self._load_pd(load) if load.source == PD_SOURCE else self._load_tiers(load)
+                loaded = self._load_pd(load) if load.source == PD_SOURCE else self._load_tiers(load)
             except (serde.RecordError, RuntimeError, ValueError) as exc:
                 logger.warning("request %s: KV from %s unusable (%s); recomputing", load.request_id, load.source, exc)
-                num_bytes = None
-            if num_bytes is None:
+                loaded = None
+            if loaded is None:
                 self._load_errors.update(load.block_ids[load.first_block : load.end_block])
                 logger.info("Retrieved 0 out of %d required tokens (from %d total tokens); recomputing",
                             load.num_tokens, load.num_prompt_tokens)  # fmt: skip
                 continue
-            elapsed_s = time.perf_counter() - began
+            elapsed_s, (num_bytes, fetch_s) = time.perf_counter() - began, loaded
             logger.info(
                 "Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, cost %.2f ms, "
                 "throughput: %.2f GB/s (%s; fetched and checked in %.2f ms)",
                 load.num_tokens, load.num_tokens, load.num_prompt_tokens, num_bytes / 1e9, elapsed_s * 1000,
-                num_bytes / 1e9 / max(elapsed_s, 1e-9), load.source, self._fetch_s * 1000,
+                num_bytes / 1e9 / max(elapsed_s, 1e-9), load.source, fetch_s * 1000,
             )  # fmt: skip
 
-    def _load_pd(self, load: Load) -> int | None:
+    def _load_pd(self, load: Load) -> tuple[int, float] | None:
+        """(bytes copied in, seconds to get the record: checked on arrival), or None: a load error."""
         assert self.buffer is not None
         began = time.perf_counter()
         entry = self.buffer.claim(load.transfer_id)
-        self._fetch_s = time.perf_counter() - began  # checked on arrival
+        fetch_s = time.perf_counter() - began
         if entry is None:
             return None
         try:
@@ -739,15 +746,16 @@ class _WorkerSide:
                 raise ValueError(f"transfer {load.transfer_id} holds {num_blocks} blocks, {load.end_block} needed")
             ids = list(load.block_ids[load.first_block : load.end_block])
             self._scatter(kv, num_blocks, ids, load.first_block)
-            return header.payload_nbytes * len(ids) // num_blocks
+            return header.payload_nbytes * len(ids) // num_blocks, fetch_s
         finally:
             self.buffer.release(load.transfer_id)
 
-    def _load_tiers(self, load: Load) -> int | None:
+    def _load_tiers(self, load: Load) -> tuple[int, float] | None:
+        """(bytes copied in, seconds to get and check the records), or None: a load error."""
         assert self.store is not None
         began = time.perf_counter()
         values = self.store.get_prefix([key for key, _, _ in load.records])
-        self._fetch_s = time.perf_counter() - began
+        fetch_s = time.perf_counter() - began
         if len(values) < len(load.records):
             return None
         num_bytes = 0
@@ -757,7 +765,7 @@ class _WorkerSide:
             ids = list(load.block_ids[first + skip : end])
             self._scatter(kv, end - first, ids, skip)
             num_bytes += len(value) * len(ids) // (end - first)
-        return num_bytes
+        return num_bytes, fetch_s
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -768,10 +776,7 @@ class _WorkerSide:
     def push_and_save(self, pushes: list[Push], saves: list[Save]) -> None:
         for item in pushes:
             began = time.perf_counter()
-            needed = self._record_nbytes(len(item.block_ids))
-            if len(self._push_buffer) < needed:
-                self._push_buffer = bytearray(needed)  # kept: fresh pages are slow to fault in a vLLM worker
-            record = self._pack(item.block_ids, self._push_buffer)
+            record = self._pack(item.block_ids, for_push=True)
             packed_s = time.perf_counter() - began
             pd = self.settings.pd
             result = push(item.addr, item.transfer_id, record, item.num_prompt_tokens, item.tokens_hash,
@@ -792,15 +797,6 @@ class _WorkerSide:
             record = self._pack(save.block_ids, key=save.key)
             if self.store.put(save.key, record):
                 self._sink.queued_for_l2(hash_of_key(save.key))
-
-    def _record_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """``serde``'s five dimensions over ``num_blocks`` blocks of every layer: ``[layers, 2, tokens, 1, x]``."""
-        num_tokens = num_blocks * self.owner.block_size
-        return (len(self._layers), 2, num_tokens, 1, math.prod(self._blocks_shape(num_blocks)) // (2 * num_tokens))
-
-    def _record_nbytes(self, num_blocks: int) -> int:
-        shape = self._record_shape(num_blocks)
-        return serde.record_nbytes(shape, self._layers[0].dtype, self.owner.layout_name, self.settings.model_id)
 
     def take_report(self) -> WorkerReport | None:
         return self._sink.take()
