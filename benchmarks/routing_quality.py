@@ -6,9 +6,11 @@ each strategy (roundrobin, session, prefixaware, kvaware) in front of two worker
 Per strategy, fresh processes: two ``splitserve worker`` s (SmolLM2-135M, default dtype, ``--num-threads 1``
 each, so the two share the machine's 2 cores; engine prefix cache on, no L1/L2, so a hit needs the right
 worker) behind a ``splitserve router`` with that strategy, and no other flags: the router pulls the workers' KV
-events itself. A strategy written ``kvaware/fcfs`` runs the workers with the scheduling that lets no cache hit
-past a cold prompt (``--scheduling-policy fcfs --running-prefill-cap 0``), to measure what the cache-aware
-scheduling adds; ``kvaware/cost`` runs the router with ``--routing-cost-model``. The workload is
+events itself. A strategy may name a variant after a slash: ``kvaware/fcfs`` runs the workers with the scheduling
+that lets no cache hit past a cold prompt (``--scheduling-policy fcfs --step-time-target 0``), to measure what the
+cache-aware scheduling adds; ``S/notarget`` the workers without a step-time target (``--step-time-target 0``);
+``S/thresholds`` the router with SGLang's thresholds instead of its score (``--no-routing-cost-model``). The
+workload is
 ``splitserve bench serve --dataset multiround``: U users, each R rounds of a chat whose history grows (a shared
 system prompt, then question/answer turns); requests arrive at a Poisson rate, and a user's next round is
 sent no earlier than when its previous answer is complete.
@@ -33,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.bench.metrics import percentile
 from splitserve.deploy import vllm
 from splitserve.metrics import sum_samples
 
@@ -55,7 +58,10 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     router_port = free_port()
     worker_ports = [free_port() for _ in range(args.num_workers)]
     policy, _, variant = strategy.partition("/")
-    extra = ["--scheduling-policy", "fcfs", "--running-prefill-cap", "0"] if variant == "fcfs" else []
+    extra = {
+        "fcfs": ["--scheduling-policy", "fcfs", "--step-time-target", "0"],
+        "notarget": ["--step-time-target", "0"],
+    }.get(variant, [])
     name = strategy.replace("/", "-")
     workers = []
     router_extra: list[str] = []
@@ -73,8 +79,8 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
         backends = [arg for port in worker_ports for arg in ("--backend", f"http://127.0.0.1:{port}")]
         router_cmd = [*SPLITSERVE, "router", "--port", str(router_port), "--admin-port", str(free_port()),
                       "--routing-strategy", policy, *backends, *router_extra]  # fmt: skip
-        if variant == "cost":
-            router_cmd.append("--routing-cost-model")
+        if variant == "thresholds":
+            router_cmd.append("--no-routing-cost-model")
         router = start_server(router_cmd, router_port, log_dir / f"{name}-router.log")
         try:
             urls = [f"http://127.0.0.1:{port}" for port in worker_ports]
@@ -94,6 +100,7 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     summary = document["summary"]
+    follow_ups = sorted(r["ttft_s"] * 1000 for r in document["requests"] if r["success"] and r["round_index"] > 0)
     return {
         "strategy": strategy,
         "ttft_ms_mean": summary["ttft"]["mean_ms"],
@@ -105,6 +112,14 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path) -> dict
         "num_ok": summary["num_completed"],
         "num_failed": summary["num_failed"],
         "ttft_by_round": summary.get("ttft_by_round"),
+        # the requests after each user's first (a cached history, on the right worker)
+        "follow_up_ttft_ms": {
+            "mean": sum(follow_ups) / len(follow_ups),
+            "p50": percentile(follow_ups, 50),
+            "p99": percentile(follow_ups, 99),
+        }
+        if follow_ups
+        else None,
     }
 
 

@@ -233,11 +233,12 @@ class SchedulerConfig:
     max_wait_s: float = setting(
         5.0, "lpm: seconds after which a waiting request goes first, in arrival order.", flag="scheduling-max-wait"
     )
-    # the rest of the step admits short requests whole, so a cached follow-up gets its first token in one step
-    running_prefill_cap: int = setting(
-        256,
-        "When the request next in line is short (its uncached tokens fit beside this cap), the prompts already "
-        "in prefill share at most this many tokens that step and the rest admits it whole (0: no cap).",
+    step_time_target: float = setting(
+        0.05,
+        "Seconds an engine step aims at while a short request (a cached follow-up) waits: the prompts already in "
+        "prefill share what it leaves of the step, and it is admitted whole. A step carrying prompt chunks takes "
+        "at most 4 targets. The tokens that fit are measured from the engine's own steps (0, or chunked prefill "
+        "off: no target, every step takes --max-num-batched-tokens).",
     )
     speculative_config: SpeculativeConfig | None = setting(
         None,
@@ -265,8 +266,8 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.running_prefill_cap < 0:
-            raise ValueError(f"--running-prefill-cap must be >= 0, got {self.running_prefill_cap}")
+        if not self.step_time_target >= 0:
+            raise ValueError(f"--step-time-target must be >= 0 seconds, got {self.step_time_target}")
         if not self.max_wait_s >= 0:
             raise ValueError(f"--scheduling-max-wait must be >= 0, got {self.max_wait_s}")
 
@@ -660,10 +661,9 @@ class RouterConfig(AccessConfig):
         "kv-transfer-port), reached at <worker host>:PORT; +N means the worker's HTTP port plus N. Decode workers "
         "that answer GET /kv/transfer (splitserve's) say where theirs is.", panel=ROUTING_PANEL,
     )  # fmt: skip
-    # off by default: on the long-history chat it kept fewer users on their cache than the thresholds do
     routing_cost_model: bool = setting(
-        False, "Cache-aware: pick the worker with the lowest estimated TTFT (its uncached tokens plus the prefill "
-        "queued there, times its measured seconds per token) instead of the thresholds below (experimental).",
+        True, "Cache-aware: pick the worker with the lowest estimated TTFT (its uncached tokens plus the prefill "
+        "queued there that goes first, times its measured seconds per token); off: the thresholds below (SGLang's).",
         panel=ROUTING_PANEL,
     )  # fmt: skip
     cache_threshold: float = setting(

@@ -174,7 +174,7 @@ def test_the_forward_step_gives_each_token_the_same_logits_on_every_path(
 
     alone_tokens, alone_logits = run({}, {})
     for label, kwargs, batch, repeat in (
-        ("chunks of 7", {"max_num_batched_tokens": 7, "running_prefill_cap": 0}, {}, False),
+        ("chunks of 7", {"max_num_batched_tokens": 7, "step_time_target": 0}, {}, False),
         ("beside others", {}, others, False),
         ("from the prefix cache", {}, {}, True),
     ):

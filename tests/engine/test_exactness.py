@@ -74,7 +74,7 @@ def test_a_prompt_recomputed_after_eviction_answers_the_same(real: Real) -> None
 def test_chunked_prefill_and_eight_streams_beside_change_nothing(real: Real) -> None:
     distractors = {f"d{i}": real.prompts[name][: 20 + 7 * i] for i, name in enumerate(list(real.prompts) * 3)}
     batch = {**{f"p-{name}": p for name, p in real.prompts.items()}, **dict(list(distractors.items())[:8])}
-    outputs = run_to_completion(engine(real, max_num_batched_tokens=16, running_prefill_cap=0), batch, GREEDY)
+    outputs = run_to_completion(engine(real, max_num_batched_tokens=16, step_time_target=0), batch, GREEDY)
     for name in real.prompts:
         assert tokens_of(outputs[f"p-{name}"]) == real.answers[name], name
 

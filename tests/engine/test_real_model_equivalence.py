@@ -190,7 +190,7 @@ def test_preemption_by_recompute_gives_same_output(real: Real, prefix_caching: b
     # arrival order and whole-budget chunks, the long prompts run out of blocks together and preempt
     engine = make_engine(
         real, num_blocks=30, prefix_caching=prefix_caching, max_model_len=480,
-        policy=SchedulingPolicy.FCFS, running_prefill_cap=0,
+        policy=SchedulingPolicy.FCFS, step_time_target=0,
     )  # fmt: skip
     tight = token_lists(run(engine, real.prompts))
     stats = engine.get_stats()

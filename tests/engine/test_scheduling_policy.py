@@ -1,7 +1,7 @@
 """Scheduling that lets cache hits through: ``lpm`` admits the request with the fewest tokens left to compute first (the
-oldest first once one waited past ``max_wait_s``), and while requests wait, the running prompts share at most
-``running_prefill_cap`` tokens per step, so that a cached follow-up gets its first token within one short step beside a
-cold prompt. The answers stay the same (greedy)."""
+oldest first once one waited past ``max_wait_s``), and while a short request waits, the step aims at the step-time
+target (the running prompts share what the short request leaves of it), so that a cached follow-up gets its first
+token within one short step beside a cold prompt. The answers stay the same (greedy)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.policy.scheduling import StepRate
 from tests.support.engine import random_prompts
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -19,13 +20,28 @@ COLD, CHAT = PROMPTS["r0"], PROMPTS["r1"][:400]
 FOLLOW_UP = CHAT + PROMPTS["r1"][400:440]  # the same conversation, one turn on: 400 of 440 tokens cached
 
 
+class ScriptedRate(StepRate):
+    """A step cost of 1 ms per token, whatever the steps really take (so that budgets do not follow the test
+    machine's speed)."""
+
+    def __init__(self) -> None:
+        super().__init__(large=(100.0, 0.1))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
 def engine_with(model: DecoderForCausalLM, **scheduler: object) -> LLMEngine:
+    """At 1 ms per token the default target (50 ms) is 50 tokens: a step with prompt chunks takes up to 200 tokens,
+    a step admitting a short request 50 (or the short request and 16 tokens of the running prompts)."""
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=1024),
         cache=CacheConfig(block_size=16, num_gpu_blocks_override=400),
         scheduler=SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, **scheduler}),  # type: ignore[arg-type]
     )
-    return LLMEngine(config, model, None, "test", torch.device("cpu"))
+    engine = LLMEngine(config, model, None, "test", torch.device("cpu"))
+    engine.scheduler.step_rate = ScriptedRate()
+    return engine
 
 
 def steps_to_first_token(engine: LLMEngine) -> tuple[int, dict[str, list[int]]]:
@@ -54,20 +70,24 @@ def steps_to_first_token(engine: LLMEngine) -> tuple[int, dict[str, list[int]]]:
 def test_a_cached_follow_up_gets_its_first_token_in_one_step_beside_a_cold_prompt(
     tiny_model: DecoderForCausalLM,
 ) -> None:
-    with_budget, tokens = steps_to_first_token(engine_with(tiny_model, running_prefill_cap=64))
-    without, reference = steps_to_first_token(
-        engine_with(tiny_model, policy=SchedulingPolicy.FCFS, running_prefill_cap=0)
-    )
-    assert with_budget == 1  # 64 tokens of the cold prompt and the follow-up's 40 new ones, in one step
+    with_target, tokens = steps_to_first_token(engine_with(tiny_model))
+    without, reference = steps_to_first_token(engine_with(tiny_model, policy=SchedulingPolicy.FCFS, step_time_target=0))
+    assert with_target == 1  # 16 tokens of the cold prompt and the follow-up's 40 new ones, in one step
     assert without >= 3  # behind the cold prompt's remaining 256-token chunks (900 tokens in all)
     assert tokens == reference
 
 
-def test_alone_a_prompt_is_prefilled_at_the_whole_budget(tiny_model: DecoderForCausalLM) -> None:
-    engine = engine_with(tiny_model, running_prefill_cap=64)
+def test_a_step_with_prompt_chunks_takes_at_most_four_targets(tiny_model: DecoderForCausalLM) -> None:
+    engine = engine_with(tiny_model, max_num_batched_tokens=1024)
     engine.add_request("cold", COLD, GREEDY)
-    sched = engine.scheduler.schedule()
-    assert sched.num_batched_tokens == 256
+    assert engine.scheduler.schedule().num_batched_tokens == 200  # 4 x 50 ms at 1 ms per token
+
+
+def test_before_any_step_is_measured_a_prompt_takes_the_whole_budget(tiny_model: DecoderForCausalLM) -> None:
+    engine = engine_with(tiny_model, max_num_batched_tokens=1024)
+    engine.scheduler.step_rate = StepRate()
+    engine.add_request("cold", COLD, GREEDY)
+    assert engine.scheduler.schedule().num_batched_tokens == 900
 
 
 def admission_order(model: DecoderForCausalLM, **scheduler: object) -> list[str]:
@@ -92,3 +112,9 @@ def test_lpm_admits_the_fewest_uncached_tokens_first(tiny_model: DecoderForCausa
 
 def test_past_the_max_wait_the_oldest_goes_first(tiny_model: DecoderForCausalLM) -> None:
     assert admission_order(tiny_model, max_wait_s=0.0) == ["cold", "follow-up"]
+
+
+def test_without_chunked_prefill_a_long_prompt_still_runs_whole(tiny_model: DecoderForCausalLM) -> None:
+    engine = engine_with(tiny_model, max_num_batched_tokens=1024, enable_chunked_prefill=False)
+    engine.add_request("cold", COLD, GREEDY)  # 900 tokens, past the 200 of 4 targets
+    assert engine.scheduler.schedule().num_batched_tokens == 900

@@ -49,7 +49,7 @@ def build_engine(
     prefix_caching: bool = True,
     max_model_len: int = 1024,
     policy: SchedulingPolicy = SchedulingPolicy.LPM,
-    running_prefill_cap: int = 256,
+    step_time_target: float = 0.05,
     speculative: SpeculativeConfig | None = None,
 ) -> LLMEngine:
     """An engine around an already loaded model, with an exact number of KV blocks."""
@@ -63,7 +63,7 @@ def build_engine(
             max_num_batched_tokens,
             chunked,
             policy,
-            running_prefill_cap=running_prefill_cap,
+            step_time_target=step_time_target,
             speculative_config=speculative,
             verify_sample_rate=0.0,  # no random shadow checks in tests that count steps (test_verifier.py sets it)
         ),

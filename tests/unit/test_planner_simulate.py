@@ -30,8 +30,12 @@ def step_cost(
     return StepCost(PrefillCost(*prefill), DecodeCost(*decode))
 
 
+# The scripted cases count whole budgets: no step-time target (its own case is below)
+UNTARGETED = EngineLimits(step_time_target_s=0)
+
+
 def colocated(cost: StepCost, n: int = 1, limits: EngineLimits | None = None, **kwargs: object) -> Topology:
-    spec = SimulatedWorker(Role.COLOCATED, cost, limits or EngineLimits())
+    spec = SimulatedWorker(Role.COLOCATED, cost, limits or UNTARGETED)
     return Topology((spec,) * n, **kwargs)  # type: ignore[arg-type]
 
 
@@ -46,7 +50,7 @@ def test_one_worker_with_deterministic_service_waits_as_pollaczek_khinchine_says
     for _ in range(40_000):
         at_s += rng.expovariate(rate)
         requests.append(TraceRequest(at_s, 100, 1))
-    limits = EngineLimits(max_num_seqs=1, max_num_batched_tokens=4096, running_prefill_cap=0)
+    limits = EngineLimits(max_num_seqs=1, max_num_batched_tokens=4096, step_time_target_s=0)
     result = simulate(requests, colocated(step_cost(prefill=(service_s, 0.0, 0.0)), limits=limits), FREE_MOVES)
     waits = [t.ttft_s - service_s for t in result.timings]
     rho = rate * service_s
@@ -79,7 +83,7 @@ def test_a_decode_batch_steps_exactly_as_the_cost_model_says() -> None:
 def test_a_long_prompt_is_chunked_by_the_step_budget() -> None:
     """2,500 tokens with a budget of 1,024: three steps, each paying the base, and the quadratic term per chunk."""
     prefill = (0.05, 0.001, 1e-7)
-    limits = EngineLimits(max_num_batched_tokens=1024)
+    limits = EngineLimits(max_num_batched_tokens=1024, step_time_target_s=0)
     result = simulate([TraceRequest(0.0, 2500, 1)], colocated(step_cost(prefill), limits=limits), FREE_MOVES)
     chunks = [(0, 1024), (1024, 2048), (2048, 2500)]
     expected = sum(0.05 + 0.001 * (e - s) + 1e-7 * (e * e - s * s) for s, e in chunks)
@@ -97,6 +101,20 @@ def test_a_decode_beside_a_prompt_chunk_runs_on_the_prefill_path() -> None:
     mixed_s = 0.1 + 0.001 * 200 + 0.001 * 1  # the newcomer's prompt and one decode token
     assert first.itls_s == pytest.approx([mixed_s, 0.02])
     assert result.timings[1].token_times_s == pytest.approx([0.2 + mixed_s])
+
+
+def test_with_a_step_time_target_a_short_request_passes_a_long_prompt_in_one_short_step() -> None:
+    """The simulator measures its steps as the engine does: after the first (whole-budget) chunk, a long prompt
+    runs in chunks of 4 targets, and a short request arriving beside it is admitted in a step of about one target."""
+    prefill = (0.01, 0.001, 0.0)  # 10 ms a step, 1 ms a token
+    limits = EngineLimits(max_num_batched_tokens=1024, step_time_target_s=0.05)
+    requests = [TraceRequest(0.0, 3000, 1), TraceRequest(1.2, 40, 1)]
+    result = simulate(requests, colocated(step_cost(prefill), limits=limits), FREE_MOVES)
+    short = result.timings[1]
+    # the step in flight at 1.2 s is at most 4 targets long (the line's fit: 1.034 s / 1024 tokens, 200 tokens)
+    assert short.ttft_s < 4 * 0.05 + 0.01 + 0.001 * (40 + 16) + 1e-9
+    untargeted = simulate(requests, colocated(step_cost(prefill)), FREE_MOVES)
+    assert untargeted.timings[1].ttft_s > 0.5  # behind 1,024-token chunks
 
 
 # ---------------------------------------------------------------------------------------------- disaggregation

@@ -22,7 +22,10 @@ from splitserve.config import Role, RouterConfig, RoutingStrategy, SchedulerConf
 from splitserve.planner.costs import LoadCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest, WorkloadShape, generate
+from splitserve.policy.balance import PendingPrefill
+from splitserve.policy.scheduling import StepRate
 from splitserve.protocol.kv_events import EventKind, Tier
+from splitserve.router.cost import PrefillCostModel
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policies import RoutingRequest, build_policy
@@ -61,17 +64,25 @@ class SimWorker:
     """The planner's view of one worker; ``held`` is what its engine cache holds, by group."""
 
     name: str
+    s_per_token: float = 1e-3
     in_flight: int = 0
-    pending_prefill_tokens: int = 0
+    pending_prefill: PendingPrefill = field(default_factory=PendingPrefill)
     held: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.pending_prefill.total
 
     def held_tokens(self, group: str, max_tokens: int) -> tuple[int, int]:
         return min(self.held.get(group, 0), max_tokens), 0
 
 
+@pytest.mark.parametrize("cost_model", [True, False], ids=["score", "thresholds"])
 @pytest.mark.parametrize("strategy", list(RoutingStrategy))
 @pytest.mark.parametrize("shape", [WorkloadShape.CHAT, WorkloadShape.RAG, WorkloadShape.MIXED])
-def test_the_planner_routes_a_trace_as_the_router_does(strategy: RoutingStrategy, shape: WorkloadShape) -> None:
+def test_the_planner_routes_a_trace_as_the_router_does(
+    strategy: RoutingStrategy, shape: WorkloadShape, cost_model: bool
+) -> None:
     trace = generate(shape, num_requests=240, seed=3, max_model_len=4096)
     prompts = token_ids(trace)
     workers = [Worker(url) for url in URLS]
@@ -79,9 +90,11 @@ def test_the_planner_routes_a_trace_as_the_router_does(strategy: RoutingStrategy
     kv_index = KVIndex(BLOCK_SIZE, config.kv_chunk_size, 1 << 30)
     for worker in workers:
         kv_index.apply(worker.url, worker.url, True, [])
-    router = build_policy(config, lambda: workers, kv_index)
-    sims = [SimWorker(url) for url in URLS]
-    planner = SimRouter(strategy, sims, block_size=BLOCK_SIZE)
+    rates = [1e-3, 1.5e-3, 0.8e-3, 1e-3]  # the router's measured seconds per token; the planner's calibrated
+    cost = PrefillCostModel(dict(zip(URLS, rates, strict=True))) if cost_model else None
+    router = build_policy(config, lambda: workers, kv_index, cost)
+    sims = [SimWorker(url, rate) for url, rate in zip(URLS, rates, strict=True)]
+    planner = SimRouter(strategy, sims, block_size=BLOCK_SIZE, cost_model=cost_model)
     rng = random.Random(7)
     outstanding: list[tuple[int, int, bool]] = []  # (worker, queued tokens, answered)
     for i, request in enumerate(trace):
@@ -96,7 +109,7 @@ def test_the_planner_routes_a_trace_as_the_router_does(strategy: RoutingStrategy
         router.on_routed(routing, real.worker)
         for side in (workers[chosen], sims[chosen]):
             side.in_flight += 1
-            side.pending_prefill_tokens += real.uncached_tokens
+            side.pending_prefill.add(real.uncached_tokens)
         outstanding.append((chosen, real.uncached_tokens, False))
         hashes = routing.block_hashes
         kv_index.apply(real.worker.url, real.worker.url, False, [(Tier.ENGINE, EventKind.STORED, hashes)])
@@ -107,7 +120,7 @@ def test_the_planner_routes_a_trace_as_the_router_does(strategy: RoutingStrategy
             worker, queued, answered = outstanding[j]
             if not answered and rng.random() < 0.5:
                 for side in (workers[worker], sims[worker]):
-                    side.pending_prefill_tokens -= queued
+                    side.pending_prefill.remove(queued)
                 outstanding[j] = (worker, queued, True)
             elif answered and rng.random() < 0.3:
                 for side in (workers[worker], sims[worker]):
@@ -121,23 +134,26 @@ def test_the_planner_routes_a_trace_as_the_router_does(strategy: RoutingStrategy
 def test_the_simulator_schedules_a_trace_as_the_engine_does() -> None:
     from splitserve.engine.block_pool import BlockPool
     from splitserve.engine.kv_cache_manager import KVCacheManager
-    from splitserve.engine.outputs import FinishReason
     from splitserve.engine.request import Request
     from splitserve.engine.sampling_params import SamplingParams
     from splitserve.engine.scheduler import Scheduler
     from splitserve.planner import simulate
+    from tests.support.scheduling import account_step
 
     rng = random.Random(11)
     trace = [TraceRequest(0.0, rng.choice([3, 20, 90, 300, 900]), rng.choice([1, 4, 30]), None, 0) for _ in range(40)]
-    limits = simulate.EngineLimits(max_num_seqs=8, max_num_batched_tokens=128, running_prefill_cap=32, max_wait_s=1e9)
+    limits = simulate.EngineLimits(max_num_seqs=8, max_num_batched_tokens=128, step_time_target_s=0.032, max_wait_s=1e9)
     scheduler_config = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=128, running_prefill_cap=32, policy=SchedulingPolicy.LPM,
+        max_num_seqs=8, max_num_batched_tokens=128, step_time_target=0.032, policy=SchedulingPolicy.LPM,
         max_wait_s=1e9, verify_sample_rate=0.0,
     )  # fmt: skip
     scheduler = Scheduler(scheduler_config, KVCacheManager(BlockPool(4096, enable_caching=False), BLOCK_SIZE), 4096)
     no_cost: Any = None  # the simulator's worker prices a step only when it runs one; here it only schedules
     moves = simulate.KVMoves(1, 0.0, 1.0, LoadCost(0.0, 0.0, 0.0))
     sim = simulate._Worker("w", simulate.SimulatedWorker(Role.COLOCATED, no_cost, limits), moves, None)
+    # one measured step cost on both sides (1 ms per token): a target of 32 tokens, prompt chunks of up to 128
+    scheduler.step_rate = StepRate(large=(100.0, 0.1))
+    sim.step_rate = StepRate(large=(100.0, 0.1))
     by_id: dict[str, int] = {}
 
     def arrive(i: int, request: TraceRequest) -> None:  # on both sides at once
@@ -156,13 +172,7 @@ def test_the_simulator_schedules_a_trace_as_the_engine_does() -> None:
         assert real_step == [(job.index, n) for job, n in scheduled], f"step {step}"
         if not real_step and step // 3 >= len(trace):
             break
-        for s in out.scheduled:  # the engine's bookkeeping (LLMEngine._update): computed, then a token sampled
-            request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            if request.num_computed_tokens == request.num_tokens:
-                request.append_output_token(0)
-                if request.num_output_tokens >= request.params.max_tokens:
-                    scheduler.finish(request, FinishReason.LENGTH)
+        account_step(scheduler, out)  # the engine's bookkeeping (LLMEngine._update)
         for job, num_new in scheduled:  # the simulator's (_Simulation._step_done and _sampled)
             job.num_computed += num_new
             if job.num_computed == job.num_tokens:

@@ -1,5 +1,5 @@
-"""The cache-aware policies' cost model: estimated TTFT = (prefill queued on the worker + the request's uncached tokens)
-x the worker's measured seconds per token. No network: plain ``Worker`` objects."""
+"""The cache-aware policies' cost model: estimated TTFT = (the prefill queued on the worker that goes before the
+request + its uncached tokens) x the worker's measured seconds per token. No network: plain ``Worker`` objects."""
 
 from __future__ import annotations
 
@@ -33,10 +33,19 @@ class TestPrefillCostModel:
         assert model.rate(W0) == pytest.approx(0.8e-3 + 0.2 * 3e-3)
         assert model.rate(W1) == model.rate(W0)  # a worker without samples takes the others' median
 
-    def test_the_estimate_counts_the_queue_and_the_uncached_tokens(self) -> None:
+    def test_the_estimate_counts_the_queue_ahead_and_the_uncached_tokens(self) -> None:
         model = PrefillCostModel({W0: 2e-3})
-        worker = Worker(W0, pending_prefill_tokens=500)
-        assert model.estimate_s(worker, 250) == pytest.approx(1.5)
+        # the engine runs the 200 and the other 250 first; the 500 shares its steps, as much as 250 of it ahead
+        worker = queued(Worker(W0), 200, 250, 500)
+        assert model.estimate_s(worker, 250) == pytest.approx((200 + 250 + 250 + 250) * 2e-3)
+        assert model.estimate_s(worker, 600) == pytest.approx((950 + 600) * 2e-3)
+
+
+def queued(worker: Worker, *tokens: int) -> Worker:
+    """``worker`` with requests of these uncached tokens sent there and not answered yet."""
+    for n in tokens:
+        worker.pending_prefill.add(n)
+    return worker
 
 
 class TestTransferCost:
@@ -56,8 +65,8 @@ class TestPDCosts:
         self,
     ) -> None:
         model = PrefillCostModel({W0: 1e-3, W1: 2e-3}, transfer_s_per_token=1e-4)
-        decoder = Worker(W0, in_flight=3, pending_prefill_tokens=200)
-        prefiller = Worker(W1, pending_prefill_tokens=500)
+        decoder = queued(Worker(W0, in_flight=3), 200)
+        prefiller = queued(Worker(W1), 500)
         costs = pd_costs(model, (decoder, 1000), (prefiller, 800), 1000)
         assert costs.remote_s == pytest.approx((500 + 800) * 2e-3 + 1000 * 1e-4)  # 2.7 s
         assert costs.local_s == pytest.approx((200 + 1000) * 1e-3)  # 1.2 s
@@ -74,14 +83,21 @@ class TestPDCosts:
 
 
 class TestCheapest:
-    def test_a_cache_hit_wins_until_the_queue_there_costs_more_than_it_saves(self) -> None:
+    def test_a_cache_hit_stays_until_the_shorter_queue_there_costs_more_than_it_saves(self) -> None:
         model = PrefillCostModel({W0: 1e-3, W1: 1e-3})
         holder, idle = Worker(W0), Worker(W1)
         assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is holder
-        holder.pending_prefill_tokens = 899
+        queued(holder, 4000)  # a cold prompt there: the hit passes it within a short step (100 tokens ahead)
         assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is holder
-        holder.pending_prefill_tokens = 901  # now waiting there costs more than computing 900 tokens elsewhere
+        queued(holder, *[100] * 7)  # seven other hits go first: 800 tokens ahead in all
+        assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is holder
+        queued(holder, 100, 100)  # saturated: waiting there costs more than computing 900 tokens elsewhere
         assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is idle
+
+    def test_a_cold_prompt_goes_where_no_other_cold_prompt_is_queued(self) -> None:
+        model = PrefillCostModel({W0: 1e-3, W1: 1e-3})
+        busy, idle = queued(Worker(W0), 1050), Worker(W1)
+        assert cheapest(model, [(busy, 1040), (idle, 1040)])[0] is idle
 
     def test_a_slower_worker_is_worth_less(self) -> None:
         model = PrefillCostModel({W0: 4e-3, W1: 1e-3})
@@ -106,7 +122,9 @@ class TestPoliciesWithTheCostModel:
         assert (decision.worker, decision.outcome, decision.matched_tokens, decision.uncached_tokens) == (
             holder, "matched", 240, 16,
         )  # fmt: skip
-        holder.pending_prefill_tokens = 2000  # a cold prompt is being prefilled there
+        queued(holder, 2000)  # a cold prompt is being prefilled there: the hit passes it (16 tokens ahead)
+        assert policy.select(routing(ids), [holder, other]).worker is holder
+        queued(holder, *[16] * 15)  # fifteen other hits wait there: 256 tokens ahead in all
         decision = policy.select(routing(ids), [holder, other])
         assert (decision.worker, decision.outcome, decision.uncached_tokens) == (other, "least_cost", 256)
 

@@ -147,7 +147,8 @@ class TestTheCostRule:
         transport = PDTransport({P: [], D: [decode_answer()]})
         router, client = start(stack, transport)
         worker(router, D).in_flight = 1
-        worker(router, P).pending_prefill_tokens = 1_000  # 1 s of prefill ahead there, against 0.6 s of stall here
+        for _ in range(4):  # 1 s of shorter prefill ahead there, against 0.6 s of stall here
+            worker(router, P).pending_prefill.add(250)
         complete(client, LONG)
         assert [url for url, _ in transport.sent] == [f"{D}/v1/completions"]
 

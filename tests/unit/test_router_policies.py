@@ -691,10 +691,11 @@ def test_cold_prompts_go_where_the_least_prefill_is_queued(strategy: RoutingStra
     cold = prompt(10, start=5000)
     first = policy.select(routing(cold), [busy])
     assert (first.matched_tokens, first.uncached_tokens) == (0, 10 * BLOCK_SIZE)
-    busy.pending_prefill_tokens, busy.in_flight = first.uncached_tokens, 1  # what the forwarder does
+    busy.pending_prefill.add(first.uncached_tokens)  # what the forwarder does
+    busy.in_flight = 1
     streaming.in_flight = 2
     assert policy.select(routing(prompt(10, start=9000)), [busy, streaming]).worker is streaming
-    busy.pending_prefill_tokens = 0  # it answered: the two are compared by requests in flight again
+    busy.pending_prefill.remove(first.uncached_tokens)  # it answered: compared by requests in flight again
     assert policy.select(routing(prompt(10, start=9000)), [busy, streaming]).worker is busy
     # a match: the uncached tokens are the prompt's less what the worker holds
     route(policy, routing(cold), [busy])

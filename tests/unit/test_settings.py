@@ -57,7 +57,7 @@ EXAMPLES: dict[str, tuple[str | None, Any]] = {
     "enable-chunked-prefill": ("false", False),
     "scheduling-policy": ("fcfs", SchedulingPolicy.FCFS),
     "scheduling-max-wait": ("2.5", 2.5),
-    "running-prefill-cap": ("64", 64),
+    "step-time-target": ("0.1", 0.1),
     "verify-sample-rate": ("0.5", 0.5),
     "speculative-config": (
         '{"method": "ngram", "num_speculative_tokens": 5}',
@@ -177,7 +177,7 @@ def test_a_flag_args_may_not_set_is_refused_with_its_reason_or_dropped(flag: str
         (["--scheduling-policy", "fifo"], "must be one of fcfs, lpm"),
         (["--tensor-parallel-size", "2"], "not supported"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
-        (["--long-prefill-token-threshold", "64"], "--running-prefill-cap"),
+        (["--long-prefill-token-threshold", "64"], "--step-time-target"),
         (["--l1-cache-bytes", "lots"], "byte size"),
     ],
 )

@@ -480,7 +480,7 @@ IGNORED_VLLM_FLAGS = frozenset({
 # Flags whose meaning here is not vLLM's under the same name, with where splitserve's rule lives instead.
 RENAMED_FLAGS = {
     "long-prefill-token-threshold": "vLLM's long-prefill rule has no equivalent here; splitserve's cap on "
-    "running prefills while a short request waits is --running-prefill-cap",
+    "running prefills while a short request waits is --step-time-target",
 }
 
 

@@ -202,6 +202,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, load KV and run one forward pass, sample; returns outputs of requests that produced a token."""
+        began = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting:  # waiting only for a connector's fetch: pace the loop, don't spin
@@ -210,6 +211,7 @@ class LLMEngine:
         ran = self.runner.execute(sched)
         self.scheduler.finish_loads(sched.kv_loads, ran.loaded)
         outputs = self._update(sched, ran)
+        self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - began)
         if self.proposer is not None:
             self._propose(self.proposer)
         return outputs

@@ -8,11 +8,13 @@ the default) those with the fewest tokens left to compute first, after any that 
 (oldest first), so that nothing starves. A preempted request drops its blocks and goes back to the front of
 the waiting queue; it is recomputed when readmitted (its prefix-cached blocks usually make that cheap).
 
-When the request next in line is short (its uncached tokens fit in the budget beside
-``running_prefill_cap``), the running requests still in prefill share at most that cap this
-step, and the rest of the budget admits short requests whole. A follow-up turn whose prompt is mostly cached
-then gets its first token within one short step, instead of waiting for every chunk of someone else's cold
-prompt. Cold requests still queue behind a running prompt, which keeps the whole budget otherwise.
+Each step's budget follows from ``step_time_target`` and the step times the engine measured
+(``policy.scheduling``: ``StepRate``, ``step_budget``): a step carrying prompt chunks takes at most a few targets,
+and when the request next in line is short (its uncached tokens fit in such a step), one target, of which the
+running prompts still in prefill get what the short request leaves (a small chunk at least) and the rest
+admits short requests whole. A follow-up turn whose prompt is mostly cached then gets its first token within
+one short step, instead of waiting for every chunk of someone else's cold prompt, on any CPU. Cold requests
+still queue behind a running prompt.
 
 With KV connectors (``splitserve.engine.connector``), admission goes further than the engine's own prefix
 cache: the first connector that names more leading tokens it holds in memory (e.g. from L1/L2, or pushed by a
@@ -52,7 +54,7 @@ from splitserve.engine.connector import KVConnectorBase, KVLoad, LoadedTokens
 from splitserve.engine.kv_cache_manager import ENGINE_SOURCE, KVCacheManager
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.policy.scheduling import LPM_KEY, RunningBudget, admitted_tokens, lpm_key, running_prefill_cap
+from splitserve.policy.scheduling import LPM_KEY, RunningBudget, StepRate, admitted_tokens, lpm_key, step_budget
 
 
 @dataclass(slots=True)
@@ -121,6 +123,7 @@ class Scheduler:
         # is computing their next block
         self.num_deferred = 0
         self._in_flight: set[int] = set()  # this admission's ``_blocks_in_flight``
+        self.step_rate = StepRate()  # the engine's step times, as it reports them (``observe_step``)
 
     @property
     def num_unfinished(self) -> int:
@@ -144,7 +147,7 @@ class Scheduler:
             for shadow in [r for r in self.running if r.is_shadow]:
                 self.running.remove(shadow)
                 self._preempt(shadow)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, self._running_prefill_cap())
+        budget = self._schedule_running(out, *self._step_budget())
         if not out.preempted:
             budget = self._schedule_waiting(out, budget, whole_only=self._held_back)
             if self.shadows and not self.waiting and not any(r.is_shadow for r in self.running):
@@ -163,19 +166,26 @@ class Scheduler:
         self.running.append(shadow)
         out.scheduled.append(ScheduledRequest(shadow, num_new, self.kv.block_ids(shadow.request_id)))
 
-    def _running_prefill_cap(self) -> int | None:
-        """Tokens the running requests still in prefill may take this step (``policy.scheduling``). A short
-        request then gets through at once; cold ones queue behind the running prompt, as before."""
-        if not self.config.running_prefill_cap or not self.waiting:
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine ran a step of ``num_tokens`` tokens in ``seconds``: the budgets follow the measured cost."""
+        self.step_rate.observe(num_tokens, seconds)
+
+    def target_tokens(self) -> int | None:
+        """The tokens a step computes within ``step_time_target`` (None: no target, or nothing measured yet). Without
+        chunked prefill there is none: a prompt runs whole, and a budget below its length would never admit it."""
+        target_s = self.config.step_time_target
+        if target_s <= 0 or not self.config.enable_chunked_prefill:
             return None
-        return running_prefill_cap(
-            self.config.running_prefill_cap,
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            max_num_seqs=self.config.max_num_seqs,
+        return self.step_rate.tokens_within(target_s)
+
+    def _step_budget(self) -> tuple[int, int | None]:
+        """This step's token budget, and what the running prompts may take of it (``policy.scheduling``)."""
+        seat_free = self.waiting and len(self.running) < self.config.max_num_seqs
+        return step_budget(
+            self.config.max_num_batched_tokens,
+            self.target_tokens(),
             num_decodes=sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running),
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            head_uncached=self._num_uncached(self.waiting[0]),
+            head_uncached=self._num_uncached(self.waiting[0]) if seat_free else None,
         )
 
     def _num_uncached(self, request: Request) -> int:

@@ -173,7 +173,7 @@ def build_calibration_engine(key: CalibrationKey, max_model_len: int) -> LLMEngi
             num_threads=1,
         ),
         cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=True),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_model_len, running_prefill_cap=0),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_model_len, step_time_target=0),
     )
     return build_engine(config)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from splitserve.config import CacheConfig, KVTierConfig, Role, RoutingStrategy, parse_bytes
+from splitserve.config import CacheConfig, KVTierConfig, Role, RoutingStrategy, SchedulerConfig, parse_bytes
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import (
     Flag,
@@ -206,6 +206,7 @@ def engine_limits(config: InferenceEndpointConfig, role: Role, kv_bytes_per_toke
         max_num_seqs=value("max-num-seqs", 64),
         max_num_batched_tokens=value("max-num-batched-tokens", 1024),
         block_size=value("block-size", 16),
+        step_time_target_s=_flag_float(flags, "step-time-target", SchedulerConfig().step_time_target),
         cache_tokens=cache_tokens,
         l1_tokens=l1_bytes // kv_bytes_per_token if kv is not None and kv.enable_l1_cache else 0,
     )
@@ -215,6 +216,11 @@ def _kv_cache_bytes(text: str | None) -> int:
     """``--kv-cache-memory`` in bytes; a fraction of free memory (or none) counts as the CPU default, 2 GiB."""
     _, num_bytes = CacheConfig(kv_cache_memory=text).kv_cache_fraction_or_bytes()
     return DEFAULT_CPU_KV_CACHE_BYTES if num_bytes is None else num_bytes
+
+
+def _flag_float(flags: Sequence[Flag], name: str, default: float) -> float:
+    flag = last_flag(flags, name)
+    return float(flag.value) if flag is not None and flag.value is not None else default
 
 
 def _flag_bytes(flags: Sequence[Flag], name: str, default: int) -> int:

@@ -6,9 +6,11 @@ Torch-free, pure Python and deterministic: the same workload, topology and costs
 requests in admission order (a decode takes one token, a prompt the rest of its tokens up to the step budget
 ``max_num_batched_tokens``), then admits waiting ones while the budget and ``max_num_seqs`` allow, fewest uncached
 tokens first (``lpm``; those waiting past ``max_wait_s`` first), chunking a prompt that does not fit. When the
-next waiting request is short, running prompts take at most ``running_prefill_cap`` tokens that step
-and only whole prompts are admitted. A step lasts what :class:`~splitserve.planner.costs.StepCost` says, plus
-the copies of KV loaded at admission. Preemption is not modelled: KV blocks are assumed to suffice.
+next waiting request is short, the step aims at ``step_time_target_s`` (``policy.scheduling.step_budget``, with the
+worker's step times measured as the engine measures its own: ``StepRate``): running prompts take what the short
+request leaves of it and only whole prompts are admitted. A step lasts what
+:class:`~splitserve.planner.costs.StepCost` says, plus the copies of KV loaded at admission. Preemption is not
+modelled: KV blocks are assumed to suffice.
 
 **Caches.** A request of a prefix group finds, block-aligned, what its worker's engine cache (an LRU over
 groups, ``cache_tokens`` in all) holds of the group, then its L1 (``l1_tokens``), then the shared L2 (when on):
@@ -40,9 +42,11 @@ from splitserve.config import Role, RoutingStrategy
 from splitserve.planner.costs import LoadCost, StepCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest
-from splitserve.policy.scheduling import RunningBudget, admitted_tokens, lpm_key, running_prefill_cap
+from splitserve.policy.balance import PendingPrefill
+from splitserve.policy.scheduling import RunningBudget, StepRate, admitted_tokens, lpm_key, step_budget
 
 NUM_SENDER_THREADS = 2  # pd/sender.py's pool
+ROUTER_RATE_TOKENS = 1024  # the prompt length at which a worker's seconds per prefill token are taken for routing
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ class EngineLimits:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    running_prefill_cap: int = 256
+    step_time_target_s: float = 0.05  # 0: none, every step takes max_num_batched_tokens
     max_wait_s: float = 5.0
     block_size: int = 16
     cache_tokens: int = 1 << 62  # the engine's KV cache, in tokens (what its prefix cache can keep)
@@ -200,11 +204,21 @@ class _Worker:
         self.waiting: list[_Job] = []
         self.running: list[_Job] = []
         self.in_flight = 0
-        self.pending_prefill_tokens = 0  # the router's view: uncached tokens of jobs that have not answered yet
+        self.pending_prefill = PendingPrefill()  # the router's view: uncached tokens of jobs not answered yet
         self.is_busy = False
         self.is_kick_pending = False  # a wake-up is queued at the current time
         self.busy_s = 0.0
         self.sender_free_s = [0.0] * NUM_SENDER_THREADS
+        self.step_rate = StepRate()  # the worker's simulated step times, as the engine measures its real ones
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.pending_prefill.total
+
+    @property
+    def s_per_token(self) -> float:
+        """What the router's cost model would measure: seconds per token of a prompt of ROUTER_RATE_TOKENS."""
+        return self.spec.cost.prefill.prompt_s(ROUTER_RATE_TOKENS) / ROUTER_RATE_TOKENS
 
     def held_tokens(self, group: str, max_tokens: int) -> tuple[int, int]:
         local = max(self.engine_cache.get(group), self.l1.get(group))
@@ -218,7 +232,7 @@ class _Worker:
         """The jobs of the next step with their new tokens, and the seconds of KV copies at admission."""
         if len(self.waiting) > 1:
             self._order_waiting(now_s)
-        budget = RunningBudget(self.limits.max_num_batched_tokens, self._running_prefill_cap())
+        budget = RunningBudget(*self._step_budget())
         scheduled: list[tuple[_Job, int]] = []
         for job in self.running:
             if budget.tokens == 0:
@@ -237,18 +251,16 @@ class _Worker:
             key=lambda job: lpm_key(job.arrival_s, job.num_tokens - self._engine_hit(job), oldest_allowed)
         )
 
-    def _running_prefill_cap(self) -> int | None:
-        if not self.limits.running_prefill_cap or not self.waiting:
-            return None
-        head = self.waiting[0]
-        return running_prefill_cap(
-            self.limits.running_prefill_cap,
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            max_num_seqs=self.limits.max_num_seqs,
+    def _step_budget(self) -> tuple[int, int | None]:
+        limits = self.limits
+        target = self.step_rate.tokens_within(limits.step_time_target_s) if limits.step_time_target_s > 0 else None
+        seat_free = self.waiting and len(self.running) < limits.max_num_seqs
+        head = self.waiting[0] if seat_free else None
+        return step_budget(
+            limits.max_num_batched_tokens,
+            target,
             num_decodes=sum(j.num_tokens - j.num_computed == 1 for j in self.running),
-            max_num_batched_tokens=self.limits.max_num_batched_tokens,
-            head_uncached=head.num_tokens - self._engine_hit(head),
+            head_uncached=head.num_tokens - self._engine_hit(head) if head is not None else None,
         )
 
     def _admit(self, now_s: float, budget: int, whole_only: bool, scheduled: list[tuple[_Job, int]]) -> float:
@@ -437,7 +449,7 @@ class _Simulation:
         num_output = 1 if leg == _Leg.PREFILL else request.output_tokens
         worker.add(_Job(index, leg, request, now_s, request.prompt_tokens, num_output, queued_tokens=queued_tokens))
         worker.in_flight += 1
-        worker.pending_prefill_tokens += queued_tokens
+        worker.pending_prefill.add(queued_tokens)
         if not worker.is_busy and not worker.is_kick_pending:  # after all else arriving now: one step for all
             worker.is_kick_pending = True
             self._at(now_s, "wake", worker)
@@ -454,6 +466,7 @@ class _Simulation:
             self._at(ready_s, "wake", worker)
             return
         duration_s = worker.step_s(scheduled) + copy_s
+        worker.step_rate.observe(sum(num_new for _, num_new in scheduled), duration_s)
         worker.is_busy = True
         worker.busy_s += duration_s
         self._at(now_s + duration_s, "step_done", (worker, scheduled))
@@ -489,7 +502,7 @@ class _Simulation:
             self._at(done_s, "pushed", job)
 
     def _answered(self, worker: _Worker, job: _Job) -> None:
-        worker.pending_prefill_tokens -= job.queued_tokens
+        worker.pending_prefill.remove(job.queued_tokens)
         job.queued_tokens = 0
 
     def _pushed(self, now_s: float, job: _Job) -> None:

@@ -1,4 +1,23 @@
-"""The load guard of the cache-aware strategies, on anything that reports its load.
+"""How the cache-aware strategies weigh a prefix against load, on anything that reports its load.
+
+**The score** (the default): the estimated time to first token of the request on each worker,
+
+    (the queued prefill it would wait for there + its tokens that worker does not hold) x the worker's seconds
+    per prefill token,
+
+where the queued prefill it waits for is that of the requests sent there that have not answered, each counted up
+to the request's own uncached tokens (``PendingPrefill.ahead_of``): the engines schedule the fewest uncached
+tokens first (``lpm``) and, with their step-time target, a short request passes a long prompt within a short
+step, so a longer request ahead delays it by about its own length at most (a cached follow-up behind a cold
+prompt waits little; a cold prompt behind another waits for it). The
+lowest estimate wins (``cheapest``). A cache hit is worth exactly the prefill it saves and a queue costs exactly
+the prefill it holds, so affinity wins only when it saves more than the queue costs; a prefix every worker holds
+(a shared system prompt) changes every estimate alike and counts for nothing; and a conversation stays on the
+worker holding it until that worker has so many shorter requests queued that recomputing the history elsewhere
+is faster ("sticky until saturated", as llm-d's and SGLang's balancers switch to load). The seconds per token
+are measured by the router (``router/cost.py``) or calibrated by the planner.
+
+**The load guard** (``--no-routing-cost-model``, SGLang's cache-aware router's thresholds):
 
 When the worker a strategy would pick has badly more requests in flight than the least-loaded one (SGLang's
 cache-aware router uses the same two thresholds), the request goes to the least-loaded worker instead, so one
@@ -12,16 +31,55 @@ prompt looked as free as one streaming a short answer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
+class PendingPrefill:
+    """The uncached tokens of each request sent to a worker that has not started to answer, as a multiset: what a
+    new request waits for there depends on which of them go before it."""
+
+    __slots__ = ("_counts", "total")
+
+    def __init__(self) -> None:
+        self._counts: Counter[int] = Counter()
+        self.total = 0
+
+    def add(self, tokens: int) -> None:
+        if tokens > 0:
+            self._counts[tokens] += 1
+            self.total += tokens
+
+    def remove(self, tokens: int) -> None:
+        if tokens > 0 and self._counts[tokens] > 0:
+            self._counts[tokens] -= 1
+            if not self._counts[tokens]:
+                del self._counts[tokens]
+            self.total -= tokens
+
+    def ahead_of(self, uncached: int) -> int:
+        """The pending tokens a request with ``uncached`` tokens to compute waits for: all of those of the requests
+        with no more than it (``lpm`` runs them first; ties in arrival order, and they arrived first), and of each
+        longer one as much as its own (a running prompt's chunks share the steps with it)."""
+        return sum(min(tokens, uncached) * count for tokens, count in self._counts.items())
+
+
 class Loaded(Protocol):
-    """What the guard looks at on a worker."""
+    """What the score and the guard look at on a worker."""
 
     in_flight: int  # requests sent there and not finished
-    pending_prefill_tokens: int  # uncached tokens of those that have not started to answer
+
+    @property
+    def pending_prefill(self) -> PendingPrefill:
+        """The uncached tokens of those that have not started to answer."""
+        ...
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Their sum."""
+        ...
 
 
 W = TypeVar("W", bound=Loaded)
@@ -37,6 +95,25 @@ class Decision(Generic[W]):
     outcome: str
     matched_tokens: int = 0
     uncached_tokens: int = 0
+
+
+def estimated_ttft_s(worker: Loaded, uncached: int, s_per_token: float) -> float:
+    """The score: the estimated TTFT of a request with ``uncached`` tokens to compute, sent to ``worker`` now."""
+    return (worker.pending_prefill.ahead_of(uncached) + uncached) * s_per_token
+
+
+def cheapest(options: Sequence[tuple[W, int]], s_per_token: Callable[[W], float], turn: int = 0) -> tuple[W, int]:
+    """The (worker, uncached tokens) of ``options`` with the lowest score; ties: fewer in flight, then the
+    ``turn``-th of those left (callers count up, so that new conversations alternate over idle workers)."""
+
+    def key(option: tuple[W, int]) -> tuple[float, int]:
+        worker, uncached = option
+        return estimated_ttft_s(worker, uncached, s_per_token(worker)), worker.in_flight
+
+    keys = [key(option) for option in options]
+    best = min(keys)
+    tied = [option for option, k in zip(options, keys, strict=True) if k == best]
+    return tied[turn % len(tied)]
 
 
 class LoadGuard:

@@ -1,15 +1,18 @@
-"""The cache-aware policies' cost model: the estimated time to first token of a request on each worker.
+"""The cache-aware policies' cost model: the estimated time to first token of a request on each worker, the score
+of ``policy.balance`` (``estimated_ttft_s``; the planner's simulator uses the same):
 
-    estimated TTFT(worker) = (prefill tokens queued on the worker + the request's tokens it does not hold)
-                             x that worker's seconds per prefill token
+    estimated TTFT(worker) = (prefill queued on the worker that goes before the request + the request's tokens
+                              it does not hold) x that worker's seconds per prefill token
 
 - *Tokens it does not hold*: the prompt's tokens minus the worker's match in the policy's index (the workers'
   KV events for ``kvaware``, the router's own prefix index for ``prefixaware``).
-- *Queued prefill tokens*: the router's own count, per worker, of the uncached tokens of the requests it sent
-  there that have not yet started to answer (``Worker.pending_prefill_tokens``).
+- *Queued prefill that goes before it*: the router's own count, per worker, of the uncached tokens of the
+  requests it sent there that have not yet started to answer (``Worker.pending_prefill``), each up to this
+  request's own uncached tokens (the engines run the fewest first, and a short request passes a long prompt
+  within a short step).
 - *Seconds per prefill token*: measured, not configured. Each streamed completion's TTFT (a chat's first
   chunk can be its role alone, sent before any prefill, so chats teach nothing), over the tokens the worker
-  had to compute before it (its queue then, plus the request's own), updates the worker's rate (an
+  had to compute before it (the queue ahead of it then, plus its own), updates the worker's rate (an
   exponentially weighted mean), from answers that computed at least ``MIN_SAMPLE_TOKENS`` (below that the
   fixed costs of a step dominate). Until a worker has its own rate it gets the median of the others', or a
   prior.
@@ -17,7 +20,8 @@
 The worker with the lowest estimate wins; ties go to the one with fewer requests in flight. This is the shape
 of llm-d's scorers (prefix-cache score against queue score) with a measured exchange rate between the two:
 a cache hit is worth exactly the prefill it saves, and a queue costs exactly the prefill it holds, so under
-saturation the policies spread load as roundrobin does, and below it they follow the cache.
+saturation the policies spread load as roundrobin does, and below it they follow the cache: a conversation
+stays where its history is until that worker is saturated.
 
 The same model prices a disaggregation (``router/disagg.py``, :func:`pd_costs`): the prefill worker's estimate
 plus the KV push, against the decode worker's estimate plus the stall its prefill inflicts on the requests it is
@@ -34,6 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from splitserve.policy import balance
 from splitserve.router.discovery import Worker, WorkerLease
 
 PRIOR_S_PER_TOKEN = 1e-3  # until some worker measured its own: ~1,000 prompt tokens/s
@@ -61,7 +66,7 @@ class PrefillCostModel:
 
     def estimate_s(self, worker: Worker, uncached_tokens: int) -> float:
         """Estimated TTFT of a request with ``uncached_tokens`` to compute, sent to ``worker`` now."""
-        return (worker.pending_prefill_tokens + uncached_tokens) * self.rate(worker.url)
+        return balance.estimated_ttft_s(worker, uncached_tokens, self.rate(worker.url))
 
     def transfer_s(self, num_tokens: int) -> float:
         """Estimated seconds to push ``num_tokens`` tokens' KV from a prefill to a decode worker."""
@@ -86,11 +91,8 @@ def _ewma(old: float | None, sample: float) -> float:
 
 
 def cheapest(model: PrefillCostModel, options: list[tuple[Worker, int]], turn: int = 0) -> tuple[Worker, int]:
-    """The (worker, uncached tokens) of ``options`` with the lowest estimated TTFT; ties: fewer in flight, then
-    the ``turn``-th of those left (callers count up, so that new conversations alternate over idle workers)."""
-    best = min((model.estimate_s(*option), option[0].in_flight) for option in options)
-    tied = [option for option in options if (model.estimate_s(*option), option[0].in_flight) == best]
-    return tied[turn % len(tied)]
+    """The (worker, uncached tokens) of ``options`` with the lowest estimated TTFT (``balance.cheapest``)."""
+    return balance.cheapest(options, lambda worker: model.rate(worker.url), turn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,8 @@ class QueuedPrefill:
         self.lease = lease
         self.worker = lease.worker
         self.tokens = lease.queued_tokens
-        self.ahead = lease.worker.pending_prefill_tokens - lease.queued_tokens  # queued before this request
+        # queued before this request, that goes first
+        self.ahead = lease.worker.pending_prefill.ahead_of(self.tokens) - self.tokens
         self.sent_s = time.perf_counter()
 
     def answered(self, cost: PrefillCostModel | None, not_prefill_s: float = 0.0) -> None:

@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from splitserve.breaker import CircuitBreaker
 from splitserve.config import checked_worker_url
+from splitserve.policy.balance import PendingPrefill
 from splitserve.router.health import worker_breaker
 
 
@@ -34,10 +35,15 @@ class Worker:
     healthy: bool | None = None  # None: not probed yet (routable); False after failed probes
     in_flight: int = 0
     num_streaming: int = 0  # of in_flight, streams being relayed (their first bytes arrived)
-    pending_prefill_tokens: int = 0  # uncached tokens of the requests sent here that have not started to answer
+    # uncached tokens of the requests sent here that have not started to answer
+    pending_prefill: PendingPrefill = field(default_factory=PendingPrefill)
     worker_id: str | None = None  # the name it registered with (KV events), if it did
     kv_transfer_addr: str | None = None  # a decode worker's KV receiver (host:port), once asked
     forces_first_token: bool = True  # a decode worker takes prefill's first token (splitserve's); vLLM samples its own
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.pending_prefill.total
 
     @property
     def is_routable(self) -> bool:
@@ -64,12 +70,12 @@ class WorkerLease:
         self.is_streaming = False
         self.is_released = False
         worker.in_flight += 1
-        worker.pending_prefill_tokens += queued_tokens
+        worker.pending_prefill.add(queued_tokens)
         worker.breaker.on_attempt()
 
     def answered(self) -> None:
         """The worker started to answer (or failed): its tokens are no longer queued prefill there."""
-        self.worker.pending_prefill_tokens -= self.queued_tokens
+        self.worker.pending_prefill.remove(self.queued_tokens)
         self.queued_tokens = 0
 
     def stream(self) -> None:

@@ -1,8 +1,8 @@
 """The router's two indexes of where KV lives, both keyed by the block hashes of ``splitserve.keys``.
 
 - :class:`PrefixIndex` (``prefixaware``): what the router itself sent where. Each routed prompt's block
-  hashes are recorded as owned by the worker it went to; a later prompt goes to the owner of its deepest
-  matching block. Bounded: least recently used hashes are dropped past ``max_blocks``.
+  hashes are recorded as held by the worker it went to (every worker sent a block holds it: a shared system
+  prompt is held by all of them). Bounded: least recently used hashes are dropped past ``max_blocks``.
 - :class:`KVIndex` (``kvaware``): what the workers report holding (``splitserve.protocol.kv_events``): per worker its
   engine prefix cache (block hashes) and L1 (record names), plus the shared L2 (record names). Exact as far
   as events are; bounded per tier.
@@ -28,37 +28,58 @@ class PrefixIndex:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._owner: OrderedDict[int, str] = OrderedDict()
+        # each block's holders, the newest last
+        self._holders: OrderedDict[int, dict[str, None]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._holders)
 
     def match(self, block_hashes: Sequence[int]) -> tuple[str | None, int]:
-        """The owner of the deepest block of the leading run held, and the run's length in blocks."""
+        """The newest holder of the deepest block of the leading run held, and the run's length in blocks."""
         owner, num = None, 0
         for block_hash in block_hashes:
-            found = self._owner.get(block_hash)
-            if found is None:
+            found = self._holders.get(block_hash)
+            if not found:
                 break
-            owner, num = found, num + 1
+            owner, num = next(reversed(found)), num + 1
         return owner, num
 
+    def matches(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """The leading blocks each worker holds (workers holding none are left out)."""
+        held: dict[str, int] = {}
+        alive: set[str] | None = None
+        for num, block_hash in enumerate(block_hashes):
+            holders = self._holders.get(block_hash)
+            alive = set(holders or ()) if alive is None else alive.intersection(holders or ())
+            for url in alive:
+                held[url] = num + 1
+            if not alive:
+                break
+        return held
+
     def insert(self, block_hashes: Sequence[int], worker_url: str) -> None:
-        """Record the blocks as held by ``worker_url`` (the newest holder wins) and refresh their recency.
+        """Record the blocks as held by ``worker_url`` (its newest holder) and refresh their recency.
 
         The deepest block is refreshed first, so eviction takes a prompt's tail before its head: a head that
         outlives its tail still matches, a tail without its head never would.
         """
-        owner = self._owner
+        index = self._holders
         for block_hash in reversed(block_hashes):
-            owner[block_hash] = worker_url
-            owner.move_to_end(block_hash)
-        while len(owner) > self.max_blocks:
-            owner.popitem(last=False)
+            holders = index.get(block_hash)
+            if holders is None:
+                holders = index[block_hash] = {}
+            holders.pop(worker_url, None)
+            holders[worker_url] = None
+            index.move_to_end(block_hash)
+        while len(index) > self.max_blocks:
+            index.popitem(last=False)
 
     def forget_worker(self, worker_url: str) -> None:
-        for block_hash in [h for h, url in self._owner.items() if url == worker_url]:
-            del self._owner[block_hash]
+        for block_hash in [h for h, holders in self._holders.items() if worker_url in holders]:
+            holders = self._holders[block_hash]
+            del holders[worker_url]
+            if not holders:
+                del self._holders[block_hash]
 
 
 class TierMatch(NamedTuple):

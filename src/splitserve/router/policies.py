@@ -1,12 +1,13 @@
 """Routing strategies: each picks one worker among the routable candidates for a request.
 
 Every policy implements :class:`RoutingPolicy` and is built by :func:`build_policy` from the registry. The
-cache-aware ones share a load guard (``policy.balance``: the planner's simulator runs the same one): when the
-worker they would pick has badly more requests in flight than the least-loaded one, the request goes to the
-least-loaded worker instead, so one hot prefix cannot pin all traffic to one worker. And a match covering less
-than ``cache_threshold`` of the prompt (a shared system prompt before a new conversation, say) is not worth
-queueing for: such a request also goes to the least-loaded worker, which spreads new conversations out.
-``session`` hashes onto ``policy.ring``'s ring.
+cache-aware ones pick, by default, the worker with the lowest estimated TTFT (``policy.balance``'s score, with the
+seconds per token ``router/cost.py`` measures; the planner's simulator scores the same way): a prefix held is
+worth the prefill it saves there, and the shorter prefill queued there costs what it holds, so a conversation
+stays on its worker until that worker is saturated, and a prefix every worker holds counts for nothing. With
+``--no-routing-cost-model`` they share a load guard instead: when the worker they would pick has badly more
+requests in flight than the least-loaded one, the request goes to the least-loaded worker, and a match covering
+less than ``cache_threshold`` of the prompt goes there too. ``session`` hashes onto ``policy.ring``'s ring.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ class SessionPolicy:
 
 
 class PrefixAwarePolicy:
-    """The worker the router last sent the longest matching prefix to (router-side index, no events). With a
-    cost model, the worker with the lowest estimated TTFT, counting that match as cached there."""
+    """By the router's own index of what it sent where (no events). With the cost model (the default), the worker
+    with the lowest estimated TTFT, counting what the index says each worker was sent as cached there; without,
+    the worker last sent the longest matching prefix, under the load guard."""
 
     name = RoutingStrategy.PREFIXAWARE.value
     needs_tokens = True
@@ -125,12 +127,12 @@ class PrefixAwarePolicy:
         self._turn = itertools.count()
 
     def select(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        if self.cost is not None:
+            held = {url: n * request.block_size for url, n in self.index.matches(request.block_hashes).items()}
+            return cost_decision(self.cost, request, candidates, held, next(self._turn), "matched")
         owner, num_blocks = self.index.match(request.block_hashes)
         chosen = next((w for w in candidates if w.url == owner), None)
         matched = num_blocks * request.block_size if chosen is not None else 0
-        if self.cost is not None:
-            held = {chosen.url: matched} if chosen is not None else {}
-            return cost_decision(self.cost, request, candidates, held, next(self._turn), "matched")
         if chosen is None:
             return Decision(self._guard.least_loaded(candidates), "fallback", 0, len(request.token_ids or []))
         return self._guard.check(chosen, len(request.token_ids or []), candidates, matched, matched)
