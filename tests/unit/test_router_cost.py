@@ -91,8 +91,16 @@ class TestCheapest:
         assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is holder
         queued(holder, *[100] * 7)  # seven other hits go first: 800 tokens ahead in all
         assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is holder
-        queued(holder, 100, 100)  # saturated: waiting there costs more than computing 900 tokens elsewhere
+        queued(holder, 100, 100, 100)  # saturated: waiting there costs more than computing 900 tokens elsewhere
         assert cheapest(model, [(holder, 100), (idle, 1000)])[0] is idle
+
+    def test_scores_within_a_tenth_are_ties_that_go_to_fewer_in_flight(self) -> None:
+        # alike workers whose measured rates differ by noise: the one decoding a stream loses the new prompt
+        model = PrefillCostModel({W0: 1.0e-3, W1: 1.05e-3})
+        decoding, idle = Worker(W0, in_flight=1), Worker(W1)
+        assert cheapest(model, [(decoding, 1000), (idle, 1000)])[0] is idle
+        model.s_per_token[W1] = 1.2e-3  # truly slower: the score decides
+        assert cheapest(model, [(decoding, 1000), (idle, 1000)])[0] is decoding
 
     def test_a_cold_prompt_goes_where_no_other_cold_prompt_is_queued(self) -> None:
         model = PrefillCostModel({W0: 1e-3, W1: 1e-3})
@@ -124,7 +132,7 @@ class TestPoliciesWithTheCostModel:
         )  # fmt: skip
         queued(holder, 2000)  # a cold prompt is being prefilled there: the hit passes it (16 tokens ahead)
         assert policy.select(routing(ids), [holder, other]).worker is holder
-        queued(holder, *[16] * 15)  # fifteen other hits wait there: 256 tokens ahead in all
+        queued(holder, *[16] * 20)  # twenty other hits wait there: 336 tokens ahead in all
         decision = policy.select(routing(ids), [holder, other])
         assert (decision.worker, decision.outcome, decision.uncached_tokens) == (other, "least_cost", 256)
 

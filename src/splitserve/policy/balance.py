@@ -9,9 +9,9 @@ where the queued prefill it waits for is that of the requests sent there that ha
 to the request's own uncached tokens (``PendingPrefill.ahead_of``): the engines schedule the fewest uncached
 tokens first (``lpm``) and, with their step-time target, a short request passes a long prompt within a short
 step, so a longer request ahead delays it by about its own length at most (a cached follow-up behind a cold
-prompt waits little; a cold prompt behind another waits for it). The
-lowest estimate wins (``cheapest``). A cache hit is worth exactly the prefill it saves and a queue costs exactly
-the prefill it holds, so affinity wins only when it saves more than the queue costs; a prefix every worker holds
+prompt waits little; a cold prompt behind another waits for it). The lowest estimate wins (``cheapest``; within
+10% of it, the fewest requests in flight). A cache hit is worth exactly the prefill it saves and a queue costs
+exactly the prefill it holds, so affinity wins only when it saves more than the queue costs; a prefix every worker holds
 (a shared system prompt) changes every estimate alike and counts for nothing; and a conversation stays on the
 worker holding it until that worker has so many shorter requests queued that recomputing the history elsewhere
 is faster ("sticky until saturated", as llm-d's and SGLang's balancers switch to load). The seconds per token
@@ -35,6 +35,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+SCORE_TOLERANCE = 1.1  # scores within 10% of the lowest are ties
 
 
 class PendingPrefill:
@@ -103,16 +105,14 @@ def estimated_ttft_s(worker: Loaded, uncached: int, s_per_token: float) -> float
 
 
 def cheapest(options: Sequence[tuple[W, int]], s_per_token: Callable[[W], float], turn: int = 0) -> tuple[W, int]:
-    """The (worker, uncached tokens) of ``options`` with the lowest score; ties: fewer in flight, then the
-    ``turn``-th of those left (callers count up, so that new conversations alternate over idle workers)."""
-
-    def key(option: tuple[W, int]) -> tuple[float, int]:
-        worker, uncached = option
-        return estimated_ttft_s(worker, uncached, s_per_token(worker)), worker.in_flight
-
-    keys = [key(option) for option in options]
-    best = min(keys)
-    tied = [option for option, k in zip(options, keys, strict=True) if k == best]
+    """The (worker, uncached tokens) of ``options`` with the lowest score. Scores within ``SCORE_TOLERANCE`` of the
+    lowest are ties (the measured rates of alike workers differ by noise, which must not pick the worker): of
+    those, the fewest requests in flight (the streams a worker is decoding, which the queue does not count), then
+    the ``turn``-th (callers count up, so that new conversations alternate over idle workers)."""
+    scores = [estimated_ttft_s(worker, uncached, s_per_token(worker)) for worker, uncached in options]
+    near = [option for option, score in zip(options, scores, strict=True) if score <= min(scores) * SCORE_TOLERANCE]
+    fewest = min(worker.in_flight for worker, _ in near)
+    tied = [option for option in near if option[0].in_flight == fewest]
     return tied[turn % len(tied)]
 
 

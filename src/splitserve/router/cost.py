@@ -17,7 +17,8 @@ of ``policy.balance`` (``estimated_ttft_s``; the planner's simulator uses the sa
   fixed costs of a step dominate). Until a worker has its own rate it gets the median of the others', or a
   prior.
 
-The worker with the lowest estimate wins; ties go to the one with fewer requests in flight. This is the shape
+The worker with the lowest estimate wins; estimates within 10% of it are ties, which go to the one with fewer
+requests in flight. This is the shape
 of llm-d's scorers (prefix-cache score against queue score) with a measured exchange rate between the two:
 a cache hit is worth exactly the prefill it saves, and a queue costs exactly the prefill it holds, so under
 saturation the policies spread load as roundrobin does, and below it they follow the cache: a conversation
