@@ -237,8 +237,9 @@ class SchedulerConfig:
         0.05,
         "Seconds an engine step aims at while a short request (a cached follow-up) waits: the prompts already in "
         "prefill share what it leaves of the step, and it is admitted whole. A step carrying prompt chunks takes "
-        "at most 4 targets. The tokens that fit are measured from the engine's own steps (0, or chunked prefill "
-        "off: no target, every step takes --max-num-batched-tokens).",
+        "at most 4 targets (or enough tokens that its fixed cost is a fifth of it at most). The tokens that fit "
+        "are measured from the engine's own steps (0, or chunked prefill off: no target, every step takes "
+        "--max-num-batched-tokens).",
     )
     speculative_config: SpeculativeConfig | None = setting(
         None,

@@ -13,7 +13,7 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
-from splitserve.policy.scheduling import COLD_STEP_FACTOR, MIN_PREFILL_CHUNK, StepRate, step_budget
+from splitserve.policy.scheduling import COLD_STEP_FACTOR, MIN_PREFILL_CHUNK, StepRate, StepTokens, step_budget
 from tests.support.scheduling import account_step
 
 FIXED_S, PER_TOKEN_S = 0.012, 0.0008  # a CPU's step: 12 ms, then 0.8 ms a token
@@ -32,6 +32,7 @@ def test_the_rate_finds_the_line_through_small_and_large_steps() -> None:
     assert per_token == pytest.approx(PER_TOKEN_S, rel=1e-6)
     assert fixed_s == pytest.approx(FIXED_S, rel=1e-6)
     assert rate.tokens_within(0.05) == int((0.05 - FIXED_S) / PER_TOKEN_S)
+    assert rate.step_tokens(0.05) == StepTokens(int((0.05 - FIXED_S) / PER_TOKEN_S), int((0.2 - FIXED_S) / PER_TOKEN_S))
 
 
 def test_without_small_steps_the_line_goes_through_zero() -> None:
@@ -42,18 +43,30 @@ def test_without_small_steps_the_line_goes_through_zero() -> None:
 
 
 def test_the_budget_of_each_kind_of_step() -> None:
+    steps = StepTokens(short=50, cold=200)
     # nothing measured or no target: the whole budget, no cap
     assert step_budget(1024, None, num_decodes=3, head_uncached=40) == (1024, None)
     # nothing short waits: up to 4 targets
-    assert step_budget(1024, 50, num_decodes=3, head_uncached=None) == (200, None)
-    assert step_budget(1024, 50, num_decodes=3, head_uncached=500) == (200, None)
-    assert step_budget(150, 50, num_decodes=3, head_uncached=None) == (150, None)
+    assert step_budget(1024, steps, num_decodes=3, head_uncached=None) == (200, None)
+    assert step_budget(1024, steps, num_decodes=3, head_uncached=500) == (200, None)
+    assert step_budget(150, steps, num_decodes=3, head_uncached=None) == (150, None)
     # a short request waits: one target, the running prompts get what it leaves
-    assert step_budget(1024, 50, num_decodes=3, head_uncached=20) == (50, 27)
+    assert step_budget(1024, steps, num_decodes=3, head_uncached=20) == (50, 27)
     # a short request longer than the target: it and the least chunk
-    assert step_budget(1024, 50, num_decodes=3, head_uncached=100) == (3 + 100 + MIN_PREFILL_CHUNK, MIN_PREFILL_CHUNK)
+    assert step_budget(1024, steps, num_decodes=3, head_uncached=100) == (119, MIN_PREFILL_CHUNK)
     # many decodes: they always fit, with the least chunk beside them
-    assert step_budget(1024, 10, num_decodes=64, head_uncached=None) == (64 + MIN_PREFILL_CHUNK, None)
+    assert step_budget(1024, StepTokens(10, 40), num_decodes=64, head_uncached=None) == (64 + MIN_PREFILL_CHUNK, None)
+
+
+def test_a_step_whose_fixed_cost_nears_the_target_still_carries_an_efficient_chunk() -> None:
+    """A slow CPU or a large model: one step costs 0.3 s before any token, more than 4 targets of 0.05 s. Prompt
+    chunks then take enough tokens that the fixed cost is at most a fifth of the step, not one token a step."""
+    rate = StepRate()
+    for n in (1, 2, 512, 600):
+        rate.observe(n, 0.3 + 0.001 * n)
+    steps = rate.step_tokens(0.05)
+    assert steps is not None and steps.short == 1
+    assert steps.cold == 1200  # 0.3 s fixed: 4 x 0.3 s of tokens at 1 ms each
 
 
 def test_a_scripted_mix_keeps_its_steps_under_the_target() -> None:

@@ -54,7 +54,15 @@ from splitserve.engine.connector import KVConnectorBase, KVLoad, LoadedTokens
 from splitserve.engine.kv_cache_manager import ENGINE_SOURCE, KVCacheManager
 from splitserve.engine.outputs import FinishReason
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.policy.scheduling import LPM_KEY, RunningBudget, StepRate, admitted_tokens, lpm_key, step_budget
+from splitserve.policy.scheduling import (
+    LPM_KEY,
+    RunningBudget,
+    StepRate,
+    StepTokens,
+    admitted_tokens,
+    lpm_key,
+    step_budget,
+)
 
 
 @dataclass(slots=True)
@@ -170,20 +178,20 @@ class Scheduler:
         """The engine ran a step of ``num_tokens`` tokens in ``seconds``: the budgets follow the measured cost."""
         self.step_rate.observe(num_tokens, seconds)
 
-    def target_tokens(self) -> int | None:
-        """The tokens a step computes within ``step_time_target`` (None: no target, or nothing measured yet). Without
-        chunked prefill there is none: a prompt runs whole, and a budget below its length would never admit it."""
+    def step_tokens(self) -> StepTokens | None:
+        """The steps' budgets under ``step_time_target`` (None: no target, or nothing measured yet). Without chunked
+        prefill there is none: a prompt runs whole, and a budget below its length would never admit it."""
         target_s = self.config.step_time_target
         if target_s <= 0 or not self.config.enable_chunked_prefill:
             return None
-        return self.step_rate.tokens_within(target_s)
+        return self.step_rate.step_tokens(target_s)
 
     def _step_budget(self) -> tuple[int, int | None]:
         """This step's token budget, and what the running prompts may take of it (``policy.scheduling``)."""
         seat_free = self.waiting and len(self.running) < self.config.max_num_seqs
         return step_budget(
             self.config.max_num_batched_tokens,
-            self.target_tokens(),
+            self.step_tokens(),
             num_decodes=sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running),
             head_uncached=self._num_uncached(self.waiting[0]) if seat_free else None,
         )

@@ -5,7 +5,9 @@
 - **The step-time target** (``step_budget``): each step's token budget follows from a target time and the
   engine's measured step cost (``StepRate``: a fixed cost per step plus a cost per token), not from a constant.
   A step that carries prompt chunks takes at most ``COLD_STEP_FACTOR`` targets, so a request arriving meanwhile
-  waits at most that long for the step in flight. When the request next in line is short (its uncached tokens
+  waits at most that long for the step in flight; but never so few tokens that the step's fixed cost is more
+  than ``MAX_FIXED_SHARE`` of it (where one step's fixed cost is near the target, a slow CPU or a large model,
+  prompts would otherwise crawl). When the request next in line is short (its uncached tokens
   fit in such a step), the step takes one target: the running prompts share what the short request leaves of
   it (at least ``MIN_PREFILL_CHUNK`` tokens: cold prompts keep progressing), and the rest admits short requests
   whole, so a cached follow-up gets its first token in one short step, on whatever CPU the engine runs.
@@ -15,12 +17,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 LPM_KEY = tuple[int, float, float]
 
 COLD_STEP_FACTOR = 4  # a step with no short request waiting may take this many step-time targets
 MIN_PREFILL_CHUNK = 16  # a running prompt's least share of a step that admits a short request
+MAX_FIXED_SHARE = 0.2  # of a step carrying prompt chunks: its fixed cost at most, whatever the target
 LARGE_STEP_TOKENS = 64  # steps from this many tokens teach the cost per token; smaller ones the fixed cost
 RATE_WEIGHT = 0.1  # of each new step in the exponentially weighted means
 
@@ -72,6 +76,25 @@ class StepRate:
         fixed_s, per_token = line
         return max(1, int((seconds - fixed_s) / per_token))
 
+    def step_tokens(self, target_s: float) -> StepTokens | None:
+        """The budgets of the steps under a target of ``target_s`` (None while nothing is measured)."""
+        line = self.line()
+        short = self.tokens_within(target_s)
+        cold = self.tokens_within(COLD_STEP_FACTOR * target_s)
+        if line is None or short is None or cold is None:
+            return None
+        fixed_s, per_token = line
+        efficient = math.ceil(fixed_s * (1 - MAX_FIXED_SHARE) / MAX_FIXED_SHARE / per_token)
+        return StepTokens(short, max(cold, efficient))
+
+
+@dataclass(frozen=True, slots=True)
+class StepTokens:
+    """The tokens of each kind of step, from the measured step cost and the target."""
+
+    short: int  # a step admitting a short request: one target
+    cold: int  # a step carrying prompt chunks: at most COLD_STEP_FACTOR targets (or what keeps it efficient)
+
 
 def _mean(old: tuple[float, float] | None, sample: tuple[float, float]) -> tuple[float, float]:
     if old is None:
@@ -83,19 +106,19 @@ def _mean(old: tuple[float, float] | None, sample: tuple[float, float]) -> tuple
 
 
 def step_budget(
-    max_num_batched_tokens: int, target_tokens: int | None, *, num_decodes: int, head_uncached: int | None
+    max_num_batched_tokens: int, step_tokens: StepTokens | None, *, num_decodes: int, head_uncached: int | None
 ) -> tuple[int, int | None]:
     """The step's token budget and what the running prompts may take of it (None: no cap).
 
-    ``target_tokens``: the tokens a step computes within the target time (None: no target, or nothing measured
-    yet: the whole ``max_num_batched_tokens``). ``head_uncached``: the uncached tokens of the request next in
-    line, when one waits and a seat is free (None otherwise)."""
-    if target_tokens is None:
+    ``step_tokens``: from the target and the measured step cost (None: no target, or nothing measured yet: the
+    whole ``max_num_batched_tokens``). ``head_uncached``: the uncached tokens of the request next in line, when
+    one waits and a seat is free (None otherwise)."""
+    if step_tokens is None:
         return max_num_batched_tokens, None
-    tokens = min(max_num_batched_tokens, max(COLD_STEP_FACTOR * target_tokens, num_decodes + MIN_PREFILL_CHUNK))
+    tokens = min(max_num_batched_tokens, max(step_tokens.cold, num_decodes + MIN_PREFILL_CHUNK))
     if head_uncached is None or num_decodes + head_uncached + MIN_PREFILL_CHUNK > tokens:
         return tokens, None  # no short request waits
-    short = max(target_tokens, num_decodes + head_uncached + MIN_PREFILL_CHUNK)
+    short = max(step_tokens.short, num_decodes + head_uncached + MIN_PREFILL_CHUNK)
     return short, short - num_decodes - head_uncached
 
 
