@@ -165,7 +165,9 @@ def test_the_hits_kvaware_predicts_are_the_ones_the_workers_report(endpoint: End
 
 
 def test_the_load_guard_spreads_a_hot_prefix_under_skew(endpoint: Endpoint) -> None:
-    router = endpoint.router("prefixaware", "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0")
+    router = endpoint.router(
+        "prefixaware", "--no-routing-cost-model", "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"
+    )
     router.wait_healthy()
     prompt = long_prompt(20, "box")
     assert router.complete(prompt).status_code == 200
@@ -174,6 +176,27 @@ def test_the_load_guard_spreads_a_hot_prefix_under_skew(endpoint: Endpoint) -> N
     assert answers == [200] * 6
     assert min(served_by(router, endpoint.workers)) >= 1  # the owner alone would have taken all seven
     assert router.metric("splitserve:router_routing_decisions_total", outcome="load_guard") >= 1
+
+
+def test_the_score_keeps_a_conversation_on_its_worker_and_spreads_new_ones(endpoint: Endpoint) -> None:
+    """The default score: follow-ups of one conversation, one at a time, go where its history is; two new
+    conversations sent at once go one to each worker (the second would queue behind the first)."""
+    router = endpoint.router("prefixaware")
+    router.wait_healthy()
+    history = long_prompt(20, "lamp")
+    before = served_by(router, endpoint.workers)
+    for turn in range(4):
+        history += f" Question {turn}: what about the lamp?"
+        assert router.complete(history, max_tokens=4).status_code == 200
+    after = served_by(router, endpoint.workers)
+    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 4]
+    assert router.metric("splitserve:router_routing_decisions_total", outcome="matched") >= 3
+    before = after
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prompts = [long_prompt(30, "kite"), long_prompt(30, "drum")]
+        assert list(pool.map(lambda p: router.complete(p, max_tokens=4).status_code, prompts)) == [200, 200]
+    after = served_by(router, endpoint.workers)
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
 
 
 def test_sessions_stay_put_while_another_worker_restarts(endpoint: Endpoint) -> None:

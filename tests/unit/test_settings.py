@@ -178,6 +178,7 @@ def test_a_flag_args_may_not_set_is_refused_with_its_reason_or_dropped(flag: str
         (["--tensor-parallel-size", "2"], "not supported"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
         (["--long-prefill-token-threshold", "64"], "--step-time-target"),
+        (["--running-prefill-cap", "256"], "--step-time-target"),
         (["--l1-cache-bytes", "lots"], "byte size"),
     ],
 )

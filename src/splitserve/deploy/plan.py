@@ -477,10 +477,13 @@ IGNORED_VLLM_FLAGS = frozenset({
     "swap-space", "load-format", "download-dir", "disable-custom-all-reduce", "distributed-executor-backend",
     "max-log-len", "kv-transfer-config", "tokenizer-mode", "disable-frontend-multiprocessing",
 })  # fmt: skip
-# Flags whose meaning here is not vLLM's under the same name, with where splitserve's rule lives instead.
+# Flags that are not splitserve's (vLLM's of that name mean something else here, or splitserve's own are gone),
+# with where the rule lives now.
 RENAMED_FLAGS = {
     "long-prefill-token-threshold": "vLLM's long-prefill rule has no equivalent here; splitserve's cap on "
     "running prefills while a short request waits is --step-time-target",
+    "running-prefill-cap": "a fixed token cap meant a different time on each CPU; a step's budget now follows "
+    "--step-time-target (seconds) and the engine's measured step cost",
 }
 
 

@@ -3,7 +3,7 @@
 Every policy implements :class:`RoutingPolicy` and is built by :func:`build_policy` from the registry. The
 cache-aware ones pick, by default, the worker with the lowest estimated TTFT (``policy.balance``'s score, with the
 seconds per token ``router/cost.py`` measures; the planner's simulator scores the same way): a prefix held is
-worth the prefill it saves there, and the shorter prefill queued there costs what it holds, so a conversation
+worth the prefill it saves there, and the prefill queued there costs what it delays the request, so a conversation
 stays on its worker until that worker is saturated, and a prefix every worker holds counts for nothing. With
 ``--no-routing-cost-model`` they share a load guard instead: when the worker they would pick has badly more
 requests in flight than the least-loaded one, the request goes to the least-loaded worker, and a match covering
