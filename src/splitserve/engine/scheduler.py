@@ -181,17 +181,19 @@ class Scheduler:
     def step_tokens(self) -> StepTokens | None:
         """The steps' budgets under ``step_time_target`` (None: no target, or nothing measured yet). Without chunked
         prefill there is none: a prompt runs whole, and a budget below its length would never admit it."""
-        target_s = self.config.step_time_target
-        if target_s <= 0 or not self.config.enable_chunked_prefill:
+        if not self.config.enable_chunked_prefill:
             return None
-        return self.step_rate.step_tokens(target_s)
+        return self.step_rate.step_tokens(self.config.step_time_target)
 
     def _step_budget(self) -> tuple[int, int | None]:
         """This step's token budget, and what the running prompts may take of it (``policy.scheduling``)."""
+        steps = self.step_tokens()
+        if steps is None:  # no target: no need to look the next request up
+            return self.config.max_num_batched_tokens, None
         seat_free = self.waiting and len(self.running) < self.config.max_num_seqs
         return step_budget(
             self.config.max_num_batched_tokens,
-            self.step_tokens(),
+            steps,
             num_decodes=sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running),
             head_uncached=self._num_uncached(self.waiting[0]) if seat_free else None,
         )

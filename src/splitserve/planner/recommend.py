@@ -20,9 +20,9 @@ Each worker keeps its role's engine flags from the resource (``max-num-seqs``, `
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -52,6 +52,7 @@ from splitserve.planner.simulate import (
 )
 from splitserve.planner.workload import TraceRequest
 
+T = TypeVar("T")
 MAX_WORKERS = 8
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # the engine's default on CPU (engine/engine.py)
 L2_DEFAULT_BYTES = KVTierConfig().l2_max_bytes
@@ -193,8 +194,7 @@ def engine_limits(config: InferenceEndpointConfig, role: Role, kv_bytes_per_toke
     flags = _role_flags(config, role)
 
     def value(name: str, default: int) -> int:
-        flag = last_flag(flags, name)
-        return int(flag.value) if flag is not None and flag.value is not None else default
+        return _flag_value(flags, name, int, default)
 
     caching = last_flag(flags, "enable-prefix-caching")
     kv_memory = last_flag(flags, "kv-cache-memory")
@@ -206,7 +206,7 @@ def engine_limits(config: InferenceEndpointConfig, role: Role, kv_bytes_per_toke
         max_num_seqs=value("max-num-seqs", 64),
         max_num_batched_tokens=value("max-num-batched-tokens", 1024),
         block_size=value("block-size", 16),
-        step_time_target_s=_flag_float(flags, "step-time-target", SchedulerConfig().step_time_target),
+        step_time_target_s=_flag_value(flags, "step-time-target", float, SchedulerConfig().step_time_target),
         cache_tokens=cache_tokens,
         l1_tokens=l1_bytes // kv_bytes_per_token if kv is not None and kv.enable_l1_cache else 0,
     )
@@ -218,14 +218,14 @@ def _kv_cache_bytes(text: str | None) -> int:
     return DEFAULT_CPU_KV_CACHE_BYTES if num_bytes is None else num_bytes
 
 
-def _flag_float(flags: Sequence[Flag], name: str, default: float) -> float:
+def _flag_value(flags: Sequence[Flag], name: str, convert: Callable[[str], T], default: T) -> T:
+    """The last ``--name``'s value, converted, or ``default`` where the flags have none."""
     flag = last_flag(flags, name)
-    return float(flag.value) if flag is not None and flag.value is not None else default
+    return convert(flag.value) if flag is not None and flag.value is not None else default
 
 
 def _flag_bytes(flags: Sequence[Flag], name: str, default: int) -> int:
-    flag = last_flag(flags, name)
-    return parse_bytes(flag.value) if flag is not None and flag.value is not None else default
+    return _flag_value(flags, name, parse_bytes, default)
 
 
 def l2_tokens(config: InferenceEndpointConfig, kv_bytes_per_token: int) -> int:

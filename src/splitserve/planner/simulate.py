@@ -253,7 +253,7 @@ class _Worker:
 
     def _step_budget(self) -> tuple[int, int | None]:
         limits = self.limits
-        target = self.step_rate.step_tokens(limits.step_time_target_s) if limits.step_time_target_s > 0 else None
+        target = self.step_rate.step_tokens(limits.step_time_target_s)
         seat_free = self.waiting and len(self.running) < limits.max_num_seqs
         head = self.waiting[0] if seat_free else None
         return step_budget(

@@ -71,21 +71,22 @@ class StepRate:
     def tokens_within(self, seconds: float) -> int | None:
         """The tokens a step computes in ``seconds`` (at least 1), or None while nothing is measured."""
         line = self.line()
+        return None if line is None else _tokens_within(line, seconds)
+
+    def step_tokens(self, target_s: float) -> StepTokens | None:
+        """The budgets of the steps under a target of ``target_s`` (None: no target, or nothing measured yet)."""
+        line = self.line() if target_s > 0 else None
         if line is None:
             return None
         fixed_s, per_token = line
-        return max(1, int((seconds - fixed_s) / per_token))
-
-    def step_tokens(self, target_s: float) -> StepTokens | None:
-        """The budgets of the steps under a target of ``target_s`` (None while nothing is measured)."""
-        line = self.line()
-        short = self.tokens_within(target_s)
-        cold = self.tokens_within(COLD_STEP_FACTOR * target_s)
-        if line is None or short is None or cold is None:
-            return None
-        fixed_s, per_token = line
         efficient = math.ceil(fixed_s * (1 - MAX_FIXED_SHARE) / MAX_FIXED_SHARE / per_token)
-        return StepTokens(short, max(cold, efficient))
+        cold = _tokens_within(line, COLD_STEP_FACTOR * target_s)
+        return StepTokens(_tokens_within(line, target_s), max(cold, efficient))
+
+
+def _tokens_within(line: tuple[float, float], seconds: float) -> int:
+    fixed_s, per_token = line
+    return max(1, int((seconds - fixed_s) / per_token))
 
 
 @dataclass(frozen=True, slots=True)
