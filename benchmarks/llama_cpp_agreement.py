@@ -10,7 +10,13 @@ and how many prompts agree for the first 32 tokens; and the same for each system
 two strays from the weights' own answer.
 
     .venv/bin/python benchmarks/llama_cpp_agreement.py \
-        --llama-server ~/.cache/splitserve/peers/llama.cpp/bin/llama-server
+        --llama-server ~/.cache/splitserve/peers/llama.cpp/bin/llama-server \
+        [--llama-quantize ~/.cache/splitserve/peers/llama.cpp/src/build/bin/llama-quantize]
+
+With ``--llama-quantize`` (``cmake --build <llama.cpp build> --target llama-quantize``), also the K-quant files
+llama.cpp's own quantizer makes: SmolLM2 from its Hugging Face folder in Q4_K_M, Q5_K_M and Q6_K (at its width,
+576, most matrices fall back to Q5_0/Q5_1/Q8_0, and the 1,536-wide down projections are K-quants), and each random
+checkpoint (256 wide: every matrix a K-quant) in Q4_K_M.
 
 Both compute 8-bit activations times the GGUF's blocks, but not in the same order (llama.cpp sums a row's blocks in
 its own order and computes attention in float16 or float32 its way), so they part at a near-tie sooner or later;
@@ -20,6 +26,7 @@ random-weight models have many near-ties.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -91,6 +98,11 @@ def llama_cpp_greedy(
         stop_server(proc)
 
 
+def llama_quantize(binary: str, source: Path, out: Path, qtype: str) -> Path:
+    subprocess.run([binary, str(source), str(out), qtype, "2"], check=True, capture_output=True, timeout=600)
+    return out
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     """The first position where the two differ; the shorter length when one is a prefix of the other."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -118,6 +130,8 @@ def compare(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-server", required=True)
+    parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary: also the K-quant files")
+    parser.add_argument("--hf-folder", type=Path, default=Path("~/.cache/splitserve/hf/smollm2-135m-instruct"))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llama_cpp_agreement.json"))
@@ -129,6 +143,12 @@ def main() -> None:
         chats = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT_PROMPTS[: args.prompts]]
         smollm = resolve_model("smollm2").path
         results["smollm2-q4_1"] = compare("smollm2 (Q4_1)", args.llama_server, smollm, chats, args.tokens, root)
+        if args.llama_quantize:
+            f16 = convert_to_gguf(args.hf_folder.expanduser(), root / "smollm2-f16.gguf", "f16")
+            for qtype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+                path = llama_quantize(args.llama_quantize, f16, root / f"smollm2-{qtype}.gguf", qtype)
+                label = f"smollm2-{qtype.lower()}"
+                results[label] = compare(f"smollm2 ({qtype})", args.llama_server, path, chats, args.tokens, root)
         gen = torch.Generator().manual_seed(11)
         randoms = [torch.randint(0, 49152, (48,), generator=gen).tolist() for _ in range(args.prompts)]
         for case in CASES:
@@ -136,6 +156,12 @@ def main() -> None:
             make_checkpoint(case, folder)
             gguf_path = convert_to_gguf(folder, root / f"{case.name}-q8_0.gguf", "q8_0")
             results[case.name] = compare(case.name, args.llama_server, gguf_path, randoms, args.tokens, root)
+            if args.llama_quantize:
+                f16 = convert_to_gguf(folder, root / f"{case.name}-f16.gguf", "f16")
+                path = llama_quantize(args.llama_quantize, f16, root / f"{case.name}-q4_k_m.gguf", "Q4_K_M")
+                results[f"{case.name}-q4_k_m"] = compare(
+                    f"{case.name} Q4_K_M", args.llama_server, path, randoms, args.tokens, root
+                )
     write_result(args.out, "llama_cpp_agreement", args, results)
 
 

@@ -121,9 +121,14 @@ def prompt_ttfts(url: str, model: str) -> tuple[float, float]:
     return statistics.median(cold), statistics.median(cached)
 
 
+# The model both splitserve and llama.cpp serve: the packaged Q4_1 GGUF, or the file --gguf names
+MODEL: list[str] = ["smollm2"]
+
+
 def run_splitserve(dtype: str, quantization: str, logs: Path, env: dict[str, str]) -> dict[str, Any]:
     port = free_port()
-    cmd = [*SPLITSERVE, "worker", "--model", "smollm2", "--port", str(port), "--dtype", dtype]
+    cmd = [*SPLITSERVE, "worker", "--model", MODEL[0], "--served-model-name", "smollm2", "--port", str(port)]
+    cmd += ["--dtype", dtype]
     cmd += ["--quantization", quantization, "--max-model-len", "4096"]
     label = f"splitserve-{dtype}-{quantization}"
     proc = start_server(cmd, port, logs / f"{label}.log", env=env)
@@ -188,7 +193,7 @@ def run_llama_server(binary: str, logs: Path, env: dict[str, str]) -> dict[str, 
     from splitserve.model.source import resolve_model
 
     port = free_port()
-    cmd = [binary, "-m", str(resolve_model("smollm2").path), "--port", str(port), "-t", str(CPU_COUNT)]
+    cmd = [binary, "-m", str(resolve_model(MODEL[0]).path), "--port", str(port), "-t", str(CPU_COUNT)]
     cmd += ["--parallel", "16", "-c", str(16 * 4096), "--cont-batching", "--alias", "smollm2"]
     proc = start_server(cmd, port, logs / "llama-server.log", env=env)
     try:
@@ -253,8 +258,13 @@ def main() -> None:
         "--isa", choices=("native", "avx2"), default="native", help="avx2: hold every system to AVX2 (see above)"
     )
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate")
+    parser.add_argument(
+        "--gguf", help="serve this GGUF file (e.g. a Q4_K_M of llama-quantize) in splitserve and llama.cpp instead"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serving_vs_peers.json")
     args = parser.parse_args()
+    if args.gguf:
+        MODEL[0] = str(Path(args.gguf).expanduser().resolve())
     logs = args.out.parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
@@ -263,6 +273,7 @@ def main() -> None:
         "lscpu": lscpu(),
         "dtype": args.dtype,
         "isa": args.isa,
+        "model": MODEL[0],
     }
     isa_env = AVX2_ENV if args.isa == "avx2" else {}
     dtype = "float32" if args.isa == "avx2" and args.dtype == "auto" else args.dtype

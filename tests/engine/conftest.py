@@ -3,6 +3,7 @@ fixtures are in tests/support/engine.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -20,6 +21,18 @@ def tiny_model() -> DecoderForCausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5 if p.dim() == 1 else 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def k_sized_model() -> DecoderForCausalLM:
+    """A tiny random-weight Llama whose matrices are whole K-quant super-blocks (256 weights) wide."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=8, head_dim=32)
+    model = DecoderForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 if p.dim() == 1 else 0.1)
     return model
 
 

@@ -13,9 +13,10 @@ import torch
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.decoder import DecoderForCausalLM
-from splitserve.model.kernels import NativeKernels
+from splitserve.model.kernels import QUANT_TYPES, NativeKernels
 from tests.support.engine import build_engine, run_to_completion, tokens_of
-from tests.support.quant import gguf_rows, quantize_model
+from tests.support.kquants import K_TYPES
+from tests.support.quant import gguf_rows, model_for, quantize_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -116,14 +117,15 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
         assert alone is not None and torch.equal(alone[0], whole[position]), position
 
 
-@pytest.mark.parametrize("wtype", [2, 3, 8])
+@pytest.mark.parametrize("wtype", sorted(QUANT_TYPES))
 def test_a_quantized_matmul_row_is_the_same_at_any_row_count(kernels: NativeKernels, threads: int, wtype: int) -> None:
     """1 to 4 rows take the integer kernels' row tiles; 5 and more the AMX tiles (``amx``) or the 512-bit VNNI
-    tiles (``avx512``); 72 weight rows end in half a 16-row tile."""
+    tiles (``avx512``; Q6_K keeps the row tiles); 72 weight rows end in half a 16-row tile."""
     rng = np.random.default_rng(wtype)
-    rows = gguf_rows(rng.normal(0, 0.3, (72, 128)), wtype)
-    packed = kernels.pack(rows.rows, wtype, 128)
-    x = torch.from_numpy(rng.normal(0, 1, (37, 128)).astype(np.float32))
+    k = 512 if wtype in K_TYPES else 128
+    rows = gguf_rows(rng.normal(0, 0.3, (72, k)), wtype)
+    packed = kernels.pack(rows.rows, wtype, k)
+    x = torch.from_numpy(rng.normal(0, 1, (37, k)).astype(np.float32))
     whole = kernels.quant_matmul(x, packed)
     assert whole is not None
     for count in (1, 2, 4, 5, 16, 17):
@@ -144,12 +146,16 @@ def test_dot_rows_is_the_same_at_any_row_count(kernels: NativeKernels, threads: 
         assert alone is not None and torch.equal(alone[0], whole[i]), i
 
 
+@pytest.mark.parametrize("wtype", [3, "Q4_K_M"])
 def test_the_forward_step_gives_each_token_the_same_logits_on_every_path(
-    tiny_model: DecoderForCausalLM, kernels: NativeKernels, threads: int
-) -> None:
+    tiny_model: DecoderForCausalLM, k_sized_model: DecoderForCausalLM, kernels: NativeKernels, threads: int,
+    wtype: int | str,
+) -> None:  # fmt: skip
     """A tiny quantized model through whole engines: one prompt's tokens and logits alone, chunked by 7, beside
-    other requests, and from the prefix cache, to the bit."""
-    model = quantize_model(tiny_model, kernels, 3)
+    other requests, and from the prefix cache, to the bit (Q4_1; and Q4_K_M's mix of Q4_K and Q6_K, with a mixed
+    fused q/k/v)."""
+    base, formats = model_for(wtype, tiny_model, k_sized_model)
+    model = quantize_model(base, kernels, formats)
     prompt = [int(t) for t in torch.randint(1, 500, (83,), generator=torch.Generator().manual_seed(9))]
     others = {f"o{i}": [int(t) for t in torch.randint(1, 500, (20 + 9 * i,))] for i in range(4)}
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -9,10 +9,13 @@ q = round(x * 127 / max|x|)), so the kernel and the reference differ only by flo
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import shutil
 import subprocess
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -22,9 +25,11 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model import attention, decoder
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernel_build import ARM_LEVELS, BASE_FLAGS, IsaLevel, detect_cpu, sources
-from splitserve.model.kernels import QUANT_TYPES, NativeKernels, kernels_for
-from tests.support.engine import build_engine, run_to_completion
-from tests.support.quant import gguf_rows, quantize_model
+from splitserve.model.kernels import MIXED_TYPE, QUANT_TYPES, NativeKernels, kernels_for
+from splitserve.model.quant import load_gguf_quantized
+from tests.support.engine import TINY, build_engine, run_to_completion
+from tests.support.kquants import K_TYPES
+from tests.support.quant import gguf_rows, model_for, quantize_model
 
 LEVELS = [level.name for level in detect_cpu().levels]
 
@@ -56,7 +61,9 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n", [44, 20])
 def test_quant_matmul_matches_a_float64_reference(kernels: NativeKernels, wtype: int, num_rows: int, n: int) -> None:
     rng = np.random.default_rng(wtype * 100 + num_rows)
-    k = 288  # 9 blocks: more than the AMX path's pipeline holds (it reuses its buffers from the 5th block)
+    # 9 blocks: more than the AMX path's pipeline holds (it reuses its buffers from the 5th block); the K-quants
+    # in two super-blocks of 256
+    k = 512 if wtype in K_TYPES else 288
     rows = gguf_rows(rng.normal(0, 0.3, (n, k)), wtype)
     weight = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).double()
     x = torch.from_numpy(rng.normal(0, 1, (num_rows, k)).astype(np.float32))
@@ -83,8 +90,9 @@ def test_quant_matmul_takes_bfloat16_and_strided_rows(kernels: NativeKernels) ->
 def test_the_native_dequantizer_agrees_with_the_gguf_package(kernels: NativeKernels) -> None:
     rng = np.random.default_rng(3)
     for wtype in QUANT_TYPES:
-        rows = gguf_rows(rng.normal(0, 1, (8, 64)), wtype)
-        ours = kernels.dequantize(rows.rows, wtype, 64)
+        k = 512 if wtype in K_TYPES else 64
+        rows = gguf_rows(rng.normal(0, 1, (8, k)), wtype)
+        ours = kernels.dequantize(rows.rows, wtype, k)
         assert torch.equal(ours, torch.from_numpy(dequantize(rows.rows.numpy(), wtype)))
 
 
@@ -95,9 +103,29 @@ def test_quant_matmul_declines_what_it_cannot_take(kernels: NativeKernels) -> No
     assert kernels.quant_matmul(torch.ones(2, 64, dtype=torch.float16), packed) is None
     assert kernels.quant_matmul(torch.ones(64, 2).t(), packed) is None  # columns not contiguous
     with pytest.raises(ValueError, match="cannot pack"):
-        kernels.pack(rows.rows, 12, 64)  # Q4_K: not a format the kernels take
+        kernels.pack(rows.rows, 10, 64)  # Q2_K: not a format the kernels take
+    with pytest.raises(ValueError, match="cannot pack"):
+        kernels.pack(gguf_rows(np.ones((8, 512)), 12).rows, 12, 288)  # Q4_K: k not a multiple of 256
     with pytest.raises(ValueError, match="cannot pack"):
         kernels.pack(rows.rows, 8, 48)  # k not a multiple of 32
+
+
+def test_a_mixed_weight_is_its_parts_side_by_side(kernels: NativeKernels) -> None:
+    """A fused q/k/v of a Q4_K_M file (q and k in Q4_K, v in Q6_K) packs as one weight whose product is each
+    part's own, to the bit, at any row count."""
+    rng = np.random.default_rng(11)
+    k = 512
+    parts = [gguf_rows(rng.normal(0, 0.3, (n, k)), wtype) for n, wtype in ((32, 12), (16, 12), (16, 14))]
+    stacked = kernels.pack_stacked([(p.rows, p.wtype) for p in parts], k)
+    assert stacked.wtype == MIXED_TYPE and stacked.n == 64
+    for num_rows in (1, 6, 21):
+        x = torch.from_numpy(rng.normal(0, 1, (num_rows, k)).astype(np.float32))
+        out = kernels.quant_matmul(x, stacked)
+        alone = [kernels.quant_matmul(x, kernels.pack(p.rows, p.wtype, k)) for p in parts]
+        assert out is not None and all(a is not None for a in alone)
+        assert torch.equal(out, torch.cat(alone, dim=1))  # type: ignore[misc]
+    same = kernels.pack_stacked([(p.rows, 12) for p in parts[:2]], k)  # one format: a plain weight
+    assert same.wtype == 12 and same.n == 48
 
 
 @pytest.mark.parametrize("wtype", [2, 3])
@@ -131,9 +159,13 @@ def test_the_one_call_forward_step_matches_the_module_path(
         torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3)
 
 
-def test_quantized_decode_stays_close_to_float(tiny_model: DecoderForCausalLM, kernels: NativeKernels) -> None:
+@pytest.mark.parametrize("wtype", [8, "Q4_K_M"])
+def test_quantized_decode_stays_close_to_float(
+    tiny_model: DecoderForCausalLM, k_sized_model: DecoderForCausalLM, kernels: NativeKernels, wtype: int | str
+) -> None:
     """8-bit activations move the logits a little, never the model: same weights, float vs quantized decode."""
-    model = quantize_model(tiny_model, kernels, 8)
+    base, formats = model_for(wtype, tiny_model, k_sized_model)
+    model = quantize_model(base, kernels, formats)
     float_model = copy.deepcopy(model)
     float_model._quant_head = None
     for module in float_model.modules():
@@ -157,10 +189,14 @@ def test_quantized_decode_stays_close_to_float(tiny_model: DecoderForCausalLM, k
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
 
 
-def test_a_cached_prompt_answers_as_a_cold_one(tiny_model: DecoderForCausalLM, kernels: NativeKernels) -> None:
+@pytest.mark.parametrize("wtype", [3, "Q4_K_M"])
+def test_a_cached_prompt_answers_as_a_cold_one(
+    tiny_model: DecoderForCausalLM, k_sized_model: DecoderForCausalLM, kernels: NativeKernels, wtype: int | str
+) -> None:
     """The last token of a cached prompt runs alone through the same forward step as the cold prefill's 75
     rows: its first logits are the cold prefill's to the bit, and so is every token after."""
-    model = quantize_model(tiny_model, kernels, 3)
+    base, formats = model_for(wtype, tiny_model, k_sized_model)
+    model = quantize_model(base, kernels, formats)
     logits: list[torch.Tensor] = []
     compute = model.compute_logits
     model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]  # type: ignore[method-assign]
@@ -192,3 +228,28 @@ def test_the_arm_paths_under_qemu(level: IsaLevel, tmp_path: Path) -> None:
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     result = subprocess.run([str(QEMU), "-cpu", "max", str(binary)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
+def test_matrices_without_native_kernels_are_named_in_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GGUF mixing native formats with one that has no native kernel (Q2_K here) loads the native matrices and
+    names the others, with their format, in one warning."""
+    config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=8, head_dim=32)
+    rng = np.random.default_rng(2)
+    writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+    q4k = gguf_rows(rng.normal(0, 0.3, (256, 256)), 12)
+    writer.add_tensor("blk.0.attn_q.weight", q4k.rows.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    q2k = rng.integers(0, 256, (128, 84), dtype=np.uint8)  # 128 rows of one 256-weight Q2_K super-block each
+    writer.add_tensor("blk.0.attn_k.weight", q2k, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.WARNING, logger="splitserve.model.quant"):
+        weights = load_gguf_quantized(tmp_path / "mixed.gguf", config)
+    assert set(weights) == {"model.layers.0.self_attn.q_proj.weight"}
+    assert weights["model.layers.0.self_attn.q_proj.weight"].wtype == 12
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Q2_K: blk.0.attn_k.weight (1)" in warnings[0], warnings

@@ -1,6 +1,6 @@
 /*
  * A self-contained check of the quantized matmul for builds this machine cannot run natively (ARM NEON under
- * qemu on an x86 machine): random GGUF blocks of each format, ss_quant_matmul against a float64 reference
+ * qemu on an x86 machine): random GGUF blocks of each format (the K-quants' super-blocks included), ss_quant_matmul against a float64 reference
  * over ss_dequantize_rows (plain C) and activations rounded as the kernels round them; then batch invariance:
  * a matmul row and an attention row give the same bits alone as in a batch (a prefill chunk beside a decode
  * row), with 1 and 2 threads. Prints "ok" and exits 0 when every case agrees; tests/engine/test_quant_kernels.py builds and runs it.
@@ -31,17 +31,19 @@ static float uniform(void) { return (float)next() / 16777216.0f; } /* [0, 1) */
 
 static const uint16_t HALF_SCALES[] = {0x2000, 0x2266, 0x23ff, 0x1c00}; /* about 0.0078 .. 0.0039 */
 
+static int is_k(int wtype) { return wtype >= 12; }
+
+/* Random blocks of each format, with small positive fp16 scales (and a small negative Q4_1/Q5_1 minimum). */
 static void random_rows(uint8_t *rows, int wtype, int64_t n, int64_t k) {
-    const int64_t row_bytes = ss_quant_row_bytes(wtype, k), block = row_bytes / (k / 32);
-    for (int64_t b = 0; b < n * (k / 32); b++) {
+    const int64_t units = n * (k / (is_k(wtype) ? 256 : 32));
+    const int64_t block = n * ss_quant_row_bytes(wtype, k) / units;
+    for (int64_t b = 0; b < units; b++) {
         uint8_t *p = rows + b * block;
         for (int64_t i = 0; i < block; i++) p[i] = (uint8_t)next();
-        uint16_t d = HALF_SCALES[next() % 4];
-        memcpy(p, &d, 2);
-        if (wtype == 3) { /* Q4_1: a small negative minimum */
-            uint16_t m = 0xA000;
-            memcpy(p + 2, &m, 2);
-        }
+        uint16_t d = HALF_SCALES[next() % 4], m = 0xA000;
+        memcpy(p + (wtype == 14 ? 208 : 0), &d, 2); /* Q6_K keeps its d last */
+        if (wtype == 3 || wtype == 7) memcpy(p + 2, &m, 2);
+        if (wtype == 12 || wtype == 13) memcpy(p + 2, &d, 2); /* dmin */
     }
 }
 
@@ -88,7 +90,7 @@ static int check(int wtype, int64_t m, int64_t n, int64_t k) {
 
 /* Rows of a 37-row matmul against each row alone, at 1 and 2 threads: the same bits. */
 static int matmul_invariance(int wtype) {
-    const int64_t m = 37, n = 40, k = 128;
+    const int64_t m = 37, n = 40, k = 512;
     uint8_t *rows = malloc((size_t)(n * ss_quant_row_bytes(wtype, k)));
     uint8_t *packed = malloc((size_t)ss_packed_bytes(wtype, n, k));
     float *x = malloc(sizeof(float) * (size_t)(m * k)), *all = malloc(sizeof(float) * (size_t)(m * n));
@@ -133,12 +135,13 @@ static int attention_invariance(void) {
 }
 
 int main(void) {
-    const int types[] = {2, 3, 8};
+    const int types[] = {2, 3, 6, 7, 8, 12, 13, 14}; /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K */
+    const int num_types = (int)(sizeof types / sizeof types[0]);
     const int64_t rows[] = {1, 3, 4, 5, 17};
     int failures = 0;
-    for (int t = 0; t < 3; t++)
-        for (int r = 0; r < 5; r++) failures += check(types[t], rows[r], 44, 96);
-    for (int t = 0; t < 3; t++) failures += matmul_invariance(types[t]);
+    for (int t = 0; t < num_types; t++)
+        for (int r = 0; r < 5; r++) failures += check(types[t], rows[r], 44, is_k(types[t]) ? 512 : 96);
+    for (int t = 0; t < num_types; t++) failures += matmul_invariance(types[t]);
     failures += attention_invariance();
     printf(failures ? "failed\n" : "ok\n");
     return failures != 0;

@@ -1,5 +1,5 @@
-"""Quantized weights made with the ``gguf`` package's own quantizer: GGUF rows of a matrix, and a model whose linear
-layers and embeddings run as quantized blocks."""
+"""Quantized weights made with the ``gguf`` package's own quantizer (the K-quants with ``kquants``): GGUF rows of a
+matrix, and a model whose linear layers and embeddings run as quantized blocks."""
 
 from __future__ import annotations
 
@@ -9,26 +9,62 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
-from splitserve.model import decoder
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import NativeKernels
 from splitserve.model.quant import GGUFRows
+from tests.support.kquants import K_TYPES, quantize_k
 
 
 def gguf_rows(weight: np.ndarray, wtype: int) -> GGUFRows:
-    blocks = quantize(weight.astype(np.float32), wtype)
+    """``weight`` [n, k] as GGUF rows of ``wtype`` (K-quants from ``kquants``, the rest from ``gguf``'s quantizer)."""
+    blocks = quantize_k(weight, wtype) if wtype in K_TYPES else quantize(weight.astype(np.float32), wtype)
     return GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks)), wtype, weight.shape[1])
 
 
-def quantize_model(model: DecoderForCausalLM, kernels: NativeKernels, wtype: int) -> DecoderForCausalLM:
-    """A copy of ``model`` whose weights are ``wtype``-rounded, with those blocks as its quantized weights."""
+# The formats of a Q4_K_M file's matrices, as llama-quantize picks them: Q4_K, with more bits where they matter
+# most (it gives v and down Q6_K in some layers; here in all, so that every fused q/k/v is mixed)
+Q4_K_M = {"q_proj": 12, "k_proj": 12, "v_proj": 14, "o_proj": 12, "gate_proj": 12, "up_proj": 12, "down_proj": 14}
+
+
+def quantize_model(
+    model: DecoderForCausalLM, kernels: NativeKernels, wtype: int | dict[str, int]
+) -> DecoderForCausalLM:
+    """A copy of ``model`` whose weights are rounded to ``wtype`` (or per matrix: a dict from the HF projection
+    name, as ``Q4_K_M``), with those blocks as its quantized weights; the head in Q8_0."""
     model = copy.deepcopy(model)
-    for module in model.modules():
-        if isinstance(module, decoder.Linear):
-            rows = gguf_rows(module.weight.detach().numpy(), wtype)
-            module.weight.data = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).float()
-            module.set_quantized(rows, kernels)
+    for module, names in model._linear_sources().items():
+        weight = module.weight.detach().numpy()
+        sizes = [_rows_of(model, name) for name in names]
+        parts, dequantized, start = [], [], 0
+        for name, size in zip(names, sizes, strict=True):
+            part_type = wtype if isinstance(wtype, int) else wtype[name.split(".")[-2]]
+            rows = gguf_rows(weight[start : start + size], part_type)
+            parts.append(rows)
+            dequantized.append(torch.from_numpy(dequantize(rows.rows.numpy(), part_type)).float())
+            start += size
+        module.weight.data = torch.cat(dequantized)
+        module.set_quantized(parts, kernels)
     head = gguf_rows(model.embed_tokens.weight.detach().numpy(), 8)
     model.embed_tokens.weight.data = torch.from_numpy(dequantize(head.rows.numpy(), 8)).float()
     assert model.load_quantized_weights({"model.embed_tokens.weight": head}, kernels) == 1
     return model
+
+
+def model_for(
+    wtype: int | str, tiny: DecoderForCausalLM, k_sized: DecoderForCausalLM
+) -> tuple[DecoderForCausalLM, int | dict[str, int]]:
+    """The model and the formats a test parameter names: a GGML type (the tiny model), or "Q4_K_M" (the model whose
+    matrices are whole super-blocks wide, mixed as ``Q4_K_M``)."""
+    return (k_sized, Q4_K_M) if wtype == "Q4_K_M" else (tiny, int(wtype))
+
+
+def _rows_of(model: DecoderForCausalLM, name: str) -> int:
+    config = model.config
+    projection = name.split(".")[-2]
+    if projection == "q_proj":
+        return config.num_attention_heads * config.head_dim
+    if projection in ("k_proj", "v_proj"):
+        return config.num_key_value_heads * config.head_dim
+    if projection in ("gate_proj", "up_proj"):
+        return config.intermediate_size
+    return config.hidden_size

@@ -67,11 +67,14 @@ class Linear(nn.Linear):
             )
         self.int4_weight = weight.pack(self.weight.dtype)
 
-    def set_quantized(self, weight: GGUFRows, kernels: NativeKernels) -> None:
-        """Run matmuls from ``weight``'s quantized blocks (``ValueError`` if its shape is not this layer's)."""
-        if (weight.n, weight.k) != tuple(self.weight.shape):
-            raise ValueError(f"quantized weight of shape {(weight.n, weight.k)} for a {tuple(self.weight.shape)} layer")
-        self.quant = kernels.pack(weight.rows, weight.wtype, weight.k)
+    def set_quantized(self, weight: GGUFRows | list[GGUFRows], kernels: NativeKernels) -> None:
+        """Run matmuls from ``weight``'s quantized blocks (a list: parts stacked along the output rows, in one
+        format or several); ``ValueError`` if its shape is not this layer's."""
+        parts = weight if isinstance(weight, list) else [weight]
+        shape = (sum(p.n for p in parts), parts[0].k)
+        if shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight of shape {shape} for a {tuple(self.weight.shape)} layer")
+        self.quant = kernels.pack_stacked([(p.rows, p.wtype) for p in parts], shape[1])
         self.quant_kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -404,14 +407,14 @@ class DecoderForCausalLM(nn.Module):
         return num_set
 
     def load_quantized_weights(self, weights: dict[str, GGUFRows], kernels: NativeKernels) -> int:
-        """Give each linear layer (and the output head) whose HF weights are all present in one quantized
-        format its quantized form for ``kernels``; returns how many got one."""
+        """Give each linear layer (and the output head) whose HF weights are all present in formats the kernels
+        take its quantized form for ``kernels`` (parts in different formats as one mixed weight); returns how many
+        got one."""
         num_set = 0
         for module, names in self._linear_sources().items():
             parts = [weights[n] for n in names if n in weights]
-            rows = GGUFRows.concat(parts) if len(parts) == len(names) else None
-            if rows is not None:
-                module.set_quantized(rows, kernels)
+            if len(parts) == len(names) and len({p.k for p in parts}) == 1:
+                module.set_quantized(parts, kernels)
                 num_set += 1
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head = weights.get("lm_head.weight", weights.get(head_name))

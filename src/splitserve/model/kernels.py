@@ -68,7 +68,11 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Paged attention's partition (csrc/cpu_kernels.c PARTITION): block sizes must divide it
 ATTENTION_PARTITION_TOKENS = 256
 # GGML type numbers of the weight formats the quantized matmul takes
-QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# The weight type of a weight stacked from parts in different formats (csrc/ss_kernels.h SS_MIXED)
+MIXED_TYPE = 1000
+_MIXED_PARTS = 4
+_MIXED_ALIGN = 64
 
 
 @dataclass(slots=True)
@@ -76,7 +80,7 @@ class PackedWeight:
     """A [n, k] weight in the kernels' interleaved layout (``NativeKernels.pack``), for the build that packed it."""
 
     data: torch.Tensor  # uint8, opaque
-    wtype: int  # GGML type number
+    wtype: int  # GGML type number, or MIXED_TYPE (parts in different formats: pack_stacked)
     n: int
     k: int
     isa: str  # the level whose layout this is
@@ -143,7 +147,8 @@ class NativeKernels:
     def pack(self, rows: torch.Tensor, wtype: int, k: int) -> PackedWeight:
         """GGUF rows ([n, row bytes] uint8, ``wtype`` blocks of 32 along k) in this build's layout.
 
-        Raises ``ValueError`` for a format the kernels do not take or a k that is not a multiple of 32.
+        Raises ``ValueError`` for a format the kernels do not take or a k its blocks do not divide (32, or 256 for
+        the K-quants).
         """
         n = rows.shape[0]
         size = self._packed_bytes(wtype, n, k) if wtype in QUANT_TYPES else -1
@@ -153,6 +158,34 @@ class NativeKernels:
         if self._repack(rows.data_ptr(), wtype, n, k, data.data_ptr()) != 0:
             raise ValueError(f"repacking a GGML type {wtype} weight of {n} x {k} failed")
         return PackedWeight(data, wtype, n, k, self.level.name)
+
+    def pack_stacked(self, parts: list[tuple[torch.Tensor, int]], k: int) -> PackedWeight:
+        """GGUF weights stacked along their output rows (fused q/k/v, gate/up), each ``(rows, wtype)``, as one
+        weight: in one format where they share one, else a mixed weight whose parts keep their own (a Q4_K_M
+        file's v projection has more bits than its q and k). ``ValueError`` as ``pack``."""
+        if len({wtype for _, wtype in parts}) == 1:
+            return self.pack(torch.cat([rows for rows, _ in parts]), parts[0][1], k)
+        # parts of one format next to each other stay one part
+        merged: list[tuple[list[torch.Tensor], int]] = []
+        for rows, wtype in parts:
+            if merged and merged[-1][1] == wtype:
+                merged[-1][0].append(rows)
+            else:
+                merged.append(([rows], wtype))
+        if len(merged) > _MIXED_PARTS:
+            raise ValueError(f"cannot pack a weight of {len(merged)} parts in alternating formats")
+        packed = [self.pack(torch.cat(rows), wtype, k) for rows, wtype in merged]
+        header = _Mixed()
+        header.num_parts = len(packed)
+        offset = -(-ctypes.sizeof(_Mixed) // _MIXED_ALIGN) * _MIXED_ALIGN
+        for i, part in enumerate(packed):
+            header.wtype[i], header.n[i], header.offset[i] = part.wtype, part.n, offset
+            offset += -(-part.nbytes // _MIXED_ALIGN) * _MIXED_ALIGN
+        data = torch.zeros(offset, dtype=torch.uint8)
+        data[: ctypes.sizeof(_Mixed)] = torch.frombuffer(bytearray(bytes(header)), dtype=torch.uint8)
+        for i, part in enumerate(packed):
+            data[header.offset[i] : header.offset[i] + part.nbytes] = part.data
+        return PackedWeight(data, MIXED_TYPE, sum(p.n for p in packed), k, self.level.name)
 
     def dequantize(self, rows: torch.Tensor, wtype: int, k: int) -> torch.Tensor:
         """GGUF rows ([n, row bytes] uint8) as a float32 [n, k] tensor (the reference the tests compare to)."""
@@ -350,7 +383,7 @@ def _int64_rows(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.int64 and t.is_contiguous()) for t in tensors)
 
 
-ABI_VERSION = 2  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
+ABI_VERSION = 3  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
 
 
 def check_abi(library: ctypes.CDLL) -> None:
@@ -359,8 +392,8 @@ def check_abi(library: ctypes.CDLL) -> None:
     library.ss_struct_size.argtypes = [_I]
     library.ss_struct_size.restype = _I64
     version = library.ss_abi_version()
-    sizes = {name: library.ss_struct_size(which) for which, name in enumerate(("ss_layer", "ss_model"))}
-    expected = {"ss_layer": ctypes.sizeof(_Layer), "ss_model": ctypes.sizeof(_Model)}
+    sizes = {name: library.ss_struct_size(which) for which, name in enumerate(("ss_layer", "ss_model", "ss_mixed"))}
+    expected = {"ss_layer": ctypes.sizeof(_Layer), "ss_model": ctypes.sizeof(_Model), "ss_mixed": ctypes.sizeof(_Mixed)}
     if version != ABI_VERSION or sizes != expected:
         raise OSError(
             f"the kernel library's ABI (version {version}, struct sizes {sizes}) is not these bindings' "
@@ -373,6 +406,13 @@ class _Layer(ctypes.Structure):
         ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
         ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
         ("down_type", ctypes.c_int32), ("qkv_bias", _P), ("o_bias", _P), ("q_norm", _P), ("k_norm", _P),
+    ]  # fmt: skip
+
+
+class _Mixed(ctypes.Structure):
+    _fields_ = [
+        ("num_parts", _I64), ("wtype", _I64 * _MIXED_PARTS), ("n", _I64 * _MIXED_PARTS),
+        ("offset", _I64 * _MIXED_PARTS),
     ]  # fmt: skip
 
 

@@ -1,29 +1,33 @@
 """Linear weights straight from a GGUF's quantized blocks, for the native quantized matmul.
 
-A Q4_0/Q4_1/Q8_0 GGUF already holds its linear weights in 32-weight blocks with a scale (and, for Q4_1, a
-minimum). ``load_gguf_quantized`` reads those blocks unchanged (only the q/k rows are put back into Hugging
-Face's rotate-half order, as ``loader.load_gguf`` does for the float weights); ``NativeKernels.pack`` then
-repacks them into the kernels' interleaved layout at load (``csrc/quant_matmul.c``). Matmuls quantize their
-activations to 8 bits per block and take integer dot products, as llama.cpp's ggml-cpu does.
+A quantized GGUF already holds its linear weights in blocks of 32 weights with a scale (and a minimum or a fifth
+bit: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), or in super-blocks of 256 with small integer scales per block (the K-quants
+Q4_K, Q5_K, Q6_K, which Q4_K_M and Q5_K_M files mix). ``load_gguf_quantized`` reads those blocks unchanged (only
+the q/k rows are put back into Hugging Face's rotate-half order, as ``loader.load_gguf`` does for the float
+weights); ``NativeKernels.pack`` then repacks them into the kernels' interleaved layout at load without loss
+(``csrc/quant_matmul.c``). Matmuls quantize their activations to 8 bits per block and take integer dot products,
+as llama.cpp's ggml-cpu does.
 
-Tensors in other formats (F16, K-quants, ...) are left out and run from the dequantized float weights.
+Matrices in other formats (F16, Q2_K, Q3_K, IQ formats, ...) are left out, with one warning naming them, and run
+from the dequantized float weights.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
 from splitserve.model.kernels import QUANT_TYPES
 from splitserve.model.loader import gguf_to_hf_name, unpermute_gguf_rows
 
-BLOCK = 32
-_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # GGML type -> bytes per block of 32 weights
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -31,33 +35,39 @@ class GGUFRows:
     """A [n, k] weight as the GGUF stores it: each row K/32 blocks of ``wtype``."""
 
     rows: torch.Tensor  # [n, K/32 * block bytes] uint8
-    wtype: int  # GGML type number (2 Q4_0, 3 Q4_1, 8 Q8_0)
+    wtype: int  # GGML type number (kernels.QUANT_TYPES)
     k: int
 
     @property
     def n(self) -> int:
         return int(self.rows.shape[0])
 
-    @staticmethod
-    def concat(parts: list[GGUFRows]) -> GGUFRows | None:
-        """The parts stacked along the output rows (fused q/k/v, gate/up); None if their formats differ."""
-        if len({(p.wtype, p.k) for p in parts}) != 1:
-            return None
-        return GGUFRows(torch.cat([p.rows for p in parts]), parts[0].wtype, parts[0].k)
-
 
 def load_gguf_quantized(path: str | Path, config: DecoderConfig) -> dict[str, GGUFRows]:
-    """The Q4_0/Q4_1/Q8_0 matrices of a GGUF file, HF-named, with q/k rows un-permuted like ``load_gguf``."""
+    """The matrices of a GGUF file in formats the native kernels take (``kernels.QUANT_TYPES``), HF-named, with q/k
+    rows un-permuted like ``load_gguf``. Quantized matrices in other formats are named in one warning."""
     weights: dict[str, GGUFRows] = {}
+    slow: dict[str, list[str]] = {}
     for tensor in open_gguf(path).tensors:
         wtype = int(tensor.tensor_type)
-        if wtype not in QUANT_TYPES or len(tensor.shape) != 2:
+        if len(tensor.shape) != 2:
             continue
         k, n = (int(d) for d in tensor.shape)
-        if k % BLOCK:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(wtype)]
+        if wtype not in QUANT_TYPES or k % block:
+            if block > 1:  # a quantized format (F32/F16/BF16 matrices are float by choice)
+                slow.setdefault(GGMLQuantizationType(wtype).name, []).append(tensor.name)
             continue
         name = gguf_to_hf_name(tensor.name)
-        blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // BLOCK * _BLOCK_BYTES[wtype])
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // block * block_bytes)
         order = unpermute_gguf_rows(np.arange(n)[:, None], name, config)[:, 0]
         weights[name] = GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks[order])), wtype, k)
+    if slow:
+        listed = "; ".join(f"{fmt}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({len(names)})"
+                           for fmt, names in slow.items())  # fmt: skip
+        logger.warning(
+            "%s has matrices in formats without native kernels, which run from dequantized float weights "
+            "(slower, and their matmuls are not batch-invariant): %s. Native formats: %s",
+            Path(path).name, listed, ", ".join(QUANT_TYPES.values()),
+        )  # fmt: skip
     return weights

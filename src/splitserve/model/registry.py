@@ -9,7 +9,7 @@ import torch
 
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
-from splitserve.model.kernels import native
+from splitserve.model.kernels import QUANT_TYPES, native
 from splitserve.model.loader import load_gguf, load_safetensors_folder
 from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.source import ModelSource
@@ -37,9 +37,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
 def apply_quantization(model: DecoderForCausalLM, source: ModelSource, quantization: str) -> str:
     """Give ``model`` quantized weights from ``source`` per ``quantization``; returns what it got, for the log.
 
-    - ``gguf``: the GGUF's own Q4_0/Q4_1/Q8_0 blocks in every matmul through the native CPU kernels (8-bit
-      activations, integer dot products); a ``ValueError`` when that cannot be (not a GGUF, not on CPU, no
-      native kernels, no tensor in those formats).
+    - ``gguf``: the GGUF's own quantized blocks (the formats of ``kernels.QUANT_TYPES``) in every matmul through
+      the native CPU kernels (8-bit activations, integer dot products); a ``ValueError`` when that cannot be (not
+      a GGUF, not on CPU, no native kernels, no tensor in those formats).
     - ``int4``: PyTorch's int4 kernel for decode-sized matmuls (bfloat16 on CPU, Q4_0/Q4_1 only); a
       ``ValueError`` when that cannot be.
     - ``auto``: ``gguf`` where it can be, else ``int4`` where it can be, else nothing.
@@ -53,8 +53,8 @@ def apply_quantization(model: DecoderForCausalLM, source: ModelSource, quantizat
             return f"the GGUF's quantized blocks in {num_set} matmuls (native kernels)"
         if quantization == "gguf":
             raise ValueError(
-                "--quantization gguf needs a GGUF with Q4_0/Q4_1/Q8_0 weights, a CPU device and the native kernels "
-                f"(a C compiler); got a {source.kind} model on {model.embed_tokens.weight.device.type}"
+                f"--quantization gguf needs a GGUF with {'/'.join(QUANT_TYPES.values())} weights, a CPU device and the "
+                f"native kernels (a C compiler); got a {source.kind} model on {model.embed_tokens.weight.device.type}"
             )
     num_int4 = _apply_int4(model, source)
     if quantization == "int4" and num_int4 == 0:

@@ -25,7 +25,12 @@
 int32_t ss_abi_version(void) { return SS_ABI_VERSION; }
 
 int64_t ss_struct_size(int which) {
-    return which == 0 ? (int64_t)sizeof(ss_layer) : which == 1 ? (int64_t)sizeof(ss_model) : -1;
+    switch (which) {
+        case 0: return (int64_t)sizeof(ss_layer);
+        case 1: return (int64_t)sizeof(ss_model);
+        case 2: return (int64_t)sizeof(ss_mixed);
+        default: return -1;
+    }
 }
 
 /* x [num_tokens, n_heads, head_dim] in place: rotate-half rotary at each token's position. */

@@ -2,15 +2,16 @@
  * Matmuls straight from a GGUF's quantized weights, the generic part: quantizing activations, repacking
  * weights, the tiling over threads and the dispatch to each architecture's kernels (quant.h names them).
  *
- * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1 or Q8_0 blocks (32 weights each, as
- * stored in the file) and X quantized on the fly to 8 bits per block of 32 (scale d, sum s = d * sum(q)),
- * so every block product is an integer dot product:
+ * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks (32 weights each)
+ * or Q4_K, Q5_K or Q6_K super-blocks (256), repacked at load from the file's blocks without loss, and X quantized on
+ * the fly to 8 bits per block of 32 (scale d, sum s = d * sum(q)), so every block product is an integer dot
+ * product:
  *
  *     sum_k w_k x_k = d_w d_x sum_k u_k q_k + m_w s_x      (w_k = d_w u_k + m_w, x_k ~ d_x q_k)
  *
- * where u is the weight code the instruction set multiplies and m_w the offset that makes it exact (each
- * architecture's file says which codes it uses: arch/x86/quant.c, arch/arm/quant.c, arch/scalar/quant.c,
- * amx/quant_matmul.c).
+ * where u is the weight code the instruction set multiplies and m_w the offset that makes it exact (quant.h says
+ * what each format's are; Q6_K sums its two half blocks in integers first; each architecture's file says which
+ * codes it uses: arch/x86/quant.c, arch/arm/quant.c, arch/scalar/quant.c, amx/quant_matmul.c).
  *
  * The layout is the reading of llama.cpp's ggml-cpu vec_dot_q4_1_q8_1 and friends; the tiling is ours: a
  * tile is up to 4 activation rows x a group of RG weight rows (quant.h), so each decoded weight block serves
@@ -25,15 +26,144 @@
 #include "quant.h"
 #include "ss_kernels.h"
 
-_Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20 && sizeof(block_q8_0) == 34, "GGML blocks");
+_Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20 && sizeof(block_q5_0) == 22 &&
+                   sizeof(block_q5_1) == 24 && sizeof(block_q8_0) == 34 && sizeof(block_q4_K) == 144 &&
+                   sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210,
+               "GGML blocks");
+
+/* A unit of a GGUF row: one block of 32 weights, or a K format's super-block of 256. */
+static int64_t unit_weights(int wtype) { return is_k_format(format_of(wtype)) ? QK_K : QK; }
+static int64_t unit_bytes(int wtype) {
+    switch (wtype) {
+        case GGML_Q4_0: return sizeof(block_q4_0);
+        case GGML_Q4_1: return sizeof(block_q4_1);
+        case GGML_Q5_0: return sizeof(block_q5_0);
+        case GGML_Q5_1: return sizeof(block_q5_1);
+        case GGML_Q8_0: return sizeof(block_q8_0);
+        case GGML_Q4_K: return sizeof(block_q4_K);
+        case GGML_Q5_K: return sizeof(block_q5_K);
+        case GGML_Q6_K: return sizeof(block_q6_K);
+        default: return -1;
+    }
+}
 
 int64_t ss_quant_row_bytes(int wtype, int64_t k) {
-    const int64_t nb = k / QK;
+    const int64_t bytes = unit_bytes(wtype);
+    return bytes < 0 || k % unit_weights(wtype) != 0 ? -1 : k / unit_weights(wtype) * bytes;
+}
+
+/* ------------------------------------------------------------------ a GGUF unit as integer codes */
+/* One unit of a row, decoded without loss: each weight's code u (the unsigned code the kernels multiply; Q8_0 the
+ * signed weight) and the integers and fp16 values that scale it (quant.h). The repacking and the dequantizer both
+ * read this, so the two agree with each other by construction and with llama.cpp's dequantize_row_* by test. */
+typedef struct {
+    int16_t u[QK_K];
+    uint16_t d, m;         /* fp16: the block's d and m_w (Q4/Q5/Q8 formats), or the super-block's d and dmin */
+    uint8_t sc[8], mn[8];  /* Q4_K, Q5_K: each block's 6-bit scale and min */
+    int8_t sc16[16];       /* Q6_K: each half block's scale */
+} decoded_unit;
+
+/* Q4_K's and Q5_K's packed 6-bit scale and min of block j (ggml's get_scale_min_k4). */
+static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63, *mn = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
+    memset(o, 0, sizeof *o);
     switch (wtype) {
-        case GGML_Q4_0: return nb * (int64_t)sizeof(block_q4_0);
-        case GGML_Q4_1: return nb * (int64_t)sizeof(block_q4_1);
-        case GGML_Q8_0: return nb * (int64_t)sizeof(block_q8_0);
-        default: return -1;
+        case GGML_Q4_0:
+        case GGML_Q4_1: {
+            const uint8_t *qs;
+            if (wtype == GGML_Q4_0) {
+                const block_q4_0 *b = (const block_q4_0 *)src;
+                o->d = b->d, o->m = f32_to_f16(-8.0f * f16_to_f32(b->d)); /* exact: a power of two */
+                qs = b->qs;
+            } else {
+                const block_q4_1 *b = (const block_q4_1 *)src;
+                o->d = b->d, o->m = b->m;
+                qs = b->qs;
+            }
+            for (int t = 0; t < QK / 2; t++) o->u[t] = qs[t] & 0x0F, o->u[t + QK / 2] = qs[t] >> 4;
+            break;
+        }
+        case GGML_Q5_0:
+        case GGML_Q5_1: {
+            const uint8_t *qs, *qh;
+            if (wtype == GGML_Q5_0) {
+                const block_q5_0 *b = (const block_q5_0 *)src;
+                o->d = b->d, o->m = f32_to_f16(-16.0f * f16_to_f32(b->d)); /* exact: a power of two */
+                qs = b->qs, qh = b->qh;
+            } else {
+                const block_q5_1 *b = (const block_q5_1 *)src;
+                o->d = b->d, o->m = b->m;
+                qs = b->qs, qh = b->qh;
+            }
+            const uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+            for (int t = 0; t < QK / 2; t++) {
+                o->u[t] = (int16_t)((qs[t] & 0x0F) | (((high >> t) & 1) << 4));
+                o->u[t + QK / 2] = (int16_t)((qs[t] >> 4) | (((high >> (t + QK / 2)) & 1) << 4));
+            }
+            break;
+        }
+        case GGML_Q8_0: {
+            const block_q8_0 *b = (const block_q8_0 *)src;
+            o->d = b->d;
+            for (int t = 0; t < QK; t++) o->u[t] = b->qs[t];
+            break;
+        }
+        case GGML_Q4_K:
+        case GGML_Q5_K: {
+            const uint8_t *scales, *qs, *qh = NULL;
+            if (wtype == GGML_Q4_K) {
+                const block_q4_K *b = (const block_q4_K *)src;
+                o->d = b->d, o->m = b->dmin, scales = b->scales, qs = b->qs;
+            } else {
+                const block_q5_K *b = (const block_q5_K *)src;
+                o->d = b->d, o->m = b->dmin, scales = b->scales, qs = b->qs, qh = b->qh;
+            }
+            for (int j = 0; j < 8; j++) scale_min_k4(j, scales, &o->sc[j], &o->mn[j]);
+            for (int c = 0; c < 4; c++) /* 64 weights: block 2c in the low nibbles of 32 bytes, 2c + 1 the high */
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t q = qs[32 * c + l];
+                    int lo = q & 0x0F, hi = q >> 4;
+                    if (qh != NULL) lo |= ((qh[l] >> (2 * c)) & 1) << 4, hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    o->u[64 * c + l] = (int16_t)lo, o->u[64 * c + 32 + l] = (int16_t)hi;
+                }
+            break;
+        }
+        default: { /* GGML_Q6_K */
+            const block_q6_K *b = (const block_q6_K *)src;
+            o->d = b->d;
+            memcpy(o->sc16, b->scales, sizeof o->sc16);
+            for (int half = 0; half < 2; half++) { /* 128 weights from 64 bytes of ql and 32 of qh */
+                const uint8_t *ql = b->ql + 64 * half, *qh = b->qh + 32 * half;
+                int16_t *u = o->u + 128 * half;
+                for (int l = 0; l < 32; l++) {
+                    u[l] = (int16_t)((ql[l] & 0x0F) | ((qh[l] & 3) << 4));
+                    u[l + 32] = (int16_t)((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4));
+                    u[l + 64] = (int16_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    u[l + 96] = (int16_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
+            }
+            break;
+        }
+    }
+}
+
+/* Weight t of a decoded unit, in float32 as llama.cpp's dequantize_row_* computes it. */
+static float decoded_weight(const decoded_unit *o, int wtype, int t) {
+    const float d = f16_to_f32(o->d);
+    switch (format_of(wtype)) {
+        case FMT_Q8: return d * (float)o->u[t];
+        case FMT_Q4K:
+        case FMT_Q5K: return d * (float)o->sc[t / QK] * (float)o->u[t] - f16_to_f32(o->m) * (float)o->mn[t / QK];
+        case FMT_Q6K: return d * (float)o->sc16[t / 16] * (float)(o->u[t] - 32);
+        default: return d * (float)o->u[t] + f16_to_f32(o->m);
     }
 }
 
@@ -54,6 +184,7 @@ void quantize_block(const float *x, block_q8a *y) {
     }
     y->d = d;
     y->s = d * (float)sum;
+    half_sums(y);
 }
 #endif
 
@@ -81,64 +212,90 @@ static void quantize_rows(const void *x, int dtype, int64_t row_stride, int64_t 
 
 /* ------------------------------------------------------------------------- the repacked layout (quant.h) */
 int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k) {
-    const int64_t groups = (n + RG - 1) / RG, nb = k / QK;
-    if (k % QK != 0) return -1;
-    switch (wtype) {
-        case GGML_Q4_0:
-        case GGML_Q4_1: return groups * nb * (int64_t)sizeof(group_q4);
-        case GGML_Q8_0: return groups * nb * (int64_t)sizeof(group_q8);
-        default: return -1;
-    }
+    const int fmt = format_of(wtype);
+    if (fmt < 0 || ss_quant_row_bytes(wtype, k) < 0) return -1;
+    return (n + RG - 1) / RG * group_bytes_of(fmt, k / QK);
 }
 
-static void repack_q4(const uint8_t *src, int wtype, int64_t n, int64_t nb, group_q4 *dst) {
-    const int64_t row_bytes = ss_quant_row_bytes(wtype, nb * QK);
-    for (int64_t g = 0; g < (n + RG - 1) / RG; g++)
-        for (int64_t kb = 0; kb < nb; kb++) {
-            group_q4 *out = dst + g * nb + kb;
-            memset(out, 0, sizeof *out);
-            for (int r = 0; r < RG && g * RG + r < n; r++) {
-                const uint8_t *blk = src + (g * RG + r) * row_bytes;
-                const uint8_t *qs;
-                if (wtype == GGML_Q4_0) {
-                    const block_q4_0 *b = (const block_q4_0 *)blk + kb;
-                    out->d[r] = b->d;
-                    out->m[r] = f32_to_f16(-8.0f * f16_to_f32(b->d)); /* exact: a power of two */
-                    qs = b->qs;
+/* Codes t0 .. t0 + 31 of row r (a decoded unit's) into a group's nibbles (qs[4][RG * 4]: byte 4 v + j of row r
+ * holds weight 4 v + j low and 16 + 4 v + j high), and their fifth bits (qh: bit c of byte 4 r + j, weight
+ * 4 c + j) or bits 4-5 (qh6[2][RG * 4]: bits 2 i of byte 4 r + j of qh6[p], weight 4 (4 p + i) + j). */
+static void put_codes(const int16_t *u, int r, uint8_t (*qs)[RG * 4], uint8_t *qh, uint8_t (*qh6)[RG * 4]) {
+    for (int v = 0; v < 4; v++)
+        for (int j = 0; j < 4; j++)
+            qs[v][4 * r + j] = (uint8_t)((u[4 * v + j] & 0x0F) | (u[16 + 4 * v + j] & 0x0F) << 4);
+    for (int c = 0; c < 8; c++)
+        for (int j = 0; j < 4; j++) {
+            const int code = u[4 * c + j];
+            if (qh != NULL) qh[4 * r + j] |= (uint8_t)(((code >> 4) & 1) << c);
+            if (qh6 != NULL) qh6[c / 4][4 * r + j] |= (uint8_t)(((code >> 4) & 3) << (2 * (c % 4)));
+        }
+}
+
+/* Unit kb of row r of a group (its first block kb, or super-block kb / 8 of a K format), decoded. */
+static void repack_unit(const decoded_unit *o, int fmt, int r, uint8_t *unit) {
+    switch (fmt) {
+        case FMT_Q4: {
+            group_q4 *g = (group_q4 *)unit;
+            g->d[r] = o->d, g->m[r] = o->m;
+            put_codes(o->u, r, g->qs, NULL, NULL);
+            break;
+        }
+        case FMT_Q5: {
+            group_q5 *g = (group_q5 *)unit;
+            g->d[r] = o->d, g->m[r] = o->m;
+            put_codes(o->u, r, g->qs, g->qh, NULL);
+            break;
+        }
+        case FMT_Q8: {
+            group_q8 *g = (group_q8 *)unit;
+            g->d[r] = o->d;
+            for (int c = 0; c < 8; c++)
+                for (int j = 0; j < 4; j++) g->qs[c][4 * r + j] = (uint8_t)(o->u[4 * c + j] + Q8_OFFSET);
+            break;
+        }
+        case FMT_Q4K:
+        case FMT_Q5K: {
+            group_q4k *g4 = (group_q4k *)unit;
+            group_q5k *g5 = (group_q5k *)unit;
+            uint16_t *d = fmt == FMT_Q4K ? g4->d : g5->d, *dmin = fmt == FMT_Q4K ? g4->dmin : g5->dmin;
+            d[r] = o->d, dmin[r] = o->m;
+            for (int b = 0; b < 8; b++) {
+                if (fmt == FMT_Q4K) {
+                    g4->sc[b][r] = o->sc[b], g4->mn[b][r] = o->mn[b];
+                    put_codes(o->u + QK * b, r, g4->qs[b], NULL, NULL);
                 } else {
-                    const block_q4_1 *b = (const block_q4_1 *)blk + kb;
-                    out->d[r] = b->d;
-                    out->m[r] = b->m;
-                    qs = b->qs;
+                    g5->sc[b][r] = o->sc[b], g5->mn[b][r] = o->mn[b];
+                    put_codes(o->u + QK * b, r, g5->qs[b], g5->qh[b], NULL);
                 }
-                /* GGUF byte t holds weight t (low nibble) and t + 16 (high): byte 4 v + j is qs[v][4 r + j] */
-                for (int v = 0; v < 4; v++) memcpy(&out->qs[v][4 * r], qs + 4 * v, 4);
             }
+            break;
         }
-}
-
-static void repack_q8(const uint8_t *src, int64_t n, int64_t nb, group_q8 *dst) {
-    const int64_t row_bytes = ss_quant_row_bytes(GGML_Q8_0, nb * QK);
-    for (int64_t g = 0; g < (n + RG - 1) / RG; g++)
-        for (int64_t kb = 0; kb < nb; kb++) {
-            group_q8 *out = dst + g * nb + kb;
-            memset(out, 0, sizeof *out);
-            for (int r = 0; r < RG && g * RG + r < n; r++) {
-                const block_q8_0 *b = (const block_q8_0 *)(src + (g * RG + r) * row_bytes) + kb;
-                out->d[r] = b->d;
-                for (int c = 0; c < 8; c++)
-                    for (int j = 0; j < 4; j++) out->qs[c][4 * r + j] = (uint8_t)(b->qs[4 * c + j] + Q8_OFFSET);
-            }
+        default: { /* FMT_Q6K */
+            group_q6k *g = (group_q6k *)unit;
+            g->d[r] = o->d;
+            for (int h = 0; h < 16; h++) g->sc[h][r] = o->sc16[h];
+            for (int b = 0; b < 8; b++) put_codes(o->u + QK * b, r, g->ql[b], NULL, g->qh[b]);
+            break;
         }
+    }
 }
 
 /* GGUF rows [N, K] of wtype -> the grouped layout (ss_packed_bytes(wtype, N, K) bytes). Returns 0 or -1. */
 int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst) {
-    if (ss_packed_bytes(wtype, n, k) < 0) return -1;
-    if (wtype == GGML_Q8_0)
-        repack_q8((const uint8_t *)src, n, k / QK, (group_q8 *)dst);
-    else
-        repack_q4((const uint8_t *)src, wtype, n, k / QK, (group_q4 *)dst);
+    const int64_t size = ss_packed_bytes(wtype, n, k);
+    if (size < 0) return -1;
+    memset(dst, 0, (size_t)size); /* the last group's padding rows: zero codes and scales */
+    const int fmt = format_of(wtype);
+    const int64_t row_bytes = ss_quant_row_bytes(wtype, k), units = k / unit_weights(wtype);
+    const int64_t ubytes = unit_bytes(wtype), group_bytes = group_bytes_of(fmt, k / QK);
+    decoded_unit o;
+    for (int64_t row = 0; row < n; row++)
+        for (int64_t kb = 0; kb < units; kb++) {
+            decode_unit((const uint8_t *)src + row * row_bytes + kb * ubytes, wtype, &o);
+            uint8_t *unit = (uint8_t *)dst + row / RG * group_bytes + kb * (int64_t)format_unit_bytes(fmt);
+            repack_unit(&o, fmt, (int)(row % RG), unit);
+        }
     return 0;
 }
 
@@ -147,11 +304,10 @@ int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst) {
 
 /* Y = Xq . W^T for already-quantized activations and repacked weights; the body of an OpenMP region (call
  * it inside one, or alone for one thread). Y is [M, N] of out_dtype, rows ldy elements apart. */
-static void qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const block_q8a *xq, int64_t m, void *y,
+static void qgemm_body(const void *w, int fmt, int64_t n, int64_t k, const block_q8a *xq, int64_t m, void *y,
                        int out_dtype, int64_t ldy) {
-    const int is_q8 = wtype == GGML_Q8_0;
     const int64_t nb = k / QK, groups = (n + RG - 1) / RG;
-    const int64_t group_bytes = nb * (int64_t)(is_q8 ? sizeof(group_q8) : sizeof(group_q4));
+    const int64_t group_bytes = group_bytes_of(fmt, nb);
     const int64_t num_tasks = (groups + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < num_tasks; task++) {
@@ -163,7 +319,7 @@ static void qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const blo
             for (int r = 0; r < rows; r++) x[r] = xq + (i + r) * nb;
             for (int64_t g = g0; g < g1; g++) {
                 float tmp[4 * RG];
-                group_kernel((const uint8_t *)w + g * group_bytes, is_q8, x, rows, nb, tmp);
+                group_kernel((const uint8_t *)w + g * group_bytes, fmt, x, rows, nb, tmp);
                 const int cols = n - g * RG >= RG ? RG : (int)(n - g * RG);
                 for (int r = 0; r < rows; r++) {
                     const int64_t base = (i + r) * ldy + g * RG;
@@ -177,61 +333,73 @@ static void qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const blo
     }
 }
 
+/* Y = Xq . W^T for one repacked weight of one format, on the widest kernel that takes it. */
+static int quantized_product(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
+                             int out_dtype, int64_t ldy, int num_threads) {
+    const int threads = m * n * k >= (1 << 16) ? num_threads : 1;
+#if defined(SS_AMX)
+    if (m >= AMX_MIN_ROWS && amx_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) return 0;
+#endif
+#if defined(SS_WIDE)
+    if (m >= WIDE_MIN_ROWS && wide_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) return 0;
+#endif
+    const int fmt = format_of(wtype);
+#pragma omp parallel num_threads(threads)
+    qgemm_body(w, fmt, n, k, xq, m, y, out_dtype, ldy);
+    return 0;
+}
+
+/* A mixed weight's header, checked: its parts are formats the kernels take, their rows add up to n and their
+ * data lies within size bytes (-1 for any size: not known here). Returns 0 or -1. */
+static int check_mixed(const ss_mixed *h, int64_t n, int64_t k) {
+    if (h->num_parts < 1 || h->num_parts > SS_MIXED_PARTS) return -1;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < h->num_parts; p++) {
+        if (ss_packed_bytes((int)h->wtype[p], h->n[p], k) < 0 || h->n[p] < 1 || h->offset[p] < (int64_t)sizeof *h ||
+            h->offset[p] % 64 != 0)
+            return -1;
+        rows += h->n[p];
+    }
+    return rows == n ? 0 : -1;
+}
+
 /* Y[M, N] (out_dtype, rows ldy apart) = X[M, K] (x_dtype, rows x_stride apart) . W[N, K]^T with W repacked by
- * ss_repack, K a multiple of 32. scratch holds M * K/32 activation blocks (ss_act_block_bytes each), or is
- * NULL to allocate. Returns 0, or -1 for an unknown weight type, a K not a multiple of 32 or no memory. */
+ * ss_repack (or an SS_MIXED weight: the activations are quantized once for all its parts), K a multiple of 32.
+ * scratch holds M * K/32 activation blocks (ss_act_block_bytes each), or is NULL to allocate. Returns 0, or -1
+ * for an unknown weight type, a K the format does not divide or no memory. */
 int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
                     int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads) {
-    if (ss_packed_bytes(wtype, n, k) < 0) return -1;
+    const ss_mixed *mixed = wtype == SS_MIXED ? (const ss_mixed *)w : NULL;
+    if (mixed != NULL ? check_mixed(mixed, n, k) < 0 : ss_packed_bytes(wtype, n, k) < 0) return -1;
     block_q8a *xq = scratch != NULL ? (block_q8a *)scratch : malloc(sizeof(block_q8a) * (size_t)(m * (k / QK)));
     if (xq == NULL) return -1;
     quantize_rows(x, x_dtype, x_stride, m, k, xq, num_threads);
-    const int threads = m * n * k >= (1 << 16) ? num_threads : 1;
-#if defined(SS_AMX)
-    if (m >= AMX_MIN_ROWS && amx_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) {
-        if (scratch == NULL) free(xq);
-        return 0;
+    int status = 0;
+    if (mixed == NULL) {
+        status = quantized_product(xq, m, k, w, wtype, n, y, out_dtype, ldy, num_threads);
+    } else {
+        const size_t elem = out_dtype == SS_F32 ? 4 : 2;
+        int64_t col = 0;
+        for (int64_t p = 0; p < mixed->num_parts && status == 0; p++) {
+            status = quantized_product(xq, m, k, (const uint8_t *)w + mixed->offset[p], (int)mixed->wtype[p],
+                                       mixed->n[p], (uint8_t *)y + (size_t)col * elem, out_dtype, ldy, num_threads);
+            col += mixed->n[p];
+        }
     }
-#endif
-#if defined(SS_WIDE)
-    if (m >= WIDE_MIN_ROWS && wide_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) {
-        if (scratch == NULL) free(xq);
-        return 0;
-    }
-#endif
-#pragma omp parallel num_threads(threads)
-    qgemm_body(w, wtype, n, k, xq, m, y, out_dtype, ldy);
     if (scratch == NULL) free(xq);
-    return 0;
+    return status;
 }
 
 /* Dequantize weight rows [n0, n1) to float32 [n1 - n0, K] (tests and the PyTorch reference). */
 int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out) {
-    const int64_t nb = k / QK, row_bytes = ss_quant_row_bytes(wtype, k);
-    if (row_bytes < 0 || k % QK != 0) return -1;
-    for (int64_t r = n0; r < n1; r++) {
-        const uint8_t *row = (const uint8_t *)w + r * row_bytes;
-        float *o = out + (r - n0) * k;
-        for (int64_t b = 0; b < nb; b++) {
-            if (wtype == GGML_Q8_0) {
-                const block_q8_0 *blk = (const block_q8_0 *)row + b;
-                for (int j = 0; j < QK; j++) o[b * QK + j] = f16_to_f32(blk->d) * blk->qs[j];
-                continue;
-            }
-            const uint8_t *qs;
-            float d, mn;
-            if (wtype == GGML_Q4_0) {
-                const block_q4_0 *blk = (const block_q4_0 *)row + b;
-                qs = blk->qs, d = f16_to_f32(blk->d), mn = -8.0f * d;
-            } else {
-                const block_q4_1 *blk = (const block_q4_1 *)row + b;
-                qs = blk->qs, d = f16_to_f32(blk->d), mn = f16_to_f32(blk->m);
-            }
-            for (int j = 0; j < QK / 2; j++) {
-                o[b * QK + j] = d * (float)(qs[j] & 0x0F) + mn;
-                o[b * QK + j + QK / 2] = d * (float)(qs[j] >> 4) + mn;
-            }
+    const int64_t row_bytes = ss_quant_row_bytes(wtype, k);
+    if (row_bytes < 0) return -1;
+    const int64_t per_unit = unit_weights(wtype), ubytes = unit_bytes(wtype);
+    decoded_unit o;
+    for (int64_t r = n0; r < n1; r++)
+        for (int64_t kb = 0; kb < k / per_unit; kb++) {
+            decode_unit((const uint8_t *)w + r * row_bytes + kb * ubytes, wtype, &o);
+            for (int t = 0; t < per_unit; t++) out[(r - n0) * k + kb * per_unit + t] = decoded_weight(&o, wtype, t);
         }
-    }
     return 0;
 }

@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define SS_ABI_VERSION 2
+#define SS_ABI_VERSION 3
 
 /* One decoder layer of ss_forward_step: float32 norm weights and repacked matmul weights (quant_matmul.c), and
  * what some architectures add (NULL where a layer has none): float32 biases of the fused q/k/v and of the output
@@ -22,6 +22,17 @@ typedef struct {
     const float *qkv_bias, *o_bias;        /* [q + 2 kv], [hidden] */
     const float *q_norm, *k_norm;          /* [head_dim] */
 } ss_layer;
+
+/* A weight stacked from parts in different formats (a fused q/k/v whose v has more bits than q and k, as
+ * llama.cpp's Q4_K_M files have): the weight type SS_MIXED, and the weight this header followed by each part's
+ * repacked rows (ss_repack), offset[p] bytes from the header's start (a multiple of 64), part p's rows after part
+ * p - 1's in the output. */
+#define SS_MIXED 1000
+#define SS_MIXED_PARTS 4
+typedef struct {
+    int64_t num_parts;
+    int64_t wtype[SS_MIXED_PARTS], n[SS_MIXED_PARTS], offset[SS_MIXED_PARTS];
+} ss_mixed;
 
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
@@ -36,7 +47,8 @@ typedef struct {
     int32_t block_size;
 } ss_model;
 
-/* The ABI: its version, and sizeof(ss_layer) (which 0) or sizeof(ss_model) (which 1); -1 for another which. */
+/* The ABI: its version, and sizeof(ss_layer) (which 0), sizeof(ss_model) (1) or sizeof(ss_mixed) (2); -1 for
+ * another which. */
 int32_t ss_abi_version(void);
 int64_t ss_struct_size(int which);
 

@@ -34,28 +34,19 @@ static void amx_configure(int rows) {
 
 /* Block kb of groups ga and gb (gb may be NULL: zero codes) as one B tile of codes, with its 16 scales and
  * offsets. */
-static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int is_q8, int64_t kb, uint8_t codes[8][64],
+static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int fmt, int64_t kb, uint8_t codes[8][64],
                              __m512 *dw, __m512 *mw) {
-    if (is_q8) {
-        const group_q8 *a = (const group_q8 *)ga + kb, *b = gb != NULL ? (const group_q8 *)gb + kb : NULL;
-        prefetch_ahead(a, sizeof *a);
-        if (b != NULL) prefetch_ahead(b, sizeof *b);
-        for (int c = 0; c < 8; c++) _mm512_store_si512(codes[c], join_groups(a->qs[c], b != NULL ? b->qs[c] : NULL));
-        *dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
-        *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-(float)Q8_OFFSET));
-    } else {
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        const group_q4 *a = (const group_q4 *)ga + kb, *b = gb != NULL ? (const group_q4 *)gb + kb : NULL;
-        prefetch_ahead(a, sizeof *a);
-        if (b != NULL) prefetch_ahead(b, sizeof *b);
-        for (int v = 0; v < 4; v++) {
-            const __m512i raw = join_groups(a->qs[v], b != NULL ? b->qs[v] : NULL);
-            _mm512_store_si512(codes[v], _mm512_and_si512(raw, low));
-            _mm512_store_si512(codes[v + 4], _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-        }
-        *dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
-        *mw = join_groups_f16(a->m, b != NULL ? b->m : NULL);
+    const size_t unit = format_unit_bytes(fmt);
+    if (!is_k_format(fmt)) {
+        prefetch_ahead(ga + kb * (int64_t)unit, unit);
+        if (gb != NULL) prefetch_ahead(gb + kb * (int64_t)unit, unit);
+    } else if ((kb & 7) == 0) {
+        prefetch_ahead_bytes(ga + kb / 8 * (int64_t)unit, unit, 2 * unit);
+        if (gb != NULL) prefetch_ahead_bytes(gb + kb / 8 * (int64_t)unit, unit, 2 * unit);
     }
+    __m512i u[8];
+    unpack16(ga, gb, fmt, kb, u, dw, mw);
+    for (int c = 0; c < 8; c++) _mm512_store_si512(codes[c], u[c]);
 }
 
 /* One block of up to 16 activation rows as an A tile (rows 32 bytes apart: aligned, unlike block_q8a's). */
@@ -146,16 +137,16 @@ SS_INLINE void amx_chunk(const amx_weights *wt, int64_t nb, const amx_act *xb, i
 
 static void amx_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const amx_act *xa, int64_t m, void *y,
                            int out_dtype, int64_t ldy, amx_weights *wt) {
-    const int is_q8 = wtype == GGML_Q8_0;
+    const int fmt = format_of(wtype);
     const int64_t nb = k / QK, groups = (n + RG - 1) / RG, tiles = (groups + 1) / 2;
-    const int64_t group_bytes = nb * (int64_t)(is_q8 ? sizeof(group_q8) : sizeof(group_q4));
+    const int64_t group_bytes = group_bytes_of(fmt, nb);
     int configured = 0;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *ga = (const uint8_t *)w + 2 * t * group_bytes;
         const uint8_t *gb = 2 * t + 1 < groups ? ga + group_bytes : NULL;
         const int cols = n - 2 * t * RG >= 16 ? 16 : (int)(n - 2 * t * RG);
-        for (int64_t kb = 0; kb < nb; kb++) amx_codes(ga, gb, is_q8, kb, wt[kb].codes, &wt[kb].dw, &wt[kb].mw);
+        for (int64_t kb = 0; kb < nb; kb++) amx_codes(ga, gb, fmt, kb, wt[kb].codes, &wt[kb].dw, &wt[kb].mw);
         for (int64_t i0 = 0; i0 < m; i0 += 16) {
             const int rows = m - i0 >= 16 ? 16 : (int)(m - i0);
             if (rows != configured) amx_configure(configured = rows);
@@ -170,7 +161,7 @@ static void amx_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const
 
 int amx_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
                      int out_dtype, int64_t ldy, int threads) {
-    if (!ss_amx_permitted()) return -1;
+    if (!ss_amx_permitted() || format_of(wtype) == FMT_Q6K) return -1; /* Q6_K: the group kernels */
     amx_act *xa = aligned_alloc(64, sizeof(amx_act) * (size_t)((m + 15) / 16 * (k / QK)));
     if (xa == NULL) return -1;
     amx_activations(xq, m, k / QK, xa);

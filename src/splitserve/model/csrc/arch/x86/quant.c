@@ -1,9 +1,10 @@
 /*
  * The quantized matmul's x86 kernels (AVX2, AVX-VNNI, AVX-512 VNNI on 256-bit vectors): activation blocks to 8
  * bits, and the group kernels over the repacked layout (../../quant.h). The codes the instructions multiply:
- * - AVX2 (maddubs: unsigned x signed bytes): Q4 codes 0..15 with m_w = -8 d (Q4_0) or the block min (Q4_1);
- *   Q8_0 through the sign trick (|w| x sign(x, w)), m_w = 0.
- * - AVX-VNNI / AVX-512 VNNI (dpbusd): as AVX2, but Q8_0 as w + 128 (unsigned) with m_w = -128 d.
+ * - AVX2 (maddubs: unsigned x signed bytes): Q4/Q5/Q6 codes as unsigned (0..15, 0..31, 0..63), their 16-bit pair
+ *   sums widened to 32 bits before they can overflow (every 8, 4 and 2 chunks of 4 codes); Q8_0 through the sign
+ *   trick (|w| x sign(x, w)), m_w = 0.
+ * - AVX-VNNI / AVX-512 VNNI (dpbusd): the same unsigned codes, and Q8_0 as w + 128 with m_w = -128 d.
  */
 #include "../../quant.h"
 
@@ -35,6 +36,7 @@ void quantize_block(const float *x, block_q8a *y) {
     _mm256_storeu_si256((__m256i *)y->qs, _mm256_permutevar8x32_epi32(p8, order));
     y->d = d;
     y->s = d * (float)_mm_cvtsi128_si32(s4);
+    half_sums(y);
 }
 
 static inline __m256i bcast4(const int8_t *p) {
@@ -53,69 +55,165 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
 }
 #endif
 
-/* RG lanes of int32: for each row, the dot product of its 32 codes u (8 chunks of 4) with the block's bytes */
-static inline __m256i dot_q4(const __m256i *u, const int8_t *xq) {
-#if defined(SS_VNNI)
-    __m256i dot = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) dot = dpbusd(dot, u[c], bcast4(xq + 4 * c));
-    return dot;
-#else /* codes are at most 15, so eight 16-bit pair sums stay below 2^15 */
-    __m256i pairs = _mm256_maddubs_epi16(u[0], bcast4(xq));
-    for (int c = 1; c < 8; c++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[c], bcast4(xq + 4 * c)));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-#endif
+static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256i bytes_to_i32(const void *p, int is_signed) { /* 8 bytes, one per row */
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
 }
 
-static inline __m256i dot_q8(const __m256i *w, const int8_t *xq) {
+/* The integer dot product of chunks c0 .. c0 + nc - 1 (4 codes of each row per chunk) with the block's bytes, in
+ * RG lanes of int32. Without VNNI the 16-bit pair sums of `per` chunks are added before widening: per x 2 x
+ * (largest code) x 127 must stay below 2^15. */
+static inline __m256i dot_chunks(const __m256i *u, const int8_t *xq, int c0, int nc, int per) {
     __m256i dot = _mm256_setzero_si256();
 #if defined(SS_VNNI)
-    for (int c = 0; c < 8; c++) dot = dpbusd(dot, w[c], bcast4(xq + 4 * c));
-#else /* |w| x sign(x, w); each pair sum may reach 2 * 127 * 127, so widen every chunk */
-    for (int c = 0; c < 8; c++) {
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(bcast4(xq + 4 * c), w[c]));
+    (void)per;
+    for (int c = c0; c < c0 + nc; c++) dot = dpbusd(dot, u[c], bcast4(xq + 4 * c));
+#else
+    for (int c = c0; c < c0 + nc; c += per) {
+        __m256i pairs = _mm256_maddubs_epi16(u[c], bcast4(xq + 4 * c));
+        for (int e = 1; e < per; e++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[c + e], bcast4(xq + 4 * (c + e))));
         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
 #endif
     return dot;
 }
 
-/* Block kb of a group: its scales dw, offsets mw and codes u (8 vectors of 4 codes per row). */
-static inline void unpack_block(const void *w, int is_q8, int64_t kb, __m256 *dw, __m256 *mw, __m256i *u) {
-    if (is_q8) {
-        const group_q8 *b = (const group_q8 *)w + kb;
-        prefetch_ahead(b, sizeof *b);
-        *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
-        *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-(float)Q8_OFFSET));
-        for (int c = 0; c < 8; c++) u[c] = _mm256_loadu_si256((const __m256i *)b->qs[c]);
-    } else {
-        const group_q4 *b = (const group_q4 *)w + kb;
-        prefetch_ahead(b, sizeof *b);
-        *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
-        *mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->m));
-        const __m256i low = _mm256_set1_epi8(0x0F);
-        for (int v = 0; v < 4; v++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)b->qs[v]);
-            u[v] = _mm256_and_si256(raw, low);
-            u[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+static inline __m256i dot_q8(const __m256i *w, const int8_t *xq) {
+#if defined(SS_VNNI)
+    return dot_chunks(w, xq, 0, 8, 8);
+#else /* |w| x sign(x, w); each pair sum may reach 2 * 127 * 127, so widen every chunk */
+    __m256i dot = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(bcast4(xq + 4 * c), w[c]));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return dot;
+#endif
+}
+
+/* A block's full dot product for a format of unsigned codes (all but Q8). */
+static inline __m256i dot_block(const __m256i *u, const int8_t *xq, const int fmt) {
+    if (fmt == FMT_Q8) return dot_q8(u, xq);
+    return dot_chunks(u, xq, 0, 8, fmt == FMT_Q4 || fmt == FMT_Q4K ? 8 : 4);
+}
+
+/* Codes from nibbles (group_q4's qs layout), then the fifth bit (group_q5's qh) or bits 4-5 (group_q6k's qh). */
+static inline void nibbles(const uint8_t (*qs)[RG * 4], __m256i *u) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int v = 0; v < 4; v++) {
+        const __m256i raw = load32(qs[v]);
+        u[v] = _mm256_and_si256(raw, low);
+        u[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+}
+static inline void fifth_bits(const uint8_t *qh, __m256i *u) {
+    const __m256i h = load32(qh), one = _mm256_set1_epi8(1);
+    for (int c = 0; c < 8; c++)
+        u[c] = _mm256_or_si256(u[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, c), one), 4));
+}
+static inline void high_pairs(const uint8_t (*qh)[RG * 4], __m256i *u) {
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int p = 0; p < 2; p++) {
+        const __m256i h = load32(qh[p]);
+        for (int i = 0; i < 4; i++)
+            u[4 * p + i] = _mm256_or_si256(u[4 * p + i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i), three), 4));
+    }
+}
+
+/* A K format's super-block is one unit of 8 blocks: fetched ahead once, at its first block. */
+static inline void prefetch_unit(const void *unit, size_t bytes, int64_t kb) {
+    if ((kb & 7) == 0) prefetch_ahead_bytes(unit, bytes, 2 * bytes);
+}
+
+/* Block kb of a group of any format but Q6_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per
+ * row). */
+static inline void unpack_block(const void *w, const int fmt, int64_t kb, __m256 *dw, __m256 *mw, __m256i *u) {
+    switch (fmt) {
+        case FMT_Q8: {
+            const group_q8 *b = (const group_q8 *)w + kb;
+            prefetch_ahead(b, sizeof *b);
+            *dw = f16x8(b->d);
+            *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-(float)Q8_OFFSET));
+            for (int c = 0; c < 8; c++) u[c] = load32(b->qs[c]);
+            break;
+        }
+        case FMT_Q4: {
+            const group_q4 *b = (const group_q4 *)w + kb;
+            prefetch_ahead(b, sizeof *b);
+            *dw = f16x8(b->d), *mw = f16x8(b->m);
+            nibbles(b->qs, u);
+            break;
+        }
+        case FMT_Q5: {
+            const group_q5 *b = (const group_q5 *)w + kb;
+            prefetch_ahead(b, sizeof *b);
+            *dw = f16x8(b->d), *mw = f16x8(b->m);
+            nibbles(b->qs, u);
+            fifth_bits(b->qh, u);
+            break;
+        }
+        case FMT_Q4K: {
+            const group_q4k *g = (const group_q4k *)w + kb / 8;
+            const int j = (int)(kb & 7);
+            prefetch_unit(g, sizeof *g, kb);
+            *dw = _mm256_mul_ps(f16x8(g->d), _mm256_cvtepi32_ps(bytes_to_i32(g->sc[j], 0)));
+            *mw = _mm256_mul_ps(f16x8(g->dmin),
+                                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), bytes_to_i32(g->mn[j], 0))));
+            nibbles(g->qs[j], u);
+            break;
+        }
+        default: { /* FMT_Q5K */
+            const group_q5k *g = (const group_q5k *)w + kb / 8;
+            const int j = (int)(kb & 7);
+            prefetch_unit(g, sizeof *g, kb);
+            *dw = _mm256_mul_ps(f16x8(g->d), _mm256_cvtepi32_ps(bytes_to_i32(g->sc[j], 0)));
+            *mw = _mm256_mul_ps(f16x8(g->dmin),
+                                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), bytes_to_i32(g->mn[j], 0))));
+            nibbles(g->qs[j], u);
+            fifth_bits(g->qh[j], u);
+            break;
         }
     }
 }
 
-/* The group kernel for `rows` activation rows: inlined into one copy per (format, rows), whose constant row
- * count unrolls the loops and keeps the accumulators in registers. */
-static inline __attribute__((always_inline)) void group_rows(const void *w, const int is_q8, const block_q8a *const *x,
+/* The group kernel for `rows` activation rows of one format: inlined into one copy per (format, rows), whose
+ * constants fold the format's branches, unroll the loops and keep the accumulators in registers. */
+static inline __attribute__((always_inline)) void group_rows(const void *w, const int fmt, const block_q8a *const *x,
                                                              const int rows, int64_t nb, float *out) {
     __m256 acc[4];
     for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t kb = 0; kb < nb; kb++) {
-        __m256 dw, mw;
-        __m256i u[8];
-        unpack_block(w, is_q8, kb, &dw, &mw, u);
-        for (int i = 0; i < rows; i++) {
-            const block_q8a *xb = x[i] + kb;
-            const __m256 dot = _mm256_cvtepi32_ps(is_q8 ? dot_q8(u, xb->qs) : dot_q4(u, xb->qs));
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
-            acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
+    if (fmt == FMT_Q6K) {
+        /* per half block h: s_h (D_h - 32 h_h), D_h the codes' dot product, summed in integers */
+        for (int64_t kb = 0; kb < nb; kb++) {
+            const group_q6k *g = (const group_q6k *)w + kb / 8;
+            const int j = (int)(kb & 7);
+            prefetch_unit(g, sizeof *g, kb);
+            const __m256 dw = f16x8(g->d);
+            const __m256i s0 = bytes_to_i32(g->sc[2 * j], 1), s1 = bytes_to_i32(g->sc[2 * j + 1], 1);
+            __m256i u[8];
+            nibbles(g->ql[j], u);
+            high_pairs(g->qh[j], u);
+            for (int i = 0; i < rows; i++) {
+                const block_q8a *xb = x[i] + kb;
+                const __m256i d0 = _mm256_sub_epi32(dot_chunks(u, xb->qs, 0, 4, 2), _mm256_set1_epi32(32 * xb->h[0]));
+                const __m256i d1 = _mm256_sub_epi32(dot_chunks(u, xb->qs, 4, 4, 2), _mm256_set1_epi32(32 * xb->h[1]));
+                const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(s0, d0), _mm256_mullo_epi32(s1, d1));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
+            }
+        }
+    } else {
+        for (int64_t kb = 0; kb < nb; kb++) {
+            __m256 dw, mw;
+            __m256i u[8];
+            unpack_block(w, fmt, kb, &dw, &mw, u);
+            for (int i = 0; i < rows; i++) {
+                const block_q8a *xb = x[i] + kb;
+                const __m256 dot = _mm256_cvtepi32_ps(dot_block(u, xb->qs, fmt));
+                acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
+                acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
+            }
         }
     }
     for (int i = 0; i < rows; i++) _mm256_storeu_ps(out + i * RG, acc[i]);

@@ -26,26 +26,8 @@ typedef struct {
 } wide_block;
 
 /* Groups ga and gb (gb NULL: zero codes and scales) block by block into out[nb]. */
-static void wide_unpack(const uint8_t *ga, const uint8_t *gb, int is_q8, int64_t nb, wide_block *out) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t kb = 0; kb < nb; kb++) {
-        wide_block *o = out + kb;
-        if (is_q8) {
-            const group_q8 *a = (const group_q8 *)ga + kb, *b = gb != NULL ? (const group_q8 *)gb + kb : NULL;
-            for (int c = 0; c < 8; c++) o->u[c] = join_groups(a->qs[c], b != NULL ? b->qs[c] : NULL);
-            o->dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
-            o->mw = _mm512_mul_ps(o->dw, _mm512_set1_ps(-(float)Q8_OFFSET));
-        } else {
-            const group_q4 *a = (const group_q4 *)ga + kb, *b = gb != NULL ? (const group_q4 *)gb + kb : NULL;
-            for (int v = 0; v < 4; v++) {
-                const __m512i raw = join_groups(a->qs[v], b != NULL ? b->qs[v] : NULL);
-                o->u[v] = _mm512_and_si512(raw, low);
-                o->u[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            }
-            o->dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
-            o->mw = join_groups_f16(a->m, b != NULL ? b->m : NULL);
-        }
-    }
+static void wide_unpack(const uint8_t *ga, const uint8_t *gb, int fmt, int64_t nb, wide_block *out) {
+    for (int64_t kb = 0; kb < nb; kb++) unpack16(ga, gb, fmt, kb, out[kb].u, &out[kb].dw, &out[kb].mw);
 }
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -100,14 +82,14 @@ static inline void store_row(void *y, int out_dtype, int64_t base, __mmask16 kee
 
 static void wide_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const block_q8a *xq, int64_t m,
                             void *y, int out_dtype, int64_t ldy, wide_block *wb) {
-    const int is_q8 = wtype == GGML_Q8_0;
+    const int fmt = format_of(wtype);
     const int64_t nb = k / QK, groups = (n + RG - 1) / RG, tiles = (groups + 1) / 2;
-    const int64_t group_bytes = nb * (int64_t)(is_q8 ? sizeof(group_q8) : sizeof(group_q4));
+    const int64_t group_bytes = group_bytes_of(fmt, nb);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *ga = (const uint8_t *)w + 2 * t * group_bytes;
         const uint8_t *gb = 2 * t + 1 < groups ? ga + group_bytes : NULL;
-        wide_unpack(ga, gb, is_q8, nb, wb);
+        wide_unpack(ga, gb, fmt, nb, wb);
         const int cols = n - 2 * t * RG >= 16 ? 16 : (int)(n - 2 * t * RG);
         const __mmask16 keep = (__mmask16)((1u << cols) - 1);
         for (int64_t i0 = 0; i0 < m; i0 += WIDE_ROWS) {
@@ -122,6 +104,7 @@ static void wide_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, cons
 int wide_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
                       int out_dtype, int64_t ldy, int threads) {
     const int64_t nb = k / QK;
+    if (format_of(wtype) == FMT_Q6K) return -1; /* its half-block scales: the group kernels */
     wide_block *buffers = aligned_alloc(64, sizeof(wide_block) * (size_t)(nb * threads));
     if (buffers == NULL) return -1;
 #pragma omp parallel num_threads(threads)
