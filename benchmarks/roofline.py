@@ -1,6 +1,6 @@
 """Decode against memory bandwidth, prefill against peak arithmetic, and where a single-stream decode step goes.
 
-    .venv/bin/python benchmarks/roofline.py [--threads 2]
+    .venv/bin/python benchmarks/roofline.py [--threads 2] [--model PATH.gguf --skip-profiles]
 
 In this process (no server):
 - **Bandwidth:** a STREAM-like triad ``a = b + s * c`` over three 512 MiB float32 arrays, with the engine's
@@ -58,15 +58,17 @@ def engine(threads: int, quantization: str = "auto", dtype: str = "auto") -> Any
     from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from splitserve.worker.build import build_engine
 
-    model = ModelConfig(
-        model="smollm2", max_model_len=4096, num_threads=threads, quantization=quantization, dtype=dtype
-    )
+    model = ModelConfig(model=MODEL[0], max_model_len=4096, num_threads=threads, quantization=quantization, dtype=dtype)
     config = EngineConfig(
         model=model,
         cache=CacheConfig(kv_cache_memory="1GiB", enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
     )
     return build_engine(config)
+
+
+# The model measured: the packaged SmolLM2 GGUF, or the file --model names
+MODEL: list[str] = ["smollm2"]
 
 
 def prefill_isa(isa_class: str, dtype: str) -> str:
@@ -207,9 +209,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="float32 for the AVX2 class (see serving_vs_peers.py --isa)")
+    parser.add_argument("--model", default="smollm2", help="a GGUF file (benchmarks/sized_checkpoint.py makes some)")
+    parser.add_argument("--skip-profiles", action="store_true", help="only the roofline, not the per-part profiles")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "roofline.json")
     args = parser.parse_args()
+    MODEL[0] = args.model
     if args.child:
         quantization, _, step = args.child.partition(":")
         if step == "0":
@@ -219,13 +224,18 @@ def main() -> None:
     results: dict[str, Any] = {"roofline": measure(args.threads, args.dtype), "profiles": {}}
     print(json.dumps(results["roofline"], indent=2), flush=True)
     for label, child in (
-        ("before: bf16 + PyTorch int4, module by module", "int4:0"),
-        ("quantized kernels, module by module", "auto:0"),
-        ("quantized kernels, one-call decode step (default)", "auto:1"),
+        ()
+        if args.skip_profiles
+        else (
+            ("before: bf16 + PyTorch int4, module by module", "int4:0"),
+            ("quantized kernels, module by module", "auto:0"),
+            ("quantized kernels, one-call decode step (default)", "auto:1"),
+        )
     ):
         if child.startswith("int4") and args.dtype not in ("auto", "bfloat16"):
             continue  # PyTorch's int4 kernel was the bfloat16 path
-        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--dtype", args.dtype, "--child", child]
+        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--dtype", args.dtype, "--model", args.model]
+        cmd += ["--child", child]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results["profiles"][label] = json.loads(out.strip().splitlines()[-1])
         print(label, results["profiles"][label], flush=True)

@@ -221,10 +221,13 @@ def lscpu() -> dict[str, str]:
     return {"model_name": fields.get("Model name", "").strip(), "flags": fields.get("Flags", "").strip()}
 
 
-def run_vllm(vllm_python: str, logs: Path, env: dict[str, str], label: str, dtype: str) -> dict[str, Any]:
+def run_vllm(
+    vllm_python: str, logs: Path, env: dict[str, str], label: str, dtype: str, hf_folder: Path | None = None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "smollm2-hf"
-        export_hf_folder(folder)
+        folder = hf_folder or Path(tmp) / "smollm2-hf"
+        if hf_folder is None:
+            export_hf_folder(folder)
         port = free_port()
         cmd = [
             vllm_python,
@@ -261,6 +264,10 @@ def main() -> None:
     parser.add_argument(
         "--gguf", help="serve this GGUF file (e.g. a Q4_K_M of llama-quantize) in splitserve and llama.cpp instead"
     )
+    parser.add_argument("--hf-folder", type=Path, help="the folder vLLM serves with --gguf (the GGUF's source)")
+    parser.add_argument(
+        "--skip-unquantized", action="store_true", help="leave out splitserve with --quantization none (large models)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serving_vs_peers.json")
     args = parser.parse_args()
     if args.gguf:
@@ -278,9 +285,10 @@ def main() -> None:
     isa_env = AVX2_ENV if args.isa == "avx2" else {}
     dtype = "float32" if args.isa == "avx2" and args.dtype == "auto" else args.dtype
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("splitserve", lambda: run_splitserve(dtype, "auto", logs, isa_env)),
-        ("splitserve-unquantized", lambda: run_splitserve(dtype, "none", logs, isa_env)),
+        ("splitserve", lambda: run_splitserve(dtype, "auto", logs, isa_env))
     ]
+    if not args.skip_unquantized:
+        runs.append(("splitserve-unquantized", lambda: run_splitserve(dtype, "none", logs, isa_env)))
     if args.llama_server:
         runs.append(("llama.cpp", lambda: run_llama_server(args.llama_server, logs, isa_env)))
     if args.vllm_python:
@@ -288,7 +296,7 @@ def main() -> None:
         if args.isa == "avx2":
             both["PYTHONPATH"] = str(REPO / "benchmarks" / "avx2_stand_in")
         vdtype = vllm_dtype(args.isa)
-        runs.append((f"vllm-{vdtype}", lambda: run_vllm(args.vllm_python, logs, both, "vllm", vdtype)))
+        runs.append((f"vllm-{vdtype}", lambda: run_vllm(args.vllm_python, logs, both, "vllm", vdtype, args.hf_folder)))
     if args.transformers:
         runs.append(("transformers", lambda: run_transformers("bfloat16" if dtype == "auto" else dtype)))
     for name, run in runs:

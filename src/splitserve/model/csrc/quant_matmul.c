@@ -342,6 +342,7 @@ static int quantized_product(const block_q8a *xq, int64_t m, int64_t k, const vo
 #endif
 #if defined(SS_WIDE)
     if (m >= WIDE_MIN_ROWS && wide_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) return 0;
+    if (m < WIDE_MIN_ROWS && stream_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) return 0;
 #endif
     const int fmt = format_of(wtype);
 #pragma omp parallel num_threads(threads)

@@ -122,9 +122,13 @@ static inline void high_pairs(const uint8_t (*qh)[RG * 4], __m256i *u) {
     }
 }
 
-/* A K format's super-block is one unit of 8 blocks: fetched ahead once, at its first block. */
+#ifndef K_AHEAD
+#define K_AHEAD 2
+#endif
+/* A K format's super-block is one unit of 8 blocks: each block asks for an eighth of the one K_AHEAD ahead. */
 static inline void prefetch_unit(const void *unit, size_t bytes, int64_t kb) {
-    if ((kb & 7) == 0) prefetch_ahead_bytes(unit, bytes, 2 * bytes);
+    const size_t part = (bytes / 8 + 63) & ~(size_t)63, at = (size_t)(kb & 7) * part;
+    if (at < bytes) prefetch_ahead_bytes((const char *)unit + at, part, K_AHEAD * bytes);
 }
 
 /* Block kb of a group of any format but Q6_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per

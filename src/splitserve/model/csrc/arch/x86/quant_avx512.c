@@ -101,6 +101,113 @@ static void wide_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, cons
     }
 }
 
+/* Up to 4 activation rows (a decode step's) straight from the repacked groups, two groups (16 weight rows) per
+ * 512-bit vector and no buffer: half the instructions per weight byte of the 256-bit group kernels, which a
+ * single stream's step, bound by how fast one core can pull weights through, feels (a 1B-sized pass of Q4_K
+ * weights at one row: 34 -> 29 ms on 2 AMX-class cores, Q6_K 55 -> 48; software prefetch made no difference
+ * here). The same integers and float operations as every other kernel: a row's bits do not change. */
+/* Block kb of two Q6_K groups (gb NULL: zeros) for 16 weight rows: the codes, d, and the two half blocks' integer
+ * scales. */
+static inline void unpack16_q6k(const uint8_t *ga, const uint8_t *gb, int64_t kb, __m512i *u, __m512 *dw, __m512i *s0,
+                                __m512i *s1) {
+    const group_q6k *a = (const group_q6k *)ga + kb / 8, *b = gb != NULL ? (const group_q6k *)gb + kb / 8 : NULL;
+    const int j = (int)(kb & 7);
+    const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    *dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
+    for (int h = 0; h < 2; h++) {
+        const __m128i lo = _mm_loadl_epi64((const __m128i *)a->sc[2 * j + h]);
+        const __m128i hi = b != NULL ? _mm_loadl_epi64((const __m128i *)b->sc[2 * j + h]) : _mm_setzero_si128();
+        *(h == 0 ? s0 : s1) = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi));
+    }
+    for (int v = 0; v < 4; v++) {
+        const __m512i raw = join_groups(a->ql[j][v], b != NULL ? b->ql[j][v] : NULL);
+        u[v] = _mm512_and_si512(raw, low);
+        u[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    for (int p = 0; p < 2; p++) {
+        const __m512i h = join_groups(a->qh[j][p], b != NULL ? b->qh[j][p] : NULL);
+        for (int i = 0; i < 4; i++)
+            u[4 * p + i] = _mm512_or_si512(u[4 * p + i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * i), three), 4));
+    }
+}
+
+static inline __attribute__((always_inline)) void stream_rows(const uint8_t *ga, const uint8_t *gb, const int fmt,
+                                                              const block_q8a *const *x, const int rows, int64_t nb,
+                                                              __m512 *acc) {
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < nb; kb++) {
+        __m512i u[8];
+        __m512 dw, mw;
+        if (fmt == FMT_Q6K) { /* per half block h: s_h (D_h - 32 h_h), summed in integers (quant.h) */
+            __m512i s0, s1;
+            unpack16_q6k(ga, gb, kb, u, &dw, &s0, &s1);
+            for (int r = 0; r < rows; r++) {
+                const block_q8a *xb = x[r] + kb;
+                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    d0 = _mm512_dpbusd_epi32(d0, u[c], bcast4(xb->qs + 4 * c));
+                    d1 = _mm512_dpbusd_epi32(d1, u[c + 4], bcast4(xb->qs + 4 * (c + 4)));
+                }
+                d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(32 * xb->h[0]));
+                d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(32 * xb->h[1]));
+                const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(s0, d0), _mm512_mullo_epi32(s1, d1));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[r]);
+            }
+            continue;
+        }
+        unpack16(ga, gb, fmt, kb, u, &dw, &mw);
+        for (int r = 0; r < rows; r++) {
+            const block_q8a *xb = x[r] + kb;
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, u[c], bcast4(xb->qs + 4 * c));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[r]);
+        }
+    }
+}
+
+#define SS_STREAM_ROWS(F)                                                 \
+    switch (rows) {                                                       \
+        case 1: stream_rows(ga, gb, F, x, 1, nb, acc); break;             \
+        case 2: stream_rows(ga, gb, F, x, 2, nb, acc); break;             \
+        case 3: stream_rows(ga, gb, F, x, 3, nb, acc); break;             \
+        default: stream_rows(ga, gb, F, x, 4, nb, acc); break;            \
+    }
+
+static void stream_tile(const uint8_t *ga, const uint8_t *gb, int fmt, const block_q8a *const *x, int rows, int64_t nb,
+                        __m512 *acc) {
+    switch (fmt) {
+        case FMT_Q4: SS_STREAM_ROWS(FMT_Q4) break;
+        case FMT_Q5: SS_STREAM_ROWS(FMT_Q5) break;
+        case FMT_Q8: SS_STREAM_ROWS(FMT_Q8) break;
+        case FMT_Q4K: SS_STREAM_ROWS(FMT_Q4K) break;
+        case FMT_Q5K: SS_STREAM_ROWS(FMT_Q5K) break;
+        default: SS_STREAM_ROWS(FMT_Q6K) break;
+    }
+}
+#undef SS_STREAM_ROWS
+
+int stream_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
+                        int out_dtype, int64_t ldy, int threads) {
+    const int fmt = format_of(wtype);
+    if (m > 4) return -1;
+    const int64_t nb = k / QK, groups = (n + RG - 1) / RG, tiles = (groups + 1) / 2;
+    const int64_t group_bytes = group_bytes_of(fmt, nb);
+    const block_q8a *x[4];
+    for (int64_t r = 0; r < m; r++) x[r] = xq + r * nb;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *ga = (const uint8_t *)w + 2 * t * group_bytes;
+        const uint8_t *gb = 2 * t + 1 < groups ? ga + group_bytes : NULL;
+        const int cols = n - 2 * t * RG >= 16 ? 16 : (int)(n - 2 * t * RG);
+        const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+        __m512 acc[4];
+        stream_tile(ga, gb, fmt, x, (int)m, nb, acc);
+        for (int r = 0; r < m; r++) store_row(y, out_dtype, r * ldy + 2 * t * RG, keep, acc[r]);
+    }
+    return 0;
+}
+
 int wide_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
                       int out_dtype, int64_t ldy, int threads) {
     const int64_t nb = k / QK;
