@@ -210,6 +210,14 @@ def test_safetensors_folder_round_trip(tmp_path: Path, tie: bool) -> None:
     torch.testing.assert_close(our_logits(config, state, ids), expected, rtol=0, atol=1e-5)
 
 
+def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
+    tiny_hf(tie=True).save_pretrained(str(tmp_path), safe_serialization=True)
+    (weights,) = tmp_path.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:5000])  # an interrupted download
+    with pytest.raises(ValueError, match=r"model\.safetensors \(5,000 bytes\) is truncated or corrupt"):
+        load_safetensors_folder(tmp_path)
+
+
 def test_non_llama_folder_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):

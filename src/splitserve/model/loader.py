@@ -287,9 +287,16 @@ def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """Each file's tensors; a file cut short or corrupt is a ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            size = file.stat().st_size
+            raise ValueError(
+                f"{file} ({size:,} bytes) is truncated or corrupt (an incomplete download?): {exc}"
+            ) from exc
