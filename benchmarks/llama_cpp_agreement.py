@@ -16,7 +16,7 @@ two strays from the weights' own answer.
 With ``--llama-quantize`` (``cmake --build <llama.cpp build> --target llama-quantize``), also the K-quant files
 llama.cpp's own quantizer makes: SmolLM2 from its Hugging Face folder in Q4_K_M, Q5_K_M and Q6_K (at its width,
 576, most matrices fall back to Q5_0/Q5_1/Q8_0, and the 1,536-wide down projections are K-quants), and each random
-checkpoint (256 wide: every matrix a K-quant) in Q4_K_M.
+checkpoint (256 wide: every matrix a K-quant) in each of ``--random-kquants`` (Q4_K_M by default).
 
 Both compute 8-bit activations times the GGUF's blocks, but not in the same order (llama.cpp sums a row's blocks in
 its own order and computes attention in float16 or float32 its way), so they part at a near-tie sooner or later;
@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--llama-server", required=True)
     parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary: also the K-quant files")
     parser.add_argument("--hf-folder", type=Path, default=Path("~/.cache/splitserve/hf/smollm2-135m-instruct"))
+    parser.add_argument("--random-kquants", nargs="+", default=["Q4_K_M"], help="the random checkpoints' K files")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llama_cpp_agreement.json"))
@@ -158,10 +159,12 @@ def main() -> None:
             results[case.name] = compare(case.name, args.llama_server, gguf_path, randoms, args.tokens, root)
             if args.llama_quantize:
                 f16 = convert_to_gguf(folder, root / f"{case.name}-f16.gguf", "f16")
-                path = llama_quantize(args.llama_quantize, f16, root / f"{case.name}-q4_k_m.gguf", "Q4_K_M")
-                results[f"{case.name}-q4_k_m"] = compare(
-                    f"{case.name} Q4_K_M", args.llama_server, path, randoms, args.tokens, root
-                )
+                for qtype in args.random_kquants:
+                    label = f"{case.name}-{qtype.lower()}"
+                    path = llama_quantize(args.llama_quantize, f16, root / f"{label}.gguf", qtype)
+                    results[label] = compare(
+                        f"{case.name} {qtype}", args.llama_server, path, randoms, args.tokens, root
+                    )
     write_result(args.out, "llama_cpp_agreement", args, results)
 
 

@@ -1,4 +1,4 @@
-"""A plain quantizer for llama.cpp's K-quant formats (Q4_K, Q5_K, Q6_K), for tests: the ``gguf`` package
+"""A plain quantizer for llama.cpp's K-quant formats (Q3_K, Q4_K, Q5_K, Q6_K), for tests: the ``gguf`` package
 dequantizes them but cannot make them. Scales come from each block's range (no search for the best scale, as
 ``llama-quantize`` does), so the blocks are valid and close to the weights, not the ones llama.cpp would write.
 Checked against ``gguf.quants.dequantize``."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-K_TYPES = (Q4_K, Q5_K, Q6_K)
+Q3_K, Q4_K, Q5_K, Q6_K = 11, 12, 13, 14
+K_TYPES = (Q3_K, Q4_K, Q5_K, Q6_K)
 QK_K = 256
 
 
@@ -64,6 +64,8 @@ def quantize_k(weight: np.ndarray, wtype: int) -> np.ndarray:
             parts.append(qh)
         parts.append(qs)
         return np.concatenate(parts, axis=-1).reshape(n, -1)
+    if wtype == Q3_K:
+        return _quantize_q3_k(w.reshape(n, supers, 16, 16))
     if wtype != Q6_K:
         raise ValueError(f"not a K-quant type: {wtype}")
     halves = w.reshape(n, supers, 16, 16)
@@ -83,4 +85,32 @@ def quantize_k(weight: np.ndarray, wtype: int) -> np.ndarray:
     ).reshape(n, supers, 128)
     qh = (u[:, :, :, 0] >> 4) | ((u[:, :, :, 1] >> 4) << 2) | ((u[:, :, :, 2] >> 4) << 4) | ((u[:, :, :, 3] >> 4) << 6)
     parts = [ql, qh.reshape(n, supers, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, supers, 2)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def _quantize_q3_k(halves: np.ndarray) -> np.ndarray:
+    """[n, supers, 16, 16] -> Q3_K blocks: w = d (sc - 32) v, v in -4..3 (2 low bits and a mask bit) per 16."""
+    n, supers = halves.shape[:2]
+    scale = np.abs(halves).max(axis=-1) / 4.0
+    d = _f16(scale.max(axis=-1) / 31.0)
+    df = d.astype(np.float32)[..., None]
+    s = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int32)
+    step = (df * s)[..., None]
+    v = np.clip(np.round(np.divide(halves, step, out=np.zeros_like(halves), where=step != 0)), -4, 3).astype(np.int32)
+    v = v.reshape(n, supers, 2, 4, 32)  # weight 128 half + 32 j + l
+    low, high = (v & 3).astype(np.uint8), (v >= 0).astype(np.uint8)
+    qs = np.zeros((n, supers, 2, 32), dtype=np.uint8)
+    hmask = np.zeros((n, supers, 32), dtype=np.uint8)
+    for half in range(2):
+        for j in range(4):
+            qs[:, :, half] |= low[:, :, half, j] << (2 * j)
+            hmask |= high[:, :, half, j] << (4 * half + j)
+    sc = (s + 32).astype(np.uint8)  # [n, supers, 16]
+    scales = np.zeros((n, supers, 12), dtype=np.uint8)
+    scales[..., 0:4] = (sc[..., 0:4] & 0x0F) | ((sc[..., 8:12] & 0x0F) << 4)
+    scales[..., 4:8] = (sc[..., 4:8] & 0x0F) | ((sc[..., 12:16] & 0x0F) << 4)
+    scales[..., 8:12] = (
+        (sc[..., 0:4] >> 4) | ((sc[..., 4:8] >> 4) << 2) | ((sc[..., 8:12] >> 4) << 4) | ((sc[..., 12:16] >> 4) << 6)
+    )
+    parts = [hmask, qs.reshape(n, supers, 64), scales, d.view(np.uint8).reshape(n, supers, 2)]
     return np.concatenate(parts, axis=-1).reshape(n, -1)

@@ -15,7 +15,7 @@
 
 enum {
     GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
-    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+    GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
 };
 #define QK 32
 #define QK_K 256 /* a K-quant super-block: 8 blocks of 32 */
@@ -56,6 +56,12 @@ typedef struct {
     uint8_t qs[QK_K / 2];
 } block_q5_K;
 typedef struct {
+    uint8_t hmask[QK_K / 8]; /* bit 4 of a weight's code, as a mask: clear means 4 below its 2 low bits */
+    uint8_t qs[QK_K / 4];
+    uint8_t scales[12]; /* 16 6-bit scales, stored + 32 */
+    uint16_t d;
+} block_q3_K;
+typedef struct {
     uint8_t ql[QK_K / 2];
     uint8_t qh[QK_K / 4];
     int8_t scales[QK_K / 16];
@@ -80,7 +86,8 @@ typedef struct {
  * Q5_0/Q5_1 (5-bit u: a fifth bit beside the nibbles), Q8_0 (as stored, or + Q8_OFFSET), Q4_K/Q5_K (d_w = d sc
  * and m_w = -dmin mn, products exact in float32: an fp16 times a 6-bit integer). Q6_K's scales change every 16
  * weights, so its rows keep integer scales per half block: w = d sc_h (u - 32), summed in integers (d sc_0 (D_0
- * - 32 h_0) + ...) before the one float scale d. The K formats keep a super-block's scales as the file does (one
+ * - 32 h_0) + ...) before the one float scale d. Q3_K (w = d (sc - 32) (q - 4) per 16 weights, q 3 bits) is the same
+ * sum: it repacks into Q6_K's groups with u = q + 28 and scales sc - 32, without loss. The K formats keep a super-block's scales as the file does (one
  * fp16 d per 256 weights and small integers per block), so their groups are as compact as the file. */
 #if defined(SS_NEON)
 #define RG 4
@@ -139,6 +146,7 @@ static inline int format_of(int wtype) {
         case GGML_Q8_0: return FMT_Q8;
         case GGML_Q4_K: return FMT_Q4K;
         case GGML_Q5_K: return FMT_Q5K;
+        case GGML_Q3_K:
         case GGML_Q6_K: return FMT_Q6K;
         default: return -1;
     }

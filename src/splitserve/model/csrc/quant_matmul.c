@@ -28,7 +28,7 @@
 
 _Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20 && sizeof(block_q5_0) == 22 &&
                    sizeof(block_q5_1) == 24 && sizeof(block_q8_0) == 34 && sizeof(block_q4_K) == 144 &&
-                   sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210,
+                   sizeof(block_q3_K) == 110 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210,
                "GGML blocks");
 
 /* A unit of a GGUF row: one block of 32 weights, or a K format's super-block of 256. */
@@ -40,6 +40,7 @@ static int64_t unit_bytes(int wtype) {
         case GGML_Q5_0: return sizeof(block_q5_0);
         case GGML_Q5_1: return sizeof(block_q5_1);
         case GGML_Q8_0: return sizeof(block_q8_0);
+        case GGML_Q3_K: return sizeof(block_q3_K);
         case GGML_Q4_K: return sizeof(block_q4_K);
         case GGML_Q5_K: return sizeof(block_q5_K);
         case GGML_Q6_K: return sizeof(block_q6_K);
@@ -134,6 +135,27 @@ static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
                     if (qh != NULL) lo |= ((qh[l] >> (2 * c)) & 1) << 4, hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
                     o->u[64 * c + l] = (int16_t)lo, o->u[64 * c + 32 + l] = (int16_t)hi;
                 }
+            break;
+        }
+        case GGML_Q3_K: { /* as Q6_K: u - 32 = q - 4, the half blocks' scales sc - 32 (ggml's dequantize_row_q3_K) */
+            const block_q3_K *b = (const block_q3_K *)src;
+            o->d = b->d;
+            uint32_t aux[4];
+            memcpy(aux, b->scales, 12);
+            const uint32_t tmp = aux[2], low4 = 0x0f0f0f0f, two = 0x03030303;
+            aux[2] = ((aux[0] >> 4) & low4) | (((tmp >> 4) & two) << 4);
+            aux[3] = ((aux[1] >> 4) & low4) | (((tmp >> 6) & two) << 4);
+            aux[0] = (aux[0] & low4) | (((tmp >> 0) & two) << 4);
+            aux[1] = (aux[1] & low4) | (((tmp >> 2) & two) << 4);
+            const uint8_t *sc = (const uint8_t *)aux;
+            for (int h = 0; h < 16; h++) o->sc16[h] = (int8_t)(sc[h] - 32);
+            for (int half = 0; half < 2; half++) /* 128 weights from 32 bytes of qs, 2 bits at a time */
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++) {
+                        const int low = (b->qs[32 * half + l] >> (2 * j)) & 3;
+                        const int high = (b->hmask[l] >> (4 * half + j)) & 1;
+                        o->u[128 * half + 32 * j + l] = (int16_t)(low - (high ? 0 : 4) + 32);
+                    }
             break;
         }
         default: { /* GGML_Q6_K */
