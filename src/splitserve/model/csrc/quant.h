@@ -289,7 +289,8 @@ SS_HIDDEN int stream_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, con
  * 4.3 KB for Q8_0). The hardware prefetcher alone left a single-stream step's 96 MB of weights streaming at
  * 16-17 GB/s on an AMX VM whose L3 share held none of them; with 16 blocks ahead, 20-31 GB/s (4 rows:
  * 12.5-13.3 -> 7.3-8.0 ms for every matrix of the model once; 8 and 32 ahead were slower). A K format's group
- * holds 8 blocks at once, so its kernels ask for the one 2 groups ahead, at its first block. */
+ * holds 8 blocks at once: its kernels ask for the one 2 groups ahead, an eighth at each block (prefetch_k_unit;
+ * 1 and 4 groups ahead were no faster). */
 #define PREFETCH_AHEAD 16
 static inline void prefetch_ahead_bytes(const void *block, size_t bytes, size_t ahead) {
     const char *p = (const char *)block + ahead;
@@ -297,6 +298,12 @@ static inline void prefetch_ahead_bytes(const void *block, size_t bytes, size_t 
 }
 static inline void prefetch_ahead(const void *block, size_t bytes) {
     prefetch_ahead_bytes(block, bytes, PREFETCH_AHEAD * bytes);
+}
+/* A K format's group of 8 blocks (its unit, `bytes` long), read at block kb: each block asks for an eighth of the
+ * unit 2 ahead. */
+static inline void prefetch_k_unit(const void *unit, size_t bytes, int64_t kb) {
+    const size_t part = (bytes / 8 + 63) & ~(size_t)63, at = (size_t)(kb & 7) * part;
+    if (at < bytes) prefetch_ahead_bytes((const char *)unit + at, part, 2 * bytes);
 }
 #endif
 

@@ -40,9 +40,9 @@ static inline void amx_codes(const uint8_t *ga, const uint8_t *gb, int fmt, int6
     if (!is_k_format(fmt)) {
         prefetch_ahead(ga + kb * (int64_t)unit, unit);
         if (gb != NULL) prefetch_ahead(gb + kb * (int64_t)unit, unit);
-    } else if ((kb & 7) == 0) {
-        prefetch_ahead_bytes(ga + kb / 8 * (int64_t)unit, unit, 2 * unit);
-        if (gb != NULL) prefetch_ahead_bytes(gb + kb / 8 * (int64_t)unit, unit, 2 * unit);
+    } else {
+        prefetch_k_unit(ga + kb / 8 * (int64_t)unit, unit, kb);
+        if (gb != NULL) prefetch_k_unit(gb + kb / 8 * (int64_t)unit, unit, kb);
     }
     __m512i u[8];
     unpack16(ga, gb, fmt, kb, u, dw, mw);

@@ -122,13 +122,11 @@ static inline void high_pairs(const uint8_t (*qh)[RG * 4], __m256i *u) {
     }
 }
 
-#ifndef K_AHEAD
-#define K_AHEAD 2
-#endif
-/* A K format's super-block is one unit of 8 blocks: each block asks for an eighth of the one K_AHEAD ahead. */
-static inline void prefetch_unit(const void *unit, size_t bytes, int64_t kb) {
-    const size_t part = (bytes / 8 + 63) & ~(size_t)63, at = (size_t)(kb & 7) * part;
-    if (at < bytes) prefetch_ahead_bytes((const char *)unit + at, part, K_AHEAD * bytes);
+/* A Q4_K or Q5_K block's scales d_w = d sc and offsets m_w = -dmin mn (exact products) for the group's rows. */
+static inline void k_scales(const uint16_t *d, const uint16_t *dmin, const uint8_t *sc, const uint8_t *mn, __m256 *dw,
+                            __m256 *mw) {
+    *dw = _mm256_mul_ps(f16x8(d), _mm256_cvtepi32_ps(bytes_to_i32(sc, 0)));
+    *mw = _mm256_mul_ps(f16x8(dmin), _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), bytes_to_i32(mn, 0))));
 }
 
 /* Block kb of a group of any format but Q6_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per
@@ -161,20 +159,16 @@ static inline void unpack_block(const void *w, const int fmt, int64_t kb, __m256
         case FMT_Q4K: {
             const group_q4k *g = (const group_q4k *)w + kb / 8;
             const int j = (int)(kb & 7);
-            prefetch_unit(g, sizeof *g, kb);
-            *dw = _mm256_mul_ps(f16x8(g->d), _mm256_cvtepi32_ps(bytes_to_i32(g->sc[j], 0)));
-            *mw = _mm256_mul_ps(f16x8(g->dmin),
-                                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), bytes_to_i32(g->mn[j], 0))));
+            prefetch_k_unit(g, sizeof *g, kb);
+            k_scales(g->d, g->dmin, g->sc[j], g->mn[j], dw, mw);
             nibbles(g->qs[j], u);
             break;
         }
         default: { /* FMT_Q5K */
             const group_q5k *g = (const group_q5k *)w + kb / 8;
             const int j = (int)(kb & 7);
-            prefetch_unit(g, sizeof *g, kb);
-            *dw = _mm256_mul_ps(f16x8(g->d), _mm256_cvtepi32_ps(bytes_to_i32(g->sc[j], 0)));
-            *mw = _mm256_mul_ps(f16x8(g->dmin),
-                                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), bytes_to_i32(g->mn[j], 0))));
+            prefetch_k_unit(g, sizeof *g, kb);
+            k_scales(g->d, g->dmin, g->sc[j], g->mn[j], dw, mw);
             nibbles(g->qs[j], u);
             fifth_bits(g->qh[j], u);
             break;
@@ -193,7 +187,7 @@ static inline __attribute__((always_inline)) void group_rows(const void *w, cons
         for (int64_t kb = 0; kb < nb; kb++) {
             const group_q6k *g = (const group_q6k *)w + kb / 8;
             const int j = (int)(kb & 7);
-            prefetch_unit(g, sizeof *g, kb);
+            prefetch_k_unit(g, sizeof *g, kb);
             const __m256 dw = f16x8(g->d);
             const __m256i s0 = bytes_to_i32(g->sc[2 * j], 1), s1 = bytes_to_i32(g->sc[2 * j + 1], 1);
             __m256i u[8];

@@ -52,14 +52,17 @@ static inline void unpack16_q6k(const uint8_t *ga, const uint8_t *gb, int64_t kb
     }
 }
 
-/* Groups ga and gb (gb NULL: zero codes and scales) block by block into out[nb]. */
+/* Block kb of groups ga and gb (gb NULL: zero codes and scales), any format. */
+static inline void wide_unpack_block(const uint8_t *ga, const uint8_t *gb, const int fmt, int64_t kb, wide_block *out) {
+    if (fmt == FMT_Q6K)
+        unpack16_q6k(ga, gb, kb, out->u, &out->dw, &out->s0, &out->s1);
+    else
+        unpack16(ga, gb, fmt, kb, out->u, &out->dw, &out->mw);
+}
+
+/* Groups ga and gb block by block into out[nb]. */
 static void wide_unpack(const uint8_t *ga, const uint8_t *gb, int fmt, int64_t nb, wide_block *out) {
-    for (int64_t kb = 0; kb < nb; kb++) {
-        if (fmt == FMT_Q6K)
-            unpack16_q6k(ga, gb, kb, out[kb].u, &out[kb].dw, &out[kb].s0, &out[kb].s1);
-        else
-            unpack16(ga, gb, fmt, kb, out[kb].u, &out[kb].dw, &out[kb].mw);
-    }
+    for (int64_t kb = 0; kb < nb; kb++) wide_unpack_block(ga, gb, fmt, kb, out + kb);
 }
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -68,39 +71,41 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* acc plus one unpacked block's product with one activation row's block, for the tile's 16 weight rows: the
+ * integers and float operations of every kernel (quant.h), written once for the buffered tiles and the decode
+ * rows alike. */
+static inline __attribute__((always_inline)) __m512 block_row(const wide_block *b, const block_q8a *xb, const int q6k,
+                                                              __m512 acc) {
+    if (q6k) { /* per half block h: s_h (D_h - 32 h_h), summed in integers */
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            d0 = _mm512_dpbusd_epi32(d0, b->u[c], bcast4(xb->qs + 4 * c));
+            d1 = _mm512_dpbusd_epi32(d1, b->u[c + 4], bcast4(xb->qs + 4 * (c + 4)));
+        }
+        d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(32 * xb->h[0]));
+        d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(32 * xb->h[1]));
+        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(b->s0, d0), _mm512_mullo_epi32(b->s1, d1));
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(b->dw, _mm512_set1_ps(xb->d)), acc);
+    }
+    /* two chains of four, added: the same integer as one chain of eight */
+    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->u[0], bcast4(xb->qs));
+    __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->u[1], bcast4(xb->qs + 4));
+    for (int c = 2; c < 8; c += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, b->u[c], bcast4(xb->qs + 4 * c));
+        d1 = _mm512_dpbusd_epi32(d1, b->u[c + 1], bcast4(xb->qs + 4 * c + 4));
+    }
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(b->dw, _mm512_set1_ps(xb->d)), acc);
+    return _mm512_fmadd_ps(b->mw, _mm512_set1_ps(xb->s), acc);
+}
+
 /* `rows` activation rows (nb blocks each, consecutive) x the tile's 16 weight rows, into acc. Inlined into one
  * copy per row count, so the loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void wide_rows(const wide_block *wb, const block_q8a *x, const int rows,
                                                             int64_t nb, const int q6k, __m512 *acc) {
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < nb; kb++) {
-        const wide_block *b = wb + kb;
-        for (int r = 0; r < rows; r++) {
-            const block_q8a *xb = x + r * nb + kb;
-            if (q6k) { /* per half block h: s_h (D_h - 32 h_h), summed in integers (quant.h) */
-                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) {
-                    d0 = _mm512_dpbusd_epi32(d0, b->u[c], bcast4(xb->qs + 4 * c));
-                    d1 = _mm512_dpbusd_epi32(d1, b->u[c + 4], bcast4(xb->qs + 4 * (c + 4)));
-                }
-                d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(32 * xb->h[0]));
-                d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(32 * xb->h[1]));
-                const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(b->s0, d0), _mm512_mullo_epi32(b->s1, d1));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(b->dw, _mm512_set1_ps(xb->d)), acc[r]);
-                continue;
-            }
-            /* two chains of four, added: the same integer as one chain of eight */
-            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->u[0], bcast4(xb->qs));
-            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->u[1], bcast4(xb->qs + 4));
-            for (int c = 2; c < 8; c += 2) {
-                d0 = _mm512_dpbusd_epi32(d0, b->u[c], bcast4(xb->qs + 4 * c));
-                d1 = _mm512_dpbusd_epi32(d1, b->u[c + 1], bcast4(xb->qs + 4 * c + 4));
-            }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(b->dw, _mm512_set1_ps(xb->d)), acc[r]);
-            acc[r] = _mm512_fmadd_ps(b->mw, _mm512_set1_ps(xb->s), acc[r]);
-        }
-    }
+    for (int64_t kb = 0; kb < nb; kb++)
+        for (int r = 0; r < rows; r++) acc[r] = block_row(wb + kb, x + r * nb + kb, q6k, acc[r]);
 }
 
 #define SS_WIDE_ROWS(Q)                                          \
@@ -163,33 +168,9 @@ static inline __attribute__((always_inline)) void stream_rows(const uint8_t *ga,
                                                               __m512 *acc) {
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; kb++) {
-        __m512i u[8];
-        __m512 dw, mw;
-        if (fmt == FMT_Q6K) { /* per half block h: s_h (D_h - 32 h_h), summed in integers (quant.h) */
-            __m512i s0, s1;
-            unpack16_q6k(ga, gb, kb, u, &dw, &s0, &s1);
-            for (int r = 0; r < rows; r++) {
-                const block_q8a *xb = x[r] + kb;
-                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) {
-                    d0 = _mm512_dpbusd_epi32(d0, u[c], bcast4(xb->qs + 4 * c));
-                    d1 = _mm512_dpbusd_epi32(d1, u[c + 4], bcast4(xb->qs + 4 * (c + 4)));
-                }
-                d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(32 * xb->h[0]));
-                d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(32 * xb->h[1]));
-                const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(s0, d0), _mm512_mullo_epi32(s1, d1));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[r]);
-            }
-            continue;
-        }
-        unpack16(ga, gb, fmt, kb, u, &dw, &mw);
-        for (int r = 0; r < rows; r++) {
-            const block_q8a *xb = x[r] + kb;
-            __m512i dot = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, u[c], bcast4(xb->qs + 4 * c));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[r]);
-            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[r]);
-        }
+        wide_block b;
+        wide_unpack_block(ga, gb, fmt, kb, &b);
+        for (int r = 0; r < rows; r++) acc[r] = block_row(&b, x[r] + kb, fmt == FMT_Q6K, acc[r]);
     }
 }
 
