@@ -63,6 +63,8 @@ class Endpoint:
         self.cost_router = router("cost-router", PDDecision.COST)
         for process in [*self.workers, self.router, self.cost_router]:
             process.wait_healthy()
+        for router in (self.router, self.cost_router):
+            router.wait_every_worker_healthy()
 
     def stop(self) -> None:
         for process in [self.router, self.cost_router, *self.workers]:

@@ -47,6 +47,7 @@ class Pair:
         for worker in self.workers:
             worker.wait_healthy()
         self.router.wait_healthy()
+        self.router.wait_every_worker_healthy()  # else the first session could be handed to the other worker
 
     def _worker(self, name: str, port: int | None = None) -> WorkerProcess:
         return WorkerProcess(self.log_dir / f"worker-{name}-{time.monotonic_ns()}.log", self.args, port)
@@ -57,15 +58,11 @@ class Pair:
         old.stop()
         self.workers[index] = self._worker("ab"[index], port=old.port)
         self.workers[index].wait_healthy()
-        wait_until(lambda: self.in_flight_by_worker()[old.url] == 0 and self._all_healthy(), timeout_s=30)
+        wait_until(lambda: self.in_flight_by_worker()[old.url] == 0, timeout_s=30)
+        self.router.wait_every_worker_healthy(timeout_s=30)
 
     def in_flight_by_worker(self) -> dict[str, int]:
-        states = httpx.get(f"{self.router.admin_url}/admin/workers", timeout=5).json()["workers"]
-        return {state["url"]: state["in_flight"] for state in states}
-
-    def _all_healthy(self) -> bool:
-        states = httpx.get(f"{self.router.admin_url}/admin/workers", timeout=5).json()["workers"]
-        return all(state["healthy"] is True for state in states)
+        return {state["url"]: state["in_flight"] for state in self.router.worker_states()}
 
     def stop(self) -> None:
         for process in [self.router, *self.workers]:
@@ -116,6 +113,7 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
     reference = stream_events(f"{router.url}/v1/chat/completions", body)
     expected = chat_text(reference)
     assert reference[-1] == "[DONE]" and len(expected) > 40
+    served_reference = [w for w in pair.workers if w.metric("vllm:request_success_total") > 0]
     # the prompt's KV reaches the shared L2 from the serving worker's writer thread, after the answer began:
     # the survivor can load it only once it is there
     store = redis.Redis.from_url(pair.redis_url)
@@ -135,6 +133,9 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
 
     events = stream_events(f"{router.url}/v1/chat/completions", body, kill_the_serving_worker)
     assert killed, "the stream ended before the worker could be killed"
+    # the session kept both requests on one worker, so the survivor never saw the prompt (else its own cache
+    # answers, and the L2 load below is not what resumed it)
+    assert served_reference == killed, f"the reference ran on {[w.url for w in served_reference]}"
     assert chat_text(events) == expected
     assert events[-1] == "[DONE]"
     assert not any(isinstance(e, dict) and "error" in e for e in events)
@@ -228,10 +229,10 @@ class Disaggregated:
         self.router = RouterProcess(log_dir / "router.log", args)
         for process in [self.prefill, *self.decoders, self.router]:
             process.wait_healthy()
+        self.router.wait_every_worker_healthy()
 
     def in_flight_by_worker(self) -> dict[str, int]:
-        states = httpx.get(f"{self.router.admin_url}/admin/workers", timeout=5).json()["workers"]
-        return {state["url"]: state["in_flight"] for state in states}
+        return {state["url"]: state["in_flight"] for state in self.router.worker_states()}
 
     def stop(self) -> None:
         for process in [self.router, self.prefill, *self.decoders]:

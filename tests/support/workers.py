@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -87,3 +88,17 @@ class RouterProcess(WorkerProcess):
         self.admin_port = free_port()
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         super().__init__(log_path, ["--admin-port", str(self.admin_port), *args], port)
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        """The admin listing of the router's workers (url, role, healthy, in_flight, breaker, ...)."""
+        return list(httpx.get(f"{self.admin_url}/admin/workers", timeout=5).json()["workers"])
+
+    def wait_every_worker_healthy(self, timeout_s: float = 60.0) -> None:
+        """Return once the router's probes have found every worker healthy. Its own ``/health`` is 200 as soon
+        as one is, so a test that cares which worker serves (sessions, migration) waits for this first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(state["healthy"] is True for state in self.worker_states()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"router workers not all healthy after {timeout_s} s: {self.worker_states()}")
