@@ -18,6 +18,7 @@ from splitserve.engine.engine import _max_model_len
 from splitserve.model import registry
 from splitserve.model.config import DecoderConfig
 from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.model.kernels import native
 from splitserve.model.loader import gguf_to_hf_name, hf_decoder_config, load_gguf, load_safetensors_folder
 from splitserve.model.reference import transformers_config
 from splitserve.model.registry import resolve_dtype
@@ -144,19 +145,47 @@ def our_logits(config: DecoderConfig, state: dict[str, torch.Tensor], ids: torch
         gguf.GGMLQuantizationType.Q8_0,
         gguf.GGMLQuantizationType.Q4_0,
         gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.Q5_0,
+        gguf.GGMLQuantizationType.Q5_1,
     ],
     ids=lambda q: q.name,
 )
-def test_gguf_tensors_come_back_unpermuted_and_dequantized(tmp_path: Path, qtype: gguf.GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("native_kernels", ["1", "0"], ids=["native-dequantize", "gguf-dequantize"])
+def test_gguf_tensors_come_back_unpermuted_and_dequantized(
+    tmp_path: Path, qtype: gguf.GGMLQuantizationType, native_kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     hf = tiny_hf(tie=True)
     path = tmp_path / "tiny.gguf"
     write_gguf(path, hf, qtype)
-    config, state = load_gguf(path)
+    monkeypatch.setenv("SPLITSERVE_NATIVE_KERNELS", native_kernels)
+    native.cache_clear()
+    try:
+        config, state = load_gguf(path)
+    finally:
+        native.cache_clear()
     expected = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(state[name], roundtrip(tensor.numpy(), qtype), rtol=0, atol=0, msg=name)
     assert config == TINY
+
+
+def test_a_model_built_around_its_weights_equals_one_loaded_into(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf(tie=False), gguf.GGMLQuantizationType.Q8_0)
+    config, state = load_gguf(path)
+    built = DecoderForCausalLM.from_hf_state_dict(config, state, torch.device("cpu"))
+    loaded = DecoderForCausalLM(config).float()
+    loaded.load_hf_state_dict(state)
+    assert built.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(built.state_dict()[name], tensor), name
+    for name, buffer in loaded.named_buffers():
+        assert torch.equal(dict(built.named_buffers())[name], buffer), name
+    assert all(t.device.type == "cpu" for t in [*built.parameters(), *built.buffers()])
+    with pytest.raises(ValueError, match=r"weights lack tensor 'model\.norm\.weight'"):
+        DecoderForCausalLM.from_hf_state_dict(config, {k: v for k, v in state.items() if k != "model.norm.weight"},
+                                              torch.device("cpu"))  # fmt: skip
 
 
 def test_f32_gguf_gives_transformers_logits(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -229,14 +230,18 @@ def prebuilt(level: IsaLevel) -> Path | None:
 
 
 def prebuild(out_dir: Path, arch: str | None = None) -> list[Path]:
-    """Build every level of ``arch`` (this machine's by default) into ``out_dir``, for an image."""
+    """Build every level of ``arch`` (this machine's by default) into ``out_dir``, for an image (the levels at
+    once, one compiler per core)."""
     compiler = _compiler()
     out_dir.mkdir(parents=True, exist_ok=True)
-    built = []
-    for level in levels_of(arch or platform.machine()):
-        target = out_dir / prebuilt_name(level)
-        _compile(compiler, generic(level), target)
-        built.append(target)
+    levels = levels_of(arch or platform.machine())
+    built = [out_dir / prebuilt_name(level) for level in levels]
+    with ThreadPoolExecutor(max(1, min(len(levels), os.cpu_count() or 1))) as pool:
+        builds = [
+            pool.submit(_compile, compiler, generic(level), target) for level, target in zip(levels, built, strict=True)
+        ]
+        for build in builds:
+            build.result()
     return built
 
 

@@ -19,6 +19,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from splitserve import envs
@@ -187,10 +188,14 @@ class NativeKernels:
             data[header.offset[i] : header.offset[i] + part.nbytes] = part.data
         return PackedWeight(data, MIXED_TYPE, sum(p.n for p in packed), k, self.level.name)
 
-    def dequantize(self, rows: torch.Tensor, wtype: int, k: int) -> torch.Tensor:
-        """GGUF rows ([n, row bytes] uint8) as a float32 [n, k] tensor (the reference the tests compare to)."""
+    def dequantize(self, rows: torch.Tensor | np.ndarray, wtype: int, k: int) -> torch.Tensor:
+        """GGUF rows ([n, row bytes] uint8; a read-only memory map will do) as a float32 [n, k] tensor, equal to
+        ``gguf.quants.dequantize``'s (the loader's, and the reference the tests compare to)."""
+        pointer = rows.data_ptr() if isinstance(rows, torch.Tensor) else rows.ctypes.data
+        if isinstance(rows, np.ndarray) and not rows.flags.c_contiguous:
+            raise ValueError("GGUF rows to dequantize must be contiguous")
         out = torch.empty(rows.shape[0], k, dtype=torch.float32)
-        if wtype not in QUANT_TYPES or self._dequantize(rows.data_ptr(), wtype, k, 0, rows.shape[0], out.data_ptr()):
+        if wtype not in QUANT_TYPES or self._dequantize(pointer, wtype, k, 0, rows.shape[0], out.data_ptr()):
             raise ValueError(f"cannot dequantize GGML type {wtype}")
         return out
 

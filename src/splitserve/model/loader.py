@@ -22,7 +22,8 @@ from gguf.quants import dequantize
 
 from splitserve.model import arch as architectures
 from splitserve.model.config import DecoderConfig
-from splitserve.model.gguf_file import open_gguf
+from splitserve.model.gguf_file import array_length, open_gguf
+from splitserve.model.kernels import QUANT_TYPES, native
 from splitserve.model.rope import gguf_rope, hf_rope
 
 # GGUF leaf name -> Hugging Face name, for tensors inside a block (blk.N.<leaf>.weight).
@@ -174,11 +175,15 @@ def unpermute_gguf_rows(array: np.ndarray, hf_name: str, config: DecoderConfig) 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     """One GGUF tensor as a float32 array in PyTorch's [out, in] order (the reversed GGUF shape)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    kernels = native() if int(tensor.tensor_type) in QUANT_TYPES and len(shape) == 2 else None
+    if kernels is not None:  # the same floats, tens of times faster than gguf's numpy
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+        return kernels.dequantize(blocks, int(tensor.tensor_type), shape[1]).numpy()
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ValueError(f"GGUF tensor {tensor.name!r}: {exc}") from exc
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if not array.flags.writeable or array.dtype != np.float32:
         # F32 tensors come back as a read-only view of the memory map: copy so torch owns the memory.
         array = np.array(array, dtype=np.float32, copy=True)
@@ -196,7 +201,7 @@ def _gguf_scalar_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 def _gguf_token_count(reader: gguf.GGUFReader) -> int | None:
     field = reader.fields.get("tokenizer.ggml.tokens")
-    return None if field is None else len(field.data)
+    return None if field is None else array_length(field)
 
 
 def _float32_value(value: Any) -> float:

@@ -23,15 +23,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     """
     loader = load_gguf if source.kind == "gguf" else load_safetensors_folder
     config, state = loader(source.path, dtype=dtype)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype if dtype.is_floating_point else previous)
-    try:
-        with torch.device(device):
-            model = DecoderForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.load_hf_state_dict(state)
-    return model.eval()
+    return DecoderForCausalLM.from_hf_state_dict(config, state, device).eval()
 
 
 def apply_quantization(model: DecoderForCausalLM, source: ModelSource, quantization: str) -> str:

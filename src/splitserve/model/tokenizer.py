@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -321,13 +322,11 @@ def default_cache_dir() -> Path:
 
 
 def _cache_key(gguf_path: Path) -> str:
-    """A folder name that changes when the file, its place, or the converting libraries change."""
-    import tokenizers
-    import transformers
-
+    """A folder name that changes when the file, its place, or the converting libraries change (their versions
+    from the package metadata: importing transformers to ask would cost half a second at every start)."""
     stat = gguf_path.stat()
     identity = [CACHE_FORMAT_VERSION, str(gguf_path), stat.st_size, stat.st_mtime_ns]
-    identity += [transformers.__version__, tokenizers.__version__]
+    identity += [importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")]
     digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return f"{gguf_path.stem[:48]}-{digest}"
 
