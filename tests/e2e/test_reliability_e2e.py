@@ -157,6 +157,45 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
     pair.replace(pair.workers.index(killed[0]))
 
 
+def test_a_killed_workers_n_stream_resumes_each_choice_with_the_same_seeded_text(pair: Pair) -> None:
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 300, "temperature": 0.8, "seed": 5, "n": 3,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "user": "story-n"}  # fmt: skip
+    reference = stream_events(f"{pair.router.url}/v1/chat/completions", body)
+    expected = choice_texts(reference)
+    assert len(set(expected.values())) == 3  # three different draws
+    before = pair.router.metric(MIGRATIONS, outcome="resumed")
+    killed: list[WorkerProcess] = []
+
+    def kill_the_serving_worker(events: list[dict[str, Any] | str]) -> None:
+        if len(events) == 300 and not killed:  # about 100 tokens into each choice
+            serving = [w for w in pair.workers if pair.in_flight_by_worker()[w.url] == 1]
+            serving[0].process.send_signal(signal.SIGKILL)
+            killed.append(serving[0])
+
+    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill_the_serving_worker)
+    assert killed, "the stream ended before the worker could be killed"
+    assert choice_texts(events) == expected  # each choice went on from seed + its index, as the worker drew it
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    finishes = [
+        c["index"] for e in events if isinstance(e, dict) for c in e.get("choices") or [] if c.get("finish_reason")
+    ]
+    assert sorted(finishes) == [0, 1, 2]
+    usage, reference_usage = events[-2]["usage"], reference[-2]["usage"]  # type: ignore[index]
+    assert usage["completion_tokens"] == reference_usage["completion_tokens"] == 900
+    assert pair.router.metric(MIGRATIONS, outcome="resumed") == before + 1
+    pair.replace(pair.workers.index(killed[0]))
+
+
+def choice_texts(events: list[dict[str, Any] | str]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event.get("choices") or [] if isinstance(event, dict) else []:
+            texts[choice["index"]] = texts.get(choice["index"], "") + ((choice.get("delta") or {}).get("content") or "")
+    return texts
+
+
 LONG_SCHEMA = {
     "type": "object",
     "properties": {"rows": {"type": "array", "minItems": 60, "maxItems": 60, "items": {

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from splitserve import httpserver
-from splitserve.router.migrate import SSEBuffer, StreamTracker, held_back_text, resume_body
+from splitserve.router.migrate import ChoiceTrack, SSEBuffer, StreamTracker, held_back_text, is_migratable, resume_body
 from tests.support.fake_engine import REPLY
 from tests.support.faults import FaultProxy
 from tests.support.router import MODEL, FakeWorker, MemoryWorker, start_router, start_router_in_memory
@@ -254,6 +254,37 @@ def test_a_chat_stream_resumes_as_chat_with_held_back_text_and_whole_usage(
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 
+def test_an_n_stream_resumes_each_unfinished_choice_with_its_own_seed(
+    workers: list[FakeWorker], stack: ExitStack
+) -> None:
+    common = {"id": "cmpl-3", "object": "text_completion", "created": 5, "model": MODEL}
+
+    def choice(index: int, text: str, ids: list[int], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return common | {"choices": [{"index": index, "text": text, "token_ids": ids, "finish_reason": finish} | extra]}
+
+    events = [choice(i, "Pa", [80, 97], prompt_token_ids=[72, 105]) for i in range(3)]
+    events += [choice(0, "r", [114], "length"), choice(2, "r", [114])]  # choice 0 done; 1 and 2 midway
+    dying = _dying(stack, events)
+    router, client = start_router(stack, [dying.url, workers[1].url], health_interval_s=60)
+    before = len(workers[1].engine.seen_prompts)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 3, "seed": 11, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    out = _stream(client, "/v1/completions", body)
+    assert out[-1] == "[DONE]" and out.count("[DONE]") == 1
+    chunks = [e for e in out if isinstance(e, dict) and e["choices"]]
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)}
+    assert texts == {0: "Par", 1: "Pa" + REPLY[:1], 2: "Par"}  # 1 token left for choice 1, none for choice 2...
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"] is not None]
+    assert sorted(finishes) == [0, 1, 2]
+    # ...so choice 2 needed no resumed request; choice 1 went on as its own request, drawing from seed + 1
+    resumed = workers[1].engine.seen_prompts[before:]
+    assert resumed == [[72, 105, 80, 97]]
+    assert workers[1].engine.seen_params[-1].seed == 12
+    assert {c["id"] for c in chunks} == {"cmpl-3"}
+    assert out[-2]["usage"]["completion_tokens"] == 3 * 3 and out[-2]["usage"]["prompt_tokens"] == 2
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
 def test_a_stream_no_worker_can_resume_ends_with_an_error_event(stack: ExitStack) -> None:
     first = {"id": "c", "choices": [{"index": 0, "text": "Pa", "prompt_token_ids": [1], "token_ids": [80, 97]}]}
     dying = _dying(stack, [first])
@@ -276,31 +307,48 @@ def test_sse_buffer_yields_whole_events_only() -> None:
 
 def test_resume_body_carries_sampling_and_what_is_left() -> None:
     tracker = StreamTracker(is_chat=True, client_wants_ids=False, client_wants_usage=False)
-    tracker.prompt_ids, tracker.output_ids = [1, 2], [3, 4, 5]
+    tracker.prompt_ids, tracker.choices[0].output_ids = [1, 2], [3, 4, 5]
+    choice = tracker.choices[0]
     original = {"model": "m", "messages": [], "max_completion_tokens": 10, "temperature": 0.5, "seed": 7,
                 "stop": ["\n"], "min_tokens": 4, "stream": True,
                 "stream_options": {"include_usage": False}}  # fmt: skip
-    body = resume_body(tracker, original)
+    body = resume_body(tracker, choice, original)
     assert body == {"model": "m", "prompt": [1, 2, 3, 4, 5], "max_tokens": 7, "min_tokens": 1, "temperature": 0.5,
                     "seed": 7, "stop": ["\n"], "stream": True, "return_token_ids": True}  # fmt: skip
-    assert resume_body(tracker, original | {"max_completion_tokens": 3}) is None  # nothing left to generate
+    assert resume_body(tracker, choice, original | {"max_completion_tokens": 3}) is None  # nothing left to generate
     unbounded: dict[str, Any] = {"model": "m", "messages": [], "max_completion_tokens": None, "stream": True}
-    assert (resume_body(tracker, unbounded | {"max_tokens": 9}) or {})["max_tokens"] == 6
+    assert (resume_body(tracker, choice, unbounded | {"max_tokens": 9}) or {})["max_tokens"] == 6
     # a chat without a budget had the context left: the new worker's context, less the prompt and what is done
-    assert (resume_body(tracker, unbounded, max_model_len=100) or {})["max_tokens"] == 100 - 2 - 3
+    assert (resume_body(tracker, choice, unbounded, max_model_len=100) or {})["max_tokens"] == 100 - 2 - 3
     completion = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=True)
     completion.prompt_ids = [9]
-    resumed = resume_body(completion, {"prompt": "x"})
+    resumed = resume_body(completion, completion.choices[0], {"prompt": "x"})
     assert resumed is not None and resumed["max_tokens"] == 16 and resumed["stream_options"] == {"include_usage": True}
+    # choice i of a seeded n: its own request, drawing from seed + i as the worker drew it
+    three = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=False, num_choices=3)
+    three.prompt_ids, three.choices[2].output_ids = [9], [4]
+    third = resume_body(three, three.choices[2], {"prompt": "x", "n": 3, "seed": 7, "max_tokens": 5})
+    assert third is not None and third["seed"] == 9 and third["prompt"] == [9, 4] and "n" not in third
 
 
 def test_held_back_text_is_what_the_client_lacks() -> None:
-    tracker = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=False)
-    tracker.text = " Hello wor"
-    assert held_back_text(tracker, "ctx", "ctx Hello world") == "ld"
-    assert held_back_text(tracker, "ctx", "ctx Hello wor") == ""
-    assert held_back_text(tracker, "ctx", "other") == ""
-    assert held_back_text(tracker, "ctx", "ctx Hello world\ufffd") == ""  # an incomplete character: wait
+    choice = ChoiceTrack(0, text=" Hello wor")
+    assert held_back_text(choice, "ctx", "ctx Hello world") == "ld"
+    assert held_back_text(choice, "ctx", "ctx Hello wor") == ""
+    assert held_back_text(choice, "ctx", "other") == ""
+    assert held_back_text(choice, "ctx", "ctx Hello world\ufffd") == ""  # an incomplete character: wait
+
+
+def test_which_streams_migrate() -> None:
+    chat = {"stream": True, "messages": []}
+    assert is_migratable("/v1/chat/completions", chat)
+    assert is_migratable("/v1/chat/completions", chat | {"n": 3}) and is_migratable(
+        "/v1/completions", chat | {"n": 2, "best_of": 2}
+    )
+    assert not is_migratable("/v1/completions", chat | {"n": 2, "best_of": 4})  # not streamed whole
+    assert not is_migratable("/v1/chat/completions", chat | {"n": 0})
+    assert not is_migratable("/v1/chat/completions", chat | {"logprobs": True})
+    assert not is_migratable("/v1/chat/completions", chat | {"stream": False})
 
 
 # ---- faults between the router and a worker (tests/support/faults.py) ------------------------------------------------

@@ -63,7 +63,7 @@ CONSTANT_FAMILIES = frozenset(
         ESTIMATED_FLOPS_PER_GPU_TOTAL,  # vLLM counts these only with --enable-mfu-metrics, off by default
         ESTIMATED_READ_BYTES_PER_GPU_TOTAL,
         ESTIMATED_WRITE_BYTES_PER_GPU_TOTAL,
-        REQUEST_PARAMS_N,  # n is always 1
+        REQUEST_PARAMS_N,  # 1: each of n choices is an engine request of its own
     }
 )
 

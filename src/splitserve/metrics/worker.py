@@ -398,7 +398,7 @@ class WorkerMetrics:
         """A request the engine finished: its phases and token counts (vLLM observes them at the same point)."""
         self._request_success[request.finish_reason].inc()
         self.e2e_s.observe(request.e2e_s)
-        self.params_n.observe(1)  # n > 1 is refused (worker/protocol.py)
+        self.params_n.observe(1)  # each of n choices is an engine request of its own
         phases = request.phases
         if phases is not None:
             self.queue_time_s.observe(phases.queued_s)

@@ -312,15 +312,16 @@ def text_chunk(
     token_ids: list[int] | None = None,
     stop_reason: Any = None,
     role: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A chunk of one choice carrying ``text`` (a :class:`ChatChunk` or a :class:`Completion`, without usage): a
-    chat delta (with the assistant's ``role`` on the first one) or a completion's text. ``common``: the stream's
-    ``id``, ``created`` and ``model``, whose keys come first, as the router has always written them."""
+    """A chunk of choice ``index`` carrying ``text`` (a :class:`ChatChunk` or a :class:`Completion`, without
+    usage): a chat delta (with the assistant's ``role`` on the first one) or a completion's text. ``common``: the
+    stream's ``id``, ``created`` and ``model``, whose keys come first, as the router has always written them."""
     choice: ChatChunkChoice | CompletionChoice
     if is_chat:
-        choice = chat_chunk_choice(chat_delta(text, finish, role=role), finish, token_ids)
+        choice = chat_chunk_choice(chat_delta(text, finish, role=role), finish, token_ids, index=index)
     else:
-        choice = completion_choice(text, finish, stop_reason, token_ids=token_ids)
+        choice = completion_choice(text, finish, stop_reason, index=index, token_ids=token_ids)
     return {**common, "object": CHAT_CHUNK if is_chat else COMPLETION_CHUNK, "choices": [choice]}
 
 

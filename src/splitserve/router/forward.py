@@ -20,7 +20,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from splitserve.router.discovery import Worker, WorkerLease
 from splitserve.router.hit_check import HitPredictionCheck
 from splitserve.router.migrate import (
     PROMPT_CONTEXT_TOKENS,
+    ChoiceTrack,
     SSEBuffer,
     StreamTracker,
     WorkerStreamFailed,
@@ -126,7 +127,9 @@ class Forwarder:
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         wants_ids = body.get("return_token_ids") is True
-        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, text=sent_text)
+        n = body["n"] if isinstance(body.get("n"), int) else 1
+        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n)
+        call.tracker.choices[0].text = sent_text
         if not wants_ids:
             call.raw = json.dumps(body | {"return_token_ids": True}).encode()
 
@@ -281,19 +284,18 @@ class Forwarder:
         worker = lease.worker
         tried = {worker.url}
         last_s = time.perf_counter()
+        events = _events(pieces)
         try:
             while True:
-                buffer = SSEBuffer()
                 failure = None
                 try:
-                    async for piece in pieces:
-                        for data in buffer.feed(piece):
-                            out = tracker.on_event(data)
-                            if out:
-                                now_s = time.perf_counter()
-                                self.metrics.observe_itl(worker.url, now_s - last_s)
-                                last_s = now_s
-                                yield out
+                    async for index, data in events:
+                        out = tracker.on_event(data, index)
+                        if out:
+                            now_s = time.perf_counter()
+                            self.metrics.observe_itl(worker.url, now_s - last_s)
+                            last_s = now_s
+                            yield out
                         if tracker.done:
                             break
                     if not tracker.done:
@@ -306,12 +308,13 @@ class Forwarder:
                     failure = f"a malformed event: {type(exc).__name__}: {exc}"
                 if failure is None:
                     return
+                await events.aclose()  # stops the pumps of a merged stream
                 lease.release()
                 worker.breaker.record_failure()
                 self.metrics.requests.labels(worker.url, "stream_error").inc()
                 logger.warning("worker %s failed mid-stream: %s", worker.name, failure)
                 if tracker.finished:  # only [DONE] was lost
-                    yield b"data: [DONE]\n\n"
+                    yield tracker.end()
                     return
                 resumed = await self._resume(call, tried, lease) if tracker.can_resume else None
                 if resumed is None:
@@ -321,14 +324,18 @@ class Forwarder:
                         f"the worker failed mid-stream ({failure}) and no other worker could resume it"
                     )
                     return
-                pieces, catch_up = resumed
+                events, preamble = resumed
                 worker = lease.worker
                 self.metrics.migrations.labels("resumed").inc()
                 logger.info(
-                    "stream %s resumed on worker %s after %d tokens", tracker.id, worker.name, len(tracker.output_ids)
-                )
-                if catch_up:  # already in tracker.text
-                    yield sse_event(tracker.chunk(catch_up))
+                    "stream %s resumed on worker %s after %d tokens (%d choices)",
+                    tracker.id, worker.name, sum(len(c.output_ids) for c in tracker.choices), len(tracker.pending),
+                )  # fmt: skip
+                for out in preamble:  # held-back text, finishes that were lost
+                    yield out
+                if tracker.finished:
+                    yield tracker.end()
+                    return
         finally:
             lease.release()
             self.metrics.requests.labels(worker.url, status).inc()
@@ -336,9 +343,12 @@ class Forwarder:
 
     # ---- migration -------------------------------------------------------------------------------------------
 
-    async def _resume(self, call: Call, tried: set[str], lease: _Lease) -> tuple[AsyncIterator[bytes], str] | None:
-        """Open the rest of ``call``'s answer on a worker not in ``tried`` (``lease`` then holds it): its
-        stream and the text the failed worker held back; None when no worker could take it."""
+    async def _resume(
+        self, call: Call, tried: set[str], lease: _Lease
+    ) -> tuple[AsyncGenerator[tuple[int | None, str], None], list[bytes]] | None:
+        """Open the rest of ``call``'s answer on a worker not in ``tried`` (``lease`` then holds it), one request
+        per unfinished choice: their events, merged, and the chunks to send first (the text the failed worker held
+        back, and the finish of a choice that has every token already); None when no worker could take it."""
         tracker = call.tracker
         assert tracker is not None and tracker.prompt_ids is not None
         if tracker.num_migrations >= self.config.max_retries + 1:
@@ -351,27 +361,43 @@ class Forwarder:
                 await asyncio.sleep(self._backoff_s(attempt))
             worker = self.policy.select(call.routing, candidates).worker
             tried.add(worker.url)
-            catch_up = await self._held_back_text(worker, tracker)  # may drop a half character's tokens
-            body = resume_body(tracker, call.body, await self._max_model_len(worker))
-            if body is None:
-                return None
+            unfinished = tracker.unfinished()
+            catch_ups = {c.index: await self._held_back_text(worker, tracker, c) for c in unfinished}  # may drop tokens
+            max_model_len = await self._max_model_len(worker)
+            bodies = {c.index: resume_body(tracker, c, call.body, max_model_len) for c in unfinished}
             resumed = {**call.headers, RESUMED_PROMPT_TOKENS_HEADER: str(len(tracker.prompt_ids or ()))}
-            opened = await self._open_resumed(worker, body, resumed, lease)
-            if opened is None:
+            opened: dict[int, AsyncIterator[bytes]] = {}
+            refused = False
+            for index, body in bodies.items():
+                if body is None:  # every token was generated; only the finish was lost
+                    continue
+                stream = await self._open_resumed(worker, body, resumed, lease, keep=bool(opened))
+                if stream is None or isinstance(stream, _Refused):
+                    refused = isinstance(stream, _Refused)
+                    break
+                opened[index] = stream
+            if len(opened) < sum(body is not None for body in bodies.values()):
+                lease.release()
+                if refused:
+                    return None  # the worker refuses the request itself: another would too
                 continue
-            if isinstance(opened, _Refused):
-                return None  # the worker refuses the request itself: another would too
+            preamble = []
+            for choice in unfinished:
+                choice.text += catch_ups[choice.index]
+                if catch_ups[choice.index] or bodies[choice.index] is None:
+                    finish = "length" if bodies[choice.index] is None else None
+                    preamble.append(sse_event(tracker.chunk(catch_ups[choice.index], finish, index=choice.index)))
+                    choice.finished = finish is not None
             tracker.resume()
-            if catch_up:
-                tracker.text += catch_up
-            return opened, catch_up
+            return _merged(opened), preamble
         return None
 
     async def _open_resumed(
-        self, worker: Worker, body: dict[str, Any], headers: dict[str, str], lease: _Lease
+        self, worker: Worker, body: dict[str, Any], headers: dict[str, str], lease: _Lease, keep: bool = False
     ) -> AsyncIterator[bytes] | _Refused | None:
-        """The resumed request's stream on ``worker`` (``lease`` now holds it); a :class:`_Refused` for a client
-        error, which any worker would answer; None for a failure another worker may not have."""
+        """The resumed request's stream on ``worker`` (``lease`` now holds it; with ``keep``, beside what it
+        holds); a :class:`_Refused` for a client error, which any worker would answer; None for a failure another
+        worker may not have."""
         taken = worker.lease()
         self.metrics.observe_sent(worker.url)
         upstream: Upstream | None = None
@@ -384,7 +410,7 @@ class Forwarder:
             chunks = upstream.chunks()
             first = await anext(chunks)
             worker.breaker.record_success()
-            lease.hold(taken, upstream)
+            lease.hold(taken, upstream, keep=keep)
             handed_over = True
             return _prepend(first, chunks)
         except (TransportError, StopAsyncIteration, _Refused) as exc:
@@ -400,21 +426,21 @@ class Forwarder:
                 if upstream is not None:
                     upstream.close()
 
-    async def _held_back_text(self, worker: Worker, tracker: StreamTracker) -> str:
-        """Text of the tokens generated so far that the failed worker had not sent (see migrate.py). Tokens that
-        end in half a character are dropped from ``tracker.output_ids`` first: the new worker generates them
-        again, and the character comes out whole."""
+    async def _held_back_text(self, worker: Worker, tracker: StreamTracker, choice: ChoiceTrack) -> str:
+        """Text of the tokens generated so far for ``choice`` that the failed worker had not sent (see
+        migrate.py). Tokens that end in half a character are dropped from its ``output_ids`` first: the new
+        worker generates them again, and the character comes out whole."""
         assert tracker.prompt_ids is not None
         tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
         model = tracker.model
         context = await self._detokenize(worker, tail, model)
         for _ in range(MAX_PARTIAL_CHARACTER_TOKENS + 1):
-            full = await self._detokenize(worker, tail + tracker.output_ids, model)
+            full = await self._detokenize(worker, tail + choice.output_ids, model)
             if context is None or full is None:
                 return ""
-            if not full.endswith("\ufffd") or not tracker.output_ids:
-                return held_back_text(tracker, context, full)
-            tracker.output_ids.pop()
+            if not full.endswith("\ufffd") or not choice.output_ids:
+                return held_back_text(choice, context, full)
+            choice.output_ids.pop()
         return ""
 
     async def _max_model_len(self, worker: Worker) -> int | None:
@@ -472,24 +498,27 @@ class _Lease:
 
     def __init__(self, lease: WorkerLease, upstream: Upstream) -> None:
         self._lease = lease
-        self._upstream: Upstream | None = upstream
+        self._held: list[tuple[WorkerLease, Upstream]] = [(lease, upstream)]
         lease.stream()
 
     @property
     def worker(self) -> Worker:
         return self._lease.worker
 
-    def hold(self, lease: WorkerLease, upstream: Upstream) -> None:
-        """Take over another worker's (already counted) request, after this one was released."""
-        self.release()
-        self._lease, self._upstream = lease, upstream
+    def hold(self, lease: WorkerLease, upstream: Upstream, keep: bool = False) -> None:
+        """Take over another worker's (already counted) request, after what this held was released (with
+        ``keep``: beside it, the resumed requests of a stream's other choices)."""
+        if not keep:
+            self.release()
+        self._lease = lease
+        self._held.append((lease, upstream))
         lease.stream()
 
     def release(self) -> None:
-        if self._upstream is not None:
-            self._lease.release()
-            self._upstream.close()
-            self._upstream = None
+        held, self._held = self._held, []
+        for lease, upstream in held:
+            lease.release()
+            upstream.close()
 
 
 class _Refused(Exception):
@@ -512,6 +541,48 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
     yield first
     async for piece in rest:
         yield piece
+
+
+async def _events(pieces: AsyncIterator[bytes]) -> AsyncGenerator[tuple[int | None, str], None]:
+    """The SSE events' data of one stream (of every choice: no index)."""
+    buffer = SSEBuffer()
+    async for piece in pieces:
+        for data in buffer.feed(piece):
+            yield None, data
+
+
+async def _merged(streams: dict[int, AsyncIterator[bytes]]) -> AsyncGenerator[tuple[int | None, str], None]:
+    """The events of several streams as they come, each with its choice's index; a stream that fails, or ends
+    before its ``[DONE]``, fails them all (the caller resumes what is unfinished)."""
+    if len(streams) == 1:
+        [(index, stream)] = streams.items()
+        async for _, data in _events(stream):
+            yield index, data
+        return
+    queue: asyncio.Queue[tuple[int, str | None] | BaseException] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for _, data in _events(stream):
+                await queue.put((index, data))
+            await queue.put((index, None))
+        except Exception as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in streams.items()]
+    try:
+        for _ in range(len(tasks)):
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                choice, event = item
+                if event is None:
+                    break
+                yield choice, event
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _read_quietly(upstream: Upstream) -> bytes:

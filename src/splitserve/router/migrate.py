@@ -30,7 +30,11 @@ whose first chunk carries the prefill worker's first token's id, and counts that
 A constrained output (a JSON schema, regex, choice or grammar) migrates with its constraint: the new worker's
 grammar first takes the tokens already sent (``engine/structured.py``), so the output stays valid.
 
-Not migrated: ``n`` > 1, logprobs, ``echo`` and tool calls; those end with an error event as before.
+``n`` > 1 migrates per choice: each unfinished choice goes on as its own request on the new worker (choice i of
+a seeded request with seed + i, as the worker drew it), their chunks are merged into the one stream under the
+choice's index, and the usage at the end counts every choice's tokens.
+
+Not migrated: logprobs, ``echo`` and tool calls; those end with an error event as before.
 """
 
 from __future__ import annotations
@@ -55,11 +59,13 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover 
 
 
 def is_migratable(path: str, body: dict[str, Any]) -> bool:
-    """A streamed request the router can resume elsewhere: one choice, no logprobs, no echo, no tool calls (their
-    deltas are not text). A schema, regex or grammar resumes: the new worker's grammar takes the tokens sent."""
+    """A streamed request the router can resume elsewhere: no logprobs, no echo, no tool calls (their deltas are
+    not text). ``n`` choices resume each on its own; a schema, regex or grammar resumes: the new worker's grammar
+    takes the tokens sent."""
     if body.get("stream") is not True or not path.endswith(("/v1/completions", "/v1/chat/completions")):
         return False
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("echo"):
+    n = 1 if body.get("n") is None else body["n"]
+    if not isinstance(n, int) or n < 1 or body.get("best_of") not in (None, n) or body.get("echo"):
         return False
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
@@ -71,31 +77,69 @@ class WorkerStreamFailed(SplitserveError):
 
 
 @dataclass
+class ChoiceTrack:
+    """One choice of a followed stream: what the client got of it, and its resumed request's progress."""
+
+    index: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the text sent to the client so far
+    finished: bool = False  # a finish_reason was seen
+    resumed_at: int | None = None  # output tokens before the last resume (None: the first worker's stream)
+    resumed_tokens: int = 0  # completion tokens its resumed request reported (usage)
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated for it in all: before the last resume, and by the resumed request."""
+        return len(self.output_ids) if self.resumed_at is None else self.resumed_at + self.resumed_tokens
+
+
+@dataclass
 class StreamTracker:
-    """One migratable stream as the client sees it, whichever worker is producing it."""
+    """One migratable stream as the client sees it, whichever worker is producing it: ``num_choices`` choices
+    (``n``), each resumed by its own ``/v1/completions`` request on the new worker."""
 
     is_chat: bool
     client_wants_ids: bool  # the client itself asked for return_token_ids: keep them in its chunks
     client_wants_usage: bool
+    num_choices: int = 1
     prompt_ids: list[int] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""  # the text sent to the client so far
-    finished: bool = False  # a finish_reason was seen
-    done: bool = False  # [DONE] was seen
+    choices: list[ChoiceTrack] = field(default_factory=list)
+    done: bool = False  # [DONE] was seen (or, resumed, every choice's)
     id: str | None = None
     created: int | None = None
     model: str | None = None
     num_migrations: int = 0
-    resumed_at: int | None = None  # output tokens before the last resume (None: the first worker's stream)
+    cached_tokens: int | None = None  # the first resumed request's cached prompt tokens
+    pending: set[int] = field(default_factory=set)  # choices whose resumed request has not sent [DONE] yet
+
+    def __post_init__(self) -> None:
+        self.choices = self.choices or [ChoiceTrack(i) for i in range(self.num_choices)]
+
+    @property
+    def finished(self) -> bool:
+        """Every choice finished."""
+        return all(c.finished for c in self.choices)
+
+    @property
+    def is_resumed(self) -> bool:
+        return self.num_migrations > 0
+
+    @property
+    def num_output(self) -> int:
+        return sum(c.num_output for c in self.choices)
 
     # ---- the first worker's stream ------------------------------------------------------------------------
 
-    def on_event(self, data: str) -> bytes:
-        """One SSE event's data from the current worker; returns the bytes to send the client (maybe none).
-        Raises :class:`WorkerStreamFailed` for an error event before the answer finished."""
+    def on_event(self, data: str, index: int | None = None) -> bytes:
+        """One SSE event's data from the current worker (once resumed: from choice ``index``'s request); returns
+        the bytes to send the client (maybe none). Raises :class:`WorkerStreamFailed` for an error event before
+        the answer finished."""
         if data == "[DONE]":
-            self.done = True
-            return b"data: [DONE]\n\n"
+            if not self.is_resumed:
+                self.done = True
+                return b"data: [DONE]\n\n"
+            self.pending.discard(self._choice(index).index)
+            return b"" if self.pending else self.end()
         try:
             chunk = json.loads(data)
         except ValueError as exc:
@@ -107,24 +151,30 @@ class StreamTracker:
                 return sse_event(chunk)  # after the end: pass it on
             error = chunk.get("error")
             raise WorkerStreamFailed(str(error.get("message", error) if isinstance(error, dict) else error))
-        if self.resumed_at is not None:
-            out = self._reframe(chunk)
+        if self.is_resumed:
+            out = self._reframe(chunk, self._choice(index))
             return b"" if out is None else sse_event(out)
         if self.id is None:
             self.id, self.created, self.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
         changed = self._follow(chunk, chunk.get("choices") or [])
         return sse_event(chunk) if changed else f"data: {data}\n\n".encode()
 
+    def _choice(self, index: Any) -> ChoiceTrack:
+        if not isinstance(index, int) or not 0 <= index < len(self.choices):
+            raise WorkerStreamFailed(f"a choice index {index!r} of a stream of {len(self.choices)}")
+        return self.choices[index]
+
     def _follow(self, chunk: dict[str, Any], choices: list[Any]) -> bool:
         """Take the chunk's ids, text and finish; strips the ids the client did not ask for (True if so)."""
         changed = False
-        if "prompt_token_ids" in chunk:  # chat: on the first chunk
+        if "prompt_token_ids" in chunk:  # chat: on the first chunk (of every choice)
             ids = chunk.pop("prompt_token_ids") if not self.client_wants_ids else chunk["prompt_token_ids"]
             changed = not self.client_wants_ids
             self.prompt_ids = _ids(ids) if ids is not None else self.prompt_ids
-        for choice in choices[:1]:
+        for choice in choices:
             if not isinstance(choice, dict):
                 continue
+            track = self._choice(choice.get("index", 0))
             if "prompt_token_ids" in choice:  # completions: in the first chunk's choice
                 ids = choice.pop("prompt_token_ids") if not self.client_wants_ids else choice["prompt_token_ids"]
                 changed = changed or not self.client_wants_ids
@@ -132,10 +182,10 @@ class StreamTracker:
             if "token_ids" in choice:
                 ids = choice.pop("token_ids") if not self.client_wants_ids else choice["token_ids"]
                 changed = changed or not self.client_wants_ids
-                self.output_ids.extend(_ids(ids or []))
-            self.text += openai.choice_text(self.is_chat, choice)
+                track.output_ids.extend(_ids(ids or []))
+            track.text += openai.choice_text(self.is_chat, choice)
             if choice.get("finish_reason") is not None:
-                self.finished = True
+                track.finished = True
         return changed
 
     # ---- a resumed stream ---------------------------------------------------------------------------------
@@ -144,67 +194,85 @@ class StreamTracker:
     def can_resume(self) -> bool:
         return self.prompt_ids is not None and not self.finished
 
-    def resume(self) -> None:
-        """A new worker takes over from here."""
-        self.num_migrations += 1
-        self.resumed_at = len(self.output_ids)
+    def unfinished(self) -> list[ChoiceTrack]:
+        return [c for c in self.choices if not c.finished]
 
-    def _reframe(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        """A resumed worker's completion chunk, in the original stream's format."""
+    def resume(self) -> None:
+        """A new worker takes over the unfinished choices from here, one request each."""
+        self.num_migrations += 1
+        self.pending = {c.index for c in self.unfinished()}
+        for choice in self.unfinished():
+            choice.resumed_at, choice.resumed_tokens = len(choice.output_ids), 0
+
+    def end(self) -> bytes:
+        """What ends the client's stream once every choice finished: the whole answer's usage (when asked for,
+        and a resumed worker's usage was not passed on as it came) and ``[DONE]``."""
+        self.done = True
+        usage = self.whole_usage() if self.is_resumed and self.client_wants_usage else None
+        if usage is None:
+            return b"data: [DONE]\n\n"
+        kind = openai.CHAT_CHUNK if self.is_chat else openai.COMPLETION_CHUNK
         common = {"id": self.id, "created": self.created, "model": self.model}
-        usage = self._whole_usage(chunk.get("usage"))
+        return sse_event(common | {"object": kind, "choices": [], "usage": usage}) + b"data: [DONE]\n\n"
+
+    def _reframe(self, chunk: dict[str, Any], track: ChoiceTrack) -> dict[str, Any] | None:
+        """A resumed request's completion chunk, in the original stream's format, as choice ``track``."""
+        self._take_usage(chunk.get("usage"), track)
         choices = chunk.get("choices") or []
         if not choices:
-            if usage is None:
-                return None
-            kind = openai.CHAT_CHUNK if self.is_chat else openai.COMPLETION_CHUNK
-            return common | {"object": kind, "choices": [], "usage": usage}
+            return None  # its usage: the whole answer's goes out at the end
         choice = choices[0] if isinstance(choices[0], dict) else {}
         ids = _ids(choice.get("token_ids") or [])
-        self.output_ids.extend(ids)
+        track.output_ids.extend(ids)
         text = str(choice.get("text") or "")
-        self.text += text
+        track.text += text
         finish = choice.get("finish_reason")
         if finish is not None:
-            self.finished = True
+            track.finished = True
         if not text and finish is None and not self.client_wants_ids:
             return None
-        out = self.chunk(text, finish, ids, choice.get("stop_reason"))
-        return out if usage is None else out | {"usage": usage}  # continuous_usage_stats
+        out = self.chunk(text, finish, ids, choice.get("stop_reason"), index=track.index)
+        continuous = self.client_wants_usage and isinstance(chunk.get("usage"), dict)
+        return out | {"usage": self.whole_usage()} if continuous else out  # continuous_usage_stats
 
-    def _whole_usage(self, usage: Any) -> dict[str, Any] | None:
-        """A resumed worker's usage as the whole answer's: the original prompt, every token generated, and the
-        prompt's cached tokens (of the resumed prompt's, at most the original prompt's length)."""
-        if not isinstance(usage, dict) or not self.client_wants_usage:
-            return None
-        num_output = (self.resumed_at or 0) + int(usage.get("completion_tokens") or 0)
-        num_prompt = len(self.prompt_ids or [])
+    def _take_usage(self, usage: Any, track: ChoiceTrack) -> None:
+        if not isinstance(usage, dict):
+            return
+        track.resumed_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        if self.cached_tokens is None and isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.cached_tokens = details["cached_tokens"]
+
+    def whole_usage(self) -> dict[str, Any]:
+        """The usage of the whole answer: the original prompt, every token generated for every choice, and the
+        prompt's cached tokens (the first resumed request's, at most the original prompt's length)."""
+        num_prompt, num_output = len(self.prompt_ids or []), self.num_output
         whole: dict[str, Any] = {
             "prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output
         }  # fmt: skip
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            whole["prompt_tokens_details"] = {"cached_tokens": min(details["cached_tokens"], num_prompt)}
+        if self.cached_tokens is not None:
+            whole["prompt_tokens_details"] = {"cached_tokens": min(self.cached_tokens, num_prompt)}
         return whole
 
     def chunk(
-        self, text: str, finish: str | None = None, ids: list[int] | None = None, stop: Any = None
+        self, text: str, finish: str | None = None, ids: list[int] | None = None, stop: Any = None, index: int = 0
     ) -> dict[str, Any]:
-        """A chunk of the original stream carrying ``text``."""
+        """A chunk of the original stream carrying ``text`` for choice ``index``."""
         common = {"id": self.id, "created": self.created, "model": self.model}
         token_ids = ids if self.client_wants_ids else None
-        return text_chunk(self.is_chat, common, text, finish, token_ids=token_ids, stop_reason=stop)
+        return text_chunk(self.is_chat, common, text, finish, token_ids=token_ids, stop_reason=stop, index=index)
 
 
 def resume_body(
-    tracker: StreamTracker, original: dict[str, Any], max_model_len: int | None = None
+    tracker: StreamTracker, choice: ChoiceTrack, original: dict[str, Any], max_model_len: int | None = None
 ) -> dict[str, Any] | None:
-    """The ``/v1/completions`` body that goes on with ``tracker``'s answer; None when no token is left.
+    """The ``/v1/completions`` body that goes on with ``choice`` of ``tracker``'s answer; None when no token is
+    left. Choice i of a seeded ``n`` draws from seed + i, as the worker drew it (``engine/sampler.py``).
 
     A chat request without a budget had the context left; ``max_model_len`` (the new worker's) says how much
     that is now. Without it, the resumed part gets the completions default, 16 tokens."""
     assert tracker.prompt_ids is not None
-    done = len(tracker.output_ids)
+    done = len(choice.output_ids)
     body: dict[str, Any] = {key: original[key] for key in CARRIED_FIELDS if key in original}
     if tracker.is_chat:
         requested = original.get("max_completion_tokens")
@@ -220,9 +288,11 @@ def resume_body(
         body["max_tokens"] = requested - done
     if isinstance(original.get("min_tokens"), int):
         body["min_tokens"] = max(0, original["min_tokens"] - done)
+    if isinstance(original.get("seed"), int) and choice.index:
+        body["seed"] = original["seed"] + choice.index
     if original.get("model") is not None:
         body["model"] = original["model"]
-    body |= {"prompt": tracker.prompt_ids + tracker.output_ids, "stream": True, "return_token_ids": True}
+    body |= {"prompt": tracker.prompt_ids + choice.output_ids, "stream": True, "return_token_ids": True}
     options = original.get("stream_options")
     if tracker.client_wants_usage:
         continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
@@ -230,15 +300,15 @@ def resume_body(
     return body
 
 
-def held_back_text(tracker: StreamTracker, context_text: str, full_text: str) -> str:
-    """Text of the generated tokens the client has not got: ``full_text`` is the decode of the prompt's
-    last tokens plus every output token, ``context_text`` of those prompt tokens alone."""
+def held_back_text(choice: ChoiceTrack, context_text: str, full_text: str) -> str:
+    """Text of a choice's generated tokens the client has not got: ``full_text`` is the decode of the prompt's
+    last tokens plus the choice's output tokens, ``context_text`` of those prompt tokens alone."""
     if not full_text.startswith(context_text):
         return ""
     generated = full_text[len(context_text) :]
-    if not generated.startswith(tracker.text) or generated.endswith("\ufffd"):
+    if not generated.startswith(choice.text) or generated.endswith("\ufffd"):
         return ""
-    return generated[len(tracker.text) :]
+    return generated[len(choice.text) :]
 
 
 class SSEBuffer:
