@@ -63,6 +63,19 @@ def test_a_cache_hit_is_recomputed_cold_and_agrees(model: DecoderForCausalLM) ->
     assert stats.num_generation_tokens == 2 * GREEDY.max_tokens
 
 
+def test_a_seeded_answer_whose_stops_were_held_off_agrees_with_its_shadow(model: DecoderForCausalLM) -> None:
+    """Below ``min_tokens`` EOS and the stop token ids cannot be drawn: the shadow holds them off as the original
+    did, so every draw samples from the same distribution (a flat one here, where one token's share moves it)."""
+    stops = tuple(range(10, 60))
+    sampled = SamplingParams(max_tokens=40, min_tokens=30, temperature=3.0, seed=5, stop_token_ids=stops)
+    engine = make_engine(model, rate=1.0)
+    run_to_completion(engine, {"cold": PROMPT}, sampled)
+    for i in range(4):
+        run_to_completion(engine, {f"warm-{i}": PROMPT}, dataclasses.replace(sampled, seed=i))
+    stats = engine.get_stats()
+    assert stats.exactness_checks == {"prefix_cache": 4} and stats.exactness_mismatches == {}
+
+
 def test_the_shadow_waits_while_a_client_request_waits(model: DecoderForCausalLM) -> None:
     engine = make_engine(model, rate=1.0, max_num_seqs=1)
     run_to_completion(engine, {"cold": PROMPT}, GREEDY)

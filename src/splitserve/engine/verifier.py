@@ -55,18 +55,23 @@ class ExactnessVerifier:
         prompt = request.all_token_ids[:start]
         expected = request.all_token_ids[start:]
         params = shadow_params(request.params, len(expected))
-        shadow = Request(SHADOW_PREFIX + request.request_id, prompt, params, request.arrival_time, is_shadow=True)
+        shadow = Request(
+            SHADOW_PREFIX + request.request_id, prompt, params, request.arrival_time, request.eos_token_ids,
+            is_shadow=True,
+        )  # fmt: skip
         self._expected[shadow.request_id] = _Expected(request.request_id, path, expected)
         return shadow
 
     def finished(self, shadow: Request) -> bool:
         """Compare a finished (or aborted) shadow with its original; returns whether they agree."""
         expected = self._expected.pop(shadow.request_id, None)
-        if expected is None or len(shadow.output_token_ids) < len(expected.tokens):
-            return True  # aborted before it finished: nothing to compare
-        self.checks[expected.path] += 1
+        if expected is None:
+            return True
         got = shadow.output_token_ids
         first = next((i for i, (a, b) in enumerate(zip(got, expected.tokens, strict=False)) if a != b), None)
+        if first is None and len(got) < len(expected.tokens):
+            return True  # aborted before it finished, the same so far: nothing to compare
+        self.checks[expected.path] += 1
         if first is None:
             return True
         self.mismatches[expected.path] += 1
@@ -88,15 +93,16 @@ def path_of(request: Request) -> str | None:
 
 
 def shadow_params(params: SamplingParams, num_tokens: int) -> SamplingParams:
-    """The original's sampling for exactly ``num_tokens`` tokens: its seed (so a seeded draw is the same draw),
-    no stop rule that could end it early, no prefill worker's first token, nothing a client would read."""
+    """The original's sampling for ``num_tokens`` tokens: its seed (so a seeded draw is the same draw), its
+    ``min_tokens`` and stop token ids (which of them can be drawn changes the distribution every draw samples
+    from), no stop string or EOS that could end it early, no prefill worker's first token, nothing a client would
+    read. A stop token id ends it where it ended the original."""
     return dataclasses.replace(
         params,
         max_tokens=num_tokens,
-        min_tokens=num_tokens,
+        min_tokens=min(params.min_tokens, num_tokens),  # the same draws: none past num_tokens is made
         ignore_eos=True,
         stop=(),
-        stop_token_ids=(),
         kv_transfer=None,
         resumed_prompt_tokens=None,
     )
