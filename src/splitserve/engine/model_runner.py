@@ -8,6 +8,7 @@ pass; the engine rolls it back (``Scheduler.finish_loads``).
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -274,11 +275,16 @@ class ModelRunner:
         return DecodeBatch(table.to(self.device), lens.to(self.device), self.block_size)
 
 
+PAGE = 4096
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros``, but on CPU from ``calloc`` (numpy's zeros), whose fresh pages the kernel zeroes as they
     are first touched: a KV cache costs nothing at start and its memory is taken as blocks are used.
     ``torch.zeros`` writes every page first (2 GiB: 8 s of a worker's start on a 2-core VM)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    same_size = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[torch.empty((), dtype=dtype).element_size()]
-    return torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(num_bytes + PAGE, dtype=np.uint8)  # calloc aligns to 16 bytes: start on a page, as torch's 64
+    start = -raw.ctypes.data % PAGE
+    return torch.from_numpy(raw[start : start + num_bytes]).view(dtype).view(shape)

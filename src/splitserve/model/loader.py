@@ -8,6 +8,7 @@ copy of the model in that dtype plus one float32 tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -179,7 +180,8 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     kernels = native() if int(tensor.tensor_type) in QUANT_TYPES and len(shape) == 2 else None
     if kernels is not None:  # the same floats, tens of times faster than gguf's numpy
         blocks = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
-        return kernels.dequantize(blocks, int(tensor.tensor_type), shape[1]).numpy()
+        with contextlib.suppress(ValueError):  # a shape the kernels refuse: gguf's numpy below says why
+            return kernels.dequantize(blocks, int(tensor.tensor_type), shape[1]).numpy()
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:

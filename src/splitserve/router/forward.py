@@ -552,8 +552,9 @@ async def _events(pieces: AsyncIterator[bytes]) -> AsyncGenerator[tuple[int | No
 
 
 async def _merged(streams: dict[int, AsyncIterator[bytes]]) -> AsyncGenerator[tuple[int | None, str], None]:
-    """The events of several streams as they come, each with its choice's index; a stream that fails, or ends
-    before its ``[DONE]``, fails them all (the caller resumes what is unfinished)."""
+    """The events of several streams as they come, each with its choice's index, until every stream ended. A
+    stream that fails fails them all (the caller resumes what is unfinished); one that ends without its
+    ``[DONE]`` leaves its choice pending, so the whole ends before ``[DONE]``, a failure too."""
     if len(streams) == 1:
         [(index, stream)] = streams.items()
         async for _, data in _events(stream):

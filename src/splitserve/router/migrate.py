@@ -85,12 +85,15 @@ class ChoiceTrack:
     text: str = ""  # the text sent to the client so far
     finished: bool = False  # a finish_reason was seen
     resumed_at: int | None = None  # output tokens before the last resume (None: the first worker's stream)
-    resumed_tokens: int = 0  # completion tokens its resumed request reported (usage)
+    resumed_tokens: int | None = None  # completion tokens its resumed request reported (usage), once it did
 
     @property
     def num_output(self) -> int:
-        """Tokens generated for it in all: before the last resume, and by the resumed request."""
-        return len(self.output_ids) if self.resumed_at is None else self.resumed_at + self.resumed_tokens
+        """Tokens generated for it in all: before the last resume, and by the resumed request (as it reported
+        them, else as many as it sent ids for)."""
+        if self.resumed_at is None or self.resumed_tokens is None:
+            return len(self.output_ids)
+        return self.resumed_at + self.resumed_tokens
 
 
 @dataclass
@@ -202,7 +205,7 @@ class StreamTracker:
         self.num_migrations += 1
         self.pending = {c.index for c in self.unfinished()}
         for choice in self.unfinished():
-            choice.resumed_at, choice.resumed_tokens = len(choice.output_ids), 0
+            choice.resumed_at, choice.resumed_tokens = len(choice.output_ids), None
 
     def end(self) -> bytes:
         """What ends the client's stream once every choice finished: the whole answer's usage (when asked for,
