@@ -201,8 +201,7 @@ def test_the_cost_rule_sends_a_long_prompt_through_prefill_while_the_decoders_st
 
 
 def in_flight(router: RouterProcess) -> dict[str, int]:
-    states = httpx.get(f"{router.admin_url}/admin/workers", timeout=5).json()["workers"]
-    return {state["url"]: state["in_flight"] for state in states}
+    return {state["url"]: state["in_flight"] for state in router.worker_states()}
 
 
 def test_a_killed_decode_workers_streams_go_on_on_the_other(endpoint: Endpoint) -> None:

@@ -362,7 +362,10 @@ class Forwarder:
             worker = self.policy.select(call.routing, candidates).worker
             tried.add(worker.url)
             unfinished = tracker.unfinished()
-            catch_ups = {c.index: await self._held_back_text(worker, tracker, c) for c in unfinished}  # may drop tokens
+            assert tracker.prompt_ids is not None
+            tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
+            context = await self._detokenize(worker, tail, tracker.model)  # once: every choice follows it
+            catch_ups = {c.index: await self._held_back_text(worker, tracker, c, context) for c in unfinished}
             max_model_len = await self._max_model_len(worker)
             bodies = {c.index: resume_body(tracker, c, call.body, max_model_len) for c in unfinished}
             resumed = {**call.headers, RESUMED_PROMPT_TOKENS_HEADER: str(len(tracker.prompt_ids or ()))}
@@ -426,16 +429,17 @@ class Forwarder:
                 if upstream is not None:
                     upstream.close()
 
-    async def _held_back_text(self, worker: Worker, tracker: StreamTracker, choice: ChoiceTrack) -> str:
+    async def _held_back_text(
+        self, worker: Worker, tracker: StreamTracker, choice: ChoiceTrack, context: str | None
+    ) -> str:
         """Text of the tokens generated so far for ``choice`` that the failed worker had not sent (see
-        migrate.py). Tokens that end in half a character are dropped from its ``output_ids`` first: the new
-        worker generates them again, and the character comes out whole."""
+        migrate.py); ``context`` is the text of the prompt's last ``PROMPT_CONTEXT_TOKENS`` tokens. Tokens that
+        end in half a character are dropped from its ``output_ids`` first: the new worker generates them again,
+        and the character comes out whole."""
         assert tracker.prompt_ids is not None
         tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
-        model = tracker.model
-        context = await self._detokenize(worker, tail, model)
         for _ in range(MAX_PARTIAL_CHARACTER_TOKENS + 1):
-            full = await self._detokenize(worker, tail + choice.output_ids, model)
+            full = await self._detokenize(worker, tail + choice.output_ids, tracker.model)
             if context is None or full is None:
                 return ""
             if not full.endswith("\ufffd") or not choice.output_ids:

@@ -203,20 +203,20 @@ class StreamTracker:
     def resume(self) -> None:
         """A new worker takes over the unfinished choices from here, one request each."""
         self.num_migrations += 1
-        self.pending = {c.index for c in self.unfinished()}
-        for choice in self.unfinished():
+        unfinished = self.unfinished()
+        self.pending = {c.index for c in unfinished}
+        for choice in unfinished:
             choice.resumed_at, choice.resumed_tokens = len(choice.output_ids), None
 
     def end(self) -> bytes:
-        """What ends the client's stream once every choice finished: the whole answer's usage (when asked for,
-        and a resumed worker's usage was not passed on as it came) and ``[DONE]``."""
+        """What ends the client's stream once every choice finished: after a resume, the whole answer's usage
+        (when asked for: the resumed requests' own usage chunks are not passed on), and ``[DONE]``."""
         self.done = True
         usage = self.whole_usage() if self.is_resumed and self.client_wants_usage else None
         if usage is None:
             return b"data: [DONE]\n\n"
         kind = openai.CHAT_CHUNK if self.is_chat else openai.COMPLETION_CHUNK
-        common = {"id": self.id, "created": self.created, "model": self.model}
-        return sse_event(common | {"object": kind, "choices": [], "usage": usage}) + b"data: [DONE]\n\n"
+        return sse_event(self._common() | {"object": kind, "choices": [], "usage": usage}) + b"data: [DONE]\n\n"
 
     def _reframe(self, chunk: dict[str, Any], track: ChoiceTrack) -> dict[str, Any] | None:
         """A resumed request's completion chunk, in the original stream's format, as choice ``track``."""
@@ -261,9 +261,14 @@ class StreamTracker:
         self, text: str, finish: str | None = None, ids: list[int] | None = None, stop: Any = None, index: int = 0
     ) -> dict[str, Any]:
         """A chunk of the original stream carrying ``text`` for choice ``index``."""
-        common = {"id": self.id, "created": self.created, "model": self.model}
         token_ids = ids if self.client_wants_ids else None
-        return text_chunk(self.is_chat, common, text, finish, token_ids=token_ids, stop_reason=stop, index=index)
+        return text_chunk(
+            self.is_chat, self._common(), text, finish, token_ids=token_ids, stop_reason=stop, index=index
+        )
+
+    def _common(self) -> dict[str, Any]:
+        """The original stream's id, created and model, which every chunk the router writes carries."""
+        return {"id": self.id, "created": self.created, "model": self.model}
 
 
 def resume_body(
