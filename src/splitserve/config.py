@@ -460,6 +460,14 @@ class KVEventsConfig:
             raise ValueError("--kv-events-config: buffer_steps, hwm and max_queue_size must be positive")
 
 
+def _otlp_traces_endpoint() -> Any:
+    """The tracing setting, the same on the worker and the router (``splitserve.tracing``)."""
+    return setting(
+        None, "Send OpenTelemetry traces over OTLP/HTTP to this collector (http://HOST:4318, or its full "
+        ".../v1/traces URL), as vLLM's flag; a client's W3C traceparent is followed (default: no tracing, at no cost).",
+    )  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class AccessConfig:
     """Who may call a worker or the router (``splitserve.auth``): client keys, tenants, the cluster secret."""
@@ -516,8 +524,21 @@ class ServerConfig(AccessConfig):
         "as vLLM's --max-logprobs; -1: up to the vocabulary.",
     )  # fmt: skip
     max_queued_requests: int | None = setting(
-        None, "Requests that may wait for their first token; past that, new ones get a 429 with Retry-After "
-        "(default: no bound).",
+        None, "Requests that may wait to start (not yet running: SGLang's --max-queued-requests); past that, new "
+        "ones get a 429 with Retry-After (default: no bound).",
+    )  # fmt: skip
+    max_num_queued_reqs: int | None = setting(
+        None, "Requests that may be in flight, waiting or running (one with n choices counts n), as vLLM's "
+        "--max-num-queued-reqs; past that, a 429 (default: no bound).",
+    )  # fmt: skip
+    max_num_queued_tokens: int | None = setting(
+        None, "Prompt tokens still to compute (of the requests waiting or in prefill) past which new requests get "
+        "a 429, as vLLM's --max-num-queued-tokens (default: no bound).",
+    )  # fmt: skip
+    max_queue_delay_s: float = setting(
+        30.0, "Seconds of queue past which new requests get a 429: the oldest request waiting to start has waited "
+        "this long, or the prompt tokens ahead take this long at the engine's measured rate; 0: no bound.",
+        flag="max-queue-delay",
     )  # fmt: skip
     shutdown_timeout_s: float = setting(
         30.0, "On SIGTERM the worker drains: it takes no new requests and lets those in flight finish, for at most "
@@ -536,6 +557,7 @@ class ServerConfig(AccessConfig):
         "splitserve router follows splitserve workers over HTTP (kvaware)",
     )  # fmt: skip
     worker_id: str | None = setting(None, "This worker's name in KV events (default: host:port).", use=Use.INSTANCE)
+    otlp_traces_endpoint: str | None = _otlp_traces_endpoint()
     advertise_url: str | None = setting(
         None, "The URL the router reaches this worker at (default: http://host:port).", use=Use.INSTANCE
     )
@@ -550,9 +572,13 @@ class ServerConfig(AccessConfig):
         for flag, value in (
             ("--max-tokens-limit", self.max_tokens_limit),
             ("--max-queued-requests", self.max_queued_requests),
+            ("--max-num-queued-reqs", self.max_num_queued_reqs),
+            ("--max-num-queued-tokens", self.max_num_queued_tokens),
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if not self.max_queue_delay_s >= 0:
+            raise ValueError(f"--max-queue-delay must be at least 0, got {self.max_queue_delay_s}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got "
                              f"{self.tool_call_parser!r}")  # fmt: skip
@@ -724,6 +750,7 @@ class RouterConfig(AccessConfig):
     )  # fmt: skip
     max_request_body_bytes: int = 16 << 20
     log_level: str = setting("info", "debug, info, warning or error.")
+    otlp_traces_endpoint: str | None = _otlp_traces_endpoint()
 
     @property
     def admin_listen_port(self) -> int:

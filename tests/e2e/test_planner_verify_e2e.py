@@ -7,8 +7,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,21 +36,42 @@ TRACE = [  # short chat turns: a 1P1D endpoint with threshold 4096 serves them a
 ]
 
 
-def test_verify_brings_up_the_written_pick_and_the_resource_and_replays_both(tmp_path: Path) -> None:
+def _plan_command(trace: Path, directory: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-c", "from splitserve.cli import main; main()", "plan", "-f", str(EXAMPLES / "dpd.yaml"),
+            "--trace", str(trace), "--strategies", "roundrobin", "--thresholds", "4096", "--verify", "--verify-dir",
+            str(directory), *extra]  # fmt: skip
+
+
+def _with_calibration(tmp_path: Path) -> dict[str, str]:
+    """The environment of a ``plan`` child whose cache holds a hand-made calibration (no engine measured here)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     os.environ["XDG_CACHE_HOME"], saved = env["XDG_CACHE_HOME"], os.environ.get("XDG_CACHE_HOME")
     try:
-        save_cached(calibration(calibration_key("smollm2")))  # a hand-made calibration: no engine measured here
+        save_cached(calibration(calibration_key("smollm2")))
     finally:
         if saved is None:
             del os.environ["XDG_CACHE_HOME"]
         else:
             os.environ["XDG_CACHE_HOME"] = saved
+    return env
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is gone as far as anyone can tell
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_verify_brings_up_the_written_pick_and_the_resource_and_replays_both(tmp_path: Path) -> None:
+    env = _with_calibration(tmp_path)
     trace, report, directory = tmp_path / "trace.jsonl", tmp_path / "plan.json", tmp_path / "verify"
     trace.write_text("".join(json.dumps(line) + "\n" for line in TRACE))
-    command = [sys.executable, "-c", "from splitserve.cli import main; main()", "plan", "-f",
-               str(EXAMPLES / "dpd.yaml"), "--trace", str(trace), "--strategies", "roundrobin", "--thresholds",
-               "4096", "--verify", "--verify-dir", str(directory), "--json", str(report)]  # fmt: skip
+    command = _plan_command(trace, directory, "--json", str(report))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     document = json.loads(report.read_text())
@@ -66,3 +89,40 @@ def test_verify_brings_up_the_written_pick_and_the_resource_and_replays_both(tmp
     assert not picked.is_disaggregated and plan(picked).roles
     assert "kind: Deployment" in render_yaml(picked, default_image="splitserve:test")
     assert (directory / "pick" / "up.log").exists() and (directory / "current" / "up.log").exists()
+
+
+def test_a_sigkilled_verify_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``plan --verify`` killed with SIGKILL while its endpoint runs: the ``up`` supervisor it started and that
+    supervisor's pods (router, workers) all end on their own."""
+    env = _with_calibration(tmp_path)
+    trace, directory = tmp_path / "trace.jsonl", tmp_path / "verify"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in TRACE))
+    log = (tmp_path / "plan.log").open("wb")
+    plan_process = subprocess.Popen(_plan_command(trace, directory), env=env, stdout=log, stderr=subprocess.STDOUT)
+    state_path = directory / "pick" / "endpoints" / "dpd" / "state.json"
+    pids: list[int] = []
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and plan_process.poll() is None:
+            try:
+                state = json.loads(state_path.read_text())
+            except (OSError, ValueError):
+                state = {}
+            pods = [pod["pid"] for pod in state.get("pods", []) if pod.get("pid")]
+            if state.get("condition", {}).get("status") and pods:
+                pids = [state["supervisor_pid"], *pods]
+                break
+            time.sleep(0.2)
+        assert pids, f"the endpoint never came up; see {tmp_path / 'plan.log'}"
+        assert all(_is_alive(pid) for pid in pids)
+    finally:
+        plan_process.send_signal(signal.SIGKILL)
+        plan_process.wait()
+        log.close()
+    deadline = time.monotonic() + 60  # the supervisor drains its pods (they have no requests) and exits
+    while time.monotonic() < deadline and any(_is_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    left = [pid for pid in pids if _is_alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} of {len(pids)} processes outlived the killed plan: {left}"

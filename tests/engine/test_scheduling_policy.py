@@ -118,3 +118,19 @@ def test_without_chunked_prefill_a_long_prompt_still_runs_whole(tiny_model: Deco
     engine = engine_with(tiny_model, max_num_batched_tokens=1024, enable_chunked_prefill=False)
     engine.add_request("cold", COLD, GREEDY)  # 900 tokens, past the 200 of 4 targets
     assert engine.scheduler.schedule().num_batched_tokens == 900
+
+
+def test_the_backlog_counts_waiting_requests_whole_and_a_prefilling_one_by_what_it_has_left(
+    tiny_model: DecoderForCausalLM,
+) -> None:
+    """What admission reads (``policy.admission``): a prompt being prefilled is running, and only its chunks still
+    to compute are queued tokens; a request not yet started waits, whole; the cost per token is the measured one."""
+    engine = engine_with(tiny_model, max_num_seqs=1)  # one seat; a step with prompt chunks takes 200 tokens
+    engine.add_request("cold", COLD, GREEDY)
+    engine.add_request("chat", CHAT, GREEDY)
+    before = engine.backlog()
+    assert (before.num_waiting, before.num_in_flight, before.prefill_tokens) == (2, 2, 900 + 400)
+    engine.step()  # the cold prompt's first chunk
+    after = engine.get_stats().backlog
+    assert (after.num_waiting, after.num_in_flight, after.prefill_tokens) == (1, 2, 900 - 200 + 400)
+    assert after.seconds_per_token == 1e-3 and after.oldest_waiting_since is not None

@@ -17,6 +17,7 @@ from splitserve.engine.outputs import FinishReason, RequestOutput, TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.engine.speculative import SpecStats
 from splitserve.metrics import CumulativeHistogram, RequestPhases
+from splitserve.policy.admission import Backlog
 from tests.support.workers import free_port
 
 REPLY = "Paris is the capital of France."
@@ -72,6 +73,7 @@ class FakeStats:
     exactness_checks: dict[str, int] = field(default_factory=dict)
     exactness_mismatches: dict[str, int] = field(default_factory=dict)
     spec_decode: SpecStats | None = None
+    backlog: Backlog = field(default_factory=Backlog)
 
 
 @dataclass(slots=True)
@@ -86,7 +88,8 @@ class _FakeRequest:
 
 @dataclass
 class FakeEngine:
-    """Implements the ``EngineCore`` protocol. Knobs: ``step_delay_s``, ``fail_on_step``, ``max_model_len``."""
+    """Implements the ``EngineCore`` protocol. Knobs: ``step_delay_s``, ``fail_on_step``, ``max_model_len``,
+    ``max_num_seqs`` (the requests that run at once, in arrival order; the others wait, their prompts uncomputed)."""
 
     max_model_len: int = 128
     model_name: str = "fake-model"
@@ -105,6 +108,7 @@ class FakeEngine:
     seen_prompts: list[list[int]] = field(default_factory=list)
     seen_params: list[SamplingParams] = field(default_factory=list)
     cache_config_info: dict[str, str] = field(default_factory=lambda: {"block_size": "4"})
+    max_num_seqs: int | None = None
 
     def _called(self) -> None:
         self.caller_threads.add(threading.get_ident())
@@ -141,7 +145,8 @@ class FakeEngine:
             raise RuntimeError("injected engine failure")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return [self._advance(rid, req) for rid, req in list(self.requests.items())]
+        running = list(self.requests.items())[: self.max_num_seqs]
+        return [self._advance(rid, req) for rid, req in running]
 
     def _advance(self, request_id: str, req: _FakeRequest) -> RequestOutput:
         token = ord(REPLY[req.num_output]) if req.num_output < len(REPLY) else 0
@@ -183,10 +188,22 @@ class FakeEngine:
 
     def get_stats(self) -> FakeStats:
         self._called()
+        requests = list(self.requests.values())
+        running = len(requests[: self.max_num_seqs])
+        waiting = requests[running:]
+        backlog = Backlog(
+            num_waiting=len(waiting),
+            num_in_flight=len(requests),
+            prefill_tokens=sum(len(r.prompt_token_ids) for r in waiting),
+            seconds_per_token=None,
+            oldest_waiting_since=min((r.added_s for r in waiting), default=None),
+        )
         return FakeStats(
-            num_running=len(self.requests),
+            num_running=running,
+            num_waiting=len(waiting),
             prefix_cache_queries=self.num_prompt_tokens,
             num_prompt_tokens=self.num_prompt_tokens,
+            backlog=backlog,
         )
 
     def lookup_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:

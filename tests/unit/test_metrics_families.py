@@ -27,6 +27,7 @@ from splitserve.metrics import (
 )
 from splitserve.metrics.router import SlidingWindow
 from splitserve.metrics.worker import hit_source
+from splitserve.policy.admission import AdmissionLimits
 from splitserve.router.scrape import page_totals, prefix_cache_counts
 from tests.support.fake_engine import FakeEngine, FakeStats
 
@@ -143,12 +144,13 @@ def test_a_full_queue_is_an_admission_rejection_and_a_dead_engine_an_error() -> 
     worker = WorkerMetrics("m")
 
     async def main() -> None:
-        engine = AsyncEngine(lambda: fake, worker, max_queued=1)
+        engine = AsyncEngine(lambda: fake, worker, limits=AdmissionLimits(max_in_flight=1, max_prefill_tokens=1))
         engine.start()
         await engine.wait_until_ready(5)
+        engine.admit()
         stream = await engine.submit([72, 105], SamplingParams(max_tokens=50), "r1")
         with pytest.raises(QueueFullError):
-            await engine.submit([72], SamplingParams(max_tokens=5), "r2")
+            engine.admit()
         fake.fail_on_step = True
         with pytest.raises(EngineDeadError):
             async for _ in stream:

@@ -3,13 +3,17 @@ the plots (no endpoint: ``--verify`` against real processes is tests/e2e/test_pl
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
 from splitserve.bench.client import RequestResult
+from splitserve.bench.datasets import BenchRequest
 from splitserve.cli import app
 from splitserve.config import RoutingStrategy
 from splitserve.planner.calibrate import calibration_key
@@ -17,7 +21,16 @@ from splitserve.planner.command import _crossover, crossover_line
 from splitserve.planner.costs import save_cached
 from splitserve.planner.recommend import Candidate, Layout
 from splitserve.planner.simulate import Prediction, Slo
-from splitserve.planner.verify import _common_prefix, client_headers, measured_figures, relative_errors, replay_workload
+from splitserve.planner.verify import (
+    CUT,
+    _common_prefix,
+    _CutAt,
+    client_headers,
+    fitting_requests,
+    measured_figures,
+    relative_errors,
+    replay_workload,
+)
 from splitserve.planner.workload import TraceRequest, WorkloadShape, with_prompt_tokens
 from tests.support.paths import EXAMPLES
 from tests.support.planner import calibration
@@ -207,3 +220,34 @@ def test_the_candidates_plot_is_drawn_without_verify(tmp_path: Path, monkeypatch
     outcome = CliRunner().invoke(app, args)
     assert outcome.exit_code == 0, outcome.output
     assert png.read_bytes().startswith(PNG)
+
+
+def test_the_replay_is_cut_to_the_leading_requests_the_prediction_says_fit() -> None:
+    requests = [TraceRequest(arrival_s=float(i), prompt_tokens=100, output_tokens=10) for i in range(100)]
+    workload = replay_workload(requests)
+    predict = lambda rs: 2.0 * len(rs)  # noqa: E731 -- an overloaded layout: each request adds 2 s
+    assert fitting_requests(workload, 200.0, predict) == 100  # all fit
+    assert fitting_requests(workload, 61.0, predict) == 30
+    assert fitting_requests(workload, 0.5, predict) == 1  # one request at least
+    first = workload.first(30)
+    assert first.requests == workload.requests[:30] and first.prompts == workload.prompts[:30]
+
+
+def test_a_request_the_time_runs_out_on_fails_as_cut_and_is_counted() -> None:
+    """Each request of the replay ends at the deadline: one still streaming, and one not yet sent, fail as cut."""
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(5)
+        return httpx.Response(200, text="data: [DONE]\n\n")
+
+    async def main() -> list[RequestResult]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as http:
+            client = _CutAt(http, "http://endpoint", "m", time.monotonic() + 0.2)
+            running = await client.send(BenchRequest(max_tokens=4, prompt=[1, 2]))
+            late = await client.send(BenchRequest(max_tokens=4, prompt=[1, 2]))
+            return [running, late]
+
+    began = time.monotonic()
+    results = asyncio.run(main())
+    assert time.monotonic() - began < 2
+    assert [(r.success, r.error) for r in results] == [(False, CUT), (False, CUT)]

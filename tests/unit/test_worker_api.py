@@ -20,6 +20,7 @@ from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import detect_cpu
 from splitserve.router.vllm_events import VLLMSource
 from splitserve.worker.app import build_app
+from splitserve.worker.run import admission_limits
 from tests.support.fake_engine import REPLY, FakeEngine, ServerThread
 from tests.support.waiting import wait_until
 
@@ -606,19 +607,33 @@ class TestHealth:
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_serves_again_once_it_drains() -> None:
-    engine = AsyncEngine(lambda: FakeEngine(step_delay_s=0.5), WorkerMetrics(MODEL), max_queued=1)
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    """--max-queued-requests 1 with one seat: one request runs, one waits to start, the next gets a 429."""
+    fake = FakeEngine(step_delay_s=0.2, max_num_seqs=1)
+    engine = AsyncEngine(
+        lambda: fake, WorkerMetrics(MODEL), limits=admission_limits(ServerConfig(max_queued_requests=1))
+    )
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
     with (
         ServerThread(build_app(engine, ServerConfig(max_queued_requests=1))) as srv,
         httpx.Client(base_url=srv.url, timeout=10) as http,
     ):
         wait_until(lambda: http.get("/health").status_code == 200)
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as waiting:
-            assert waiting.status_code == 200  # accepted; its first token is half a second away
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as running:
+            wait_until(lambda: engine.backlog.num_waiting == 0 and engine.backlog.num_in_flight == 1)
+            waiting = http.send(
+                http.build_request("POST", "/v1/completions", json={**body, "stream": True}), stream=True
+            )
+            assert running.status_code == 200 and waiting.status_code == 200
+            wait_until(lambda: engine.backlog.num_waiting == 1 and engine.backlog.num_in_flight == 2)
             refused = http.post("/v1/completions", json=body)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
-            assert refused.json()["error"]["code"] == "queue_full"
+            assert (
+                refused.json()["error"]["code"] == "queue_full"
+                and "waiting to start" in refused.json()["error"]["message"]
+            )
+            running.read()
             waiting.read()
+            waiting.close()
         assert http.post("/v1/completions", json=body).status_code == 200
 
 

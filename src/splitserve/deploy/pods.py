@@ -123,21 +123,13 @@ class Pod:
 
     def start(self) -> None:
         log = open_private_log(self.log_path)
-        cpus = self.spec.cpus
-        parent = os.getpid()
-
-        def pin() -> None:  # in the child, before exec
-            if cpus and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cpus)
-            _die_with_parent(parent)
-
         self.process = subprocess.Popen(
             self.spec.command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**envs.copy(), **dict(self.spec.env)},
             start_new_session=True,
-            preexec_fn=pin,
+            preexec_fn=child_setup(self.spec.cpus),
         )
         log.close()
         self.started_at = time.time()
@@ -212,6 +204,22 @@ class Pod:
             "pid": self.process.pid if self.process is not None else None,
             "cpus": list(self.spec.cpus),
         }
+
+
+def child_setup(cpus: Sequence[int] = ()) -> Callable[[], None]:
+    """A ``preexec_fn`` for a process started on the user's behalf: pinned to ``cpus`` (when given), and sent
+    SIGTERM when this process dies, even by SIGKILL (Linux's ``PR_SET_PDEATHSIG``).
+
+    The signal follows the *thread* that started the child, so start children from a thread that lives as long
+    as they should (the main thread, here)."""
+    parent = os.getpid()
+
+    def setup() -> None:  # in the child, between fork and exec
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        _die_with_parent(parent)
+
+    return setup
 
 
 def _die_with_parent(parent: int) -> None:

@@ -24,11 +24,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from splitserve import tracing
 from splitserve.engine.outputs import FinishReason, RequestOutput
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.errors import SplitserveError
 from splitserve.metrics import FINISHED_ERROR, EngineStatsLike, FinishedRequest, WorkerMetrics
 from splitserve.model.tokenizer import TokenizerLike
+from splitserve.policy.admission import NO_LIMITS, AdmissionLimits, Backlog, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class EngineNotReadyError(SplitserveError, RuntimeError):
 
 
 class QueueFullError(SplitserveError, RuntimeError):
-    """``max_queued`` requests already wait for their first token: try again shortly (a 429)."""
+    """An admission bound is reached (``policy.admission``): try again shortly, or elsewhere (a 429)."""
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ class _RequestState:
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     first_token_s: float | None = None
     last_token_s: float | None = None
+    span: Any = None  # the request's trace span (tracing on), for its engine phases
 
 
 class RequestStream:
@@ -169,14 +172,11 @@ class AsyncEngine:
         engine_factory: Callable[[], EngineCore],
         metrics: WorkerMetrics,
         clock: Callable[[], float] = time.monotonic,
-        max_queued: int | None = None,
+        limits: AdmissionLimits = NO_LIMITS,
     ) -> None:
-        """``max_queued``: accepted requests still waiting for their first token beyond which ``submit`` refuses
-        new ones with :class:`QueueFullError` (None: no bound)."""
-        if max_queued is not None and max_queued < 1:
-            raise ValueError(f"--max-queued-requests must be positive, got {max_queued}")
+        """``limits``: the bounds past which ``admit`` refuses new requests with :class:`QueueFullError`."""
         self._factory = engine_factory
-        self.max_queued = max_queued
+        self.limits = limits
         self.metrics = metrics
         self._clock = clock
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -187,6 +187,10 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # what is ahead of a new request: published by the engine thread (one object, replaced whole), plus what
+        # the loop has handed over that the engine has not taken yet
+        self._backlog = Backlog()
+        self._handing_over = (0, 0)  # requests, prompt tokens
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -258,9 +262,18 @@ class AsyncEngine:
     # ---- requests (event loop side) --------------------------------------------------------------------
 
     @property
-    def num_queued(self) -> int:
-        """Requests accepted (or being accepted) that have not produced a token yet: waiting or in prefill."""
-        return sum(state.first_token_s is None for state in self._states.values())
+    def backlog(self) -> Backlog:
+        """What a new request finds ahead of it: the engine's last account plus the requests on their way to it."""
+        requests, tokens = self._handing_over
+        return self._backlog.added(requests, tokens)
+
+    def admit(self, num_sequences: int = 1) -> None:
+        """Raise :class:`QueueFullError` when an admission bound is reached (``policy.admission``); call it once per
+        request, before submitting its sequences."""
+        refused = refusal(self.limits, self.backlog, num_sequences, time.monotonic())
+        if refused is not None:
+            self.metrics.observe_admission_rejected(refused.reason)
+            raise QueueFullError(refused.message)
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         """Add a request and wait until the engine accepted it.
@@ -272,12 +285,11 @@ class AsyncEngine:
         self.engine  # noqa: B018 -- raises when not ready or dead
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if self.max_queued is not None and self.num_queued >= self.max_queued:
-            self.metrics.observe_admission_rejected()
-            raise QueueFullError(f"{self.num_queued} requests are already waiting for their first token")
-        state = _RequestState(arrival_s=self._clock(), max_tokens=params.max_tokens)
+        state = _RequestState(arrival_s=self._clock(), max_tokens=params.max_tokens, span=tracing.current())
         accepted: Future[float] = Future()
         self._states[request_id] = state
+        to_compute = 0 if params.kv_transfer_expected else len(prompt_token_ids)
+        self._hand_over(1, to_compute)
         try:
             self._send(_AddCommand(request_id, list(prompt_token_ids), params, accepted))
             await asyncio.wrap_future(accepted)
@@ -287,7 +299,13 @@ class AsyncEngine:
         except BaseException:
             self.release(request_id, abort=False)
             raise
+        finally:
+            self._hand_over(-1, -to_compute)
         return RequestStream(self, request_id, state)
+
+    def _hand_over(self, requests: int, tokens: int) -> None:
+        held_requests, held_tokens = self._handing_over
+        self._handing_over = (held_requests + requests, held_tokens + tokens)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -343,7 +361,10 @@ class AsyncEngine:
             state.last_token_s = now_s
             m.generation_tokens.inc(num_new)
         if output.finished:
-            m.observe_finished_request(_finished(state, output, now_s))
+            finished = _finished(state, output, now_s)
+            m.observe_finished_request(finished)
+            if state.span is not None:
+                _trace_phases(state.span, output, finished)
 
     def _fail_all(self, error: BaseException) -> None:
         """Loop thread: end every in-flight request with ``error``."""
@@ -381,7 +402,9 @@ class AsyncEngine:
                 outputs = engine.step()
                 if outputs:
                     self._to_loop(self._deliver, outputs, self._clock())
-            self.metrics.set_engine_stats(engine.get_stats())
+            stats = engine.get_stats()
+            self._backlog = stats.backlog
+            self.metrics.set_engine_stats(stats)
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands = [self._commands.get()] if block else []
@@ -403,7 +426,9 @@ class AsyncEngine:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params)
             except ValueError as exc:
                 command.accepted.set_exception(exc)
-            else:
+            else:  # counted as the engine's before the loop stops counting it as handed over
+                pushed = command.params.kv_transfer_expected
+                self._backlog = self._backlog.added(1, 0 if pushed else len(command.prompt_token_ids))
                 command.accepted.set_result(self._clock())
         return True
 
@@ -425,6 +450,31 @@ class AsyncEngine:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
             loop.call_soon_threadsafe(callback, *args)
+
+
+def _trace_phases(span: Any, output: RequestOutput, finished: FinishedRequest) -> None:
+    """The request's engine phases as spans under its request span, and what it computed and found cached."""
+    cached = {f"splitserve.cached_tokens.{source}": n for source, n in output.cached_tokens_by_source if n}
+    tracing.set_attributes(span, {
+        "splitserve.request_id": output.request_id,
+        "splitserve.prompt_tokens": output.num_prompt_tokens,
+        "splitserve.output_tokens": output.num_output_tokens,
+        "splitserve.cached_tokens": output.num_cached_tokens,
+        "splitserve.finish_reason": finished.finish_reason,
+        **cached,
+    })  # fmt: skip
+    phases = finished.phases
+    if phases is None:
+        return
+    end = time.time_ns()
+    decode_start = tracing.ago_ns(phases.decode_s, end)
+    prefill_start = tracing.ago_ns(phases.prefill_s, decode_start)
+    queue_start = tracing.ago_ns(phases.queued_s, prefill_start)
+    tracing.record(span, "queue", queue_start, prefill_start)
+    tracing.record(span, "prefill", prefill_start, decode_start,
+                   {"splitserve.prompt_tokens": output.num_prompt_tokens, **cached,
+                    "splitserve.preemptions": phases.num_preemptions})  # fmt: skip
+    tracing.record(span, "decode", decode_start, end, {"splitserve.output_tokens": output.num_output_tokens})
 
 
 def _finished(state: _RequestState, output: RequestOutput, now_s: float) -> FinishedRequest:

@@ -38,6 +38,7 @@ from splitserve.metrics import (
 )
 from splitserve.model.config import DecoderConfig
 from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.policy.admission import Backlog
 from splitserve.protocol.kv_events import BlockContentSink, KVEventSink, Tier
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class EngineStats:
     exactness_checks: dict[str, int] = dataclasses.field(default_factory=dict)
     exactness_mismatches: dict[str, int] = dataclasses.field(default_factory=dict)
     spec_decode: SpecStats | None = None  # --speculative-config: drafts computed and kept
+    backlog: Backlog = dataclasses.field(default_factory=Backlog)  # what a new request would find ahead of it
 
 
 def _block_cache(
@@ -277,12 +279,30 @@ class LLMEngine:
             "is_attention_free": "False",
         }
 
+    def backlog(self) -> Backlog:
+        """The requests waiting and running, and the prompt tokens they have left to compute (``policy.admission``)."""
+        scheduler = self.scheduler
+        running = [r for r in scheduler.running if not r.is_shadow]
+        waiting = scheduler.waiting
+        # a decode worker's request whose prompt KV a prefill worker pushes has nothing to compute
+        left = sum(r.num_prompt_tokens - r.num_computed_tokens for r in waiting if not r.params.kv_transfer_expected)
+        left += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running)
+        line = scheduler.step_rate.line()
+        return Backlog(
+            num_waiting=len(waiting),
+            num_in_flight=len(waiting) + len(running),
+            prefill_tokens=left,
+            seconds_per_token=None if line is None else line[1],
+            oldest_waiting_since=min((r.arrival_time for r in waiting), default=None),
+        )
+
     def get_stats(self) -> EngineStats:
         cache = self.kv.stats
         verifier = self.verifier
+        backlog = self.backlog()
         return EngineStats(
-            num_running=sum(not r.is_shadow for r in self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=backlog.num_in_flight - backlog.num_waiting,
+            num_waiting=backlog.num_waiting,
             num_waiting_deferred=self.scheduler.num_deferred,
             kv_cache_usage=self.pool.usage,
             prefix_cache_queries=cache.num_queries,
@@ -298,6 +318,7 @@ class LLMEngine:
             pd_buffer=self.kv_receiver.buffer.stats() if self.kv_receiver is not None else None,
             exactness_checks=dict(verifier.checks) if verifier is not None else {},
             exactness_mismatches=dict(verifier.mismatches) if verifier is not None else {},
+            backlog=backlog,
             spec_decode=self.proposer.stats.snapshot() if self.proposer is not None else None,
         )
 

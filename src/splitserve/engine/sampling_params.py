@@ -92,6 +92,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def kv_transfer_expected(self) -> bool:
+        """A decode worker's request: a prefill worker pushes its prompt's KV (nothing to compute if it comes)."""
+        return self.kv_transfer is not None and not self.kv_transfer.is_sender
+
+    @property
     def changes_logits(self) -> bool:
         """Whether a bias or a penalty changes the logits before a token is picked."""
         return bool(self.logit_bias) or self.has_penalties

@@ -11,6 +11,8 @@ with the name minus that suffix (``counter_base``).
 
 from __future__ import annotations
 
+from splitserve.policy.admission import ADMISSION_QUEUED_REQUESTS, ADMISSION_QUEUED_TOKENS
+
 # ---- vLLM 0.32, on a worker (tests/data/vllm_0_32_metric_families.txt lists them) ---------------------------
 
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -173,8 +175,7 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  #
 WAITING_CAPACITY = "capacity"
 WAITING_DEFERRED = "deferred"
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
-ADMISSION_QUEUED_REQUESTS = "max_num_queued_reqs"
-ADMISSION_REASONS = (ADMISSION_QUEUED_REQUESTS, "max_num_queued_tokens")
+ADMISSION_REASONS = (ADMISSION_QUEUED_REQUESTS, ADMISSION_QUEUED_TOKENS)  # vLLM's; policy.admission says which is which
 
 # ---- bucket edges -------------------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from typing import Protocol
 
 from prometheus_client.utils import floatToGoString
 
+from splitserve.policy.admission import Backlog
+
 
 @dataclass(slots=True)
 class CumulativeHistogram:
@@ -201,3 +203,6 @@ class EngineStatsLike(Protocol):
 
     @property
     def spec_decode(self) -> SpecDecodeStatsLike | None: ...  # None: no --speculative-config
+
+    @property
+    def backlog(self) -> Backlog: ...  # what a new request finds ahead of it (policy.admission)

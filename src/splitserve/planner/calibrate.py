@@ -446,11 +446,11 @@ def measure_served(calibration: Calibration, max_model_len: int, vllm_flags: Seq
     """Run a one-thread worker pinned to one core, as the supervisor runs it, and compare its streamed ITLs and
     TTFTs with what ``calibration``'s bare-engine fit predicts (module docstring). For a key of engine ``vllm``
     the worker is vLLM, started with ``vllm_flags``."""
+    from splitserve.deploy.pods import child_setup
     from splitserve.deploy.supervisor import free_port, splitserve_command
 
     key, port = calibration.key, free_port()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    pin = (lambda: os.sched_setaffinity(0, {cpus[-1]})) if cpus else None
     # this machine's defaults only: no settings or keys of the user's (the worker serves this process alone)
     env = {k: v for k, v in envs.copy().items() if not k.startswith(("SPLITSERVE_", "VLLM_", "LMCACHE_"))}
     address = ("--host", "127.0.0.1", "--port", str(port))
@@ -466,8 +466,8 @@ def measure_served(calibration: Calibration, max_model_len: int, vllm_flags: Seq
         )]  # fmt: skip
         model, ready_s = key.model, SERVED_READY_S
     with tempfile.TemporaryFile() as log:
-        worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin,
-                                  start_new_session=True)  # fmt: skip
+        worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                  preexec_fn=child_setup(cpus[-1:]))  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(worker, url, log, ready_s)

@@ -34,11 +34,13 @@ from splitserve.planner.recommend import (
     topology,
     write_planned,
 )
-from splitserve.planner.simulate import SimResult, Slo, simulate
+from splitserve.planner.simulate import Prediction, SimResult, Slo, simulate, summarize
 from splitserve.planner.verify import (
     FIGURES,
+    STARTUP_ALLOWANCE_S,
     ReplayWorkload,
     VerifiedLayout,
+    fitting_requests,
     format_verify_table,
     replay_workload,
     verify_json,
@@ -146,7 +148,7 @@ def _write_outputs(
     if options.out is not None:
         write_planned(str(options.out), config, result.pick.layout, note=result.reason)
         echo(f"wrote {options.out}")
-    verified = [] if replayed is None else _verify(options, config, model, result, replayed, slo, note)
+    verified = [] if replayed is None else _verify(options, config, model, result, calibration, replayed, slo, note)
     if verified:
         echo("\n" + format_verify_table(verified))
         echo(_verdict(verified))
@@ -305,6 +307,7 @@ def _verify(
     config: InferenceEndpointConfig,
     model: str,
     result: Recommendation,
+    calibration: Calibration,
     replayed: ReplayWorkload,
     slo: Slo,
     note: Callable[[str], None],
@@ -321,11 +324,31 @@ def _verify(
         planned = directory / "pick.yaml"
         write_planned(str(planned), config, pick.layout, note=result.reason)
         runs += [("pick", pick, planned), ("current", current, options.file)]
+    budget_s = options.max_duration_s / len(runs)
+    replay_s = max(budget_s - STARTUP_ALLOWANCE_S, budget_s / 2)
+
+    def predicted(layout: Layout, requests: Sequence[TraceRequest]) -> Prediction:
+        return summarize(_simulated(config, calibration, layout, requests), slo)
+
+    def duration_on(layout: Layout) -> Callable[[Sequence[TraceRequest]], float]:
+        return lambda requests: predicted(layout, requests).duration_s
+
+    num = min(fitting_requests(replayed, replay_s, duration_on(c.layout)) for _, c, _ in runs)
+    workload = replayed.first(num)
+    predictions = [c.prediction if num == len(replayed.requests) else predicted(c.layout, workload.requests)
+                   for _, c, _ in runs]  # fmt: skip
+    if num < len(replayed.requests):
+        note(f"verify: replaying the first {num} of {len(replayed.requests)} requests, what the prediction says "
+             f"fits in {replay_s:.0f} s a layout (--max-duration {options.max_duration_s:g} s)")  # fmt: skip
+    expected = sum(p.duration_s for p in predictions) + STARTUP_ALLOWANCE_S * len(runs)
+    note(f"verify: {len(runs)} layout(s), predicted replays {', '.join(f'{p.duration_s:.0f} s' for p in predictions)}; "
+         f"about {expected / 60:.0f} min in all with start-ups, at most {options.max_duration_s / 60:.0f} min "
+         "(--max-duration)")  # fmt: skip
     verified = []
-    for label, candidate, resource in runs:
+    for (label, candidate, resource), prediction in zip(runs, predictions, strict=True):
         verified.append(verify_layout(
-            label, candidate.layout.describe(), resource, config.metadata.name, model, replayed,
-            candidate.prediction, slo, candidate.layout.num_workers, directory / label, note,
+            label, candidate.layout.describe(), resource, config.metadata.name, model, workload,
+            prediction, slo, candidate.layout.num_workers, directory / label, note, budget_s,
         ))  # fmt: skip
     return verified
 

@@ -78,6 +78,10 @@ class PlanOptions:
     verify: bool = setting(
         False, "Bring up the pick (and the resource as written) locally, replay the workload, compare."
     )
+    max_duration_s: float = setting(
+        900.0, "Seconds --verify may take in all (start-ups and replays): the replay is cut to what the prediction "
+        "says fits, and a replay still running at its share of the time is stopped.", flag="max-duration",
+    )  # fmt: skip
     verify_dir: Path | None = setting(
         None, "Where --verify keeps resources, logs and results (default: a new temporary directory)."
     )

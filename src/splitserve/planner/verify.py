@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import subprocess
 import time
@@ -41,10 +42,13 @@ from splitserve.bench.datasets import WORDS, BenchRequest
 from splitserve.bench.runner import run_requests
 from splitserve.bench.series import chunk_times_s
 from splitserve.config import client_keys
+from splitserve.deploy.pods import child_setup
 from splitserve.deploy.supervisor import free_port, splitserve_command
 from splitserve.planner.simulate import Prediction, RequestTiming, SimResult, Slo, summarize
 from splitserve.planner.workload import TraceRequest
 
+CUT = "cut at --max-duration"  # the error of a request the replay's time ran out on
+STARTUP_ALLOWANCE_S = 90.0  # of a layout's share of --max-duration: its start and warm-up, before the replay
 FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "output_tokens_per_s")
 """The figures whose relative error ``--verify`` reports (the target: within 25 % each)."""
 READY_TIMEOUT_S = 600.0
@@ -66,6 +70,10 @@ class ReplayWorkload:
     @property
     def num_shared_tokens(self) -> int:
         return sum(r.prefix_tokens for r in self.requests)
+
+    def first(self, n: int) -> ReplayWorkload:
+        """The first ``n`` requests (their prefixes refer only to earlier prompts, so they stay true)."""
+        return ReplayWorkload(self.requests[:n], self.prompts[:n])
 
     def token_ids(self, pool: Sequence[int], seed: int = 0) -> list[list[int]]:
         """Each prompt as token ids from ``pool``: one id per symbol, spread over the pool by a fixed hash."""
@@ -133,7 +141,10 @@ class LocalEndpoint(AbstractContextManager["LocalEndpoint"]):
         env = {**envs.copy(), envs.HOME.name: str(self.home)}
         command = splitserve_command("up", "-f", str(self.resource), "--port", str(self.port))
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # the endpoint dies with this process, even a SIGKILLed one: its supervisor gets SIGTERM and drains
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup()
+            )
         return self
 
     def __exit__(
@@ -221,17 +232,37 @@ class Replay:
     measured: Prediction
 
 
+class _CutAt(OpenAIStreamClient):
+    """A client whose requests end at ``deadline`` (``time.monotonic()``): one still running, or not yet sent,
+    then fails with :data:`CUT`."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, model: str, deadline: float) -> None:
+        super().__init__(http, base_url=url, model=model, kind=EndpointKind.COMPLETIONS)
+        self.deadline = deadline
+
+    async def send(self, request: BenchRequest, *, run_start_s: float = 0.0) -> RequestResult:
+        left = self.deadline - time.monotonic()
+        cut = RequestResult(success=False, max_tokens=request.max_tokens, error=CUT)
+        if left <= 0:
+            return cut
+        try:
+            return await asyncio.wait_for(super().send(request, run_start_s=run_start_s), left)
+        except TimeoutError:
+            return cut
+
+
 async def _replay(
     url: str,
     model: str,
     prompts: Sequence[Sequence[int]],
     requests: Sequence[TraceRequest],
     warmup: Sequence[Sequence[int]],
+    deadline: float,
 ) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = client_headers()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers, trust_env=False) as http:
-        client = OpenAIStreamClient(http, base_url=url, model=model, kind=EndpointKind.COMPLETIONS)
+        client = _CutAt(http, url, model, deadline)
         for ids in warmup:
             result = await client.send(BenchRequest(max_tokens=8, prompt=list(ids)))
             if not result.success:
@@ -243,8 +274,17 @@ async def _replay(
         return await run_requests(client, bench, [r.arrival_s - first for r in requests])
 
 
-def replay(url: str, model: str, workload: ReplayWorkload, pool: Sequence[int], slo: Slo, num_workers: int) -> Replay:
-    """Warm the endpoint up, send the workload at its arrival times, and summarize what came back."""
+def replay(
+    url: str,
+    model: str,
+    workload: ReplayWorkload,
+    pool: Sequence[int],
+    slo: Slo,
+    num_workers: int,
+    deadline: float = math.inf,
+) -> Replay:
+    """Warm the endpoint up, send the workload at its arrival times, and summarize what came back; requests
+    still unanswered at ``deadline`` (``time.monotonic()``) fail with :data:`CUT`."""
     prompts = workload.token_ids(pool)
     warmup = ReplayWorkload(
         (),
@@ -252,7 +292,7 @@ def replay(url: str, model: str, workload: ReplayWorkload, pool: Sequence[int], 
             tuple(range(-(i + 1) * 10_000, -(i + 1) * 10_000 + n)) for i, n in enumerate(WARMUP_PROMPTS * num_workers)
         ),
     ).token_ids(pool, seed=7)
-    results, duration_s = asyncio.run(_replay(url, model, prompts, workload.requests, warmup))
+    results, duration_s = asyncio.run(_replay(url, model, prompts, workload.requests, warmup, deadline))
     return Replay(tuple(results), duration_s, measured_figures(results, slo))
 
 
@@ -291,6 +331,10 @@ class VerifiedLayout:
     def num_failed(self) -> int:
         return sum(1 for r in self.replay.results if not r.success)
 
+    @property
+    def num_cut(self) -> int:
+        return sum(1 for r in self.replay.results if r.error == CUT)
+
 
 def verify_layout(
     label: str,
@@ -304,16 +348,42 @@ def verify_layout(
     num_workers: int,
     home: Path,
     note: Callable[[str], None],
+    budget_s: float = math.inf,
 ) -> VerifiedLayout:
-    """Bring ``resource`` up in ``home``, replay the workload against it, and bring it down."""
+    """Bring ``resource`` up in ``home``, replay the workload against it, and bring it down, all within
+    ``budget_s`` (the replay is cut there)."""
+    began = time.monotonic()
+    deadline = began + budget_s
     note(f"verify: starting {label} ({description}) from {resource}")
     with LocalEndpoint(resource, home, name) as endpoint:
-        endpoint.wait_ready()
+        endpoint.wait_ready(min(READY_TIMEOUT_S, budget_s))
         model = served_model(endpoint.url, model)
         pool = token_pool(endpoint.url, model)
-        note(f"verify: replaying {len(workload.requests)} requests against {label} at {endpoint.url}")
-        result = replay(endpoint.url, model, workload, pool, slo, num_workers)
+        note(
+            f"verify: replaying {len(workload.requests)} requests against {label} at {endpoint.url}: predicted "
+            f"{predicted.duration_s:.0f} s (up in {time.monotonic() - began:.0f} s; cut "
+            f"{max(0.0, deadline - time.monotonic()):.0f} s from now at the latest)"
+        )
+        result = replay(endpoint.url, model, workload, pool, slo, num_workers, deadline)
     return VerifiedLayout(label, description, predicted, result)
+
+
+def fitting_requests(
+    workload: ReplayWorkload, replay_s: float, predict_duration: Callable[[Sequence[TraceRequest]], float]
+) -> int:
+    """The most leading requests of ``workload`` whose replay ``predict_duration`` says takes at most ``replay_s``
+    seconds (at least one)."""
+    requests = workload.requests
+    if not requests or predict_duration(requests) <= replay_s:
+        return len(requests)
+    low, high = 1, len(requests)  # low fits (or is the least we replay), high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if predict_duration(requests[:middle]) <= replay_s:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def format_verify_table(layouts: Sequence[VerifiedLayout]) -> str:
@@ -331,7 +401,8 @@ def format_verify_table(layouts: Sequence[VerifiedLayout]) -> str:
         cached = sum(r.cached_tokens for r in layout.replay.results)
         lines.append(f"{layout.label:<10} prompt tokens the engines reported cached: {cached:,}")
         if layout.num_failed:
-            lines.append(f"{layout.label:<10} {layout.num_failed} request(s) failed (left out of the figures)")
+            cut = f", {layout.num_cut} of them {CUT}" if layout.num_cut else ""
+            lines.append(f"{layout.label:<10} {layout.num_failed} request(s) failed{cut} (left out of the figures)")
     return "\n".join(lines)
 
 
@@ -348,6 +419,7 @@ def verify_json(layouts: Sequence[VerifiedLayout]) -> dict[str, Any]:
             "measured": prediction_json(layout.replay.measured),
             "relative_error": {k: round(v, 4) for k, v in layout.errors.items()},
             "num_failed": layout.num_failed,
+            "num_cut": layout.num_cut,
             "requests": [_result_json(r) for r in layout.replay.results],
         })  # fmt: skip
     worst = max((e for layout in layouts for e in layout.errors.values()), default=0.0)

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
 
+from splitserve import tracing
 from splitserve.auth import sign
 from splitserve.config import BackendKind, PDDecision, port_of
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferReport
@@ -185,6 +186,17 @@ class Disaggregator:
 
     def _route(self, call: Call, decoders: list[Worker]) -> _Route:
         """Pick D among ``decoders``, decide whether P prefills (step 2 above), and log the decision."""
+        with tracing.span("route") as span:
+            route = self._decide(call, decoders)
+            tracing.set_attributes(span, {
+                "splitserve.worker": route.decode.worker.url, "splitserve.disaggregated": route.prefill is not None,
+                "splitserve.prefill_worker": route.prefill.worker.url if route.prefill is not None else None,
+                "splitserve.matched_tokens": route.decode.matched_tokens,
+                "splitserve.uncached_tokens": route.decode.uncached_tokens,
+            })  # fmt: skip
+        return route
+
+    def _decide(self, call: Call, decoders: list[Worker]) -> _Route:
         estimated = self._estimated_tokens(call)
         decode = self.forwarder.policy.select(call.routing, decoders)
         decode = replace(decode, uncached_tokens=max(0, estimated - decode.matched_tokens))  # counted queued on D
@@ -238,11 +250,25 @@ class Disaggregator:
         body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
         lease = worker.lease(prefill.uncached_tokens)
         queued = QueuedPrefill(lease)
+        attributes = {"splitserve.worker": worker.url, "splitserve.transfer_id": transfer_id,
+                      "splitserve.uncached_tokens": prefill.uncached_tokens}  # fmt: skip
         try:
-            upstream = await self.forwarder.transport.post(worker.url + call.path, json.dumps(body).encode(),
-                                                           call.headers)  # fmt: skip
-            content = await upstream.read()
-            answer = _PrefillAnswer(upstream.status, content, _json_object(content) if upstream.status == 200 else None)
+            with tracing.span("prefill", attributes, client=True) as span:
+                upstream = await self.forwarder.transport.post(worker.url + call.path, json.dumps(body).encode(),
+                                                               tracing.inject(call.headers))  # fmt: skip
+                content = await upstream.read()
+                answer = _PrefillAnswer(
+                    upstream.status, content, _json_object(content) if upstream.status == 200 else None
+                )
+                report = answer.report
+                tracing.set_attributes(span, {
+                    "http.response.status_code": upstream.status,
+                    "splitserve.kv_transfer.ok": report.ok,
+                    "splitserve.kv_transfer.tokens": report.num_tokens,
+                    "splitserve.kv_transfer.bytes": report.num_bytes,
+                    "splitserve.kv_transfer.ms": report.transfer_ms,
+                    "splitserve.kv_transfer.reason": report.reason or None,
+                })  # fmt: skip
             self._learn(queued, answer.report)
         except TransportError as exc:
             worker.breaker.record_failure()

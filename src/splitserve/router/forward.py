@@ -27,6 +27,7 @@ from typing import Any
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from splitserve import tracing
 from splitserve.config import RouterConfig
 from splitserve.errors import SplitserveError
 from splitserve.httpserver import RESUMED_PROMPT_TOKENS_HEADER
@@ -148,7 +149,12 @@ class Forwarder:
                 break
             if attempt:
                 await asyncio.sleep(self._backoff_s(attempt))
-            decision = first if first is not None and attempt == 0 else self.policy.select(call.routing, candidates)
+            if first is not None and attempt == 0:
+                decision = first  # the caller's span holds its choice
+            else:
+                with tracing.span("route") as span:
+                    decision = self.policy.select(call.routing, candidates)
+                    tracing.set_attributes(span, _decision_attributes(decision, attempt, self.config.routing_strategy))
             self._log_decision(decision, call.routing)
             result = await self._try(decision.worker, call, decision.uncached_tokens)
             if result.failure is None:
@@ -177,18 +183,23 @@ class Forwarder:
         self.metrics.observe_sent(worker.url)
         queued = QueuedPrefill(lease)
         handed_over = False
+        span_name = "decode" if "kv_transfer_params" in call.body else "upstream"
         try:
-            try:
-                upstream = await self.transport.post(worker.url + call.path, call.raw, call.headers)
-            except TransportError as exc:
-                self._failed(worker, attempt, str(exc))
-                return attempt
-            if upstream.status in RETRYABLE_STATUS:
-                await self._refused(worker, upstream, attempt)
-            elif upstream.status != 200 or not call.is_stream:
-                await self._whole(worker, upstream, call, attempt)
-            else:
-                handed_over = await self._stream(worker, upstream, call, queued, attempt)
+            with tracing.span(span_name, {"splitserve.worker": worker.url}, client=True) as span:
+                try:
+                    upstream = await self.transport.post(worker.url + call.path, call.raw, tracing.inject(call.headers))
+                except TransportError as exc:
+                    self._failed(worker, attempt, str(exc))
+                    tracing.set_attributes(span, {"splitserve.failure": attempt.failure})
+                    return attempt
+                if upstream.status in RETRYABLE_STATUS:
+                    await self._refused(worker, upstream, attempt)
+                elif upstream.status != 200 or not call.is_stream:
+                    await self._whole(worker, upstream, call, attempt)
+                else:
+                    handed_over = await self._stream(worker, upstream, call, queued, attempt)
+                tracing.set_attributes(span, {"http.response.status_code": upstream.status,
+                                              "splitserve.failure": attempt.failure})  # fmt: skip
             return attempt
         finally:
             queued.release()
@@ -361,39 +372,47 @@ class Forwarder:
                 await asyncio.sleep(self._backoff_s(attempt))
             worker = self.policy.select(call.routing, candidates).worker
             tried.add(worker.url)
-            unfinished = tracker.unfinished()
-            assert tracker.prompt_ids is not None
-            tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
-            context = await self._detokenize(worker, tail, tracker.model)  # once: every choice follows it
-            catch_ups = {c.index: await self._held_back_text(worker, tracker, c, context) for c in unfinished}
-            max_model_len = await self._max_model_len(worker)
-            bodies = {c.index: resume_body(tracker, c, call.body, max_model_len) for c in unfinished}
-            resumed = {**call.headers, RESUMED_PROMPT_TOKENS_HEADER: str(len(tracker.prompt_ids or ()))}
-            opened: dict[int, AsyncIterator[bytes]] = {}
-            refused = False
-            for index, body in bodies.items():
-                if body is None:  # every token was generated; only the finish was lost
-                    continue
-                stream = await self._open_resumed(worker, body, resumed, lease, keep=bool(opened))
-                if stream is None or isinstance(stream, _Refused):
-                    refused = isinstance(stream, _Refused)
-                    break
-                opened[index] = stream
-            if len(opened) < sum(body is not None for body in bodies.values()):
-                lease.release()
-                if refused:
-                    return None  # the worker refuses the request itself: another would too
-                continue
-            preamble = []
-            for choice in unfinished:
-                choice.text += catch_ups[choice.index]
-                if catch_ups[choice.index] or bodies[choice.index] is None:
-                    finish = "length" if bodies[choice.index] is None else None
-                    preamble.append(sse_event(tracker.chunk(catch_ups[choice.index], finish, index=choice.index)))
-                    choice.finished = finish is not None
-            tracker.resume()
-            return _merged(opened), preamble
+            attributes = {"splitserve.worker": worker.url, "splitserve.choices": len(tracker.unfinished()),
+                          "splitserve.migration": tracker.num_migrations + 1}  # fmt: skip
+            with tracing.span("resume", attributes, client=True):
+                resumed = await self._resume_on(call, worker, tracker, lease)
+            if isinstance(resumed, _Refused):
+                return None  # the worker refuses the request itself: another would too
+            if resumed is not None:
+                return resumed
         return None
+
+    async def _resume_on(
+        self, call: Call, worker: Worker, tracker: StreamTracker, lease: _Lease
+    ) -> tuple[AsyncGenerator[tuple[int | None, str], None], list[bytes]] | _Refused | None:
+        """``_resume`` on one worker: the merged events and the preamble; a :class:`_Refused` when the worker
+        refuses the request itself; None when another worker may do better."""
+        unfinished = tracker.unfinished()
+        assert tracker.prompt_ids is not None
+        tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
+        context = await self._detokenize(worker, tail, tracker.model)  # once: every choice follows it
+        catch_ups = {c.index: await self._held_back_text(worker, tracker, c, context) for c in unfinished}
+        max_model_len = await self._max_model_len(worker)
+        bodies = {c.index: resume_body(tracker, c, call.body, max_model_len) for c in unfinished}
+        resumed = {**tracing.inject(call.headers), RESUMED_PROMPT_TOKENS_HEADER: str(len(tracker.prompt_ids))}
+        opened: dict[int, AsyncIterator[bytes]] = {}
+        for index, body in bodies.items():
+            if body is None:  # every token was generated; only the finish was lost
+                continue
+            stream = await self._open_resumed(worker, body, resumed, lease, keep=bool(opened))
+            if stream is None or isinstance(stream, _Refused):
+                lease.release()
+                return stream
+            opened[index] = stream
+        preamble = []
+        for choice in unfinished:
+            choice.text += catch_ups[choice.index]
+            if catch_ups[choice.index] or bodies[choice.index] is None:
+                finish = "length" if bodies[choice.index] is None else None
+                preamble.append(sse_event(tracker.chunk(catch_ups[choice.index], finish, index=choice.index)))
+                choice.finished = finish is not None
+        tracker.resume()
+        return _merged(opened), preamble
 
     async def _open_resumed(
         self, worker: Worker, body: dict[str, Any], headers: dict[str, str], lease: _Lease, keep: bool = False
@@ -529,6 +548,16 @@ class _Refused(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _decision_attributes(decision: Decision, attempt: int, strategy: object) -> dict[str, Any]:
+    return {
+        "splitserve.strategy": str(strategy),
+        "splitserve.worker": decision.worker.url,
+        "splitserve.matched_tokens": decision.matched_tokens,
+        "splitserve.uncached_tokens": decision.uncached_tokens,
+        "splitserve.attempt": attempt,
+    }
 
 
 def _error_code(content: bytes) -> str | None:

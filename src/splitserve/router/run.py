@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from splitserve import envs
+from splitserve import envs, tracing
 from splitserve.auth import warn_if_open
 from splitserve.config import RouterConfig
 from splitserve.httpserver import uvicorn_options
@@ -40,9 +40,10 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     )  # fmt: skip
     admin_socket = _admin_socket(config)
     logger.info("admin routes (/admin/*) on %s:%d", config.admin_host, admin_socket.getsockname()[1])
+    tracing.configure(config.otlp_traces_endpoint, "splitserve-router", f"{config.host}:{config.port}")
     public = uvicorn.Server(
         uvicorn.Config(
-            build_router_app(router, with_admin=False),
+            tracing.with_tracing(build_router_app(router, with_admin=False)),
             host=config.host,
             port=config.port,
             log_level=log_level,
@@ -62,7 +63,10 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
             **uvicorn_options(),
         )
     )
-    run_event_loop(_serve_both(public, admin, admin_socket))
+    try:
+        run_event_loop(_serve_both(public, admin, admin_socket))
+    finally:
+        tracing.shutdown()
     return 0
 
 

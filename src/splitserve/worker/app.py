@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import threading
@@ -80,7 +81,7 @@ def build_app(
             serving.close()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="splitserve worker", lifespan=lifespan)
+    app = FastAPI(title="splitserve worker", lifespan=lifespan, **_without_native_telemetry())
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     # added last, so it runs first: a request without a valid key is refused before its body is read
     app.add_middleware(AuthMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret)
@@ -353,3 +354,11 @@ def _replay(body: bytes, receive: Receive) -> Callable[[], Awaitable[Message]]:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+def _without_native_telemetry() -> dict[str, Any]:
+    """FastAPI's own OpenTelemetry spans off (FastAPI 0.16x makes them whenever a tracer provider is set): the
+    worker's spans are splitserve.tracing's, the same under every FastAPI version."""
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}

@@ -20,12 +20,14 @@ from types import FrameType
 
 import uvicorn
 
+from splitserve import tracing
 from splitserve.auth import bearer_header, warn_if_open
 from splitserve.config import EngineConfig, Role, ServerConfig, redact_url
 from splitserve.engine.async_engine import AsyncEngine, EngineCore
 from splitserve.httpserver import uvicorn_options
 from splitserve.metrics import WorkerMetrics
 from splitserve.model.kernels import loaded_cpu_info
+from splitserve.policy.admission import AdmissionLimits
 from splitserve.worker.app import build_app
 from splitserve.worker.kv_events import KVEventLog, KVEventPublisher
 from splitserve.worker.vllm_publisher import VLLMEventPublisher
@@ -60,6 +62,16 @@ def startup_config(engine_config: EngineConfig, server_config: ServerConfig) -> 
     }
 
 
+def admission_limits(config: ServerConfig) -> AdmissionLimits:
+    """The worker's admission bounds (``policy.admission``), from its settings."""
+    return AdmissionLimits(
+        max_waiting=config.max_queued_requests,
+        max_in_flight=config.max_num_queued_reqs,
+        max_prefill_tokens=config.max_num_queued_tokens,
+        max_queue_delay_s=config.max_queue_delay_s,
+    )
+
+
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
     """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
@@ -73,9 +85,10 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         publisher = KVEventPublisher(server_config.kv_events_url, events, headers=headers)
     metrics = WorkerMetrics(served_model_name(engine_config), cpu_info=loaded_cpu_info)
     load = lambda: _load_engine(engine_config, server_config.role, events, server_config.cluster_secret)  # noqa: E731
-    engine = AsyncEngine(load, metrics, max_queued=server_config.max_queued_requests)
+    engine = AsyncEngine(load, metrics, limits=admission_limits(server_config))
     draining = threading.Event()
-    app = build_app(engine, server_config, draining, events)
+    tracing.configure(server_config.otlp_traces_endpoint, "splitserve-worker", server_config.name)
+    app = tracing.with_tracing(build_app(engine, server_config, draining, events))
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,
@@ -99,6 +112,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig, log_lev
             publisher.close()
         if vllm_events is not None:
             vllm_events.close()
+        tracing.shutdown()
     return 1 if failed.is_set() else 0
 
 

@@ -12,11 +12,13 @@ import dataclasses
 import json
 import math
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve import tracing
 from splitserve.auth import verified
 from splitserve.engine.async_engine import (
     AsyncEngine,
@@ -456,6 +458,11 @@ class OpenAIServing:
             sequences = engine_input.sequences()
         except ValueError as exc:  # a seed + index past 64 bits
             raise ApiError(400, str(exc), "seed") from exc
+        try:
+            self.engine.admit(len(sequences))
+        except QueueFullError as exc:
+            raise ApiError(429, f"the worker is full: {exc}; retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"}) from exc  # fmt: skip
         streams: list[RequestStream] = []
         try:
             for request_id, params in sequences:
@@ -470,9 +477,6 @@ class OpenAIServing:
             return await self.engine.submit(prompt, params, request_id)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        except QueueFullError as exc:
-            raise ApiError(429, f"the worker is full: {exc}; retry shortly", code="queue_full",
-                           headers={"Retry-After": "1"}) from exc  # fmt: skip
         except (EngineNotReadyError, EngineDeadError):
             self._ready_engine()  # raises the matching 503
             raise
@@ -825,7 +829,15 @@ async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict
         result = await asyncio.wait_for(asyncio.wrap_future(future), TRANSFER_WAIT_S)
     except Exception as exc:  # the push never raises: this is a stuck (timeout) or broken sender thread
         return KVTransferReport(ok=False, reason=f"{type(exc).__name__}: {exc}", first_token_id=first_token).as_api()
-    return result.report(first_token).as_api()
+    report = result.report(first_token)
+    if report.transfer_ms is not None:  # the push as a span of this request (tracing on)
+        end = time.time_ns()
+        tracing.record(tracing.current(), "kv_push", tracing.ago_ns(report.transfer_ms / 1000, end), end, {
+            "splitserve.transfer_id": report.transfer_id, "splitserve.kv_transfer.ok": report.ok,
+            "splitserve.kv_transfer.tokens": report.num_tokens, "splitserve.kv_transfer.bytes": report.num_bytes,
+            "splitserve.kv_transfer.reason": report.reason or None,
+        })  # fmt: skip
+    return report.as_api()
 
 
 def _skips_first_text(engine_input: EngineInput) -> bool:
