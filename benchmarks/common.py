@@ -85,6 +85,13 @@ def bench_serve(url: str, model: str, label: str, args: Sequence[str]) -> dict[s
     return document
 
 
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` (with ``labels``) on ``url``'s ``/metrics`` page."""
+    from splitserve.metrics import sum_samples
+
+    return sum_samples(httpx.get(f"{url}/metrics", timeout=10.0).text, name, **labels)
+
+
 def time_calls(owner: Any, name: str, part: str, spent: dict[str, float]) -> None:
     """Replace ``owner.name`` by a wrapper that adds each call's seconds to ``spent[part]`` (profiling by part)."""
     inner = getattr(owner, name)

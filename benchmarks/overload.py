@@ -25,20 +25,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import REPO, SPLITSERVE, free_port, start_server, stop_server, write_result
+from common import REPO, SPLITSERVE, free_port, metric, start_server, stop_server, write_result
 from tests.support.overload import closed_loop_rate, overload
 
-from splitserve.metrics import sum_samples
 from splitserve.model.kernels import detect_cpu
 
 RESULTS = REPO / "benchmarks" / "results"
 LOGS = RESULTS / "logs"
 MODEL = "smollm2"
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    page = httpx.get(f"{url}/metrics", timeout=10.0).text
-    return sum_samples(page, name, **labels)
 
 
 def retries_by_reason(router: str) -> dict[str, float]:

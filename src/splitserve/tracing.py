@@ -134,15 +134,16 @@ def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
 class TraceMiddleware:
     """ASGI: each HTTP request under a server span named ``<method> <path>``, a child of the client's
     ``traceparent``; the span is current for the whole request (its streamed body included) and carries its
-    status. Add it only when tracing is on; health and metrics probes are not traced."""
+    status. Add it only when tracing is on. Only the inference routes are traced (``/v1/...``, SageMaker's
+    ``/invocations``): probes, metrics, the KV event polls and the admin routes are not."""
 
-    UNTRACED = frozenset({"/health", "/metrics", "/ping", "/version"})
+    TRACED = ("/v1/", "/invocations")
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _tracer is None or scope.get("path") in self.UNTRACED:
+        if scope["type"] != "http" or _tracer is None or not str(scope.get("path", "")).startswith(self.TRACED):
             await self.app(scope, receive, send)
             return
         from opentelemetry.propagate import extract

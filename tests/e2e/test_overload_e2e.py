@@ -30,8 +30,8 @@ def test_three_times_capacity_gets_200s_and_429s_while_health_answers_and_nothin
     try:
         worker.wait_healthy()
         router.wait_every_worker_healthy()
-        capacity = asyncio.run(closed_loop_rate(router.url, "smollm2", 8, 8.0))
-        report = asyncio.run(overload(router.url, "smollm2", 3 * capacity, 20.0, [router.url, worker.url]))
+        capacity = asyncio.run(closed_loop_rate(router.url, "smollm2", 8, 6.0))
+        report = asyncio.run(overload(router.url, "smollm2", 3 * capacity, 15.0, [router.url, worker.url]))
         counts = report.counts()
         assert set(counts) <= {"200", "429"}, report.to_json()
         assert counts.get("429", 0) > 0 and counts.get("200", 0) > 0, report.to_json()
