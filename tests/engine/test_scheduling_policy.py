@@ -5,6 +5,8 @@ token within one short step beside a cold prompt. The answers stay the same (gre
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from splitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
@@ -134,3 +136,23 @@ def test_the_backlog_counts_waiting_requests_whole_and_a_prefilling_one_by_what_
     after = engine.get_stats().backlog
     assert (after.num_waiting, after.num_in_flight, after.prefill_tokens) == (1, 2, 900 - 200 + 400)
     assert after.seconds_per_token == 1e-3 and after.oldest_waiting_since is not None
+
+
+def test_a_preempted_request_waits_from_its_preemption_and_recomputes_its_output_too(
+    tiny_model: DecoderForCausalLM,
+) -> None:
+    """Its queue age restarts (a long-running request sent back does not read as a 30 s old queue), and what it
+    has left to compute is its prompt and the tokens it generated."""
+    engine = engine_with(tiny_model)
+    engine.add_request("chat", CHAT, SamplingParams(max_tokens=8, temperature=0.0))
+    while not engine.requests["chat"].num_output_tokens:
+        engine.step()
+    engine.step()
+    request = engine.requests["chat"]
+    request.arrival_time = request.waiting_since = 0.0  # as if it had arrived long ago
+    before = time.monotonic()
+    engine.scheduler.running.remove(request)
+    engine.scheduler._preempt(request)
+    backlog = engine.backlog()
+    assert backlog.oldest_waiting_since is not None and backlog.oldest_waiting_since >= before
+    assert backlog.prefill_tokens == 400 + request.num_output_tokens

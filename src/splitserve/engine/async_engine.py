@@ -269,7 +269,8 @@ class AsyncEngine:
 
     def admit(self, num_sequences: int = 1) -> None:
         """Raise :class:`QueueFullError` when an admission bound is reached (``policy.admission``); call it once per
-        request, before submitting its sequences."""
+        request, before submitting its sequences. Raises as ``submit`` does while the engine loads or is dead."""
+        self.engine  # noqa: B018 -- raises when not ready or dead: a 503, not a 429
         refused = refusal(self.limits, self.backlog, num_sequences, time.monotonic())
         if refused is not None:
             self.metrics.observe_admission_rejected(refused.reason)

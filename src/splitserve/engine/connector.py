@@ -160,6 +160,8 @@ class KVConnectorBase(Protocol):
 class PDBufferLike(Protocol):
     def stats(self) -> PDBufferStatsLike: ...
 
+    def peek(self, transfer_id: str) -> object | None: ...  # the pushed KV of a transfer, while it waits
+
 
 class KVReceiverLike(Protocol):
     """The decode role's listener for KV pushed by prefill workers (``splitserve.pd.receiver.KVReceiver``)."""

@@ -284,17 +284,31 @@ class LLMEngine:
         scheduler = self.scheduler
         running = [r for r in scheduler.running if not r.is_shadow]
         waiting = scheduler.waiting
-        # a decode worker's request whose prompt KV a prefill worker pushes has nothing to compute
-        left = sum(r.num_prompt_tokens - r.num_computed_tokens for r in waiting if not r.params.kv_transfer_expected)
-        left += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running)
         line = scheduler.step_rate.line()
         return Backlog(
             num_waiting=len(waiting),
             num_in_flight=len(waiting) + len(running),
-            prefill_tokens=left,
+            prefill_tokens=sum(map(self._prefill_left, waiting)) + sum(map(self._prefill_left, running)),
             seconds_per_token=None if line is None else line[1],
-            oldest_waiting_since=min((r.arrival_time for r in waiting), default=None),
+            oldest_waiting_since=min((r.waiting_since for r in waiting), default=None),
         )
+
+    def _prefill_left(self, request: Request) -> int:
+        """The tokens a request still has to compute before it decodes: its prompt's rest, or after a preemption
+        its prompt and output; none while it decodes, or when a prefill worker pushed its prompt's KV here."""
+        left = request.num_tokens - request.num_computed_tokens
+        if left <= 1:  # decoding: one token a step
+            return 0
+        transfer = request.params.kv_transfer
+        if (
+            transfer is not None
+            and not transfer.is_sender
+            and request.num_preemptions == 0
+            and self.kv_receiver is not None
+            and self.kv_receiver.buffer.peek(transfer.transfer_id) is not None
+        ):
+            return 0  # loaded from the push, not computed
+        return left
 
     def get_stats(self) -> EngineStats:
         cache = self.kv.stats

@@ -55,10 +55,13 @@ class Request:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    waiting_since: float = 0.0  # engine clock: added, or last preempted (the queue's age, ``policy.admission``)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if not self.waiting_since:
+            self.waiting_since = self.arrival_time
 
     @property
     def num_tokens(self) -> int:

@@ -255,6 +255,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.waiting_since = time.monotonic()
         if request.is_shadow:  # back to its own queue: recomputed from nothing, when nothing else waits
             self.shadows.appendleft(request)
             return

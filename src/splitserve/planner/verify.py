@@ -262,16 +262,19 @@ async def _replay(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = client_headers()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers, trust_env=False) as http:
-        client = _CutAt(http, url, model, deadline)
+        warming = OpenAIStreamClient(http, base_url=url, model=model, kind=EndpointKind.COMPLETIONS)
         for ids in warmup:
-            result = await client.send(BenchRequest(max_tokens=8, prompt=list(ids)))
+            result = await warming.send(BenchRequest(max_tokens=8, prompt=list(ids)))
             if not result.success:
                 raise RuntimeError(f"a warm-up request failed: {result.error}")
         bench = [
             BenchRequest(max_tokens=r.output_tokens, prompt=list(p)) for r, p in zip(requests, prompts, strict=True)
         ]
         first = requests[0].arrival_s if requests else 0.0
-        return await run_requests(client, bench, [r.arrival_s - first for r in requests])
+        # a request due after the deadline is sent at the deadline, and cut at once: the replay ends there
+        left_s = max(0.0, deadline - time.monotonic())
+        offsets = [min(r.arrival_s - first, left_s) for r in requests]
+        return await run_requests(_CutAt(http, url, model, deadline), bench, offsets)
 
 
 def replay(

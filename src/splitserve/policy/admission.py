@@ -16,6 +16,11 @@ reached. Each bound is named for the flag an anchor gives it, and counts what th
   cost per token the engine measured on its own steps. It follows the machine and the load: a slow CPU or a
   large model refuses sooner, a fast one later, and an idle worker takes any prompt.
 
+The queue's age is the oldest wait since a request was added or last preempted. A request with ``n`` choices is
+checked once for all n; its sequences are then handed over one after another, so a request arriving in between
+may see fewer of them, and while they wait each counts the prompt that the engine computes once: approximations
+on the side of refusing early.
+
 A token or delay bound refuses only when work is already ahead (``current >= bound``, as vLLM checks), so a
 single long prompt is never refused by an idle worker. Refusals are counted in
 ``vllm:admission_rejections_total`` under vLLM's two reasons: ``max_num_queued_reqs`` for the request counts,

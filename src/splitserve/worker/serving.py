@@ -463,6 +463,9 @@ class OpenAIServing:
         except QueueFullError as exc:
             raise ApiError(429, f"the worker is full: {exc}; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"}) from exc  # fmt: skip
+        except (EngineNotReadyError, EngineDeadError):
+            self._ready_engine()  # raises the matching 503
+            raise
         streams: list[RequestStream] = []
         try:
             for request_id, params in sequences:
