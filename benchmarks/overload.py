@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import REPO, SPLITSERVE, free_port, metric, start_server, stop_server, write_result
-from tests.support.overload import closed_loop_rate, overload
+from common import REPO, SPLITSERVE, free_port, start_server, stop_server, write_result
+from tests.support.overload import closed_loop_rate, overload, recovered
 
 from splitserve.model.kernels import detect_cpu
 
@@ -43,21 +41,6 @@ def retries_by_reason(router: str) -> dict[str, float]:
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
-
-
-def recovered(router: str, worker: str, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Whether the worker's queue empties after the load, and then serves five requests in a row."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = metric(worker, "vllm:num_requests_running") + metric(worker, "vllm:num_requests_waiting")
-        if left == 0:
-            break
-        time.sleep(0.5)
-    served = 0
-    for _ in range(5):
-        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
-        served += httpx.post(f"{router}/v1/completions", json=body, timeout=60.0).status_code == 200
-    return {"queue_empty": left == 0, "served_after": served}
 
 
 def main() -> None:
@@ -84,7 +67,7 @@ def main() -> None:
         rate = args.factor * capacity
         report = asyncio.run(overload(router_url, MODEL, rate, args.duration, [router_url, worker_url]))
         retries = retries_by_reason(router_url)
-        after = recovered(router_url, worker_url)
+        after = recovered(router_url, worker_url, MODEL)
     finally:
         stop_server(router)
         stop_server(worker)

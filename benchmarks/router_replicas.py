@@ -6,7 +6,7 @@ fast a restarted router knows the workers' caches again.
 Four workers (SmolLM2, one thread each, engine prefix cache, no tiers) and kvaware routers that pull the workers'
 KV events themselves (``router/events.py``): each replica builds its own index from each worker's snapshot, then
 its events, so replicas share no state and need none to agree on where a prefix is. The balancer
-(``tests/support/balancer.py``) sends each connection to the next router that accepts it, as a Kubernetes
+(``tests/support/faults.py``, ``balancer``) sends each connection to the next router that accepts it, as a Kubernetes
 Service does. The load is ``splitserve bench serve --dataset multiround`` (chat users whose history grows), each side on
 fresh workers (empty caches) with the same workload, for each of ``--seeds``:
 
@@ -25,6 +25,7 @@ Results go to ``benchmarks/results/router_replicas_<cpu class>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import subprocess
@@ -39,7 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import REPO, SPLITSERVE, bench_serve, free_port, metric, start_server, stop_server, write_result
-from tests.support.balancer import TCPBalancer
+from tests.support.faults import balancer
 
 from splitserve.model.kernels import detect_cpu
 
@@ -53,6 +54,12 @@ def hit_counters(workers: list[str]) -> tuple[float, float]:
     return hits, sum(metric(u, "vllm:prefix_cache_queries_total") for u in workers)
 
 
+def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Prompt tokens found cached over prompt tokens looked up, between two :func:`hit_counters`."""
+    queries = after[1] - before[1]
+    return round((after[0] - before[0]) / queries, 4) if queries > 0 else 0.0
+
+
 def bench_args(args: argparse.Namespace, seed: int) -> list[str]:
     return ["--endpoint", "chat", "--dataset", "multiround", "--num-users", str(args.num_users),
             "--num-rounds", str(args.num_rounds), "--shared-prefix-len", "50", "--random-input-len", "60",
@@ -64,8 +71,7 @@ def hit_rate_of(url: str, workers: list[str], args: argparse.Namespace, seed: in
     before = hit_counters(workers)
     summary = bench_serve(url, MODEL, label, bench_args(args, seed))["summary"]
     after = hit_counters(workers)
-    queries = after[1] - before[1]
-    return {"hit_rate": round((after[0] - before[0]) / queries, 4) if queries else 0.0,
+    return {"hit_rate": hit_rate(before, after),
             "num_ok": summary["num_completed"], "num_failed": summary["num_failed"],
             "ttft_p50_ms": summary["ttft"]["p50_ms"]}  # fmt: skip
 
@@ -114,10 +120,10 @@ def main() -> None:
                     if label == "one_router":
                         results[label].append(hit_rate_of(routers[0].url, fleet.urls, args, seed, label))
                         continue
-                    with TCPBalancer([f"127.0.0.1:{r.port}" for r in routers]) as balancer:
-                        results[label].append(hit_rate_of(balancer.url, fleet.urls, args, seed, label))
+                    with contextlib.closing(balancer([r.port for r in routers])) as front:
+                        results[label].append(hit_rate_of(front.url, fleet.urls, args, seed, label))
                         if seed == args.seeds[-1]:
-                            results["kill"] = kill_one(balancer.url, routers, fleet.urls, args)
+                            results["kill"] = kill_one(front.url, routers, fleet.urls, args)
                             results["restart"] = restart(routers)
                 finally:
                     for router in routers:
@@ -176,7 +182,7 @@ def kill_one(url: str, routers: list[Router], workers: list[str], args: argparse
         "num_failed": summary["num_failed"],
         "failed_errors": sorted({str(r.get("error", ""))[:120] for r in failed}),
         "seconds_of_load_after_kill": round(time.monotonic() - killed_at, 1),
-        "hit_rate": round((after[0] - before[0]) / (after[1] - before[1]), 4) if after[1] > before[1] else 0.0,
+        "hit_rate": hit_rate(before, after),
     }
 
 

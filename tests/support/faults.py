@@ -9,14 +9,21 @@ Faults, settable at any time (they apply to the data forwarded from then on):
 - ``blackhole``: nothing more is forwarded either way; connections stay open and silent (a stalled peer);
 - ``reset()``: every open connection is closed at once (a crashed peer, or a cut network); new ones work.
 - ``refuse``: new connections are closed as soon as they are accepted.
+
+With ``more_targets`` it is also a TCP balancer, as a Kubernetes Service in front of replicas
+(:func:`balancer`): each connection goes to the next target in turn that accepts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+CONNECT_TIMEOUT_S = 1.0  # a target that does not accept within this is skipped
 
 
 @dataclass
@@ -28,10 +35,12 @@ class FaultProxy:
     slice_bytes: int = 0
     blackhole: bool = False
     refuse: bool = False
+    more_targets: tuple[tuple[str, int], ...] = ()  # (host, port): connections take the targets in turn
     port: int = 0
     num_connections: int = 0
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop, repr=False)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set, repr=False)
+    _turn: itertools.count[int] = field(default_factory=itertools.count, repr=False)
 
     def __post_init__(self) -> None:
         ready = threading.Event()
@@ -88,11 +97,11 @@ class FaultProxy:
         if self.refuse:
             client_writer.transport.abort()
             return
-        try:
-            server_reader, server_writer = await asyncio.open_connection(self.target_host, self.target_port)
-        except OSError:
+        opened = await self._connect()
+        if opened is None:
             client_writer.transport.abort()
             return
+        server_reader, server_writer = opened
         self.num_connections += 1
         self._writers |= {client_writer, server_writer}
         try:
@@ -102,6 +111,18 @@ class FaultProxy:
             for writer in (client_writer, server_writer):
                 self._writers.discard(writer)
                 writer.close()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the next target in turn that accepts one (None: none does)."""
+        targets = [(self.target_host, self.target_port), *self.more_targets]
+        first = next(self._turn)
+        for i in range(len(targets)):
+            host, port = targets[(first + i) % len(targets)]
+            try:
+                return await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+            except (OSError, TimeoutError):
+                continue
+        return None
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
@@ -130,3 +151,8 @@ class FaultProxy:
             with contextlib.suppress(Exception):
                 await forwarder
                 writer.write_eof()
+
+
+def balancer(ports: Sequence[int]) -> FaultProxy:
+    """A TCP balancer over local ``ports`` (connections in turn, a refusing port skipped); ``close()`` it."""
+    return FaultProxy(ports[0], more_targets=tuple(("127.0.0.1", port) for port in ports[1:]))

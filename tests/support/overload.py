@@ -1,5 +1,6 @@
 """Open-loop overload against a running endpoint: requests arrive at a fixed rate whatever the answers, while the
-health of the router and its workers is probed. Shared by ``benchmarks/overload.py`` and the overload e2e test.
+health of the router and its workers is probed; then :func:`recovered` checks what follows the load. Shared by
+``benchmarks/overload.py`` and the overload e2e test.
 
 Each request is a streamed completion of a random-word prompt. What comes back is classed by HTTP status (a
 stream that ended with an error event, or a connection that broke, is ``"broken"``; a client-side timeout or
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from splitserve.metrics import sum_samples
 
 WORDS = [
     "river",
@@ -208,3 +211,21 @@ async def closed_loop_rate(
         began = time.monotonic()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return done / (time.monotonic() - began)
+
+
+def recovered(router: str, worker: str, model: str, num_requests: int = 5, timeout_s: float = 120.0) -> dict[str, Any]:
+    """After a load: whether the worker's queue empties within ``timeout_s``, and how many of ``num_requests``
+    sent one after another through the router are then served."""
+
+    def left() -> float:
+        page = httpx.get(f"{worker}/metrics", timeout=10.0).text
+        return sum_samples(page, "vllm:num_requests_running") + sum_samples(page, "vllm:num_requests_waiting")
+
+    deadline = time.monotonic() + timeout_s
+    while left() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8}
+    served = sum(
+        httpx.post(f"{router}/v1/completions", json=body, timeout=60.0).status_code == 200 for _ in range(num_requests)
+    )
+    return {"queue_empty": left() == 0, "served_after": served}
