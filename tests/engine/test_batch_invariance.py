@@ -87,9 +87,10 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
     assert whole is not None
     # chunks of 37 queries, each beside a decode row of another sequence (its table: the same blocks reversed);
     # chunks of 5 too, whose rows and query heads share a tile where the build packs a short chunk's heads
-    # into one (the amx build's tiles of 16 lanes)
+    # into one (the amx build's tiles of 16 lanes); and of 150, too few rows for full tiles on every thread
     tables = torch.cat([table, table.flip(1)]).contiguous()
-    for start, size in [(start, 37) for start in range(0, length, 37)] + [(start, 5) for start in (0, 30, 250, 695)]:
+    sizes = [(start, 37) for start in range(0, length, 37)] + [(start, 5) for start in (0, 30, 250, 695)]
+    for start, size in [*sizes, (0, 150), (550, 150)]:
         rows = torch.arange(start, min(start + size, length))
         batch_q = torch.cat([q[rows], q[:1]])
         batch_lens = torch.cat([lens[rows], torch.tensor([length])])

@@ -114,8 +114,10 @@ static inline float exp_row(float *s, int64_t n, float top) {
  * Decode steps spread their rows' partitions over the threads (split mode, as flash-decoding does, so that
  * one long sequence uses every thread; with too few partitions, their KV heads too). Prefill chunks
  * give each thread a tile of up to TILE_ROWS consecutive queries of one sequence, which share each key's
- * conversion to float (tile mode). The two modes only schedule the same calls: the partition and merge
- * functions are compiled once (SS_ONE_BODY), so both run the same machine code. On AVX-512, tile mode runs
+ * conversion to float (tile mode); a chunk too short to give every thread four tiles takes tiles of down to
+ * MIN_TILE_ROWS (on Zen 4, a 150-row chunk at 2,500 tokens: 80 -> 40 us per row, where split mode ran it),
+ * and split mode runs what gives fewer than two tiles a thread. The two modes only schedule the same calls: the partition and merge functions are compiled once
+ * (SS_ONE_BODY), so both run the same machine code. On AVX-512, tile mode runs
  * partition_lanes instead, which holds one value of 16 rows per vector and reproduces partition_float's
  * arithmetic operation for operation (below); the tests compare the two bit for bit.
  *
@@ -131,6 +133,7 @@ static inline float exp_row(float *s, int64_t n, float top) {
 #else
 #define TILE_ROWS 16
 #endif
+#define MIN_TILE_ROWS 16 /* a chunk too short for TILE_ROWS to give every thread a few tiles takes smaller ones */
 #define TILE_BUFFER_BYTES (8 << 20) /* a thread's partials in tile mode, at most (fewer rows per tile beyond) */
 
 /* out[j] = q . kf[j] for the KG rows of kf (head_dim floats each). */
@@ -659,9 +662,11 @@ static int64_t *first_items(const attention_call *a) {
 static int paged_attention(const attention_call *a, int num_threads) {
     int64_t *tile = malloc(sizeof(int64_t) * ((size_t)a->num_rows + 1));
     if (tile == NULL) return -1;
-    const int64_t num_tiles = make_tiles(a->row_seq, a->num_rows, a->tile_rows, tile);
-    const int split = 2 * num_tiles > a->num_rows || num_tiles < 4 * (int64_t)num_threads;
-    const int64_t rows_per_item = split ? 1 : a->tile_rows;
+    int64_t tile_rows = a->tile_rows, num_tiles = make_tiles(a->row_seq, a->num_rows, tile_rows, tile);
+    while (num_tiles < 4 * (int64_t)num_threads && tile_rows > MIN_TILE_ROWS) /* a short chunk: smaller tiles */
+        num_tiles = make_tiles(a->row_seq, a->num_rows, tile_rows /= 2, tile);
+    const int split = 2 * num_tiles > a->num_rows || num_tiles < 2 * (int64_t)num_threads;
+    const int64_t rows_per_item = split ? 1 : tile_rows;
     int64_t *first = split ? first_items(a) : NULL; /* split mode: each row's first item */
     float *partials = first != NULL ? malloc(sizeof(float) * a->per_part * (size_t)first[a->num_rows]) : NULL;
     int failed = split && partials == NULL;
