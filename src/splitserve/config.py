@@ -128,7 +128,9 @@ class CacheConfig:
     block_size: int = setting(16, "Tokens per KV block; also the unit of the KV key scheme.")
     # on CUDA, None is what --gpu-memory-utilization leaves after weights and activations
     kv_cache_memory: str | None = setting(
-        None, "KV cache size in bytes (2GiB) or as a fraction of free memory (0.3); default 2GiB on CPU."
+        None,
+        "KV cache size in bytes (2GiB) or as a fraction of free memory (0.3); default 2GiB on CPU.",
+        env=True,  # as vLLM's VLLM_CPU_KVCACHE_SPACE: every local pod of a small machine sized at once
     )
     gpu_memory_utilization: float = setting(0.9, "CUDA: the fraction of device memory for weights, activations and KV.")
     enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of shared prompt prefixes.")
