@@ -15,9 +15,9 @@ VLLM_VERSION="0.32.0"
 
 # What splitserve's KV connector for vLLM imports beside vLLM's own dependencies (the supervisor puts splitserve
 # itself on vLLM's PYTHONPATH); `pip install 'splitserve[vllm]'` does the same for an image.
-CONNECTOR_DEPS=("xxhash>=3.4,<5" "redis>=5.1,<9" "hiredis>=3,<4")
+CONNECTOR_DEPS=("xxhash>=3.4,<5" "redis>=5.1,<9" "hiredis>=3,<4" "msgpack>=1.0,<2")  # msgpack: vLLM itself uses msgspec
 
-if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import vllm, xxhash, redis, hiredis' >/dev/null 2>&1; then
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import vllm, xxhash, redis, hiredis, msgpack' >/dev/null 2>&1; then
     echo "vllm already installed in $VENV" >&2
     echo "$VENV/bin/python"
     exit 0
