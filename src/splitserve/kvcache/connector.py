@@ -188,23 +188,23 @@ class KVConnector:
         lookup = self._lookups.get(rid)
         if lookup is not None and lookup.num_cached == num_cached:
             return lookup.num_external
+        pending = self._prefetches.get(rid)
+        if pending is not None and pending[0] == num_cached:  # asked again while the engine waits: no hashing
+            if not pending[1].done():
+                return None
+            del self._prefetches[rid]
+            try:
+                self._lookups[rid] = pending[1].result()
+            except Exception:  # a bug or an unexpected tier error: a miss, never a dead engine
+                logger.exception("KV connector: prefetching %s failed; computing it instead", rid)
+                self._lookups[rid] = _Lookup(num_cached, (), 0, 0)
+            return self._lookups[rid].num_external
         plan = self._plan(request, num_cached)
         if self._prefetcher is None or not plan.by_last_block:  # L1 only, or nothing to look for: at once
             self._lookups[rid] = self._fetch(plan)
             return self._lookups[rid].num_external
-        pending = self._prefetches.get(rid)
-        if pending is None or pending[0] != num_cached:
-            self._prefetches[rid] = (num_cached, self._prefetcher.submit(self._fetch, plan))
-            return None
-        if not pending[1].done():
-            return None
-        del self._prefetches[rid]
-        try:
-            self._lookups[rid] = pending[1].result()
-        except Exception:  # a bug or an unexpected tier error: a miss, never a dead engine
-            logger.exception("KV connector: prefetching %s failed; computing it instead", rid)
-            self._lookups[rid] = _Lookup(num_cached, (), 0, 0)
-        return self._lookups[rid].num_external
+        self._prefetches[rid] = (num_cached, self._prefetcher.submit(self._fetch, plan))
+        return None
 
     def _plan(self, request: Request, num_cached: int) -> _Plan:
         """Every record the request could load past ``num_cached`` (the keys are hashes of the request)."""
