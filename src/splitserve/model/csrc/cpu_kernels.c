@@ -116,10 +116,10 @@ static inline float exp_row(float *s, int64_t n, float top) {
  * give each thread a tile of up to TILE_ROWS consecutive queries of one sequence, which share each key's
  * conversion to float (tile mode); a chunk too short to give every thread four tiles takes tiles of down to
  * MIN_TILE_ROWS (on Zen 4, a 150-row chunk at 2,500 tokens: 80 -> 40 us per row, where split mode ran it),
- * and split mode runs what gives fewer than two tiles a thread. The two modes only schedule the same calls: the partition and merge functions are compiled once
- * (SS_ONE_BODY), so both run the same machine code. On AVX-512, tile mode runs
- * partition_lanes instead, which holds one value of 16 rows per vector and reproduces partition_float's
- * arithmetic operation for operation (below); the tests compare the two bit for bit.
+ * and split mode runs what gives fewer than two tiles a thread. The two modes only schedule the same calls:
+ * the partition and merge functions are compiled once (SS_ONE_BODY), so both run the same machine code. On
+ * AVX-512, tile mode runs partition_lanes instead, which holds one value of 16 rows per vector and reproduces
+ * partition_float's arithmetic operation for operation (below); the tests compare the two bit for bit.
  *
  * The arithmetic: each key converted to float32 once (for every row of a tile), KG keys' scores at once by
  * dot_many (vector builds) or plain loops, exponentials in float32, the value sum by v_pass. (A bfloat16
