@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -17,15 +16,9 @@ def small_kv_caches() -> Iterator[None]:
     """Workers started without ``--kv-cache-memory``, the pods of ``splitserve up`` among them, take 512 MiB
     (``SPLITSERVE_KV_CACHE_MEMORY``) instead of the default 2 GiB, whose pages a 2-core VM takes about 2 s of a
     worker's start to map; a test that needs another size says so with the flag."""
-    saved = os.environ.get("SPLITSERVE_KV_CACHE_MEMORY")
-    os.environ["SPLITSERVE_KV_CACHE_MEMORY"] = TEST_KV_CACHE
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPLITSERVE_KV_CACHE_MEMORY", TEST_KV_CACHE)
         yield
-    finally:
-        if saved is None:
-            del os.environ["SPLITSERVE_KV_CACHE_MEMORY"]
-        else:
-            os.environ["SPLITSERVE_KV_CACHE_MEMORY"] = saved
 
 
 @pytest.fixture(scope="module")

@@ -278,10 +278,12 @@ static inline void unpack16(const uint8_t *ga, const uint8_t *gb, const int fmt,
  * Returns 0, or -1 where memory runs out (the caller then uses the group kernels). */
 SS_HIDDEN int wide_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n,
                                 void *y, int out_dtype, int64_t ldy, int threads);
+#if defined(SS_AMX)
 /* Y = Xq . W^T for 1 to 4 activation rows (a decode step's), 16 weight rows per 512-bit vector straight from the
- * groups (arch/x86/quant_avx512.c). Returns 0, or -1 for more rows. */
+ * groups (arch/x86/quant_avx512.c; the amx build's only). Returns 0, or -1 for more rows. */
 SS_HIDDEN int stream_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n,
                                   void *y, int out_dtype, int64_t ldy, int threads);
+#endif
 #endif
 
 #if defined(SS_AVX2)

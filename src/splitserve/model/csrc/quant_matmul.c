@@ -365,11 +365,7 @@ static int quantized_product(const block_q8a *xq, int64_t m, int64_t k, const vo
 #if defined(SS_WIDE)
     if (m >= WIDE_MIN_ROWS && wide_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) return 0;
 #endif
-#if defined(SS_AMX)
-    /* Decode rows: the 512-bit stream beats the 256-bit group kernels on the AMX class's cores (a 1B-sized pass at
-     * one row 34 -> 29 ms) and loses to them on a Zen 4 (every matrix of SmolLM2 once at one row, both cores:
-     * 6.5 against 4.4 ms; 4 rows 9.5 against 6.9). The avx512 build, which a Zen 4 loads, keeps the group
-     * kernels; the bits are the same either way. */
+#if defined(SS_AMX) /* decode rows: the 512-bit stream on the amx build (why not elsewhere: at its definition) */
     if (m < WIDE_MIN_ROWS && stream_quant_matmul(xq, m, k, w, wtype, n, y, out_dtype, ldy, threads) == 0) return 0;
 #endif
     const int fmt = format_of(wtype);

@@ -162,7 +162,10 @@ static void wide_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, cons
  * 512-bit vector and no buffer: half the instructions per weight byte of the 256-bit group kernels, which a
  * single stream's step, bound by how fast one core can pull weights through, feels (a 1B-sized pass of Q4_K
  * weights at one row: 34 -> 29 ms on 2 AMX-class cores, Q6_K 55 -> 48; software prefetch made no difference
- * here). The same integers and float operations as every other kernel: a row's bits do not change. */
+ * here). The same integers and float operations as every other kernel: a row's bits do not change. Built for
+ * the amx build only: on a Zen 4 (the avx512 build) it loses to the 256-bit group kernels (every matrix of
+ * SmolLM2 once at one row, both cores: 6.5 against 4.4 ms; 4 rows 9.5 against 6.9; prefetch did not help). */
+#if defined(SS_AMX)
 static inline __attribute__((always_inline)) void stream_rows(const uint8_t *ga, const uint8_t *gb, const int fmt,
                                                               const block_q8a *const *x, const int rows, int64_t nb,
                                                               __m512 *acc) {
@@ -215,6 +218,7 @@ int stream_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w
     }
     return 0;
 }
+#endif
 
 int wide_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
                       int out_dtype, int64_t ldy, int threads) {
