@@ -52,7 +52,7 @@ def fast_breaker() -> CircuitBreaker:
     return CircuitBreaker(failure_threshold=2, base_backoff_s=0.2, max_backoff_s=0.4)
 
 
-def test_round_trip_in_one_pipelined_mget(server: RedisServer) -> None:
+def test_a_get_per_record(server: RedisServer) -> None:
     tier = RedisTier(server.url)
     records = [record(i) for i in range(4)]
     for i, value in enumerate(records):
@@ -60,7 +60,7 @@ def test_round_trip_in_one_pipelined_mget(server: RedisServer) -> None:
     admin: Any = redis.Redis(port=server.port)  # redis-py types every reply as maybe-awaitable
     admin.config_resetstat()
     assert tier.get_many([key(i) for i in range(5)]) == [*records, None]
-    assert admin.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    assert admin.info("commandstats")["cmdstat_get"]["calls"] == 5
     assert tier.contains_many([key(0), key(9)]) == [True, False]
     decoded = serde.decode(tier.get_many([key(2)])[0] or b"", LAYOUT)
     assert torch.equal(decoded.view(torch.uint8), serde.decode(records[2], LAYOUT).view(torch.uint8))
@@ -68,6 +68,27 @@ def test_round_trip_in_one_pipelined_mget(server: RedisServer) -> None:
     assert tier.contains_many([key(0)]) == [False]
     stats = tier.stats()
     assert (stats.num_hits, stats.num_misses, stats.num_errors, stats.num_puts) == (5, 1, 0, 4)
+    admin.close()
+    tier.close()
+
+
+def test_megabyte_values_error_replies_and_a_dropped_connection(server: RedisServer) -> None:
+    tier = RedisTier(server.url, breaker=CircuitBreaker(failure_threshold=5))
+    big = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MB, longer than one read
+    small = b"x\r\n$-1\r\n"  # protocol bytes inside a value are only bytes
+    tier.put("big", big)
+    tier.put("small", small)
+    tier.put("empty", b"")
+    assert [None if v is None else bytes(v) for v in tier.get_many(["big", "small", "empty", "none"])] == [
+        big, small, b"", None,
+    ]  # fmt: skip
+    admin: Any = redis.Redis(port=server.port)  # redis-py types every reply as maybe-awaitable
+    admin.rpush("a-list", "v")
+    assert tier.get_many(["big", "a-list"]) == [None, None]  # WRONGTYPE: the whole read is a miss, counted
+    assert tier.stats().num_errors == 1
+    admin.client_kill_filter(_type="normal", skipme=True)  # every connection of the tier's, mid-life
+    assert [None if v is None else bytes(v) for v in tier.get_many(["small"])] in ([small], [None])
+    assert [None if v is None else bytes(v) for v in tier.get_many(["small"])] == [small]  # connected again
     admin.close()
     tier.close()
 
