@@ -17,6 +17,7 @@ With ``--llama-quantize`` (``cmake --build <llama.cpp build> --target llama-quan
 llama.cpp's own quantizer makes: SmolLM2 from its Hugging Face folder in Q4_K_M, Q5_K_M and Q6_K (at its width,
 576, most matrices fall back to Q5_0/Q5_1/Q8_0, and the 1,536-wide down projections are K-quants), and each random
 checkpoint (256 wide: every matrix a K-quant) in each of ``--random-kquants`` (Q4_K_M by default).
+``--smollm2-quants`` names SmolLM2's (``IQ4_NL``, say); ``--skip-random`` leaves the random checkpoints out.
 
 Both compute 8-bit activations times the GGUF's blocks, but not in the same order (llama.cpp sums a row's blocks in
 its own order and computes attention in float16 or float32 its way), so they part at a near-tie sooner or later;
@@ -133,6 +134,10 @@ def main() -> None:
     parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary: also the K-quant files")
     parser.add_argument("--hf-folder", type=Path, default=Path("~/.cache/splitserve/hf/smollm2-135m-instruct"))
     parser.add_argument("--random-kquants", nargs="+", default=["Q4_K_M"], help="the random checkpoints' K files")
+    parser.add_argument(
+        "--smollm2-quants", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K"], help="SmolLM2's files (IQ4_NL, ...)"
+    )
+    parser.add_argument("--skip-random", action="store_true", help="only SmolLM2, not the random checkpoints")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llama_cpp_agreement.json"))
@@ -146,13 +151,13 @@ def main() -> None:
         results["smollm2-q4_1"] = compare("smollm2 (Q4_1)", args.llama_server, smollm, chats, args.tokens, root)
         if args.llama_quantize:
             f16 = convert_to_gguf(args.hf_folder.expanduser(), root / "smollm2-f16.gguf", "f16")
-            for qtype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+            for qtype in args.smollm2_quants:
                 path = llama_quantize(args.llama_quantize, f16, root / f"smollm2-{qtype}.gguf", qtype)
                 label = f"smollm2-{qtype.lower()}"
                 results[label] = compare(f"smollm2 ({qtype})", args.llama_server, path, chats, args.tokens, root)
         gen = torch.Generator().manual_seed(11)
         randoms = [torch.randint(0, 49152, (48,), generator=gen).tolist() for _ in range(args.prompts)]
-        for case in CASES:
+        for case in () if args.skip_random else CASES:
             folder = root / case.name
             make_checkpoint(case, folder)
             gguf_path = convert_to_gguf(folder, root / f"{case.name}-q8_0.gguf", "q8_0")

@@ -1,5 +1,5 @@
-"""Quantized weights made with the ``gguf`` package's own quantizer (the K-quants with ``kquants``): GGUF rows of a
-matrix, and a model whose linear layers and embeddings run as quantized blocks."""
+"""Quantized weights made with the ``gguf`` package's own quantizer (the K-quants with ``kquants``, IQ4_NL here): GGUF
+rows of a matrix, and a model whose linear layers and embeddings run as quantized blocks."""
 
 from __future__ import annotations
 
@@ -14,10 +14,31 @@ from splitserve.model.kernels import NativeKernels
 from splitserve.model.quant import GGUFRows
 from tests.support.kquants import K_TYPES, quantize_k
 
+IQ4_NL = 20
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def quantize_iq4_nl(weight: np.ndarray) -> np.ndarray:
+    """``weight`` [n, k] as IQ4_NL blocks (uint8 [n, k / 32 * 18]): per 32 weights d = the largest magnitude / 127
+    (fp16) and each weight's nearest table value (the gguf package has no quantizer for it; its dequantizer reads
+    these blocks as llama.cpp does)."""
+    n, k = weight.shape
+    blocks = weight.astype(np.float32).reshape(n, k // 32, 32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    scaled = blocks / np.where(d == 0, 1, d).astype(np.float32)
+    codes = np.abs(scaled[..., None] - IQ4_NL_VALUES).argmin(axis=-1).astype(np.uint8)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(n, k // 32 * 18)
+
 
 def gguf_rows(weight: np.ndarray, wtype: int) -> GGUFRows:
     """``weight`` [n, k] as GGUF rows of ``wtype`` (K-quants from ``kquants``, the rest from ``gguf``'s quantizer)."""
-    blocks = quantize_k(weight, wtype) if wtype in K_TYPES else quantize(weight.astype(np.float32), wtype)
+    if wtype in K_TYPES:
+        blocks = quantize_k(weight, wtype)
+    elif wtype == IQ4_NL:
+        blocks = quantize_iq4_nl(weight)
+    else:
+        blocks = quantize(weight.astype(np.float32), wtype)
     return GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks)), wtype, weight.shape[1])
 
 

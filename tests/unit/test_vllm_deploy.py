@@ -22,7 +22,7 @@ from splitserve.deploy.local import load_for_local_run
 from splitserve.deploy.plan import Target, plan
 from splitserve.deploy.pods import Pod
 from splitserve.deploy.render import DEFAULT_IMAGE, render, secret_name
-from splitserve.deploy.supervisor import Supervisor, free_port
+from splitserve.deploy.supervisor import Supervisor, free_port, listen_port_range
 from splitserve.endpoint import EndpointError, InferenceEndpointConfig, WorkerEngine, parse_endpoint
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "vllm.yaml"
@@ -406,8 +406,11 @@ def test_vllm_is_found_from_the_variable_then_the_peer_environment_then_path(tmp
         vllm.local_command({envs.VLLM_PYTHON.name: str(tmp_path / "missing")})
 
 
-def test_a_free_port_comes_with_the_ports_after_it_free() -> None:
+def test_a_free_port_comes_with_the_ports_after_it_free_below_the_ephemeral_range() -> None:
     port = free_port(3)
+    span = listen_port_range()
+    if span:  # where the kernel says which ports outgoing connections take, a listener is given none of them
+        assert span.start <= port and port + 2 < span.stop
     for offset in range(3):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port + offset))  # raises if taken

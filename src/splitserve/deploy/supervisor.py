@@ -61,12 +61,36 @@ def splitserve_command(*args: str) -> tuple[str, ...]:
     return (sys.executable, "-c", "from splitserve.cli import main; main()", *args)
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_LISTEN_PORT = 10000
+
+
+def listen_port_range() -> range:
+    """Ports a pod may be given to listen on: below the kernel's ephemeral range (``ip_local_port_range``), from
+    which every outgoing connection takes its local port. A port handed out there can be taken by one of them
+    in the seconds before the pod binds it: a vLLM pod's EngineCore, binding its event sockets late in its
+    start, failed with "Address already in use" that way. Empty where the range is unknown."""
+    try:
+        low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(LOWEST_LISTEN_PORT, low)
+
+
 def free_port(num_ports: int = 1, attempts: int = 100) -> int:
-    """A free port on 127.0.0.1 whose next ``num_ports - 1`` ports are free too (a vLLM worker's event sockets)."""
-    for _ in range(attempts):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+    """A free port on 127.0.0.1 whose next ``num_ports - 1`` ports are free too (a vLLM worker's event sockets),
+    below the ephemeral range where there is room (``listen_port_range``), else one the kernel picks."""
+    span = listen_port_range()
+    pick = secrets.SystemRandom()
+    for attempt in range(attempts):
+        if len(span) > 100 * num_ports and attempt < attempts // 2:
+            port = pick.randrange(span.start, span.stop - num_ports + 1)
+            if not _is_free(port):
+                continue
+        else:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
         if port + num_ports <= 65536 and all(_is_free(port + i) for i in range(1, num_ports)):
             return port
     raise RuntimeError(f"found no {num_ports} free ports in a row on 127.0.0.1")

@@ -69,7 +69,18 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Paged attention's partition (csrc/cpu_kernels.c PARTITION): block sizes must divide it
 ATTENTION_PARTITION_TOKENS = 256
 # GGML type numbers of the weight formats the quantized matmul takes
-QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+QUANT_TYPES = {
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    20: "IQ4_NL",
+}
 # The weight type of a weight stacked from parts in different formats (csrc/ss_kernels.h SS_MIXED)
 MIXED_TYPE = 1000
 _MIXED_PARTS = 4

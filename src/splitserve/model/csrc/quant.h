@@ -15,7 +15,7 @@
 
 enum {
     GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
-    GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+    GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20,
 };
 #define QK 32
 #define QK_K 256 /* a K-quant super-block: 8 blocks of 32 */
@@ -42,6 +42,10 @@ typedef struct {
     uint16_t d;
     int8_t qs[QK];
 } block_q8_0;
+typedef struct { /* IQ4_NL: 4-bit indices into a fixed table of 16 signed 8-bit values (ggml's kvalues_iq4nl) */
+    uint16_t d;
+    uint8_t qs[QK / 2]; /* as block_q4_0's */
+} block_iq4_nl;
 /* llama.cpp's K-quant super-blocks (ggml-common.h): 256 weights, 8 blocks of 32 with 6-bit scales and mins
  * (Q4_K, Q5_K) or 16 of 16 with 8-bit scales (Q6_K). */
 typedef struct {
@@ -143,7 +147,8 @@ static inline int format_of(int wtype) {
         case GGML_Q4_1: return FMT_Q4;
         case GGML_Q5_0:
         case GGML_Q5_1: return FMT_Q5;
-        case GGML_Q8_0: return FMT_Q8;
+        case GGML_Q8_0:
+        case GGML_IQ4_NL: return FMT_Q8; /* its table's values are the 8-bit codes: exact */
         case GGML_Q4_K: return FMT_Q4K;
         case GGML_Q5_K: return FMT_Q5K;
         case GGML_Q3_K:

@@ -2,8 +2,9 @@
  * Matmuls straight from a GGUF's quantized weights, the generic part: quantizing activations, repacking
  * weights, the tiling over threads and the dispatch to each architecture's kernels (quant.h names them).
  *
- * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks (32 weights each)
- * or Q4_K, Q5_K or Q6_K super-blocks (256), repacked at load from the file's blocks without loss, and X quantized on
+ * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL blocks (32 weights
+ * each) or Q3_K, Q4_K, Q5_K or Q6_K super-blocks (256), repacked at load from the file's blocks without loss (IQ4_NL
+ * as Q8_0: the 8-bit values its indices name are Q8_0's codes, at twice its bytes), and X quantized on
  * the fly to 8 bits per block of 32 (scale d, sum s = d * sum(q)), so every block product is an integer dot
  * product:
  *
@@ -28,7 +29,8 @@
 
 _Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20 && sizeof(block_q5_0) == 22 &&
                    sizeof(block_q5_1) == 24 && sizeof(block_q8_0) == 34 && sizeof(block_q4_K) == 144 &&
-                   sizeof(block_q3_K) == 110 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210,
+                   sizeof(block_q3_K) == 110 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210 &&
+                   sizeof(block_iq4_nl) == 18,
                "GGML blocks");
 
 /* A unit of a GGUF row: one block of 32 weights, or a K format's super-block of 256. */
@@ -40,6 +42,7 @@ static int64_t unit_bytes(int wtype) {
         case GGML_Q5_0: return sizeof(block_q5_0);
         case GGML_Q5_1: return sizeof(block_q5_1);
         case GGML_Q8_0: return sizeof(block_q8_0);
+        case GGML_IQ4_NL: return sizeof(block_iq4_nl);
         case GGML_Q3_K: return sizeof(block_q3_K);
         case GGML_Q4_K: return sizeof(block_q4_K);
         case GGML_Q5_K: return sizeof(block_q5_K);
@@ -115,6 +118,13 @@ static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
             const block_q8_0 *b = (const block_q8_0 *)src;
             o->d = b->d;
             for (int t = 0; t < QK; t++) o->u[t] = b->qs[t];
+            break;
+        }
+        case GGML_IQ4_NL: { /* ggml's dequantize_row_iq4_nl: d times the table's value */
+            static const int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+            const block_iq4_nl *b = (const block_iq4_nl *)src;
+            o->d = b->d;
+            for (int t = 0; t < QK / 2; t++) o->u[t] = values[b->qs[t] & 0x0F], o->u[t + QK / 2] = values[b->qs[t] >> 4];
             break;
         }
         case GGML_Q4_K:
