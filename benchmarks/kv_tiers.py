@@ -17,6 +17,10 @@ Sources:
 - L1: worker C, whose engine KV cache holds ~3,000 tokens (``--kv-cache-memory 68MiB``; 136MiB for a float32
   cache) and an L1 of 2 GiB;
   every prompt is computed once, and asked again after two other prompts have evicted it from the engine.
+
+Bandwidth: each tier writes 40 records of a 256-token chunk and reads them 10 per call; beside them, what the
+same bytes cost without a tier: a plain socket's SET/GET to the same Redis into buffers already in memory, and
+``dd`` writing and reading a file of that size through the page cache.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import json
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -254,6 +259,61 @@ def serde_bandwidth(records: list[tuple[str, bytes]]) -> dict[str, float]:
     return {"write_gb_s": num_bytes / write_s / 1e9, "read_gb_s": num_bytes / read_s / 1e9}
 
 
+def raw_redis_bandwidth(redis_url: str, records: list[tuple[str, bytes]]) -> dict[str, float]:
+    """The wire's speed for the same bytes: SET each record, then GET them over one plain socket, each reply read
+    into a buffer already in memory (no client library, no fresh pages)."""
+    client = redis.Redis.from_url(redis_url)
+    host, port = client.connection_pool.connection_kwargs["host"], client.connection_pool.connection_kwargs["port"]
+    client.close()
+    buffers = [bytearray(len(v) + 64) for _, v in records]
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def command(*parts: bytes) -> bytes:
+            return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+        def reply_into(view: memoryview) -> int:
+            got = sock.recv_into(view, 64)
+            end = bytes(view[:got]).index(b"\r\n")
+            total = end + 2 + (int(bytes(view[1:end])) + 2 if view[0] == ord("$") else 0)
+            while got < total:
+                got += sock.recv_into(view[got:], min(total - got, 1 << 20))
+            return total
+
+        scratch = memoryview(bytearray(64))
+        num_bytes = sum(len(v) for _, v in records)
+        start = time.perf_counter()
+        for key, value in records:
+            sock.sendall(command(b"SET", key.encode(), value))
+            reply_into(scratch)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for (key, _), buf in zip(records, buffers, strict=True):
+            sock.sendall(command(b"GET", key.encode()))
+            reply_into(memoryview(buf))
+        read_s = time.perf_counter() - start
+        for key, _ in records:
+            sock.sendall(command(b"DEL", key.encode()))
+            reply_into(scratch)
+    return {"write_gb_s": num_bytes / write_s / 1e9, "read_gb_s": num_bytes / read_s / 1e9}
+
+
+def dd_bandwidth(records: list[tuple[str, bytes]], directory: Path) -> dict[str, float]:
+    """``dd`` of the same bytes, 4 MiB at a time: written to a file (no sync, as the disk tier writes), then read
+    back from the page cache (where the disk tier's mapped reads come from)."""
+    path = directory / "dd-records.bin"
+    num_bytes = sum(len(v) for _, v in records)
+    count = -(-num_bytes // (4 << 20))
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={count}"], check=True, capture_output=True)
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
+    read_s = time.perf_counter() - start
+    path.unlink()
+    return {"write_gb_s": count * (4 << 20) / write_s / 1e9, "read_gb_s": count * (4 << 20) / read_s / 1e9}
+
+
 def measure_bandwidth(redis_url: str, disk_dir: Path) -> dict[str, dict[str, float]]:
     """Median of 3 passes per tier (a fresh tier each time, its records deleted after)."""
     torch.set_num_threads(2)
@@ -274,6 +334,11 @@ def measure_bandwidth(redis_url: str, disk_dir: Path) -> dict[str, dict[str, flo
             tier.close()
         result[name] = _median_of(runs)
     result["serde (encode / verify + decode)"] = _median_of([serde_bandwidth(records) for _ in range(3)])
+    result["raw Redis SET/GET (one socket, warm buffers)"] = _median_of(
+        [raw_redis_bandwidth(redis_url, records) for _ in range(3)]
+    )
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    result["dd, 4 MiB blocks (page cache)"] = _median_of([dd_bandwidth(records, disk_dir) for _ in range(3)])
     return result
 
 
