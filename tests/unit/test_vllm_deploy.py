@@ -411,6 +411,9 @@ def test_a_free_port_comes_with_the_ports_after_it_free_below_the_ephemeral_rang
     span = listen_port_range()
     if span:  # where the kernel says which ports outgoing connections take, a listener is given none of them
         assert span.start <= port and port + 2 < span.stop
+    others = [free_port(3) for _ in range(20)]  # never one handed out before, even before anything binds it
+    taken = [set(range(p, p + 3)) for p in [port, *others]]
+    assert all(not (a & b) for i, a in enumerate(taken) for b in taken[i + 1 :])
     for offset in range(3):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port + offset))  # raises if taken

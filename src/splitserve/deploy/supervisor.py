@@ -30,6 +30,7 @@ import secrets
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,13 +78,18 @@ def listen_port_range() -> range:
     return range(LOWEST_LISTEN_PORT, low)
 
 
+_issued_ports: set[int] = set()  # handed out by this process: two pods started together never share one
+_issued_lock = threading.Lock()
+
+
 def free_port(num_ports: int = 1, attempts: int = 100) -> int:
     """A free port on 127.0.0.1 whose next ``num_ports - 1`` ports are free too (a vLLM worker's event sockets),
-    below the ephemeral range where there is room (``listen_port_range``), else one the kernel picks."""
+    none handed out before by this process, below the ephemeral range where there is room
+    (``listen_port_range``), else one the kernel picks."""
     span = listen_port_range()
     pick = secrets.SystemRandom()
     for attempt in range(attempts):
-        if len(span) > 100 * num_ports and attempt < attempts // 2:
+        if len(span) > 100 * num_ports and attempt < max(1, attempts // 2):
             port = pick.randrange(span.start, span.stop - num_ports + 1)
             if not _is_free(port):
                 continue
@@ -91,8 +97,14 @@ def free_port(num_ports: int = 1, attempts: int = 100) -> int:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = int(sock.getsockname()[1])
-        if port + num_ports <= 65536 and all(_is_free(port + i) for i in range(1, num_ports)):
-            return port
+        ports = set(range(port, port + num_ports))
+        if port + num_ports > 65536 or not all(_is_free(p) for p in sorted(ports)[1:]):
+            continue
+        with _issued_lock:
+            if ports & _issued_ports:
+                continue
+            _issued_ports.update(ports)
+        return port
     raise RuntimeError(f"found no {num_ports} free ports in a row on 127.0.0.1")
 
 

@@ -64,11 +64,13 @@ def connect(
 
 class BulkReader:
     """GETs of large values on a connection of their own: the command goes out on the socket redis-py connected
-    (so TLS, AUTH and SELECT are redis-py's), and the reply is read straight into a ``bytearray`` of its size with
-    ``recv_into``, in reads of up to 1 MiB (few releases of the GIL, no parser buffer, no copy), into a fresh
-    anonymous mapping (whose pages the kernel faults in during the reads, outside the GIL, where a ``bytearray``
-    would zero them under it). Any error drops
-    the connection (its stream may be mid-reply); the next read connects again. Thread-safe (one read at a time).
+    (so TLS, AUTH and SELECT are redis-py's; RESP2 and no maintenance notifications, so that nothing but replies
+    ever arrives on it), and the reply is read with ``recv_into``, in reads of up to 1 MiB (few releases of the
+    GIL, no parser buffer, no copy), into a fresh anonymous mapping of its size (whose pages the kernel faults in
+    during the reads, outside the GIL, where a ``bytearray`` would zero them under it). Any error drops the
+    connection (its stream may be mid-reply); a reused connection found closed before any byte of the reply came
+    (the server or a NAT dropped it while idle) is replaced once at once, so that costs no miss. Thread-safe (one
+    read at a time); after ``close``, every read fails.
     """
 
     READ_BYTES = 1 << 20
@@ -78,24 +80,45 @@ class BulkReader:
         self._pool = pool
         self._conn: Any = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def get(self, key: str) -> memoryview | None:
         with self._lock:
-            try:
-                return self._get(key)
-            except BaseException:
-                self._drop()
-                raise
+            for attempt in range(2):
+                if self._closed:
+                    raise ConnectionError("the Redis reader is closed")
+                reused, replied = self._conn is not None, [False]
+                try:
+                    return self._get(key, replied)
+                except ConnectionError:
+                    self._drop()
+                    if attempt or not reused or replied[0]:
+                        raise
+                except BaseException:
+                    self._drop()
+                    raise
+            raise AssertionError("unreachable")
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._drop()
 
-    def _get(self, key: str) -> memoryview | None:
+    def _connect(self) -> Any:
+        kwargs = dict(self._pool.connection_kwargs)
+        kwargs["protocol"] = 2  # RESP3 could interleave push frames with the replies read here by hand
+        if "maint_notifications_config" in kwargs:  # redis-py 8
+            from redis.maint_notifications import MaintNotificationsConfig
+
+            kwargs["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+            kwargs.pop("maint_notifications_pool_handler", None)
+        conn = self._pool.connection_class(**kwargs)
+        conn.connect()
+        return conn
+
+    def _get(self, key: str, replied: list[bool]) -> memoryview | None:
         if self._conn is None:
-            conn = self._pool.connection_class(**self._pool.connection_kwargs)
-            conn.connect()
-            self._conn = conn
+            self._conn = self._connect()
         sock = self._conn._sock
         name = key.encode()
         sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name))
@@ -107,19 +130,19 @@ class BulkReader:
             n = sock.recv_into(memoryview(head)[got:])
             if n == 0:
                 raise ConnectionError("Redis closed the connection")
-            got += n
+            got, replied[0] = got + n, True
         kind, line = head[:1], bytes(head[1:end])
         if kind == b"-":
             raise ResponseError(line.decode(errors="replace"))
-        if kind == b"_" or (kind == b"$" and line == b"-1"):  # RESP3's null, RESP2's null bulk string
+        if kind == b"$" and line == b"-1" and got == end + 2:  # the null bulk string, nothing after it
             return None
-        if kind != b"$" or not line.isdigit():
+        if kind != b"$" or not line.isdigit() or got - end - 2 > int(line) + 2:
             raise RedisError(f"unexpected Redis reply to GET: {bytes(head[:end])[:40]!r}")
         size = int(line)
         value = mmap.mmap(-1, size + 2)  # the value and its CRLF
         view = memoryview(value)
-        have = min(got - end - 2, len(value))
-        view[:have] = memoryview(head)[end + 2 : end + 2 + have]
+        have = got - end - 2
+        view[:have] = memoryview(head)[end + 2 : got]
         while have < len(value):
             n = sock.recv_into(view[have:], min(len(value) - have, self.READ_BYTES))
             if n == 0:

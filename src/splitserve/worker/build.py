@@ -7,7 +7,6 @@ picks those parts for the role and the config, and hands them in.
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
@@ -80,9 +79,4 @@ def build_engine(
     engine = LLMEngine(config, model, tokenizer, name, device, connectors, events, receiver)
     if receiver is not None:
         receiver.start()
-    # What loading left (the tokenizer's tables, the model's modules) lives as long as the worker: moved out of
-    # the collector's generations, a full collection during serving no longer walks it (as vLLM freezes its heap
-    # after start-up); on a Zen 4, 1.5% of a cold prefill's samples were the collector
-    gc.collect()
-    gc.freeze()
     return engine

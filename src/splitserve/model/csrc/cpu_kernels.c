@@ -124,9 +124,11 @@ static inline float exp_row(float *s, int64_t n, float top) {
  * The arithmetic: each key converted to float32 once (for every row of a tile), KG keys' scores at once by
  * dot_many (vector builds) or plain loops, exponentials in float32, the value sum by v_pass. Where the build
  * has AVX-512 BF16 (SS_BF16_DOT) and the cache is bfloat16, the scores are instead bfloat16 pair dot products
- * of the stored query and key, then scaled (pair_scores for a row, pairs_leaf in lanes_tree for a tile: the same
- * chains and tree in both layouts); each product of two bfloat16 values is exact in float32, so this changes
- * only the order of the sum. On a Zen 4, 2,500-token prefill attention 42.5 -> 35.2 ms a layer. (bfloat16 *probabilities* in the value
+ * of the stored query and key, the scale applied to the sum (pair_scores for a row, pairs_leaf in lanes_tree for
+ * a tile: the same chains and tree in both layouts). Each product of two bfloat16 values is exact in float32;
+ * the instruction adds them as two fused multiply-adds would, except that it flushes subnormal inputs and
+ * results to zero, the same in both layouts. On a Zen 4, 2,500-token prefill attention 42.5 -> 35.2 ms a
+ * layer. (bfloat16 *probabilities* in the value
  * sum were measured too and refused: they flip SmolLM2's near-tied first token of "What is the capital of
  * France?"; the value sum stays float32.) */
 #define PARTITION 256 /* a multiple of KEY_RUN and of every block size taken */
@@ -800,8 +802,9 @@ static int paged_attention(const attention_call *a, int num_threads) {
                     const int kv0 = (int)(item % kv_split) * kv_per_item;
                     split_item(a, &t, &job, first, partials, item / kv_split, kv0, kv0 + kv_per_item, &r);
                 } else {
-                    /* the last tiles first: a sequence's later rows see more keys, so the heaviest go first
-                     * and the threads finish together */
+                    /* the last tiles first: a sequence's later rows see more keys, so within a sequence
+                     * the heaviest go first and the threads finish together (a prefill chunk is mostly one
+                     * sequence; across sequences the order is only reversed) */
                     const int64_t it = num_items - 1 - item;
                     tile_item(a, &t, &job, tile[it], tile[it + 1] - tile[it]);
                 }
