@@ -98,7 +98,7 @@ def free_port(num_ports: int = 1, attempts: int = 100) -> int:
                 sock.bind(("127.0.0.1", 0))
                 port = int(sock.getsockname()[1])
         ports = set(range(port, port + num_ports))
-        if port + num_ports > 65536 or not all(_is_free(p) for p in sorted(ports)[1:]):
+        if port + num_ports > 65536 or not all(_is_free(p) for p in range(port + 1, port + num_ports)):
             continue
         with _issued_lock:
             if ports & _issued_ports:

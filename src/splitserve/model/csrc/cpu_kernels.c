@@ -712,7 +712,8 @@ static void split_item(const attention_call *a, thread_work *t, ss_partition *jo
     t->n[0] = a->lens[row] - begin < PARTITION ? a->lens[row] - begin : PARTITION;
     const size_t e0 = (size_t)kv0 * (size_t)(a->num_heads / a->num_kv_heads) * (size_t)a->head_dim;
     const size_t e1 = (size_t)kv1 * (size_t)(a->num_heads / a->num_kv_heads) * (size_t)a->head_dim;
-    for (size_t e = e0; e < e1; e++) t->qbuf[e] = load_elem(a->q, a->dtype, row * a->q_row_stride + (int64_t)e) * a->scale;
+    for (size_t e = e0; e < e1 && !a->pairs; e++) /* pair scores read the stored query itself (qb) */
+        t->qbuf[e] = load_elem(a->q, a->dtype, row * a->q_row_stride + (int64_t)e) * a->scale;
     t->qf[0] = t->qbuf, t->part[0] = partials + a->per_part * (size_t)at;
     t->qb[0] = a->pairs ? (const uint16_t *)a->q + row * a->q_row_stride : NULL;
     job->count = 1, job->table = a->tables + (a->row_seq ? a->row_seq[row] : row) * a->max_blocks;
@@ -727,7 +728,8 @@ static void tile_item(const attention_call *a, thread_work *t, ss_partition *job
     int64_t longest = 0;
     for (int64_t i = 0; i < rows; i++) {
         float *qi = t->qbuf + (size_t)i * a->hd;
-        for (size_t e = 0; e < a->hd; e++) qi[e] = load_elem(a->q, a->dtype, (r0 + i) * a->q_row_stride + (int64_t)e) * a->scale;
+        for (size_t e = 0; e < a->hd && !a->pairs; e++) /* pair scores read the stored query itself (qb) */
+            qi[e] = load_elem(a->q, a->dtype, (r0 + i) * a->q_row_stride + (int64_t)e) * a->scale;
         longest = a->lens[r0 + i] > longest ? a->lens[r0 + i] : longest;
     }
     for (int64_t begin = 0; begin < longest; begin += PARTITION) {
