@@ -1,7 +1,7 @@
 """Tiered KV cache figures, one run: TTFT of a ~2,500-token prompt cold, from the engine's own prefix cache, from
 L1, from L2 Redis and from L2 disk on another worker; and the tiers' read/write bandwidth.
 
-    .venv/bin/python benchmarks/kv_tiers.py
+    .venv/bin/python benchmarks/kv_tiers.py [--kv-cache-dtype int8]
 
 Real ``splitserve worker`` processes (SmolLM2-135M, default dtype, ``--num-threads 2``), one running at a time,
 and a ``redis-server`` the script starts on a free port. TTFT is measured with streaming, greedy requests
@@ -15,7 +15,7 @@ Sources:
 - L2 Redis: worker B (fresh process, empty L1, the same Redis), the prompts A computed.
 - L2 disk: worker D2 (fresh process, empty L1), the directory worker D1 filled by computing the prompts.
 - L1: worker C, whose engine KV cache holds ~3,000 tokens (``--kv-cache-memory 68MiB``; 136MiB for a float32
-  cache) and an L1 of 2 GiB;
+  cache, 37MiB for an int8 one) and an L1 of 2 GiB;
   every prompt is computed once, and asked again after two other prompts have evicted it from the engine.
 
 Bandwidth: each tier writes 40 records of a 256-token chunk and reads them 10 per call; beside them, what the
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import shutil
 import socket
@@ -64,8 +65,10 @@ NUM_FACTS = 130  # about 2,500 tokens
 TOPICS = ("apricot", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor")
 COLORS = ("red", "blue", "green", "amber", "violet", "teal", "ochre", "grey")
 BASE_ARGS = ["--model", MODEL, "--num-threads", "2"]  # the default dtype: bfloat16 on this machine
-# 193 blocks of 16 tokens in bfloat16, twice the bytes for a float32 KV cache (the AVX2 class)
+# 193 blocks of 16 tokens in bfloat16, twice the bytes for a float32 KV cache (the AVX2 class), 68 bytes per 128
+# for an int8 one (--kv-cache-dtype int8)
 SMALL_ENGINE_CACHE_MIB = 68
+KV_BYTES_VS_BF16 = {"bfloat16": 1.0, "float32": 2.0, "int8": 68 / 128}
 
 # the record of one 256-token chunk of SmolLM2 (30 layers, 3 KV heads of 64) in bfloat16: 5.9 MB
 CHUNK_SHAPE = (30, 2, 256, 3, 64)
@@ -203,7 +206,7 @@ def measure_ttft(redis_url: str, logs: Path, disk_dir: Path) -> dict[str, list[S
         samples["cold_disk_worker"] = each_prompt(prompts, d1.ask)
     with worker(disk_l2, logs / "kv-tiers-d2.log") as d2:
         samples["l2_disk"] = each_prompt(prompts, d2.ask)
-    small_mib = SMALL_ENGINE_CACHE_MIB * (2 if logged_dtype(logs / "kv-tiers-a.log") == "torch.float32" else 1)
+    small_mib = math.ceil(SMALL_ENGINE_CACHE_MIB * KV_BYTES_VS_BF16[logged_kv_cache(logs / "kv-tiers-a.log")])
     small_cache = ["--max-model-len", "3072", "--kv-cache-memory", f"{small_mib}MiB"]
     with worker([*small_cache, "--l1-cache", "--l1-cache-bytes", "2GiB"], logs / "kv-tiers-c.log") as c:
         samples["cold_small_cache_worker"] = each_prompt(prompts, c.ask)
@@ -214,6 +217,12 @@ def measure_ttft(redis_url: str, logs: Path, disk_dir: Path) -> dict[str, list[S
 def logged_dtype(log_path: Path) -> str:
     """The KV dtype a worker reported in its "engine ready" line."""
     found = re.search(r"engine ready: .* dtype (\S+), device", log_path.read_text(errors="replace"))
+    return found.group(1) if found else "unknown"
+
+
+def logged_kv_cache(log_path: Path) -> str:
+    """The KV cache format a worker reported in its "engine ready" line."""
+    found = re.search(r"engine ready: .*, KV cache (\S+)", log_path.read_text(errors="replace"))
     return found.group(1) if found else "unknown"
 
 
@@ -393,7 +402,10 @@ def print_tables(results: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_tiers.json")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the workers' --kv-cache-dtype (auto, int8)")
     args = parser.parse_args()
+    if args.kv_cache_dtype != "auto":
+        BASE_ARGS.extend(["--kv-cache-dtype", args.kv_cache_dtype])
     logs = args.out.parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
@@ -405,6 +417,7 @@ def main() -> None:
     with redis_server() as redis_url, tempfile.TemporaryDirectory() as tmp:
         samples = measure_ttft(redis_url, logs, Path(tmp) / "l2")
         results["dtype"] = logged_dtype(logs / "kv-tiers-a.log")
+        results["kv_cache"] = logged_kv_cache(logs / "kv-tiers-a.log")
         results["ttft"] = summarize(samples)
         redis.Redis.from_url(redis_url).flushdb()
         results["bandwidth"] = measure_bandwidth(redis_url, Path(tmp) / "bandwidth")

@@ -125,12 +125,14 @@ def prompt_ttfts(url: str, model: str) -> tuple[float, float]:
 MODEL: list[str] = ["smollm2"]
 
 
-def run_splitserve(dtype: str, quantization: str, logs: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_splitserve(
+    dtype: str, quantization: str, logs: Path, env: dict[str, str], kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
     port = free_port()
     cmd = [*SPLITSERVE, "worker", "--model", MODEL[0], "--served-model-name", "smollm2", "--port", str(port)]
-    cmd += ["--dtype", dtype]
+    cmd += ["--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype]
     cmd += ["--quantization", quantization, "--max-model-len", "4096"]
-    label = f"splitserve-{dtype}-{quantization}"
+    label = f"splitserve-{dtype}-{quantization}" + ("" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}")
     proc = start_server(cmd, port, logs / f"{label}.log", env=env)
     try:
         return bench_endpoint(f"http://127.0.0.1:{port}", "smollm2", label)
@@ -268,6 +270,9 @@ def main() -> None:
     parser.add_argument(
         "--skip-unquantized", action="store_true", help="leave out splitserve with --quantization none (large models)"
     )
+    parser.add_argument(
+        "--kv-int8", action="store_true", help="also serve with --kv-cache-dtype int8 (a row of its own)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serving_vs_peers.json")
     args = parser.parse_args()
     if args.gguf:
@@ -287,6 +292,8 @@ def main() -> None:
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("splitserve", lambda: run_splitserve(dtype, "auto", logs, isa_env))
     ]
+    if args.kv_int8:
+        runs.append(("splitserve-kv-int8", lambda: run_splitserve(dtype, "auto", logs, isa_env, "int8")))
     if not args.skip_unquantized:
         runs.append(("splitserve-unquantized", lambda: run_splitserve(dtype, "none", logs, isa_env)))
     if args.llama_server:

@@ -121,6 +121,11 @@ class ModelConfig:
             raise ValueError(f"--max-model-len must be at least 16, got {self.max_model_len}")
 
 
+class KVCacheDtype(StrEnum):
+    AUTO = "auto"  # the model's dtype
+    INT8 = "int8"  # model/kv_format.py
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache held by the engine."""
@@ -134,6 +139,11 @@ class CacheConfig:
     )
     gpu_memory_utilization: float = setting(0.9, "CUDA: the fraction of device memory for weights, activations and KV.")
     enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of shared prompt prefixes.")
+    kv_cache_dtype: KVCacheDtype = setting(
+        KVCacheDtype.AUTO,
+        "The KV cache's storage, in the engine, the tiers and PD pushes: auto (the model's dtype) or int8 (a "
+        "power-of-two scale per token and KV head: about half of bfloat16's bytes; README, model/kv_format.py).",
+    )
     num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
 
     def validate(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from splitserve.config import KVCacheDtype
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from tests.support.engine import build_engine, run_to_completion, tokens_of
@@ -109,3 +110,24 @@ def test_seeded_sampling_is_the_same_cold_cached_beside_others_and_resumed(real:
     assert cold[:80] + answer(engine(real), prompt + cold[:80], rest) == cold
     greedy = real.answers["lighthouse"]
     assert cold != greedy  # it did sample
+
+
+def test_an_int8_kv_cache_answers_the_same_cold_cached_chunked_beside_others_and_resumed(real: Real) -> None:
+    """``--kv-cache-dtype int8``: every path reads the same stored bytes, so the answers agree with each other
+    (not with the bfloat16 cache's: ``benchmarks/kv_int8_agreement.py`` measures how far they agree)."""
+    int8 = KVCacheDtype.INT8
+    cold = {name: answer(engine(real, kv_cache_dtype=int8), prompt) for name, prompt in real.prompts.items()}
+    assert "Paris" in real.tokenizer.decode(cold["france"])
+    eng = engine(real, kv_cache_dtype=int8)
+    for name, prompt in real.prompts.items():
+        assert answer(eng, prompt, request_id=f"{name}-1") == cold[name], name
+        again = run_to_completion(eng, {f"{name}-2": prompt}, GREEDY)[f"{name}-2"]
+        assert again[0].num_cached_tokens == len(prompt) - 1 and tokens_of(again) == cold[name], name
+    distractors = {f"d{i}": real.prompts["bread"][: 20 + 9 * i] for i in range(6)}
+    chunked = engine(real, kv_cache_dtype=int8, max_num_batched_tokens=16, step_time_target=0)
+    outputs = run_to_completion(chunked, {**{f"p-{n}": p for n, p in real.prompts.items()}, **distractors}, GREEDY)
+    for name in real.prompts:
+        assert tokens_of(outputs[f"p-{name}"]) == cold[name], name
+    rest = SamplingParams(max_tokens=NUM_TOKENS - 90, temperature=0.0, ignore_eos=True)
+    story, prompt = cold["lighthouse"], real.prompts["lighthouse"]
+    assert story[:90] + answer(engine(real, kv_cache_dtype=int8), prompt + story[:90], rest) == story

@@ -10,6 +10,7 @@ import torch
 from splitserve.config import (
     CacheConfig,
     EngineConfig,
+    KVCacheDtype,
     ModelConfig,
     SchedulerConfig,
     SchedulingPolicy,
@@ -51,12 +52,16 @@ def build_engine(
     policy: SchedulingPolicy = SchedulingPolicy.LPM,
     step_time_target: float = 0.05,
     speculative: SpeculativeConfig | None = None,
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
 ) -> LLMEngine:
     """An engine around an already loaded model, with an exact number of KV blocks."""
     config = EngineConfig(
         model=ModelConfig(model="test", max_model_len=max_model_len),
         cache=CacheConfig(
-            block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching
+            block_size=block_size,
+            num_gpu_blocks_override=num_blocks,
+            enable_prefix_caching=prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs,

@@ -133,6 +133,7 @@ def test_the_connectors_path_holds_only_splitserve(tmp_path: Path) -> None:
         (["--kv-transfer-config", "{}"], "spec.worker.args[0]: --kv-transfer-config is set by splitserve"),
         (["--seed", "1", "--num-threads", "2"], "spec.worker.args[2]: --num-threads is a splitserve worker flag"),
         (["--l1-cache"], "spec.worker.args[0]: --l1-cache is a splitserve worker flag"),
+        (["--kv-cache-dtype", "int8"], "spec.worker.args[0]: --kv-cache-dtype int8 is splitserve's KV format"),
     ],
 )
 def test_flags_vllm_must_not_or_cannot_take_are_errors_that_say_why(args: list[str], expected: str) -> None:

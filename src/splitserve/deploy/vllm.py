@@ -113,6 +113,11 @@ def check_flag(flag: Flag) -> bool:
         return False
     if flag.key in REFUSED_FLAGS:
         raise EndpointError(f"{flag.path}: --{flag.name} {REFUSED_FLAGS[flag.key]}")
+    if flag.key == "kv-cache-dtype" and flag.value == "int8":
+        raise EndpointError(
+            f"{flag.path}: --kv-cache-dtype int8 is splitserve's KV format, which vLLM does not take (its values: "
+            "auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2)"
+        )
     if flag.key in WORKER_ONLY_FLAGS:
         raise EndpointError(
             f"{flag.path}: --{flag.name} is a splitserve worker flag, which vLLM does not take "

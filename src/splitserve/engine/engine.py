@@ -36,6 +36,7 @@ from splitserve.metrics import (
     PDBufferStatsLike,
     RequestPhases,
 )
+from splitserve.model import kv_format
 from splitserve.model.config import DecoderConfig
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.policy.admission import Backlog
@@ -127,7 +128,8 @@ class LLMEngine:
         self.pool, self.kv = _block_cache(num_blocks, block_size, config.cache.enable_prefix_caching, events)
         self.connectors = tuple(connectors)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.connectors)
-        self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed)
+        kv_dtype = kv_format.cache_dtype(config.cache.kv_cache_dtype, model.dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, device, config.model.seed, kv_dtype)
         for connector in self.connectors:
             connector.register_kv_cache(self.runner.kv_cache, block_size)
         self.eos_token_ids = _eos_ids(tokenizer, model)
@@ -143,10 +145,11 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.iteration_tokens = CumulativeHistogram(tuple(map(float, ITERATION_TOKENS_BUCKETS)))
         logger.info(
-            "engine ready: %d KV blocks of %d tokens (%d tokens, %.2f GiB), max_model_len %d, dtype %s, device %s",
+            "engine ready: %d KV blocks of %d tokens (%d tokens, %.2f GiB), max_model_len %d, dtype %s, device %s, "
+            "KV cache %s",
             num_blocks, block_size, num_blocks * block_size,
             self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**30,
-            self.max_model_len, self.runner.dtype, device,
+            self.max_model_len, self.runner.dtype, device, str(self.runner.kv_dtype).removeprefix("torch."),
         )  # fmt: skip
 
     @property
@@ -536,8 +539,7 @@ def resolve_device(name: str) -> torch.device:
 def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM, device: torch.device) -> int:
     """How many KV blocks fit in the memory ``config.cache`` grants."""
     cache = config.cache
-    elem_size = model.embed_tokens.weight.element_size()
-    bytes_per_block = cache.block_size * model.config.kv_bytes_per_token * elem_size
+    bytes_per_block = cache.block_size * kv_bytes_per_token(model, cache.kv_cache_dtype)
     fraction, num_bytes = cache.kv_cache_fraction_or_bytes()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -552,11 +554,20 @@ def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM, device: torch
     return max(1, num_bytes // bytes_per_block)
 
 
-def kv_cache_layout(model: DecoderForCausalLM, block_size: int) -> str:
-    """The ``keys.kv_layout`` string of the paged KV cache an engine builds for ``model``."""
-    cfg = model.config
-    dtype = str(model.dtype).removeprefix("torch.")
-    return kv_layout(dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size)
+def kv_bytes_per_token(model: DecoderForCausalLM, kv_cache_dtype: str = "auto") -> int:
+    """The bytes a token's K/V take in the cache an engine builds for ``model`` (every layer)."""
+    cfg, dtype = model.config, kv_format.cache_dtype(kv_cache_dtype, model.dtype)
+    row_bytes = kv_format.row_width(dtype, cfg.head_dim) * dtype.itemsize
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row_bytes
+
+
+def kv_cache_layout(model: DecoderForCausalLM, block_size: int, kv_cache_dtype: str = "auto") -> str:
+    """The ``keys.kv_layout`` string of the paged KV cache an engine builds for ``model``: its storage dtype and
+    row width (``model/kv_format.py``), as ``register_kv_cache`` reads them off the tensor."""
+    cfg, dtype = model.config, kv_format.cache_dtype(kv_cache_dtype, model.dtype)
+    width = kv_format.row_width(dtype, cfg.head_dim)
+    name = str(dtype).removeprefix("torch.")
+    return kv_layout(name, cfg.num_hidden_layers, cfg.num_key_value_heads, width, block_size)
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

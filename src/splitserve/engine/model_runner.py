@@ -19,6 +19,7 @@ from splitserve.engine.sampler import Sampler, gather_logprobs
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.speculative import accept
 from splitserve.engine.structured import TokenMasks
+from splitserve.model import kv_format
 from splitserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk, StepRows
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import native
@@ -72,7 +73,13 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: torch.device, seed: int = 0
+        self,
+        model: DecoderForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+        kv_dtype: torch.dtype | None = None,  # the cache's (model/kv_format.py); None: the model's dtype
     ) -> None:
         cfg = model.config
         if device.type == "cpu":
@@ -83,16 +90,18 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = model.dtype
-        # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage. Written whole
-        # here: a cache from calloc, its pages faulted in as first used, cost 2.7x the cold prefill's time and
-        # 42% of 16 streams' throughput on a 2-core VM (faults inside the step's parallel kernels)
+        self.kv_dtype = kv_dtype or self.dtype
+        # [layers, 2, slots, kv_heads, row] (row: head_dim values, or int8's head_dim + 4 bytes); zeros so padded
+        # gathers never read NaN garbage. Written whole here: a cache from calloc, its pages faulted in as first
+        # used, cost 2.7x the cold prefill's time and 42% of 16 streams' throughput on a 2-core VM (faults
+        # inside the step's parallel kernels)
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers,
             2,
             num_blocks * block_size,
             cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=self.dtype,
+            kv_format.row_width(self.kv_dtype, cfg.head_dim),
+            dtype=self.kv_dtype,
             device=device,
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]

@@ -14,6 +14,9 @@ elsewhere in PyTorch's fused (flash) SDPA over the chunk's gathered context.
 
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
 in the order of ``prefills``.
+
+An int8 cache (``--kv-cache-dtype int8``, ``model/kv_format.py``) holds rows of ``head_dim + 4`` bytes; the native
+kernels read it in place, the PyTorch paths widen the gathered rows to the query's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.model import kv_format
 from splitserve.model.kernels import native
 
 
@@ -81,8 +85,24 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Store the step's K/V ([T, kv_heads, head_dim]) at their slots."""
+    if kv_format.is_int8(k_cache):
+        k, v = _quantized(k), _quantized(v)
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """int8 rows of x, by the native kernel where there is one (the forward step's code), else in PyTorch."""
+    kernels = native() if x.device.type == "cpu" else None
+    x32 = x.float().contiguous()
+    rows = kernels.quantize_kv(x32) if kernels is not None else None
+    return rows if rows is not None else kv_format.quantize_rows(x32)
+
+
+def _gathered(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache rows at ``slots`` ([N, kv_heads, head_dim]) in ``dtype``."""
+    rows = cache.index_select(0, slots)
+    return kv_format.dequantize_rows(rows, dtype) if kv_format.is_int8(cache) else rows
 
 
 def paged_attention(
@@ -134,8 +154,8 @@ def _decode_attention_torch(
     qd = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     # index_select over the flattened table is ~2x faster than advanced indexing on CPU
     flat = slots.view(-1)
-    kd = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-    vd = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    kd = _gathered(k_cache, flat, q.dtype).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    vd = _gathered(v_cache, flat, q.dtype).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     return od.reshape(num_seqs, num_heads, head_dim)
 
@@ -155,8 +175,8 @@ def _prefill_attention(
         if out is not None:
             return out
     num_q, num_ctx = q.shape[0], chunk.num_context_tokens
-    k = k_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
-    v = v_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+    k = _gathered(k_cache, chunk.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
+    v = _gathered(v_cache, chunk.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     # PyTorch's CPU flash kernel keeps scores in float32 tiles that stay in cache; unfused matmuls + softmax
     # stream a [H, Q, C] score matrix through memory and run 3-7x slower (benchmarks.md).

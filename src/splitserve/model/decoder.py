@@ -352,8 +352,9 @@ class DecoderForCausalLM(nn.Module):
                 self._packed_head = torch.ops.mkldnn._reorder_linear_weight(self._head_weight().detach(), 1)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        """Run every step in one native call over ``kv_cache`` ([layers, 2, slots, kv_heads, head_dim]) where
-        every layer has quantized weights for the native kernels; otherwise leave the module path.
+        """Run every step in one native call over ``kv_cache`` ([layers, 2, slots, kv_heads, row]: the model's
+        dtype or model/kv_format.py's int8) where every layer has quantized weights for the native kernels;
+        otherwise leave the module path.
 
         Call after ``prepare_for_inference``. ``SPLITSERVE_FORWARD_STEP=0`` keeps the module path, to compare
         speeds only: its prefill rounds activations to ``--dtype`` and runs PyTorch's attention, so its tokens
@@ -368,7 +369,7 @@ class DecoderForCausalLM(nn.Module):
             or envs.get(envs.FORWARD_STEP) == "0"
             or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous()
-            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8)
             or cfg.head_dim > 256
             or cfg.num_attention_heads % cfg.num_key_value_heads
             or ATTENTION_PARTITION_TOKENS % block_size

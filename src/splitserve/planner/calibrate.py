@@ -310,7 +310,7 @@ def _kv_bytes_per_token(engine: LLMEngine) -> int:
 def _layout(engine: LLMEngine) -> str:
     from splitserve.engine.engine import kv_cache_layout
 
-    return kv_cache_layout(engine.runner.model, engine.kv.block_size)
+    return kv_cache_layout(engine.runner.model, engine.kv.block_size, engine.config.cache.kv_cache_dtype)
 
 
 def _prompt_kv(engine: LLMEngine, num_tokens: int) -> object:

@@ -51,7 +51,7 @@ def build_engine(
     if config.model.chat_template is not None:
         tokenizer.set_chat_template(read_chat_template(config.model.chat_template))
     name = config.model.served_model_name or config.model.model
-    layout = kv_cache_layout(model, config.cache.block_size)
+    layout = kv_cache_layout(model, config.cache.block_size, config.cache.kv_cache_dtype)
     connectors: list[KVConnectorBase] = []
     receiver = None
     if role == Role.DECODE:

@@ -122,8 +122,50 @@ static inline uint16_t f32_to_f16(float f) {
     return sign | (uint16_t)((rounded - 0x38000000u) >> 13);
 }
 
-/* Storage dtype codes shared with kernels.py. */
-enum { SS_F32 = 0, SS_BF16 = 1 };
+/* Storage dtype codes shared with kernels.py: the KV cache is one of them, q and the attention output the first
+ * two (bfloat16 beside an int8 cache). */
+enum { SS_F32 = 0, SS_BF16 = 1, SS_INT8 = 2 };
+
+/* The int8 KV format (--kv-cache-dtype int8): each (slot, KV head) row is head_dim int8 values followed by its
+ * float32 scale, a power of two: element d is q[d] * scale. The scale is the smallest power of two (at least
+ * 2^-126) with max |x| <= 127 * scale, and q = rint(x / scale), ties to even, so |q| <= 127 and the division is
+ * exact. Each stored value is then exactly a bfloat16 (seven significant bits times a power of two): attention
+ * widens a row to bfloat16 without rounding and runs the bfloat16 cache's arithmetic on it, so an int8 cache
+ * gives what a bfloat16 cache holding the same values gives. model/kv_format.py's quantize_rows is the same
+ * arithmetic in PyTorch (the tests compare the bytes). */
+#define SS_KV_INT8_SCALE_BYTES 4
+static inline int64_t kv_int8_row_bytes(int head_dim) { return (int64_t)head_dim + SS_KV_INT8_SCALE_BYTES; }
+
+static inline void kv_int8_store_row(const float *x, int head_dim, int8_t *dst) {
+    float amax = 0.f;
+    for (int d = 0; d < head_dim; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax; /* NaN: left out */
+    int e = 0;
+    if (amax > 0.f) {
+        if (amax > 3.0e38f) amax = 3.0e38f; /* inf: the largest scale */
+        e = ilogbf(amax) - 6;               /* amax / 2^e in [64, 128) */
+        if (ldexpf(amax, -e) > 127.f) e++;
+        if (e < -126) e = -126;
+    }
+    const float inverse = ldexpf(1.f, -e);
+    for (int d = 0; d < head_dim; d++) {
+        const float y = nearbyintf(x[d] * inverse);
+        dst[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
+    }
+    const float scale = ldexpf(1.f, e);
+    memcpy(dst + head_dim, &scale, sizeof scale);
+}
+
+/* A stored int8 row as bfloat16: exact (see above), so the top half of each float32. */
+static inline void kv_int8_row_to_bf16(const int8_t *src, int head_dim, uint16_t *dst) {
+    float scale;
+    memcpy(&scale, src + head_dim, sizeof scale);
+    for (int d = 0; d < head_dim; d++) {
+        const float v = (float)src[d] * scale;
+        uint32_t bits;
+        memcpy(&bits, &v, sizeof bits);
+        dst[d] = (uint16_t)(bits >> 16);
+    }
+}
 
 /* Always inlined: a body whose dtype (and other constant arguments) its callers fix, one copy per caller, with
  * no per-element branch on the dtype. */

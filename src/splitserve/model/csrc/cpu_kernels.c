@@ -643,11 +643,14 @@ typedef struct {
     int64_t max_parts, tile_rows; /* partitions of the longest row; rows per tile */
     int pairs;                    /* the scores from bfloat16 pairs (SS_BF16_DOT, a bfloat16 cache) */
     size_t hd, per_part;          /* floats per query row; per partial (m, l, acc) */
+    int kv_int8;                  /* the cache in common.h's int8 format (q and out bfloat16) */
 } attention_call;
 
 /* A thread's buffers: queries in float32, scores, converted keys, and in tile mode its own partials. */
 typedef struct {
     float *work, *qbuf, *scores, *kf, *mine, *lanes;
+    uint16_t *stage; /* an int8 cache: one partition's keys and values widened to bfloat16 */
+    int64_t *identity; /* the staged partition's block table: slot t is key t */
     const float **qf;
     const uint16_t **qb; /* the rows' stored queries, where the scores are pair dot products */
     float **part;
@@ -694,6 +697,13 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
     t.kf = t.ok ? t.scores + (size_t)rows_per_item * a->num_heads * PARTITION : NULL;
     t.mine = t.ok ? t.kf + (size_t)KG * a->head_dim : NULL;
     t.lanes = NULL;
+    t.stage = NULL, t.identity = NULL;
+    if (a->kv_int8) {
+        t.stage = malloc(sizeof(uint16_t) * 2 * PARTITION * (size_t)a->num_kv_heads * (size_t)a->head_dim);
+        t.identity = malloc(sizeof(int64_t) * PARTITION);
+        t.ok = t.ok && t.stage != NULL && t.identity != NULL;
+        for (int64_t i = 0; t.identity != NULL && i < PARTITION; i++) t.identity[i] = i;
+    }
 #if defined(SS_LANES_ATTENTION)
     if (!split && a->head_dim % LANES == 0) {
         t.lanes = aligned_alloc(64, (sizeof(float) * lanes_floats(a->num_heads / a->num_kv_heads, a->head_dim) + 63) / 64 * 64);
@@ -701,6 +711,41 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
     }
 #endif
     return t;
+}
+
+/* One partition of job's rows: in tile mode with the rows as the vector lanes where the thread has their buffer
+ * (the same bits). An int8 cache's partition is first widened to bfloat16 (exactly: common.h), its keys and values
+ * one after another in the thread's stage, and the bfloat16 code runs on that, through a table that maps key t of
+ * the partition to staged slot t: the same arithmetic as a bfloat16 cache holding those values, in either mode. */
+static void run_partition(const attention_call *a, thread_work *t, ss_partition *job, int lanes) {
+    const void *k_cache = a->k_cache, *v_cache = a->v_cache;
+    ss_partition staged;
+    if (a->kv_int8) {
+        int64_t most = 0, slots[PARTITION];
+        for (int i = 0; i < job->count; i++) most = job->n[i] > most ? job->n[i] : most;
+        partition_slots(job, most, slots);
+        const int hd = a->head_dim;
+        const int64_t row = (int64_t)a->num_kv_heads * hd, slot_bytes = a->num_kv_heads * kv_int8_row_bytes(hd);
+        uint16_t *sk = t->stage, *sv = sk + PARTITION * row;
+        for (int64_t k = 0; k < most; k++)
+            for (int kvh = job->kv0; kvh < job->kv1; kvh++) {
+                const int64_t at = slots[k] * slot_bytes + kvh * kv_int8_row_bytes(hd);
+                kv_int8_row_to_bf16((const int8_t *)a->k_cache + at, hd, sk + k * row + kvh * hd);
+                kv_int8_row_to_bf16((const int8_t *)a->v_cache + at, hd, sv + k * row + kvh * hd);
+            }
+        staged = *job;
+        staged.table = t->identity, staged.begin = 0; /* slot identity[t / bs] * bs + t % bs = t */
+        job = &staged, k_cache = sk, v_cache = sv;
+    }
+#if defined(SS_LANES_ATTENTION)
+    if (lanes) {
+        partition_lanes(job, t->qf, k_cache, v_cache, a->dtype, t->lanes);
+        return;
+    }
+#else
+    (void)lanes;
+#endif
+    partition(job, t->qf, k_cache, v_cache, a->dtype);
 }
 
 /* Split mode's item at: one KV-head slice (kv0 .. kv1 - 1) of one partition of row *r (found from first). */
@@ -718,7 +763,7 @@ static void split_item(const attention_call *a, thread_work *t, ss_partition *jo
     t->qb[0] = a->pairs ? (const uint16_t *)a->q + row * a->q_row_stride : NULL;
     job->count = 1, job->table = a->tables + (a->row_seq ? a->row_seq[row] : row) * a->max_blocks;
     job->begin = begin, job->kv0 = kv0, job->kv1 = kv1;
-    partition(job, t->qf, a->k_cache, a->v_cache, a->dtype);
+    run_partition(a, t, job, 0);
 }
 
 /* Tile mode's item: rows r0 .. r0 + rows - 1 of one sequence, every partition of each, then each row merged. */
@@ -744,13 +789,7 @@ static void tile_item(const attention_call *a, thread_work *t, ss_partition *job
         }
         job->count = count, job->table = table, job->begin = begin, job->kv0 = 0;
         job->kv1 = a->num_kv_heads;
-#if defined(SS_LANES_ATTENTION)
-        if (t->lanes != NULL) { /* the rows as the vector lanes: the same bits */
-            partition_lanes(job, t->qf, a->k_cache, a->v_cache, a->dtype, t->lanes);
-            continue;
-        }
-#endif
-        partition(job, t->qf, a->k_cache, a->v_cache, a->dtype);
+        run_partition(a, t, job, t->lanes != NULL);
     }
     for (int64_t i = 0; i < rows; i++) {
         const int64_t parts = (a->lens[r0 + i] + PARTITION - 1) / PARTITION;
@@ -820,11 +859,22 @@ static int paged_attention(const attention_call *a, int num_threads) {
                           (void *)elem(a->out, a->dtype, (int64_t)rr * (int64_t)a->hd), a->dtype);
                 }
             }
-            free(t.work), free(t.qf), free(t.qb), free(t.part), free(t.n), free(t.lanes);
+            free(t.work), free(t.qf), free(t.qb), free(t.part), free(t.n), free(t.lanes), free(t.stage),
+                free(t.identity);
         }
     }
     free(partials), free(first), free(tile);
     return failed ? -1 : 0;
+}
+
+/* One call of an entry point below: q and out stored as dtype, the cache as dtype or (kv_int8) common.h's int8. */
+static int attention_entry(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                           void *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, int num_threads, int dtype, int kv_int8) {
+    attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, dtype,
+                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0, kv_int8};
+    return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
 }
 
 /* Attention of num_rows query rows, each over its own context: row r attends to positions 0 .. lens[r] - 1
@@ -840,18 +890,32 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
         return amx_paged_attention_bf16(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out,
                                         num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
 #endif
-    attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, SS_BF16,
-                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0};
-    return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
+    return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, 0);
+}
+
+/* The same over a cache in common.h's int8 format ([num_slots, num_kv_heads, head_dim + 4] bytes), with bfloat16
+ * q and out: the bfloat16 arithmetic over the widened values (run_partition), never the AMX tiles. */
+int ss_paged_attention_int8(const uint16_t *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                            uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            float scale, int num_threads) {
+    return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, 1);
+}
+
+/* rows x [num_rows, head_dim] float32 to common.h's int8 format, row r at out + r * (head_dim + 4). */
+void ss_quantize_kv_int8(const float *x, int64_t num_rows, int head_dim, int8_t *out) {
+    for (int64_t r = 0; r < num_rows; r++)
+        kv_int8_store_row(x + r * head_dim, head_dim, out + r * kv_int8_row_bytes(head_dim));
 }
 
 int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            float scale, int num_threads) {
-    attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, SS_F32,
-                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0};
-    return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
+    return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_F32, 0);
 }
 
 /* RMSNorm with the residual add in front (vLLM's fused_add_rms_norm): for each of the num_rows rows of x

@@ -15,7 +15,9 @@
  * migrated stream's recompute or another worker's prefill, at any batch composition and thread count.
  *
  * The matmuls read the GGUF's quantized blocks; the residual stream, norms and rotary are float32; the KV
- * cache is float32 or bfloat16 with attention.py's layout (q and the attention output are rounded to it too).
+ * cache is float32 or bfloat16 with attention.py's layout (q and the attention output are rounded to it too),
+ * or common.h's int8 format (q and the attention output bfloat16). Every row's K/V is written before any row's
+ * attention reads the cache, so a chunk's own keys are read back in the stored format, as a later step reads them.
  */
 #include <stdlib.h>
 
@@ -89,28 +91,43 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         return -1;
     }
     float *wide = h + b * hd, *act = wide + b * widest, *delta = act + b * inter;
-    const size_t elem = m->kv_dtype == SS_BF16 ? 2 : 4;
-    const int64_t cache_row = nkv, layer_elems = m->num_slots * cache_row;
+    const int int8 = m->kv_dtype == SS_INT8, qdt = int8 ? SS_BF16 : m->kv_dtype; /* q's and the output's dtype */
+    const size_t elem = qdt == SS_BF16 ? 2 : 4;
+    const int64_t cache_row = nkv, row_bytes = kv_int8_row_bytes(m->head_dim);
+    const int64_t slot_bytes = int8 ? m->num_kv_heads * row_bytes : nkv * (int64_t)elem;
+    const size_t layer_bytes = (size_t)(m->num_slots * slot_bytes);
     int status = 0;
     for (int l = 0; l < m->num_layers && status == 0; l++) {
         const ss_layer *L = m->layers + l;
-        uint8_t *k_cache = (uint8_t *)m->kv + (size_t)(2 * l) * (size_t)layer_elems * elem;
-        uint8_t *v_cache = k_cache + (size_t)layer_elems * elem;
+        uint8_t *k_cache = (uint8_t *)m->kv + (size_t)(2 * l) * layer_bytes;
+        uint8_t *v_cache = k_cache + layer_bytes;
         ss_add_rms_norm_f32(x, l == 0 ? NULL : delta, L->input_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->qkv, L->qkv_type, nqkv, wide, SS_F32, nqkv, scratch, num_threads);
         if (L->qkv_bias != NULL) add_bias(wide, L->qkv_bias, num_rows, nqkv, nqkv);
         if (L->q_norm != NULL && L->k_norm != NULL) head_norms(wide, num_rows, nqkv, m, L->q_norm, L->k_norm);
         rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
-        for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to the cache dtype for attention */
+        for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to its dtype for attention */
             const float *row = wide + t * nqkv;
-            for (int64_t i = 0; i < nkv; i++) {
-                store_elem(k_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + i]);
-                store_elem(v_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + nkv + i]);
+            if (int8) {
+                for (int h = 0; h < m->num_kv_heads; h++) {
+                    const int64_t at = slots[t] * slot_bytes + h * row_bytes;
+                    kv_int8_store_row(row + nq + h * m->head_dim, m->head_dim, (int8_t *)k_cache + at);
+                    kv_int8_store_row(row + nq + nkv + h * m->head_dim, m->head_dim, (int8_t *)v_cache + at);
+                }
+            } else {
+                for (int64_t i = 0; i < nkv; i++) {
+                    store_elem(k_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + i]);
+                    store_elem(v_cache, m->kv_dtype, slots[t] * cache_row + i, row[nq + nkv + i]);
+                }
             }
-            for (int64_t i = 0; i < nq; i++) store_elem(q_cache, m->kv_dtype, t * nq + i, row[i]);
+            for (int64_t i = 0; i < nq; i++) store_elem(q_cache, qdt, t * nq + i, row[i]);
         }
         void *attn_out = (uint8_t *)q_cache + (size_t)(b * nq) * elem;
-        if (m->kv_dtype == SS_BF16)
+        if (int8)
+            status |= ss_paged_attention_int8(q_cache, nq, (const int8_t *)k_cache, (const int8_t *)v_cache, tables,
+                                              max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
+                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
+        else if (m->kv_dtype == SS_BF16)
             status |= ss_paged_attention_bf16(q_cache, nq, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables,
                                               max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
                                               m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
@@ -118,7 +135,7 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
             status |= ss_paged_attention_f32(q_cache, nq, (const float *)k_cache, (const float *)v_cache, tables,
                                              max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
-        status |= ss_quant_matmul(attn_out, m->kv_dtype, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
+        status |= ss_quant_matmul(attn_out, qdt, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
         if (L->o_bias != NULL) add_bias(delta, L->o_bias, num_rows, hd, hd);
         ss_add_rms_norm_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);

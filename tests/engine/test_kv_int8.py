@@ -1,0 +1,191 @@
+"""The int8 KV cache (``--kv-cache-dtype int8``, ``model/kv_format.py``): the native and PyTorch quantizers write
+the same bytes; attention over an int8 cache is, bit for bit, attention over a bfloat16 cache holding the same
+values; its records and PD pushes move those bytes unchanged between int8 engines, and are misses for an engine
+of another format. The same tokens on every path with it: ``test_batch_invariance.py`` (kernels, tiny model)
+and ``test_exactness.py`` (the real model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, SchedulerConfig
+from splitserve.engine.connector import KVConnectorBase
+from splitserve.engine.engine import LLMEngine, kv_bytes_per_token, kv_cache_layout
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kvcache import serde
+from splitserve.kvcache.connector import KVConnector
+from splitserve.kvcache.disk import DiskTier
+from splitserve.model import kv_format
+from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.model.kernels import NativeKernels, native
+from splitserve.pd.buffer import PDBuffer
+from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
+from splitserve.pd.sender import PDSenderConnector
+from splitserve.protocol.kv_transfer import KVTransferParams
+from tests.support.engine import random_prompts, run_to_completion, tokens_of
+from tests.support.kv_store import BLOCK, CHUNK, MODEL_ID, chunk_keys, make_store
+from tests.support.quant import quantize_model
+
+INT8 = KVCacheDtype.INT8
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPT = random_prompts(1, 150, 150, seed=21)["r0"]
+
+
+def awkward_rows() -> torch.Tensor:
+    """Rows of every magnitude, and the edge cases: zeros, inf, NaN, subnormals, ties at the rounding step."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 3, 64, generator=gen) * torch.logspace(-40, 37, 600)[:, None, None]
+    x[1] = 0.0
+    x[2, 0, 5], x[2, 1, 7], x[2, 2, 9] = float("inf"), float("-inf"), float("nan")
+    x[3] = 1e-42  # subnormal
+    x[4, 0] = (torch.arange(64) - 31.5) / 4  # amax 7.875: scale 2^-4, each value q + 0.5 steps (ties to even)
+    x[4, 1] = (torch.arange(64) - 32) * 2.0  # amax 64: scale 2^-0 (64 <= 127), values exact
+    x[4, 2] = 127.0  # max |x| = 127 exactly: scale 1
+    return x
+
+
+def test_the_native_and_pytorch_quantizers_write_the_same_bytes() -> None:
+    kernels = native()
+    assert kernels is not None
+    x = awkward_rows()
+    rows = kernels.quantize_kv(x.contiguous())
+    assert rows is not None and rows.shape == (600, 3, 68) and rows.dtype == torch.int8
+    assert torch.equal(rows, kv_format.quantize_rows(x))
+    assert torch.equal(kv_format.quantize_rows(x.bfloat16()), kv_format.quantize_rows(x.bfloat16().float()))
+
+
+def test_an_int8_row_is_within_half_a_step_and_exactly_a_bfloat16() -> None:
+    x = awkward_rows()[5:]
+    rows = kv_format.quantize_rows(x)
+    values = kv_format.dequantize_rows(rows, torch.float32)
+    scale = rows[..., 64:].contiguous().view(torch.float32)
+    assert torch.all((scale.log2() == scale.log2().round()) & (scale >= 2.0**-126))  # powers of two
+    assert torch.all((values - x).abs() <= scale / 2)
+    assert torch.all(x.abs().amax(-1, keepdim=True) <= 127 * scale)
+    assert torch.all((x.abs().amax(-1, keepdim=True) > 63.5 * scale) | (scale == 2.0**-126))  # the smallest such
+    assert torch.equal(values.bfloat16().float(), values)
+    assert rows[..., :64].abs().max() <= 127
+    edge = kv_format.dequantize_rows(kv_format.quantize_rows(awkward_rows()[:5]), torch.float32)
+    assert torch.all(edge[1] == 0) and torch.isfinite(edge).all()
+    assert edge[2, 0, 5] > 0 and edge[2, 1, 7] < 0 and edge[2, 2, 9] == 0  # inf saturates, NaN is zero
+    assert torch.equal(edge[4, 2], torch.full((64,), 127.0))
+
+
+def test_attention_over_int8_is_attention_over_the_same_values_in_bfloat16(kernels: NativeKernels) -> None:
+    """Decode rows (split mode) and a prefill chunk (tiles) alike, on every build this CPU runs."""
+    gen = torch.Generator().manual_seed(11)
+    slots, heads, kv_heads, head_dim = 1024, 9, 3, 64
+    k = kv_format.quantize_rows(torch.randn(slots, kv_heads, head_dim, generator=gen) * 3)
+    v = kv_format.quantize_rows(torch.randn(slots, kv_heads, head_dim, generator=gen))
+    kb, vb = kv_format.dequantize_rows(k, torch.bfloat16), kv_format.dequantize_rows(v, torch.bfloat16)
+    table = torch.randperm(slots // BLOCK, generator=gen)[None].contiguous()
+    q = torch.randn(700, heads, head_dim, generator=gen).bfloat16()
+    lens = torch.arange(1, 701)
+    scale = head_dim**-0.5
+    chunk = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, torch.zeros(700, dtype=torch.long))
+    same = kernels.paged_attention(q, kb, vb, table, lens, BLOCK, scale, torch.zeros(700, dtype=torch.long))
+    assert chunk is not None and same is not None and torch.equal(chunk, same)
+    rows = torch.tensor([0, 15, 255, 256, 699])
+    decode = kernels.paged_attention(q[rows], k, v, table.expand(5, -1).contiguous(), lens[rows], BLOCK, scale)
+    assert decode is not None and torch.equal(decode, chunk[rows])
+    assert kernels.paged_attention(q.float(), k, v, table, lens, BLOCK, scale) is None  # int8 takes bfloat16 q
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: DecoderForCausalLM) -> DecoderForCausalLM:
+    """The tiny model on the GGUF's Q4_1 blocks: every step in the native forward step."""
+    kernels = native()
+    assert kernels is not None
+    return quantize_model(tiny_model, kernels, 3)
+
+
+def engine_with(model: DecoderForCausalLM, dtype: KVCacheDtype, connector: KVConnectorBase | None = None) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=1024),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=128, kv_cache_dtype=dtype),
+        scheduler=SchedulerConfig(64, 64, True),  # the prompt in chunks of 64
+    )
+    engine = LLMEngine(config, model, None, "test", torch.device("cpu"), [connector] if connector else [])
+    assert engine.runner.model.runs_forward_step
+    return engine
+
+
+def slots_of(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.Tensor:
+    ids = engine.kv.block_ids(request_id) or [b.block_id for b in engine.pool.blocks]
+    slots = torch.tensor([ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(num_tokens)])
+    return engine.runner.kv_cache.index_select(2, slots)
+
+
+def test_an_int8_cache_takes_about_half_the_bytes_and_names_its_format(model: DecoderForCausalLM) -> None:
+    cfg = model.config
+    assert kv_bytes_per_token(model, "int8") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    assert kv_bytes_per_token(model, "auto") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    layouts = {kv_cache_layout(model, BLOCK, dtype) for dtype in ("auto", "int8")}
+    assert len(layouts) == 2 and any(layout.startswith("int8-") for layout in layouts)
+    engine = engine_with(model, INT8)
+    assert engine.runner.kv_cache.shape[-1] == cfg.head_dim + 4 and engine.runner.kv_cache.dtype == torch.int8
+
+
+def test_an_int8_record_moves_between_int8_engines_and_is_a_miss_for_another_format(
+    model: DecoderForCausalLM, tmp_path: Path
+) -> None:
+    layout = kv_cache_layout(model, BLOCK, INT8)
+    cold = tokens_of(run_to_completion(engine_with(model, INT8), {"c": PROMPT}, GREEDY)["c"])
+    connector = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    first = engine_with(model, INT8, connector)
+    assert tokens_of(run_to_completion(first, {"a": PROMPT}, GREEDY)["a"]) == cold
+    assert connector.store.flush(timeout_s=10) and connector.stats().num_saved_chunks == 5  # 4 chunks, a tail
+    first.close()
+    keys = chunk_keys(layout, PROMPT)[:4]
+    record = (tmp_path / next(p.name for p in tmp_path.iterdir() if p.suffix == ".kv")).read_bytes()
+    assert serde.read_header(record).dtype == torch.int8
+
+    # another int8 worker: loads the chunks and the tail (144 tokens), bit for bit, and answers as the cold run did
+    reader = KVConnector(make_store(layout, DiskTier(tmp_path, 1 << 30)), MODEL_ID, layout, chunk_size=CHUNK)
+    second = engine_with(model, INT8, reader)
+    outputs = run_to_completion(second, {"b": PROMPT}, GREEDY)["b"]
+    assert tokens_of(outputs) == cold and outputs[-1].num_cached_tokens == 144
+    stored = torch.cat([serde.decode(store_record(tmp_path, key), layout) for key in keys], dim=2)
+    assert torch.equal(slots_of(second, "b", 4 * CHUNK), stored)
+
+    # a float32 cache's worker asks for other keys (its layout): nothing of the int8 records is read
+    other = kv_cache_layout(model, BLOCK, KVCacheDtype.AUTO)
+    assert not set(chunk_keys(other, PROMPT)) & set(chunk_keys(layout, PROMPT))
+    with pytest.raises(serde.RecordError):
+        serde.decode(record, other)
+
+
+def store_record(directory: Path, key: str) -> bytes:
+    from urllib.parse import quote
+
+    return (directory / (quote(key, safe="") + ".kv")).read_bytes()
+
+
+def test_an_int8_push_arrives_bit_identical_and_decode_answers_as_colocated(model: DecoderForCausalLM) -> None:
+    layout = kv_cache_layout(model, BLOCK, INT8)
+    colocated = tokens_of(run_to_completion(engine_with(model, INT8), {"c": PROMPT}, GREEDY)["c"])
+    buffer = PDBuffer(64 << 20)
+    receiver = KVReceiver(buffer, layout)
+    receiver.start()
+    try:
+        prefiller = engine_with(model, INT8, PDSenderConnector(layout))
+        params = dataclasses.replace(GREEDY, max_tokens=1, kv_transfer=KVTransferParams("t-8", receiver.addr))
+        outputs = run_to_completion(prefiller, {"p": PROMPT}, params)["p"]
+        result = outputs[-1].kv_transfer_result.result(timeout=30)
+        assert result.ok and result.num_tokens == len(PROMPT)
+        entry = buffer.peek("t-8")
+        assert entry is not None
+        header = serde.read_header(entry.record)  # int8 rows of head_dim + 4 bytes, not float32 ones
+        assert header.dtype == torch.int8 and header.payload_nbytes == math.prod((2, 2, len(PROMPT), 2, 16 + 4))
+        assert torch.equal(serde.decode(entry.record, layout), slots_of(prefiller, "p", len(PROMPT)))
+        decoder = engine_with(model, INT8, PDReceiverConnector(buffer, layout))
+        first = outputs[0].new_token_ids[0]
+        params = dataclasses.replace(GREEDY, kv_transfer=KVTransferParams("t-8", first_token_id=first))
+        assert tokens_of(run_to_completion(decoder, {"d": PROMPT}, params)["d"]) == colocated
+    finally:
+        receiver.close()
