@@ -159,7 +159,22 @@ static inline void kv_int8_store_row(const float *x, int head_dim, int8_t *dst) 
 static inline void kv_int8_row_to_bf16(const int8_t *src, int head_dim, uint16_t *dst) {
     float scale;
     memcpy(&scale, src + head_dim, sizeof scale);
-    for (int d = 0; d < head_dim; d++) {
+    int d = 0;
+#if defined(SS_AVX512)
+    const __m512 s16 = _mm512_set1_ps(scale);
+    for (; d + 16 <= head_dim; d += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + d)))), s16);
+        _mm256_storeu_si256((__m256i *)(dst + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    }
+#elif defined(SS_AVX2)
+    const __m256 s8 = _mm256_set1_ps(scale);
+    for (; d + 8 <= head_dim; d += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + d)))), s8);
+        const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+        _mm_storeu_si128((__m128i *)(dst + d), _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
+    }
+#endif
+    for (; d < head_dim; d++) {
         const float v = (float)src[d] * scale;
         uint32_t bits;
         memcpy(&bits, &v, sizeof bits);
