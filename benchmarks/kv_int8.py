@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,14 @@ from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver
 from splitserve.pd.sender import push
 
-FORMATS = (KVCacheDtype.AUTO, KVCacheDtype.INT8)
+FORMATS = ("auto", "int8")
 LONG = 2500
 
 
-def make_engine(model: DecoderForCausalLM, dtype: KVCacheDtype, max_num_seqs: int = 32) -> LLMEngine:
+def make_engine(model: DecoderForCausalLM, dtype: str, max_num_seqs: int = 32) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model="smollm2", max_model_len=4096),
-        cache=CacheConfig(kv_cache_memory="512MiB", kv_cache_dtype=dtype),
+        cache=CacheConfig(kv_cache_memory="512MiB", kv_cache_dtype=KVCacheDtype(dtype)),
         scheduler=SchedulerConfig(max_num_seqs, 2048, True, verify_sample_rate=0.0),
     )
     return LLMEngine(config, model, None, "smollm2", torch.device("cpu"))
@@ -63,8 +64,8 @@ def answers(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[lis
 
 
 def agreement(model: DecoderForCausalLM, prompts: list[list[int]], steps: int) -> dict[str, Any]:
-    default = answers(make_engine(model, KVCacheDtype.AUTO), prompts, steps)
-    int8 = answers(make_engine(model, KVCacheDtype.INT8), prompts, steps)
+    default = answers(make_engine(model, "auto"), prompts, steps)
+    int8 = answers(make_engine(model, "int8"), prompts, steps)
     original = model_runner.ModelRunner.__init__
 
     def float32_cache(self: model_runner.ModelRunner, *args: Any, **kwargs: Any) -> None:
@@ -72,12 +73,12 @@ def agreement(model: DecoderForCausalLM, prompts: list[list[int]], steps: int) -
 
     model_runner.ModelRunner.__init__ = float32_cache  # type: ignore[method-assign]
     try:
-        float32 = answers(make_engine(model, KVCacheDtype.AUTO), prompts, steps)
+        float32 = answers(make_engine(model, "auto"), prompts, steps)
     finally:
         model_runner.ModelRunner.__init__ = original  # type: ignore[method-assign]
     return {
-        "int8_vs_default": compare("int8 vs default", int8, default).__dict__,
-        "default_vs_float32": compare("default vs float32", default, float32).__dict__,
+        "int8_vs_default": asdict(compare("int8 vs default", int8, default)),
+        "default_vs_float32": asdict(compare("default vs float32", default, float32)),
         "first_divergence_int8": [first_divergence(x, y) for x, y in zip(int8, default, strict=True)],
     }
 

@@ -142,7 +142,8 @@ class CacheConfig:
     kv_cache_dtype: KVCacheDtype = setting(
         KVCacheDtype.AUTO,
         "The KV cache's storage, in the engine, the tiers and PD pushes: auto (the model's dtype) or int8 (a "
-        "power-of-two scale per token and KV head: about half of bfloat16's bytes; README, model/kv_format.py).",
+        "power-of-two scale per 16 values of a token's KV head: about half of bfloat16's bytes; README, "
+        "model/kv_format.py).",
     )
     num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
 

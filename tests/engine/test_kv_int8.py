@@ -39,12 +39,13 @@ PROMPT = random_prompts(1, 150, 150, seed=21)["r0"]
 def awkward_rows() -> torch.Tensor:
     """Rows of every magnitude, and the edge cases: zeros, inf, NaN, subnormals, ties at the rounding step."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(600, 3, 64, generator=gen) * torch.logspace(-40, 37, 600)[:, None, None]
+    x = torch.randn(600, 3, 64, generator=gen) * torch.logspace(-40, 33, 600)[:, None, None]
+    x[:, 1, 16:32] *= 1000  # an outlier group: the row's other groups keep their own scale
     x[1] = 0.0
     x[2, 0, 5], x[2, 1, 7], x[2, 2, 9] = float("inf"), float("-inf"), float("nan")
     x[3] = 1e-42  # subnormal
-    x[4, 0] = (torch.arange(64) - 31.5) / 4  # amax 7.875: scale 2^-4, each value q + 0.5 steps (ties to even)
-    x[4, 1] = (torch.arange(64) - 32) * 2.0  # amax 64: scale 2^-0 (64 <= 127), values exact
+    x[4, 0] = torch.cat([torch.tensor([126.5]), torch.arange(15) + 0.5]).repeat(4)  # scale 1: ties to even
+    x[4, 1] = (torch.arange(64) % 16 - 8) * 8.0  # amax 64: scale 1 (64 <= 127), values exact
     x[4, 2] = 127.0  # max |x| = 127 exactly: scale 1
     return x
 
@@ -59,21 +60,24 @@ def test_the_native_and_pytorch_quantizers_write_the_same_bytes() -> None:
     assert torch.equal(kv_format.quantize_rows(x.bfloat16()), kv_format.quantize_rows(x.bfloat16().float()))
 
 
-def test_an_int8_row_is_within_half_a_step_and_exactly_a_bfloat16() -> None:
+def test_an_int8_group_is_within_half_a_step_and_exactly_a_bfloat16() -> None:
     x = awkward_rows()[5:]
     rows = kv_format.quantize_rows(x)
     values = kv_format.dequantize_rows(rows, torch.float32)
-    scale = rows[..., 64:].contiguous().view(torch.float32)
-    assert torch.all((scale.log2() == scale.log2().round()) & (scale >= 2.0**-126))  # powers of two
-    assert torch.all((values - x).abs() <= scale / 2)
-    assert torch.all(x.abs().amax(-1, keepdim=True) <= 127 * scale)
-    assert torch.all((x.abs().amax(-1, keepdim=True) > 63.5 * scale) | (scale == 2.0**-126))  # the smallest such
+    groups, got = x.unflatten(-1, (4, 16)), values.unflatten(-1, (4, 16))
+    scale = torch.ldexp(torch.ones(()), rows[..., 64:].float())[..., None]  # a power of two per group of 16
+    amax = groups.abs().amax(-1, keepdim=True)
+    assert torch.all(scale >= 2.0**-126) and torch.all((got - groups).abs() <= scale / 2)
+    assert torch.all(amax <= 127 * scale) and torch.all((amax > 63.5 * scale) | (scale == 2.0**-126))  # the least
     assert torch.equal(values.bfloat16().float(), values)
     assert rows[..., :64].abs().max() <= 127
+    exponents = rows[:, 1, 64:].long()  # head 1's outlier group has its own scale; the others keep theirs
+    assert torch.all((exponents[:, 1] - exponents[:, 0] >= 8) | (exponents[:, 0] == -126))
     edge = kv_format.dequantize_rows(kv_format.quantize_rows(awkward_rows()[:5]), torch.float32)
     assert torch.all(edge[1] == 0) and torch.isfinite(edge).all()
     assert edge[2, 0, 5] > 0 and edge[2, 1, 7] < 0 and edge[2, 2, 9] == 0  # inf saturates, NaN is zero
-    assert torch.equal(edge[4, 2], torch.full((64,), 127.0))
+    assert torch.equal(edge[4, 0], awkward_rows()[4, 0].round())  # 126.5 -> 126, 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
+    assert torch.equal(edge[4, 1], awkward_rows()[4, 1]) and torch.equal(edge[4, 2], torch.full((64,), 127.0))
 
 
 def test_attention_over_int8_is_attention_over_the_same_values_in_bfloat16(kernels: NativeKernels) -> None:
@@ -123,12 +127,13 @@ def slots_of(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.Tenso
 
 def test_an_int8_cache_takes_about_half_the_bytes_and_names_its_format(model: DecoderForCausalLM) -> None:
     cfg = model.config
-    assert kv_bytes_per_token(model, "int8") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    row = cfg.head_dim + cfg.head_dim // 16
+    assert kv_bytes_per_token(model, "int8") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row
     assert kv_bytes_per_token(model, "auto") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     layouts = {kv_cache_layout(model, BLOCK, dtype) for dtype in ("auto", "int8")}
     assert len(layouts) == 2 and any(layout.startswith("int8-") for layout in layouts)
     engine = engine_with(model, INT8)
-    assert engine.runner.kv_cache.shape[-1] == cfg.head_dim + 4 and engine.runner.kv_cache.dtype == torch.int8
+    assert engine.runner.kv_cache.shape[-1] == row and engine.runner.kv_cache.dtype == torch.int8
 
 
 def test_an_int8_record_moves_between_int8_engines_and_is_a_miss_for_another_format(
@@ -180,8 +185,8 @@ def test_an_int8_push_arrives_bit_identical_and_decode_answers_as_colocated(mode
         assert result.ok and result.num_tokens == len(PROMPT)
         entry = buffer.peek("t-8")
         assert entry is not None
-        header = serde.read_header(entry.record)  # int8 rows of head_dim + 4 bytes, not float32 ones
-        assert header.dtype == torch.int8 and header.payload_nbytes == math.prod((2, 2, len(PROMPT), 2, 16 + 4))
+        header = serde.read_header(entry.record)  # int8 rows of head_dim + head_dim / 16 bytes, not float32 ones
+        assert header.dtype == torch.int8 and header.payload_nbytes == math.prod((2, 2, len(PROMPT), 2, 16 + 1))
         assert torch.equal(serde.decode(entry.record, layout), slots_of(prefiller, "p", len(PROMPT)))
         decoder = engine_with(model, INT8, PDReceiverConnector(buffer, layout))
         first = outputs[0].new_token_ids[0]

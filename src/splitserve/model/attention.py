@@ -15,8 +15,8 @@ elsewhere in PyTorch's fused (flash) SDPA over the chunk's gathered context.
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
 in the order of ``prefills``.
 
-An int8 cache (``--kv-cache-dtype int8``, ``model/kv_format.py``) holds rows of ``head_dim + 4`` bytes; the native
-kernels read it in place, the PyTorch paths widen the gathered rows to the query's dtype.
+An int8 cache (``--kv-cache-dtype int8``, ``model/kv_format.py``) holds rows of ``head_dim + head_dim / 16``
+bytes; the native kernels read it in place, the PyTorch paths widen the gathered rows to the query's dtype.
 """
 
 from __future__ import annotations

@@ -381,11 +381,13 @@ class NativeKernels:
         return out if status == 0 else None
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x [..., head_dim]`` float32 as int8 KV rows ``[..., head_dim + 4]`` (``model/kv_format.py``), by the
+        """``x [..., head_dim]`` float32 as int8 KV rows ``[..., head_dim + head_dim / 16]`` (``model/kv_format.py``), by the
         forward step's own code; None where the kernel does not apply."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() < 1:
             return None
         head_dim = x.shape[-1]
+        if head_dim % kv_format.INT8_GROUP:
+            return None
         out = torch.empty(*x.shape[:-1], kv_format.row_width(torch.int8, head_dim), dtype=torch.int8)
         self._quantize_kv(x.data_ptr(), x.numel() // max(head_dim, 1), head_dim, out.data_ptr())
         return out

@@ -41,7 +41,7 @@ typedef struct {
     int64_t max_positions;
     const float *final_norm;
     const ss_layer *layers;
-    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] (int8: head_dim + 4 bytes, common.h) */
+    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] (int8: head_dim + head_dim / 16 bytes, common.h) */
     int64_t num_slots; /* slots per layer */
     int32_t kv_dtype;  /* SS_F32, SS_BF16 or SS_INT8 */
     int32_t block_size;
