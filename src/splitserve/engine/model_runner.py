@@ -92,9 +92,9 @@ class ModelRunner:
         self.dtype = model.dtype
         self.kv_dtype = kv_dtype or self.dtype
         kv_format.check_head_dim(self.kv_dtype, cfg.head_dim)
-        # [layers, 2, slots, kv_heads, row] (row: head_dim values, or int8's head_dim + head_dim / 16 bytes); zeros so padded
-        # gathers never read NaN garbage. Written whole here: a cache from calloc, its pages faulted in as first
-        # used, cost 2.7x the cold prefill's time and 42% of 16 streams' throughput on a 2-core VM (faults
+        # [layers, 2, slots, kv_heads, row] (row: head_dim values, or int8's head_dim + head_dim / 16 bytes);
+        # zeros so padded gathers never read NaN garbage. Written whole here: a cache from calloc, its pages faulted
+        # in as first used, cost 2.7x the cold prefill's time and 42% of 16 streams' throughput on a 2-core VM (faults
         # inside the step's parallel kernels)
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers,

@@ -22,9 +22,9 @@ Layout, all little-endian::
     P       N     payload: the tensor's bytes, C order
 
 A chunk's KV tensor has shape ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (bfloat16, float16 or
-float32), or ``[..., head_dim + head_dim / 16]`` bytes in the int8 format (``model/kv_format.py``: ``--kv-cache-dtype int8``).
-Decoding checks everything it can and raises :class:`RecordError` otherwise; callers treat that as a miss
-(recompute), never as data.
+float32), or ``[..., head_dim + head_dim / 16]`` bytes in the int8 format (``model/kv_format.py``:
+``--kv-cache-dtype int8``). Decoding checks everything it can and raises :class:`RecordError` otherwise; callers
+treat that as a miss (recompute), never as data.
 
 **Signed records.** The KV tiers sign every record they store (:func:`encode` with a ``signer``) and accept
 from a shared tier (Redis, disk) only records whose MAC, made with the key derived from the cluster secret,

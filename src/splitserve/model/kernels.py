@@ -381,8 +381,8 @@ class NativeKernels:
         return out if status == 0 else None
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x [..., head_dim]`` float32 as int8 KV rows ``[..., head_dim + head_dim / 16]`` (``model/kv_format.py``), by the
-        forward step's own code; None where the kernel does not apply."""
+        """``x [..., head_dim]`` float32 as int8 KV rows ``[..., head_dim + head_dim / 16]`` (``model/kv_format.py``),
+        by the forward step's own code; None where the kernel does not apply."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() < 1:
             return None
         head_dim = x.shape[-1]
