@@ -194,3 +194,23 @@ def test_an_int8_push_arrives_bit_identical_and_decode_answers_as_colocated(mode
         assert tokens_of(run_to_completion(decoder, {"d": PROMPT}, params)["d"]) == colocated
     finally:
         receiver.close()
+
+
+def test_the_module_path_stores_and_reads_int8_too(tiny_model: DecoderForCausalLM) -> None:
+    """A float model without quantized blocks (PyTorch's matmuls and attention over the widened rows): it runs, and
+    its cache holds what the quantizer writes for its K/V."""
+    engine = engine_with_model_path(tiny_model)
+    assert not engine.runner.model.runs_forward_step
+    outputs = run_to_completion(engine, {"a": PROMPT}, GREEDY)["a"]
+    again = run_to_completion(engine, {"b": PROMPT}, GREEDY)["b"]
+    assert len(tokens_of(outputs)) == GREEDY.max_tokens and again[0].num_cached_tokens == len(PROMPT) - 1
+    kv = slots_of(engine, "b", len(PROMPT))
+    assert torch.equal(kv_format.quantize_rows(kv_format.dequantize_rows(kv, torch.float32)), kv)  # valid rows
+
+
+def engine_with_model_path(model: DecoderForCausalLM) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="test", max_model_len=1024),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=128, kv_cache_dtype=INT8),
+    )
+    return LLMEngine(config, model, None, "test", torch.device("cpu"))

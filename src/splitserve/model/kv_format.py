@@ -66,5 +66,5 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     and wider)."""
     head_dim = rows.shape[-1] * INT8_GROUP // (INT8_GROUP + 1)
     q = rows[..., :head_dim].float().unflatten(-1, (head_dim // INT8_GROUP, INT8_GROUP))
-    scale = torch.ldexp(torch.ones(()), rows[..., head_dim:].float())[..., None]
+    scale = torch.ldexp(torch.ones((), device=rows.device), rows[..., head_dim:].float())[..., None]
     return (q * scale).flatten(-2).to(dtype)
