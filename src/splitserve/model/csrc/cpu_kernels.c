@@ -917,8 +917,8 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
                            num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, 0);
 }
 
-/* The same over a cache in common.h's int8 format ([num_slots, num_kv_heads, head_dim + head_dim / 16] bytes), with bfloat16
- * q and out: the bfloat16 arithmetic over the widened values (run_partition), never the AMX tiles. */
+/* The same over a cache in common.h's int8 format ([num_slots, num_kv_heads, head_dim + head_dim / 16] bytes),
+ * with bfloat16 q and out: the bfloat16 arithmetic over the widened values (run_partition), never the AMX tiles. */
 int ss_paged_attention_int8(const uint16_t *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
                             const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
