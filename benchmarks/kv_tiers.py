@@ -68,7 +68,7 @@ BASE_ARGS = ["--model", MODEL, "--num-threads", "2"]  # the default dtype: bfloa
 # 193 blocks of 16 tokens in bfloat16, twice the bytes for a float32 KV cache (the AVX2 class), 68 bytes per 128
 # for an int8 one (--kv-cache-dtype int8)
 SMALL_ENGINE_CACHE_MIB = 68
-KV_BYTES_VS_BF16 = {"bfloat16": 1.0, "float32": 2.0, "int8": 68 / 128}
+KV_BYTES_VS_BF16 = {"bfloat16": 1.0, "float32": 2.0, "int8": 68 / 128, "fp8_e4m3": 68 / 128}
 
 # the record of one 256-token chunk of SmolLM2 (30 layers, 3 KV heads of 64) in bfloat16: 5.9 MB
 CHUNK_SHAPE = (30, 2, 256, 3, 64)
@@ -402,7 +402,7 @@ def print_tables(results: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_tiers.json")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="the workers' --kv-cache-dtype (auto, int8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the workers' --kv-cache-dtype (auto, int8, fp8)")
     args = parser.parse_args()
     if args.kv_cache_dtype != "auto":
         BASE_ARGS.extend(["--kv-cache-dtype", args.kv_cache_dtype])

@@ -124,6 +124,8 @@ class ModelConfig:
 class KVCacheDtype(StrEnum):
     AUTO = "auto"  # the model's dtype
     INT8 = "int8"  # model/kv_format.py
+    FP8 = "fp8"  # E4M3, as vLLM's fp8
+    FP8_E4M3 = "fp8_e4m3"  # the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +143,9 @@ class CacheConfig:
     enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of shared prompt prefixes.")
     kv_cache_dtype: KVCacheDtype = setting(
         KVCacheDtype.AUTO,
-        "The KV cache's storage, in the engine, the tiers and PD pushes: auto (the model's dtype) or int8 (a "
-        "power-of-two scale per 16 values of a token's KV head: about half of bfloat16's bytes; README, "
-        "model/kv_format.py).",
+        "The KV cache's storage, in the engine, the tiers and PD pushes: auto (the model's dtype), int8 (a "
+        "power-of-two scale per 16 values of a token's KV head: about half of bfloat16's bytes), or fp8 / fp8_e4m3 "
+        "(E4M3 values with the same scales and bytes, coarser than int8; vLLM's name). README, model/kv_format.py.",
     )
     num_gpu_blocks_override: int | None = None  # tests: an exact number of KV blocks
 

@@ -36,16 +36,16 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 def _sequence(
     length: int, dtype: torch.dtype, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A cache holding one sequence of ``length`` tokens in shuffled blocks, and a query for each position (an
-    int8 cache: its rows, kv_format.py's, and bfloat16 queries)."""
+    """A cache holding one sequence of ``length`` tokens in shuffled blocks, and a query for each position (a
+    packed cache, int8 or uint8 for fp8: its rows, kv_format.py's, and bfloat16 queries)."""
     gen = torch.Generator().manual_seed(length)
     num_blocks = -(-length // BLOCK) + 3
     k = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=gen).mul_(2)
     v = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=gen)
     table = torch.randperm(num_blocks, generator=gen)[None, : -(-length // BLOCK)].contiguous()
     q = torch.randn(length, heads, head_dim, generator=gen)
-    if dtype == torch.int8:
-        return kv_format.quantize_rows(k), kv_format.quantize_rows(v), table, q.bfloat16()
+    if dtype in kv_format.PACKED:
+        return kv_format.quantize_rows(k, dtype), kv_format.quantize_rows(v, dtype), table, q.bfloat16()
     return k.to(dtype), v.to(dtype), table, q.to(dtype)
 
 
@@ -54,7 +54,7 @@ def _sequence(
 SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (32, 8, 64), (16, 1, 64), (8, 2, 96), (14, 2, 128)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8])
 def test_an_attention_row_is_the_same_over_blocks_of_8_and_of_16(
     kernels: NativeKernels, threads: int, dtype: torch.dtype
 ) -> None:
@@ -77,7 +77,7 @@ def test_an_attention_row_is_the_same_over_blocks_of_8_and_of_16(
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{h}x{kv}x{d}" for h, kv, d in SHAPES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8])
 def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequences(
     kernels: NativeKernels, threads: int, dtype: torch.dtype, shape: tuple[int, int, int]
 ) -> None:
@@ -152,14 +152,14 @@ def test_dot_rows_is_the_same_at_any_row_count(kernels: NativeKernels, threads: 
         assert alone is not None and torch.equal(alone[0], whole[i]), i
 
 
-@pytest.mark.parametrize(("wtype", "kv_cache_dtype"), [(3, "auto"), ("Q4_K_M", "auto"), (3, "int8")])
+@pytest.mark.parametrize(("wtype", "kv_cache_dtype"), [(3, "auto"), ("Q4_K_M", "auto"), (3, "int8"), (3, "fp8")])
 def test_the_forward_step_gives_each_token_the_same_logits_on_every_path(
     tiny_model: DecoderForCausalLM, k_sized_model: DecoderForCausalLM, kernels: NativeKernels, threads: int,
     wtype: int | str, kv_cache_dtype: KVCacheDtype,
 ) -> None:  # fmt: skip
     """A tiny quantized model through whole engines: one prompt's tokens and logits alone, chunked by 7, beside
     other requests, and from the prefix cache, to the bit (Q4_1; and Q4_K_M's mix of Q4_K and Q6_K, with a mixed
-    fused q/k/v; and Q4_1 over an int8 KV cache)."""
+    fused q/k/v; and Q4_1 over an int8 and an fp8 KV cache)."""
     base, formats = model_for(wtype, tiny_model, k_sized_model)
     model = quantize_model(base, kernels, formats)
     prompt = [int(t) for t in torch.randint(1, 500, (83,), generator=torch.Generator().manual_seed(9))]
@@ -171,7 +171,8 @@ def test_the_forward_step_gives_each_token_the_same_logits_on_every_path(
     ) -> tuple[list[int], list[torch.Tensor]]:
         logits: list[torch.Tensor] = []
         engine = build_engine(model, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
-        assert engine.runner.kv_cache.dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.float32)
+        expected = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_cache_dtype, torch.float32)
+        assert engine.runner.kv_cache.dtype == expected
         compute = model.compute_logits
         model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]  # type: ignore[method-assign]
         try:

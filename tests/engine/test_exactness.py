@@ -112,22 +112,24 @@ def test_seeded_sampling_is_the_same_cold_cached_beside_others_and_resumed(real:
     assert cold != greedy  # it did sample
 
 
-def test_an_int8_kv_cache_answers_the_same_cold_cached_chunked_beside_others_and_resumed(real: Real) -> None:
-    """``--kv-cache-dtype int8``: every path reads the same stored bytes, so the answers agree with each other
-    (not with the bfloat16 cache's: ``benchmarks/kv_int8_agreement.py`` measures how far they agree)."""
-    int8 = KVCacheDtype.INT8
-    cold = {name: answer(engine(real, kv_cache_dtype=int8), prompt) for name, prompt in real.prompts.items()}
+@pytest.mark.parametrize("packed", [KVCacheDtype.INT8, KVCacheDtype.FP8], ids=["int8", "fp8"])
+def test_a_packed_kv_cache_answers_the_same_cold_cached_chunked_beside_others_and_resumed(
+    real: Real, packed: KVCacheDtype
+) -> None:
+    """``--kv-cache-dtype int8`` and ``fp8``: every path reads the same stored bytes, so the answers agree with each
+    other (not with the bfloat16 cache's: ``benchmarks/kv_int8.py`` measures how far they agree)."""
+    cold = {name: answer(engine(real, kv_cache_dtype=packed), prompt) for name, prompt in real.prompts.items()}
     assert "Paris" in real.tokenizer.decode(cold["france"])
-    eng = engine(real, kv_cache_dtype=int8)
+    eng = engine(real, kv_cache_dtype=packed)
     for name, prompt in real.prompts.items():
         assert answer(eng, prompt, request_id=f"{name}-1") == cold[name], name
         again = run_to_completion(eng, {f"{name}-2": prompt}, GREEDY)[f"{name}-2"]
         assert again[0].num_cached_tokens == len(prompt) - 1 and tokens_of(again) == cold[name], name
     distractors = {f"d{i}": real.prompts["bread"][: 20 + 9 * i] for i in range(6)}
-    chunked = engine(real, kv_cache_dtype=int8, max_num_batched_tokens=16, step_time_target=0)
+    chunked = engine(real, kv_cache_dtype=packed, max_num_batched_tokens=16, step_time_target=0)
     outputs = run_to_completion(chunked, {**{f"p-{n}": p for n, p in real.prompts.items()}, **distractors}, GREEDY)
     for name in real.prompts:
         assert tokens_of(outputs[f"p-{name}"]) == cold[name], name
     rest = SamplingParams(max_tokens=NUM_TOKENS - 90, temperature=0.0, ignore_eos=True)
     story, prompt = cold["lighthouse"], real.prompts["lighthouse"]
-    assert story[:90] + answer(engine(real, kv_cache_dtype=int8), prompt + story[:90], rest) == story
+    assert story[:90] + answer(engine(real, kv_cache_dtype=packed), prompt + story[:90], rest) == story

@@ -149,7 +149,7 @@ class LLMEngine:
             "KV cache %s",
             num_blocks, block_size, num_blocks * block_size,
             self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**30,
-            self.max_model_len, self.runner.dtype, device, str(self.runner.kv_dtype).removeprefix("torch."),
+            self.max_model_len, self.runner.dtype, device, kv_format.layout_name(self.runner.kv_dtype),
         )  # fmt: skip
 
     @property
@@ -566,8 +566,7 @@ def kv_cache_layout(model: DecoderForCausalLM, block_size: int, kv_cache_dtype: 
     row width (``model/kv_format.py``), as ``register_kv_cache`` reads them off the tensor."""
     cfg, dtype = model.config, kv_format.cache_dtype(kv_cache_dtype, model.dtype)
     width = kv_format.row_width(dtype, cfg.head_dim)
-    name = str(dtype).removeprefix("torch.")
-    return kv_layout(name, cfg.num_hidden_layers, cfg.num_key_value_heads, width, block_size)
+    return kv_layout(kv_format.layout_name(dtype), cfg.num_hidden_layers, cfg.num_key_value_heads, width, block_size)
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

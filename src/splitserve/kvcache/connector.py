@@ -51,6 +51,7 @@ from splitserve.kvcache.redis import RedisTier, connect
 from splitserve.kvcache.store import TieredStore
 from splitserve.kvcache.tiers import KVTier, KVValue, NullTier, TierStats
 from splitserve.metrics import LMCACHE_HIT_RATE_BUCKETS, LMCACHE_RETRIEVE_SPEED_BUCKETS, CumulativeHistogram
+from splitserve.model import kv_format
 from splitserve.protocol.kv_events import KVEventSink, Tier
 
 logger = logging.getLogger(__name__)
@@ -170,8 +171,7 @@ class KVConnector:
 
     def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
         num_layers, _, _, num_heads, head_dim = kv_cache.shape
-        dtype = str(kv_cache.dtype).removeprefix("torch.")
-        actual = kv_layout(dtype, num_layers, num_heads, head_dim, block_size)
+        actual = kv_layout(kv_format.layout_name(kv_cache.dtype), num_layers, num_heads, head_dim, block_size)
         if actual != self.layout:
             raise ValueError(
                 f"the engine's KV cache has layout {actual!r}, the connector was built for {self.layout!r}"

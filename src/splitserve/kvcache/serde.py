@@ -22,8 +22,8 @@ Layout, all little-endian::
     P       N     payload: the tensor's bytes, C order
 
 A chunk's KV tensor has shape ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (bfloat16, float16 or
-float32), or ``[..., head_dim + head_dim / 16]`` bytes in the int8 format (``model/kv_format.py``:
-``--kv-cache-dtype int8``). Decoding checks everything it can and raises :class:`RecordError` otherwise; callers
+float32), or ``[..., head_dim + head_dim / 16]`` bytes in the int8 or fp8 format (``model/kv_format.py``:
+``--kv-cache-dtype``). Decoding checks everything it can and raises :class:`RecordError` otherwise; callers
 treat that as a miss (recompute), never as data.
 
 **Signed records.** The KV tiers sign every record they store (:func:`encode` with a ``signer``) and accept
@@ -65,7 +65,13 @@ _MAC_OFFSET = _FIXED.size - MAC_BYTES
 _NO_MAC = bytes(MAC_BYTES)
 _MAX_STRING_BYTES = 0xFFFF
 
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int8: 4}
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.int8: 4,  # model/kv_format.py's int8 rows
+    torch.uint8: 5,  # its fp8 (E4M3) rows
+}
 _DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 # torch.frombuffer warns (once per process) that a bytes object is read-only. Decoded tensors are views of the

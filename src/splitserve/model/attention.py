@@ -15,7 +15,7 @@ elsewhere in PyTorch's fused (flash) SDPA over the chunk's gathered context.
 Token order in a step: all decode tokens first (one query per sequence), then each prefill chunk's tokens
 in the order of ``prefills``.
 
-An int8 cache (``--kv-cache-dtype int8``, ``model/kv_format.py``) holds rows of ``head_dim + head_dim / 16``
+An int8 or fp8 cache (``--kv-cache-dtype``, ``model/kv_format.py``) holds rows of ``head_dim + head_dim / 16``
 bytes; the native kernels read it in place, the PyTorch paths widen the gathered rows to the query's dtype.
 """
 
@@ -85,24 +85,24 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Store the step's K/V ([T, kv_heads, head_dim]) at their slots."""
-    if kv_format.is_int8(k_cache):
-        k, v = _quantized(k), _quantized(v)
+    if kv_format.is_packed(k_cache):
+        k, v = _quantized(k, k_cache.dtype), _quantized(v, k_cache.dtype)
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
 
 
-def _quantized(x: torch.Tensor) -> torch.Tensor:
-    """int8 rows of x, by the native kernel where there is one (the forward step's code), else in PyTorch."""
+def _quantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed rows of x, by the native kernel where there is one (the forward step's code), else in PyTorch."""
     kernels = native() if x.device.type == "cpu" else None
     x32 = x.float().contiguous()
-    rows = kernels.quantize_kv(x32) if kernels is not None else None
-    return rows if rows is not None else kv_format.quantize_rows(x32)
+    rows = kernels.quantize_kv(x32, dtype) if kernels is not None else None
+    return rows if rows is not None else kv_format.quantize_rows(x32, dtype)
 
 
 def _gathered(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The cache rows at ``slots`` ([N, kv_heads, head_dim]) in ``dtype``."""
     rows = cache.index_select(0, slots)
-    return kv_format.dequantize_rows(rows, dtype) if kv_format.is_int8(cache) else rows
+    return kv_format.dequantize_rows(rows, dtype) if kv_format.is_packed(cache) else rows
 
 
 def paged_attention(

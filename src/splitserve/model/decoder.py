@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve import envs
+from splitserve.model import kv_format
 from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.model.config import DecoderConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
@@ -353,7 +354,7 @@ class DecoderForCausalLM(nn.Module):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
         """Run every step in one native call over ``kv_cache`` ([layers, 2, slots, kv_heads, row]: the model's
-        dtype or model/kv_format.py's int8) where every layer has quantized weights for the native kernels;
+        dtype, or model/kv_format.py's int8 or fp8) where every layer has quantized weights for the native kernels;
         otherwise leave the module path.
 
         Call after ``prepare_for_inference``. ``SPLITSERVE_FORWARD_STEP=0`` keeps the module path, to compare
@@ -369,7 +370,7 @@ class DecoderForCausalLM(nn.Module):
             or envs.get(envs.FORWARD_STEP) == "0"
             or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous()
-            or kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8)
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16, *kv_format.PACKED)
             or cfg.head_dim > 256
             or cfg.num_attention_heads % cfg.num_key_value_heads
             or ATTENTION_PARTITION_TOKENS % block_size

@@ -66,7 +66,7 @@ _ATTENTION_ARGTYPES: list[type[_SimpleCData[Any]]] = [
 _NORM_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _P, _P, _P, _I64, _I64, _F, _I]
 # x, x_dtype, x_stride, m, k, w, wtype, n, y, out_dtype, ldy, scratch, num_threads
 _QMATMUL_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _I, _I64, _I64, _I64, _P, _I, _I64, _P, _I, _I64, _P, _I]
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/common.h; int8: KV only
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # csrc/common.h; int8, fp8: KV only
 # Paged attention's partition (csrc/cpu_kernels.c PARTITION): block sizes must divide it
 ATTENTION_PARTITION_TOKENS = 256
 # GGML type numbers of the weight formats the quantized matmul takes
@@ -114,12 +114,14 @@ class NativeKernels:
             torch.bfloat16: library.ss_paged_attention_bf16,
             torch.float32: library.ss_paged_attention_f32,
         }
-        self._attention_int8 = library.ss_paged_attention_int8  # an int8 cache (model/kv_format.py), bfloat16 q
-        for fn in (*self.attention.values(), self._attention_int8):
+        for fn in self.attention.values():
             fn.argtypes = _ATTENTION_ARGTYPES
             fn.restype = ctypes.c_int
-        self._quantize_kv = library.ss_quantize_kv_int8
-        self._quantize_kv.argtypes = [_P, _I64, _I, _P]
+        self._attention_packed = library.ss_paged_attention_packed  # int8/fp8 caches (model/kv_format.py)
+        self._attention_packed.argtypes = [*_ATTENTION_ARGTYPES, _I]
+        self._attention_packed.restype = ctypes.c_int
+        self._quantize_kv = library.ss_quantize_kv
+        self._quantize_kv.argtypes = [_P, _I64, _I, _I, _P]
         self._quantize_kv.restype = None
         # keyed by the output dtype, which the delta shares; the residual stream is always float32. These are
         # the model's two layouts: float32 throughout, and a float32 stream with bfloat16 matmul inputs
@@ -354,16 +356,16 @@ class NativeKernels:
         """[T, H, D] attention output, or None when these tensors are not ones the kernel takes.
 
         Each row's result depends on its query, its context length and the cache alone (``csrc/cpu_kernels.c``):
-        the same bits whichever rows run beside it and however many threads run them. An int8 cache
+        the same bits whichever rows run beside it and however many threads run them. An int8 or fp8 cache
         (``model/kv_format.py``) takes a bfloat16 ``q``.
         """
         num_rows, num_heads, head_dim = q.shape
-        int8 = k_cache.dtype == torch.int8 and q.dtype == torch.bfloat16
-        fn = self._attention_int8 if int8 else self.attention.get(q.dtype)
+        packed = k_cache.dtype in kv_format.PACKED
+        fn = (self._attention_packed if q.dtype == torch.bfloat16 else None) if packed else self.attention.get(q.dtype)
         if (
             fn is None
             or q.device.type != "cpu"
-            or not (k_cache.dtype == v_cache.dtype == (torch.int8 if int8 else q.dtype))
+            or not (k_cache.dtype == v_cache.dtype == (k_cache.dtype if packed else q.dtype))
             or k_cache.shape[2] != kv_format.row_width(k_cache.dtype, head_dim)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or q.stride(2) != 1
@@ -376,20 +378,21 @@ class NativeKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], None if row_seq is None else row_seq.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, k_cache.shape[1], head_dim, block_size,
-            scale, torch.get_num_threads(),
+            scale, torch.get_num_threads(), *([_DTYPE_CODES[k_cache.dtype]] if packed else []),
         )  # fmt: skip
         return out if status == 0 else None
 
-    def quantize_kv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x [..., head_dim]`` float32 as int8 KV rows ``[..., head_dim + head_dim / 16]`` (``model/kv_format.py``),
-        by the forward step's own code; None where the kernel does not apply."""
+    def quantize_kv(self, x: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor | None:
+        """``x [..., head_dim]`` float32 as packed KV rows ``[..., head_dim + head_dim / 16]`` of ``dtype`` (int8, or
+        uint8 for fp8: ``model/kv_format.py``), by the forward step's own code; None where the kernel does not
+        apply."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() < 1:
             return None
         head_dim = x.shape[-1]
-        if head_dim % kv_format.INT8_GROUP:
+        if head_dim % kv_format.GROUP or dtype not in kv_format.PACKED:
             return None
-        out = torch.empty(*x.shape[:-1], kv_format.row_width(torch.int8, head_dim), dtype=torch.int8)
-        self._quantize_kv(x.data_ptr(), x.numel() // max(head_dim, 1), head_dim, out.data_ptr())
+        out = torch.empty(*x.shape[:-1], kv_format.row_width(dtype, head_dim), dtype=dtype)
+        self._quantize_kv(x.data_ptr(), x.numel() // head_dim, head_dim, _DTYPE_CODES[dtype], out.data_ptr())
         return out
 
     def dot_rows(self, x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
@@ -419,7 +422,7 @@ def _int64_rows(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.int64 and t.is_contiguous()) for t in tensors)
 
 
-ABI_VERSION = 4  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
+ABI_VERSION = 5  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
 
 
 def check_abi(library: ctypes.CDLL) -> None:

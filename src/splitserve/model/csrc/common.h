@@ -124,7 +124,7 @@ static inline uint16_t f32_to_f16(float f) {
 
 /* Storage dtype codes shared with kernels.py: the KV cache is one of them, q and the attention output the first
  * two (bfloat16 beside an int8 cache). */
-enum { SS_F32 = 0, SS_BF16 = 1, SS_INT8 = 2 };
+enum { SS_F32 = 0, SS_BF16 = 1, SS_INT8 = 2, SS_FP8 = 3 };
 
 /* The int8 KV format (--kv-cache-dtype int8): each (slot, KV head) row is head_dim int8 values followed by one
  * signed exponent byte per group of SS_KV_INT8_GROUP values: value d is q[d] * 2^e[d / 16]. A group's exponent is
@@ -189,6 +189,64 @@ static inline void kv_int8_row_to_bf16(const int8_t *src, int head_dim, uint16_t
         uint32_t bits;
         memcpy(&bits, &v, sizeof bits);
         dst[d] = (uint16_t)(bits >> 16);
+    }
+}
+
+/* The fp8 KV format (--kv-cache-dtype fp8, vLLM's name; fp8_e4m3 too): the int8 format's row (head_dim bytes, then
+ * an exponent byte per 16) with OCP E4M3FN values (1 sign bit, 4 exponent bits biased by 7, 3 mantissa bits; no
+ * infinity, 448 the largest). A group's exponent is the least in [-117, 119] with max |x| <= 448 * 2^e, and each
+ * value x / 2^e is rounded to E4M3, ties to even (torch's cast), NaN to zero. A stored value is then at most four
+ * significant bits times a power of two in [2^-126, 2^127]: exactly a bfloat16, so attention runs on it as on
+ * int8 rows. Coarser than int8 (4 significant bits against up to 7) for the same bytes; it is there for vLLM's
+ * flag. */
+#define SS_KV_FP8_MIN_EXPONENT (-117) /* the least subnormal, 2^-9, times 2^e stays a normal bfloat16 */
+#define SS_KV_FP8_MAX_EXPONENT 119    /* 448 times 2^e stays finite */
+
+static inline uint8_t f32_to_e4m3(float y) {
+    const uint8_t sign = signbit(y) ? 0x80 : 0;
+    const float a = fabsf(y);
+    if (a != a) return 0;
+    if (a >= 448.f) return sign | 0x7e;
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f); /* subnormal: q 2^-9, q 8 is 2^-6 (code 8) */
+    int exponent = ilogbf(a);                                          /* -6 .. 8 */
+    int mantissa = (int)nearbyintf((ldexpf(a, -exponent) - 1.f) * 8.f); /* exact until the rounding */
+    if (mantissa == 8) exponent++, mantissa = 0;
+    return sign | (uint8_t)(((exponent + 7) << 3) | mantissa);
+}
+
+static inline void kv_fp8_store_row(const float *x, int head_dim, uint8_t *dst) {
+    for (int g = 0; g < head_dim / SS_KV_INT8_GROUP; g++) {
+        const float *xg = x + g * SS_KV_INT8_GROUP;
+        float amax = 0.f;
+        for (int d = 0; d < SS_KV_INT8_GROUP; d++) amax = fabsf(xg[d]) > amax ? fabsf(xg[d]) : amax;
+        int e = 0;
+        if (amax > 0.f) {
+            if (amax > 3.0e38f) amax = 3.0e38f;
+            e = ilogbf(amax) - 8; /* amax / 2^e in [256, 512) */
+            if (ldexpf(amax, -e) > 448.f) e++;
+            e = e < SS_KV_FP8_MIN_EXPONENT ? SS_KV_FP8_MIN_EXPONENT : e > SS_KV_FP8_MAX_EXPONENT ? SS_KV_FP8_MAX_EXPONENT : e;
+        }
+        const float inverse = ldexpf(1.f, -e);
+        for (int d = 0; d < SS_KV_INT8_GROUP; d++) dst[g * SS_KV_INT8_GROUP + d] = f32_to_e4m3(xg[d] * inverse);
+        dst[head_dim + g] = (uint8_t)(int8_t)e;
+    }
+}
+
+/* A stored fp8 row as bfloat16, exactly: an E4M3 value's bfloat16 bits, its exponent raised by the group's (every
+ * nonzero E4M3 value, subnormals included, is a normal bfloat16, and the clamp keeps it one). */
+static inline uint16_t e4m3_to_bf16_bits(uint8_t c) {
+    const int exponent = (c >> 3) & 15, mantissa = c & 7;
+    const float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf((float)(8 + mantissa), exponent - 10);
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (uint16_t)((bits >> 16) | (c & 0x80 ? 0x8000u : 0u));
+}
+
+static inline void kv_fp8_row_to_bf16(const uint8_t *src, int head_dim, const uint16_t *table, uint16_t *dst) {
+    const int8_t *e = (const int8_t *)src + head_dim;
+    for (int d = 0; d < head_dim; d++) {
+        const uint16_t b = table[src[d]];
+        dst[d] = (b & 0x7fffu) != 0 ? (uint16_t)((int)b + e[d / SS_KV_INT8_GROUP] * 128) : b;
     }
 }
 

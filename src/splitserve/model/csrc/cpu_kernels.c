@@ -643,13 +643,13 @@ typedef struct {
     int64_t max_parts, tile_rows; /* partitions of the longest row; rows per tile */
     int pairs;                    /* the scores from bfloat16 pairs (SS_BF16_DOT, a bfloat16 cache) */
     size_t hd, per_part;          /* floats per query row; per partial (m, l, acc) */
-    int kv_int8;                  /* the cache in common.h's int8 format (q and out bfloat16) */
+    int kv_packed;                /* SS_INT8 or SS_FP8: the cache in that format of common.h (q and out bfloat16) */
 } attention_call;
 
 /* A thread's buffers: queries in float32, scores, converted keys, and in tile mode its own partials. */
 typedef struct {
     float *work, *qbuf, *scores, *kf, *mine, *lanes;
-    uint16_t *stage; /* an int8 cache: one partition's keys and values widened to bfloat16 */
+    uint16_t *stage; /* an int8 or fp8 cache: one partition's keys and values widened to bfloat16 */
     int64_t *identity; /* the staged partition's block table: slot t is key t */
     const float **qf;
     const uint16_t **qb; /* the rows' stored queries, where the scores are pair dot products */
@@ -662,7 +662,7 @@ typedef struct {
  * context. */
 static int attention_sizes(attention_call *a) {
     if (a->head_dim > MAX_HEAD_DIM || a->num_heads % a->num_kv_heads != 0 || a->block_size < 1 ||
-        PARTITION % a->block_size != 0 || (a->kv_int8 && a->head_dim % SS_KV_INT8_GROUP != 0))
+        PARTITION % a->block_size != 0 || (a->kv_packed && a->head_dim % SS_KV_INT8_GROUP != 0))
         return -1;
     int64_t max_len = 0;
     for (int r = 0; r < a->num_rows; r++) {
@@ -682,7 +682,7 @@ static int attention_sizes(attention_call *a) {
     return 0;
 }
 
-/* The calling thread's stage for an int8 cache's partitions (run_partition), kept from call to call: allocated
+/* The calling thread's stage for an int8 or fp8 cache's partitions (run_partition), kept from call to call: allocated
  * afresh each call, its ~200 KB came from mmap and faulted its pages in every time (one stream decoded 15% slower
  * than with a bfloat16 cache on a Zen 4 VM). NULL for no memory. */
 static __thread uint16_t *thread_stage;
@@ -694,6 +694,17 @@ static uint16_t *stage_buffer(size_t len) {
         thread_stage_len = thread_stage != NULL ? len : 0;
     }
     return thread_stage;
+}
+
+/* E4M3 code c as bfloat16 bits (common.h), for kv_fp8_row_to_bf16. */
+static __thread uint16_t thread_e4m3[256];
+static __thread int thread_e4m3_set;
+static const uint16_t *e4m3_table(void) {
+    if (!thread_e4m3_set) {
+        for (int c = 0; c < 256; c++) thread_e4m3[c] = e4m3_to_bf16_bits((uint8_t)c);
+        thread_e4m3_set = 1;
+    }
+    return thread_e4m3;
 }
 
 /* identity[i] = i: the staged partition's block table (slot t is key t). */
@@ -723,7 +734,7 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
     t.mine = t.ok ? t.kf + (size_t)KG * a->head_dim : NULL;
     t.lanes = NULL;
     t.stage = NULL, t.identity = NULL;
-    if (a->kv_int8) {
+    if (a->kv_packed) {
         t.stage = stage_buffer(2 * PARTITION * (size_t)a->num_kv_heads * (size_t)a->head_dim);
         t.identity = identity_table();
         t.ok = t.ok && t.stage != NULL;
@@ -738,24 +749,30 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
 }
 
 /* One partition of job's rows: in tile mode with the rows as the vector lanes where the thread has their buffer
- * (the same bits). An int8 cache's partition is first widened to bfloat16 (exactly: common.h), its keys and values
+ * (the same bits). An int8 or fp8 cache's partition is first widened to bfloat16 (exactly: common.h), its keys and values
  * one after another in the thread's stage, and the bfloat16 code runs on that, through a table that maps key t of
  * the partition to staged slot t: the same arithmetic as a bfloat16 cache holding those values, in either mode. */
 static void run_partition(const attention_call *a, thread_work *t, ss_partition *job, int lanes) {
     const void *k_cache = a->k_cache, *v_cache = a->v_cache;
     ss_partition staged;
-    if (a->kv_int8) {
+    if (a->kv_packed) {
         int64_t most = 0, slots[PARTITION];
         for (int i = 0; i < job->count; i++) most = job->n[i] > most ? job->n[i] : most;
         partition_slots(job, most, slots);
         const int hd = a->head_dim;
         const int64_t row = (int64_t)a->num_kv_heads * hd, slot_bytes = a->num_kv_heads * kv_int8_row_bytes(hd);
         uint16_t *sk = t->stage, *sv = sk + PARTITION * row;
+        const uint16_t *e4m3 = a->kv_packed == SS_FP8 ? e4m3_table() : NULL;
         for (int64_t k = 0; k < most; k++)
             for (int kvh = job->kv0; kvh < job->kv1; kvh++) {
                 const int64_t at = slots[k] * slot_bytes + kvh * kv_int8_row_bytes(hd);
-                kv_int8_row_to_bf16((const int8_t *)a->k_cache + at, hd, sk + k * row + kvh * hd);
-                kv_int8_row_to_bf16((const int8_t *)a->v_cache + at, hd, sv + k * row + kvh * hd);
+                if (e4m3 != NULL) {
+                    kv_fp8_row_to_bf16((const uint8_t *)a->k_cache + at, hd, e4m3, sk + k * row + kvh * hd);
+                    kv_fp8_row_to_bf16((const uint8_t *)a->v_cache + at, hd, e4m3, sv + k * row + kvh * hd);
+                } else {
+                    kv_int8_row_to_bf16((const int8_t *)a->k_cache + at, hd, sk + k * row + kvh * hd);
+                    kv_int8_row_to_bf16((const int8_t *)a->v_cache + at, hd, sv + k * row + kvh * hd);
+                }
             }
         staged = *job;
         staged.table = t->identity, staged.begin = 0; /* slot identity[t / bs] * bs + t % bs = t */
@@ -890,13 +907,13 @@ static int paged_attention(const attention_call *a, int num_threads) {
     return failed ? -1 : 0;
 }
 
-/* One call of an entry point below: q and out stored as dtype, the cache as dtype or (kv_int8) common.h's int8. */
+/* One call of an entry point below: q and out stored as dtype, the cache as dtype or (kv_packed) in that format. */
 static int attention_entry(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            void *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, int num_threads, int dtype, int kv_int8) {
+                           float scale, int num_threads, int dtype, int kv_packed) {
     attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, dtype,
-                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0, kv_int8};
+                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0, kv_packed};
     return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
 }
 
@@ -917,20 +934,28 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
                            num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, 0);
 }
 
-/* The same over a cache in common.h's int8 format ([num_slots, num_kv_heads, head_dim + head_dim / 16] bytes),
- * with bfloat16 q and out: the bfloat16 arithmetic over the widened values (run_partition), never the AMX tiles. */
-int ss_paged_attention_int8(const uint16_t *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
-                            uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int num_threads) {
+/* The same over a cache in one of common.h's packed formats (format: SS_INT8 or SS_FP8; [num_slots, num_kv_heads,
+ * head_dim + head_dim / 16] bytes), with bfloat16 q and out: the bfloat16 arithmetic over the widened values
+ * (run_partition), never the AMX tiles. -1 for another format. */
+int ss_paged_attention_packed(const uint16_t *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                              const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                              uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim,
+                              int block_size, float scale, int num_threads, int format) {
+    if (format != SS_INT8 && format != SS_FP8) return -1;
     return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, 1);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, format);
 }
 
-/* rows x [num_rows, head_dim] float32 to common.h's int8 format, row r at out + r * (head_dim + head_dim / 16). */
-void ss_quantize_kv_int8(const float *x, int64_t num_rows, int head_dim, int8_t *out) {
-    for (int64_t r = 0; r < num_rows; r++)
-        kv_int8_store_row(x + r * head_dim, head_dim, out + r * kv_int8_row_bytes(head_dim));
+/* rows x [num_rows, head_dim] float32 to common.h's packed format (SS_INT8 or SS_FP8), row r at
+ * out + r * (head_dim + head_dim / 16). */
+void ss_quantize_kv(const float *x, int64_t num_rows, int head_dim, int format, void *out) {
+    for (int64_t r = 0; r < num_rows; r++) {
+        uint8_t *row = (uint8_t *)out + r * kv_int8_row_bytes(head_dim);
+        if (format == SS_FP8)
+            kv_fp8_store_row(x + r * head_dim, head_dim, row);
+        else
+            kv_int8_store_row(x + r * head_dim, head_dim, (int8_t *)row);
+    }
 }
 
 int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,

@@ -16,7 +16,7 @@
  *
  * The matmuls read the GGUF's quantized blocks; the residual stream, norms and rotary are float32; the KV
  * cache is float32 or bfloat16 with attention.py's layout (q and the attention output are rounded to it too),
- * or common.h's int8 format (q and the attention output bfloat16). Every row's K/V is written before any row's
+ * or common.h's int8 or fp8 format (q and the attention output bfloat16). Every row's K/V is written before any row's
  * attention reads the cache, so a chunk's own keys are read back in the stored format, as a later step reads them.
  */
 #include <stdlib.h>
@@ -91,10 +91,11 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         return -1;
     }
     float *wide = h + b * hd, *act = wide + b * widest, *delta = act + b * inter;
-    const int int8 = m->kv_dtype == SS_INT8, qdt = int8 ? SS_BF16 : m->kv_dtype; /* q's and the output's dtype */
+    const int packed = m->kv_dtype == SS_INT8 || m->kv_dtype == SS_FP8;
+    const int qdt = packed ? SS_BF16 : m->kv_dtype; /* q's and the attention output's dtype */
     const size_t elem = qdt == SS_BF16 ? 2 : 4;
     const int64_t cache_row = nkv, row_bytes = kv_int8_row_bytes(m->head_dim);
-    const int64_t slot_bytes = int8 ? m->num_kv_heads * row_bytes : nkv * (int64_t)elem;
+    const int64_t slot_bytes = packed ? m->num_kv_heads * row_bytes : nkv * (int64_t)elem;
     const size_t layer_bytes = (size_t)(m->num_slots * slot_bytes);
     int status = 0;
     for (int l = 0; l < m->num_layers && status == 0; l++) {
@@ -108,11 +109,11 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
         for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to its dtype for attention */
             const float *row = wide + t * nqkv;
-            if (int8) {
+            if (packed) {
                 for (int h = 0; h < m->num_kv_heads; h++) {
                     const int64_t at = slots[t] * slot_bytes + h * row_bytes;
-                    kv_int8_store_row(row + nq + h * m->head_dim, m->head_dim, (int8_t *)k_cache + at);
-                    kv_int8_store_row(row + nq + nkv + h * m->head_dim, m->head_dim, (int8_t *)v_cache + at);
+                    ss_quantize_kv(row + nq + h * m->head_dim, 1, m->head_dim, m->kv_dtype, k_cache + at);
+                    ss_quantize_kv(row + nq + nkv + h * m->head_dim, 1, m->head_dim, m->kv_dtype, v_cache + at);
                 }
             } else {
                 for (int64_t i = 0; i < nkv; i++) {
@@ -123,10 +124,10 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
             for (int64_t i = 0; i < nq; i++) store_elem(q_cache, qdt, t * nq + i, row[i]);
         }
         void *attn_out = (uint8_t *)q_cache + (size_t)(b * nq) * elem;
-        if (int8)
-            status |= ss_paged_attention_int8(q_cache, nq, (const int8_t *)k_cache, (const int8_t *)v_cache, tables,
-                                              max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
-                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
+        if (packed)
+            status |= ss_paged_attention_packed(q_cache, nq, k_cache, v_cache, tables, max_blocks, row_seq, lens,
+                                                attn_out, num_rows, m->num_heads, m->num_kv_heads, m->head_dim,
+                                                m->block_size, m->scale, num_threads, m->kv_dtype);
         else if (m->kv_dtype == SS_BF16)
             status |= ss_paged_attention_bf16(q_cache, nq, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables,
                                               max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,

@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define SS_ABI_VERSION 4
+#define SS_ABI_VERSION 5
 
 /* One decoder layer of ss_forward_step: float32 norm weights and repacked matmul weights (quant_matmul.c), and
  * what some architectures add (NULL where a layer has none): float32 biases of the fused q/k/v and of the output
@@ -41,9 +41,9 @@ typedef struct {
     int64_t max_positions;
     const float *final_norm;
     const ss_layer *layers;
-    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] (int8: head_dim + head_dim / 16 bytes, common.h) */
+    void *kv;          /* [layers, 2, slots, kv_heads, head_dim] (int8, fp8: head_dim + head_dim / 16 bytes, common.h) */
     int64_t num_slots; /* slots per layer */
-    int32_t kv_dtype;  /* SS_F32, SS_BF16 or SS_INT8 */
+    int32_t kv_dtype;  /* SS_F32, SS_BF16, SS_INT8 or SS_FP8 */
     int32_t block_size;
 } ss_model;
 
@@ -62,11 +62,11 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
                             const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
                             float scale, int num_threads);
-int ss_paged_attention_int8(const uint16_t *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
-                            uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int num_threads);
-void ss_quantize_kv_int8(const float *x, int64_t num_rows, int head_dim, int8_t *out);
+int ss_paged_attention_packed(const uint16_t *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                              const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
+                              uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim,
+                              int block_size, float scale, int num_threads, int format);
+void ss_quantize_kv(const float *x, int64_t num_rows, int head_dim, int format, void *out);
 int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,

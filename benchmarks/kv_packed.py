@@ -1,18 +1,19 @@
-"""The int8 KV cache (``--kv-cache-dtype int8``) against the model's own dtype, one run, SmolLM2-135M-Instruct with
-a worker's defaults (the GGUF's blocks through the native forward step, bfloat16 where the CPU has it):
+"""The packed KV caches (``--kv-cache-dtype int8`` and ``fp8``) against the model's own dtype, one run,
+SmolLM2-135M-Instruct with a worker's defaults (the GGUF's blocks through the native forward step, bfloat16 where
+the CPU has it):
 
 - **bytes**: KV bytes per token, and the record of a 2,500-token prompt;
 - **PD push**: that record pushed to a real receiver over loopback (``pd.sender.push``, open), each format in
   turn, median of ``--repeats``;
-- **greedy agreement**: 20 chat prompts (``bf16_agreement.py``'s) x ``--steps`` greedy tokens in one batch, int8 KV
-  against the default cache; beside it, the default cache against a float32 one (``ModelRunner(kv_dtype=...)``),
-  the spread that a cache's rounding alone already causes;
+- **greedy agreement**: 20 chat prompts (``bf16_agreement.py``'s) x ``--steps`` greedy tokens in one batch, each
+  packed format against the default cache; beside it, the default cache against a float32 one
+  (``ModelRunner(kv_dtype=...)``), the spread that a cache's rounding alone already causes;
 - **engine speed**: one stream and 16 streams decoding (tokens per second of the decode steps), and a cold
   2,500-token prefill, each format in turn, medians.
 
-    .venv/bin/python benchmarks/kv_int8.py [--steps 128] [--repeats 5] [--skip-agreement]
+    .venv/bin/python benchmarks/kv_packed.py [--steps 128] [--repeats 5] [--skip-agreement]
 
-Results go to ``benchmarks/results/kv_int8.json``.
+Results go to ``benchmarks/results/kv_packed.json``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver
 from splitserve.pd.sender import push
 
-FORMATS = ("auto", "int8")
+FORMATS = ("auto", "int8", "fp8")
 LONG = 2500
 
 
@@ -65,7 +66,7 @@ def answers(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[lis
 
 def agreement(model: DecoderForCausalLM, prompts: list[list[int]], steps: int) -> dict[str, Any]:
     default = answers(make_engine(model, "auto"), prompts, steps)
-    int8 = answers(make_engine(model, "int8"), prompts, steps)
+    packed = {name: answers(make_engine(model, name), prompts, steps) for name in FORMATS[1:]}
     original = model_runner.ModelRunner.__init__
 
     def float32_cache(self: model_runner.ModelRunner, *args: Any, **kwargs: Any) -> None:
@@ -76,11 +77,11 @@ def agreement(model: DecoderForCausalLM, prompts: list[list[int]], steps: int) -
         float32 = answers(make_engine(model, "auto"), prompts, steps)
     finally:
         model_runner.ModelRunner.__init__ = original  # type: ignore[method-assign]
-    return {
-        "int8_vs_default": asdict(compare("int8 vs default", int8, default)),
-        "default_vs_float32": asdict(compare("default vs float32", default, float32)),
-        "first_divergence_int8": [first_divergence(x, y) for x, y in zip(int8, default, strict=True)],
-    }
+    result = {"default_vs_float32": asdict(compare("default vs float32", default, float32))}
+    for name, tokens in packed.items():
+        result[f"{name}_vs_default"] = asdict(compare(f"{name} vs default", tokens, default))
+        result[f"first_divergence_{name}"] = [first_divergence(x, y) for x, y in zip(tokens, default, strict=True)]
+    return result
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -168,7 +169,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-agreement", action="store_true")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_int8.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_packed.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = smollm2_defaults()
@@ -186,7 +187,7 @@ def main() -> None:
         s = results["speed"][dtype]
         print(f"{dtype}: one stream {s['one_stream']:.1f} tok/s, 16 streams {s['c16']:.1f} tok/s, "
               f"cold {LONG} {s['cold_2500_s'] * 1000:.0f} ms")  # fmt: skip
-    write_result(args.out, "kv_int8", args, results)
+    write_result(args.out, "kv_packed", args, results)
 
 
 if __name__ == "__main__":
