@@ -112,12 +112,11 @@ def test_seeded_sampling_is_the_same_cold_cached_beside_others_and_resumed(real:
     assert cold != greedy  # it did sample
 
 
-@pytest.mark.parametrize("packed", [KVCacheDtype.INT8, KVCacheDtype.FP8], ids=["int8", "fp8"])
-def test_a_packed_kv_cache_answers_the_same_cold_cached_chunked_beside_others_and_resumed(
-    real: Real, packed: KVCacheDtype
-) -> None:
-    """``--kv-cache-dtype int8`` and ``fp8``: every path reads the same stored bytes, so the answers agree with each
-    other (not with the bfloat16 cache's: ``benchmarks/kv_int8.py`` measures how far they agree)."""
+def test_an_int8_kv_cache_answers_the_same_cold_cached_chunked_beside_others_and_resumed(real: Real) -> None:
+    """``--kv-cache-dtype int8``: every path reads the same stored bytes, so the answers agree with each other (not
+    with the bfloat16 cache's: ``benchmarks/kv_packed.py`` measures how far they agree). fp8 rows differ from int8's
+    in the widening only: ``test_batch_invariance.py`` and ``test_kv_packed.py`` run them through the forward step."""
+    packed = KVCacheDtype.INT8
     cold = {name: answer(engine(real, kv_cache_dtype=packed), prompt) for name, prompt in real.prompts.items()}
     assert "Paris" in real.tokenizer.decode(cold["france"])
     eng = engine(real, kv_cache_dtype=packed)
