@@ -214,6 +214,25 @@ static inline uint8_t f32_to_e4m3(float y) {
     return sign | (uint8_t)(((exponent + 7) << 3) | mantissa);
 }
 
+#if defined(SS_AVX512)
+/* f32_to_e4m3 for 16 values: below 2^-6, rint(|y| 2^9) is the code (the default rounding: ties to even); above,
+ * the float's bits rounded to three mantissa bits, ties to even (add 0x7ffff and the kept last bit, then drop 20
+ * bits; a carry moves into the exponent), rebiased from 127 to 7. */
+static inline __m128i e4m3_of_16(__m512 y) {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(448.f));
+    const __m512i ab = _mm512_castps_si512(a);
+    const __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.f)));
+    const __m512i rounded = _mm512_add_epi32(
+        ab, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff), _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1))));
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32((127 - 7) << 3));
+    __m512i code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), normal, sub);
+    code = _mm512_or_si512(code, _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32((int)0x80000000u)), 24));
+    code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), code); /* NaN: 0 */
+    return _mm512_cvtepi32_epi8(code);
+}
+#endif
+
 static inline void kv_fp8_store_row(const float *x, int head_dim, uint8_t *dst) {
     for (int g = 0; g < head_dim / SS_KV_INT8_GROUP; g++) {
         const float *xg = x + g * SS_KV_INT8_GROUP;
@@ -227,7 +246,11 @@ static inline void kv_fp8_store_row(const float *x, int head_dim, uint8_t *dst) 
             e = e < SS_KV_FP8_MIN_EXPONENT ? SS_KV_FP8_MIN_EXPONENT : e > SS_KV_FP8_MAX_EXPONENT ? SS_KV_FP8_MAX_EXPONENT : e;
         }
         const float inverse = ldexpf(1.f, -e);
+#if defined(SS_AVX512)
+        _mm_storeu_si128((__m128i *)(dst + g * SS_KV_INT8_GROUP), e4m3_of_16(_mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse))));
+#else
         for (int d = 0; d < SS_KV_INT8_GROUP; d++) dst[g * SS_KV_INT8_GROUP + d] = f32_to_e4m3(xg[d] * inverse);
+#endif
         dst[head_dim + g] = (uint8_t)(int8_t)e;
     }
 }
@@ -244,7 +267,26 @@ static inline uint16_t e4m3_to_bf16_bits(uint8_t c) {
 
 static inline void kv_fp8_row_to_bf16(const uint8_t *src, int head_dim, const uint16_t *table, uint16_t *dst) {
     const int8_t *e = (const int8_t *)src + head_dim;
-    for (int d = 0; d < head_dim; d++) {
+    int d = 0;
+#if defined(SS_AVX512)
+    /* 32 codes at a time: the table's 128 magnitudes from four registers (vpermi2w picks among 64), the sign
+     * bit, then each group's exponent added to the nonzero values' exponent fields */
+    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
+    const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
+    const __m512i low7 = _mm512_set1_epi16(0x7f), bit6 = _mm512_set1_epi16(0x40), magnitude = _mm512_set1_epi16(0x7fff);
+    for (; d + 32 <= head_dim; d += 32) {
+        const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + d)));
+        const __m512i idx = _mm512_and_si512(c, low7);
+        const __m512i lo = _mm512_permutex2var_epi16(t0, idx, t1), hi = _mm512_permutex2var_epi16(t2, idx, t3);
+        __m512i b = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(idx, bit6), lo, hi);
+        b = _mm512_or_si512(b, _mm512_slli_epi16(_mm512_andnot_si512(low7, c), 8)); /* the sign: bit 7 to bit 15 */
+        const __m512i add = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(e[d / SS_KV_INT8_GROUP] * 128))),
+                                               _mm256_set1_epi16((short)(e[d / SS_KV_INT8_GROUP + 1] * 128)), 1);
+        b = _mm512_mask_add_epi16(b, _mm512_test_epi16_mask(b, magnitude), b, add);
+        _mm512_storeu_si512(dst + d, b);
+    }
+#endif
+    for (; d < head_dim; d++) {
         const uint16_t b = table[src[d]];
         dst[d] = (b & 0x7fffu) != 0 ? (uint16_t)((int)b + e[d / SS_KV_INT8_GROUP] * 128) : b;
     }
