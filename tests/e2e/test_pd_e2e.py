@@ -45,9 +45,9 @@ class Endpoint:
         def worker(name: str, *args: str) -> WorkerProcess:
             return WorkerProcess(log_dir / f"{name}.log", [*COMMON, *args])
 
-        self.prefill = worker(
-            "prefill", "--role", "prefill", "--kv-cache-memory", "640MiB", "--kv-transfer-timeout", "1"
-        )
+        # no step-time target: prompts that arrive together are computed in the same steps and pushed together
+        self.prefill = worker("prefill", "--role", "prefill", "--kv-cache-memory", "640MiB", "--kv-transfer-timeout",
+                              "1", "--step-time-target", "0", "--max-num-batched-tokens", "8192")  # fmt: skip
         self.decode = worker("decode-1", "--role", "decode", "--kv-cache-memory", "640MiB")
         self.tiny = worker("decode-2-tiny-buffer", "--role", "decode", "--kv-cache-memory", "640MiB",
                            "--pd-buffer-size", "20MB")  # fmt: skip
@@ -127,18 +127,33 @@ def test_streaming_through_prefill_sends_the_first_token_then_the_rest(endpoint:
     assert streamed_text(endpoint.router.url, prompt, 20) == text_of(endpoint.colocated.complete(prompt, 20))
 
 
-def test_logprobs_through_prefill_equal_the_colocated_ones_and_n_stays_on_decode(endpoint: Endpoint) -> None:
+def test_logprobs_and_n_through_prefill_equal_the_colocated_ones(endpoint: Endpoint) -> None:
     prompt = FOX * 40 + "And then"
     reference = endpoint.colocated.complete(prompt, 24, logprobs=3).json()["choices"][0]["logprobs"]
     before = endpoint.router.metric(PD_DECISIONS, path="disaggregated")
     answer = endpoint.router.complete(prompt, 24, logprobs=3).json()["choices"][0]["logprobs"]
     assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") == before + 1
-    assert answer["tokens"] == reference["tokens"]  # the first one sampled on the prefill worker
-    assert all(abs(a - b) < 1e-5 for a, b in zip(answer["token_logprobs"], reference["token_logprobs"], strict=True))
-    choices = endpoint.router.complete(prompt, 24, n=2).json()["choices"]
-    assert [c["text"] for c in choices] == ["".join(reference["tokens"])] * 2  # greedy: both the same
-    assert "not disaggregated, n=2" in endpoint.router.logs()
-    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") == before + 1
+    assert answer == reference
+    seeded = {"n": 3, "temperature": 0.8, "seed": 3}  # each sequence draws its own first token on D
+    choices = endpoint.router.complete(prompt, 24, **seeded).json()["choices"]
+    expected = endpoint.colocated.complete(prompt, 24, **seeded).json()["choices"]
+    assert [c["text"] for c in choices] == [c["text"] for c in expected] and len({c["text"] for c in choices}) == 3
+    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") == before + 2
+
+
+def test_a_stream_through_prefill_carries_the_first_tokens_logprobs_in_its_first_chunk(endpoint: Endpoint) -> None:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": FOX * 40 + "What next?"}],
+            "max_tokens": 30, "temperature": 0, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    reference = httpx.post(f"{endpoint.colocated.url}/v1/chat/completions", json=body, timeout=180).json()
+    chunks = []
+    with httpx.stream("POST", f"{endpoint.router.url}/v1/chat/completions", json=body | {"stream": True},
+                      timeout=180) as response:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert choices[0]["delta"]["content"] and len(choices[0]["logprobs"]["content"]) == 1  # P's token, with its own
+    streamed = [entry for c in choices if c.get("logprobs") for entry in c["logprobs"]["content"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == reference["choices"][0]["message"]["content"]
+    assert streamed == reference["choices"][0]["logprobs"]["content"]
 
 
 def test_structured_outputs_and_tool_calls_through_the_router_direct_and_disaggregated(endpoint: Endpoint) -> None:
@@ -151,9 +166,10 @@ def test_structured_outputs_and_tool_calls_through_the_router_direct_and_disaggr
     weather = FOX * 40 + "What is the weather in Oslo?"
     assert tool_round_trip(client, weather) == tool_round_trip(colocated, weather)  # the call on D after P's token
     assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") >= before + 3
-    streamed = streamed_tool_calls(client, weather)  # a streamed answer with tools stays on one worker
+    before = endpoint.router.metric(PD_DECISIONS, path="disaggregated")
+    streamed = streamed_tool_calls(client, weather)  # D draws the first token and streams the whole answer
     assert streamed == streamed_tool_calls(colocated, weather) and streamed[1] == "tool_calls"
-    assert "not disaggregated, a streamed answer with tools" in endpoint.router.logs()
+    assert endpoint.router.metric(PD_DECISIONS, path="disaggregated") == before + 1
 
 
 def test_the_reference_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) -> None:
@@ -165,9 +181,10 @@ def test_the_reference_request_of_600_sentences_is_disaggregated(endpoint: Endpo
 def test_concurrent_long_prompts_on_a_tiny_buffer_degrade_to_recompute(endpoint: Endpoint) -> None:
     # ~14 MB of KV each (300 tokens in float32, 600 in bfloat16: the workers run the default dtype), half of
     # them to the 20 MB buffer: enough at once that pushes overlap even when the decoder frees each
-    # reservation within milliseconds
+    # reservation within milliseconds. Each its own from the first token, so that the prefill worker computes
+    # them in the same steps (prompts sharing a prefix wait for the first's blocks, and their pushes spread out)
     repeats = 60 if "dtype torch.bfloat16" in endpoint.tiny.logs() else 30
-    prompts = [FOX * repeats + f"Story {i}:" for i in range(12)]
+    prompts = [f"Story {i}: " + FOX * repeats for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(lambda p: endpoint.router.complete(p, 8), prompts))
     assert [a.status_code for a in answers] == [200] * 12

@@ -5,6 +5,7 @@ engine's, also when the push fails, the buffer is too small, or the KV belongs t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -23,6 +24,7 @@ from splitserve.engine.engine import LLMEngine, kv_cache_layout
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvcache import serde
 from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.model.kernels import native
 from splitserve.pd import receiver as receiver_module
 from splitserve.pd.buffer import PDBuffer
 from splitserve.pd.receiver import KVReceiver, PDReceiverConnector
@@ -31,6 +33,7 @@ from splitserve.pd.wire import parse_addr, payload_mac, recv_msg, send_msg
 from splitserve.protocol.kv_transfer import KVTransferParams, KVTransferResult
 from tests.support.engine import random_prompts, run_to_completion, tokens_of
 from tests.support.faults import FaultProxy
+from tests.support.quant import quantize_model
 from tests.support.waiting import wait_until
 
 BLOCK = 16
@@ -105,6 +108,46 @@ def test_transferred_kv_is_bit_identical_and_decode_matches_colocated(
     retrieved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Retrieved")]
     assert retrieved and retrieved[0].startswith(f"Retrieved {len(PROMPT) - 1} out of {len(PROMPT) - 1} required")
     assert decoder.get_stats().prefix_cache_hits == 0 and receiver.buffer.stats().used_bytes == 0
+
+
+def test_n_sequences_load_one_push_once_and_each_draws_what_it_draws_colocated(tiny_model: DecoderForCausalLM) -> None:
+    """A request for n sequences on the decode side (no forced first token: each draws its own): the first loads
+    the pushed prompt, the others wait one step and start from it in the prefix cache; every sequence's tokens
+    and logprobs are the colocated ones, to the bit (a quantized model, whose every path computes the same bits;
+    each engine its own copy, as the model holds the cache it is bound to)."""
+    kernels = native()
+    assert kernels is not None
+    model = quantize_model(tiny_model, kernels, 3)  # Q4_1
+    layout = kv_cache_layout(model, BLOCK)
+    buffer = PDBuffer(64 << 20)
+    receiver = KVReceiver(buffer, layout)
+    receiver.start()
+    try:
+        decoder = engine_with(copy.deepcopy(model), PDReceiverConnector(buffer, layout))
+        _, result, _ = prefill(copy.deepcopy(model), layout, receiver.addr, "t-n")
+        assert result.ok
+        sampled = SamplingParams(max_tokens=12, temperature=0.9, logprobs=2)
+        colocated = engine_with(copy.deepcopy(model), None)
+        transfer = KVTransferParams("t-n")
+        for i in range(3):
+            colocated.add_request(f"s{i}", PROMPT, dataclasses.replace(sampled, seed=5 + i))
+            decoder.add_request(f"s{i}", PROMPT, dataclasses.replace(sampled, seed=5 + i, kv_transfer=transfer))
+        expected, got = _drain(colocated), _drain(decoder)
+    finally:
+        receiver.close()
+    assert got == expected and len({tuple(t for t, _ in seq) for seq in got.values()}) == 3
+    stats = decoder.get_stats()
+    assert stats.cached_tokens_by_source == {"engine": 2 * (len(PROMPT) - 1), "pd": len(PROMPT) - 1}
+    assert decoder.iteration_tokens.total == 1 + 2 * 1 + 3 * 11  # the last prompt token of each, then decodes
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[tuple[int, float]]]:
+    """Step until done: each request's (token, logprob) pairs."""
+    drawn: dict[str, list[tuple[int, float]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            drawn.setdefault(out.request_id, []).extend((e.token_id, e.logprob) for e in out.new_logprobs or ())
+    return drawn
 
 
 def test_a_failed_push_means_decode_recomputes_the_same_output(

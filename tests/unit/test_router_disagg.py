@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from splitserve.cli import app
-from splitserve.config import PDDecision, RouterConfig
+from splitserve.config import BackendKind, PDDecision, RouterConfig
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.build import build_router
 from splitserve.router.cost import PRIOR_S_PER_TOKEN
@@ -136,7 +136,7 @@ class TestTheCostRule:
         assert [url for url, _ in transport.sent] == [f"{P}/v1/completions", f"{D}/v1/completions"]
         prefill_body, decode_body = transport.sent[0][1], transport.sent[1][1]
         assert prefill_body["max_tokens"] == 1 and "decode_kv_addr" in prefill_body["kv_transfer_params"]
-        assert decode_body["kv_transfer_params"]["first_token_id"] == FIRST_TOKEN
+        assert decode_body["kv_transfer_params"]["first_token_id"] is None  # a whole answer: D draws its own
         assert paths(router) == {"direct": 0, "disaggregated": 1, "fallback": 0}
         assert routing_lines(caplog) == [
             "Conditional routing: estimated_tokens=300, threshold=256, disaggregate=True, remote_ms=307.5, "
@@ -218,10 +218,9 @@ class TestTheThresholdRule:
         ]
 
     @pytest.mark.parametrize(
-        "extra", [{"n": 2}, {"best_of": 3}, {"prompt_logprobs": 0}, {"echo": True, "logprobs": 1}],
-        ids=["n", "best-of", "prompt-logprobs", "echo-logprobs"],
-    )  # fmt: skip
-    def test_several_sequences_or_the_prompts_logprobs_stay_on_the_decoder(
+        "extra", [{"prompt_logprobs": 0}, {"echo": True, "logprobs": 1}], ids=["prompt-logprobs", "echo-logprobs"]
+    )
+    def test_the_prompts_logprobs_stay_on_the_decoder(
         self, stack: list[TestClient], caplog: pytest.LogCaptureFixture, extra: dict[str, Any]
     ) -> None:
         transport = PDTransport({P: [], D: [decode_answer()]})
@@ -232,12 +231,88 @@ class TestTheThresholdRule:
         assert paths(router) == {"direct": 1, "disaggregated": 0, "fallback": 0}
         assert routing_lines(caplog)[0].startswith("Conditional routing: not disaggregated, ")
 
-    def test_a_streamed_answer_with_tools_stays_and_a_constrained_one_may_go(self) -> None:
+    @pytest.mark.parametrize("extra", [{"n": 2}, {"best_of": 3, "n": 1}], ids=["n", "best-of"])
+    def test_several_sequences_are_prefilled_once_and_each_draws_its_first_token_on_the_decoder(
+        self, stack: list[TestClient], extra: dict[str, Any]
+    ) -> None:
+        transport = PDTransport({P: [prefill_answer(LONG, 7.5)], D: [decode_answer()]})
+        router, client = start(stack, transport, PDDecision.THRESHOLD)
+        complete(client, LONG, **extra)
+        assert [url for url, _ in transport.sent] == [f"{P}/v1/completions", f"{D}/v1/completions"]
+        prefill_body, decode_body = transport.sent[0][1], transport.sent[1][1]
+        assert "n" not in prefill_body and "best_of" not in prefill_body and prefill_body["max_tokens"] == 1
+        assert decode_body | extra == decode_body and decode_body["kv_transfer_params"]["first_token_id"] is None
+        assert paths(router) == {"direct": 0, "disaggregated": 1, "fallback": 0}
+        assert kept_colocated(extra, BackendKind.VLLM) is not None  # a vLLM decode worker loads it for one
+
+    @pytest.mark.parametrize(
+        "extra", [{"tools": [{"type": "function", "function": {"name": "f"}}]}, {"n": 2}, {}],
+        ids=["tools", "n", "reasoning"],
+    )  # fmt: skip
+    def test_a_stream_whose_first_token_is_not_plain_text_is_all_the_decoders(
+        self, stack: list[TestClient], extra: dict[str, Any]
+    ) -> None:
+        """Tools, several sequences, or a first token P's parser read as reasoning: D draws the first token and
+        streams everything (P's token would be streamed as content, or as every sequence's)."""
+        first = {"content": "H"} if extra else {"content": None, "reasoning_content": "Hm"}
+        stream = sse(chat_chunk({"content": "Hey"}, [101]), chat_chunk({}, [121], "length"), "[DONE]")
+        transport = PDTransport({P: [chat_prefill_answer(first)], D: [FakeUpstream(200, list(stream))]})
+        start(stack, transport, PDDecision.THRESHOLD)
+        answer = chat(stack[-1], stream=True, **extra)
+        decode_body = transport.sent[1][1]
+        assert decode_body["kv_transfer_params"]["first_token_id"] is None and decode_body["stream"] is True
+        assert "".join(chat_texts(answer.text)) == "Hey"
+
+    def test_a_plain_stream_gets_its_first_token_and_its_logprobs_from_the_prefill_answer(
+        self, stack: list[TestClient]
+    ) -> None:
+        logprobs = {"content": [{"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": []}]}
+        stream = sse(chat_chunk({"content": "ey"}, [101]), chat_chunk({}, [121], "length"), "[DONE]")
+        transport = PDTransport({P: [chat_prefill_answer({"content": "H"}, logprobs)],
+                                 D: [FakeUpstream(200, list(stream))]})  # fmt: skip
+        start(stack, transport, PDDecision.THRESHOLD, stream_migration=False)
+        answer = chat(stack[-1], stream=True, logprobs=True)
+        prefill_body, decode_body = transport.sent[0][1], transport.sent[1][1]
+        assert prefill_body["logprobs"] is True and prefill_body["stream"] is False
+        assert decode_body["kv_transfer_params"] | {"transfer_id": "t"} == {
+            "transfer_id": "t", "first_token_id": FIRST_TOKEN, "skip_first_token": True}  # fmt: skip
+        first = json.loads(answer.text.splitlines()[0][6:])["choices"][0]
+        assert first["delta"] == {"role": "assistant", "content": "H"} and first["logprobs"] == logprobs
+        assert "".join(chat_texts(answer.text)) == "Hey"
+
+    def test_which_requests_stay_whatever_their_length(self) -> None:
         tools = [{"type": "function", "function": {"name": "f"}}]
-        assert kept_colocated({"stream": True, "tools": tools}) is not None
-        assert kept_colocated({"stream": True, "tools": tools, "tool_choice": "none"}) is None
-        assert kept_colocated({"tools": tools}) is None  # whole: read on D from the whole output
+        assert kept_colocated({"stream": True, "tools": tools}) is None  # D reads the calls from the whole output
+        assert kept_colocated({"n": 4, "stream": True}) is None
         assert kept_colocated({"stream": True, "response_format": {"type": "json_object"}}) is None
+        assert kept_colocated({"prompt_logprobs": 1}) is not None
+
+
+def chat_prefill_answer(message: dict[str, Any], logprobs: dict[str, Any] | None = None) -> FakeUpstream:
+    """P's chat answer: ``message`` (its first token, as P's parsers read it), and a successful push."""
+    report = {"transfer_id": "x", "ok": True, "num_tokens": LONG, "num_bytes": LONG * 23_040, "transfer_ms": 7.5,
+              "reason": "", "first_token_id": FIRST_TOKEN}  # fmt: skip
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "logprobs": logprobs, "finish_reason": "length"}
+    body = {"id": "chatcmpl-p", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice],
+            "kv_transfer_params": report}  # fmt: skip
+    return FakeUpstream(200, [json.dumps(body).encode()], content_type="application/json")
+
+
+def chat_chunk(delta: dict[str, Any], ids: list[int], finish: str | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": ids}
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
+
+
+def chat(client: TestClient, **extra: Any) -> Any:
+    messages = [{"role": "user", "content": "word " * LONG}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, **extra})
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+def chat_texts(stream: str) -> list[str]:
+    events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    return [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
 
 
 class TestTheSetting:

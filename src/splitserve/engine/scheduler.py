@@ -305,6 +305,7 @@ class Scheduler:
                 num_cached += num_new - 1
             self._start_past_cached(out, request, block_ids, num_cached, num_external, source)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            self._in_flight.update(self._prompt_blocks_to_fill(request, len(cached)))
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:  # kept over preemptions, as vLLM's SCHEDULED event
                 request.scheduled_time = time.monotonic()
@@ -320,6 +321,14 @@ class Scheduler:
         size = self.kv.block_size
         return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens and not r.is_shadow
                 for h in r.block_hashes[r.num_computed_tokens // size : r.num_prompt_tokens // size]}  # fmt: skip
+
+    def _prompt_blocks_to_fill(self, request: Request, num_cached_blocks: int) -> list[int]:
+        """The hashes of the full prompt blocks a request admitted now computes or loads past its cached ones: a
+        request admitted after it in the same round whose next block is one of them waits for it (the same prompt
+        sent n times computes it once, and n sequences on a decode worker load a pushed prompt once)."""
+        if not self.kv.pool.enable_caching or request.is_shadow:
+            return []
+        return request.block_hashes[num_cached_blocks : request.num_prompt_tokens // self.kv.block_size]
 
     def _next_block_in_flight(self, request: Request, num_cached_blocks: int) -> bool:
         """Whether the block after the request's cached ones is being computed by a running request."""

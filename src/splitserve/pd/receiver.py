@@ -366,9 +366,11 @@ class PDReceiverConnector:
         if params is None or params.is_sender:
             return
         entry = self.buffer.claim(params.transfer_id) if num_external > 0 else None
-        if entry is None:
+        required = max(0, request.num_tokens - 1 - num_cached)
+        if entry is None and required:  # (none required: another sequence of the request loaded it, now cached)
             logger.info("Retrieved 0 out of %d required tokens (from %d total tokens); recomputing",
-                        max(0, request.num_tokens - 1 - num_cached), request.num_prompt_tokens)  # fmt: skip
+                        required, request.num_prompt_tokens)  # fmt: skip
+        if entry is None:
             return
         self._claimed[request.request_id] = entry
 

@@ -24,22 +24,25 @@ Per request (``Disaggregator.proxy``):
    ``kv_transfer_params`` {transfer_id, decode_kv_addr} (D's KV receiver, from ``GET /kv/transfer``). P computes
    the prompt, samples the first token, pushes the KV into D's PD buffer and answers with the token and the
    push's result.
-4. Send D the original request with ``kv_transfer_params`` {transfer_id, first_token_id}: D takes the KV from
-   its buffer (or recomputes it when the push failed) and forces P's first token, so both agree on it. A
-   streaming client gets the first token from P's answer at once; D then streams the rest
-   (``skip_first_token``). If P fails, D computes the prompt itself: slower, never an error.
+4. Send D the original request with ``kv_transfer_params`` {transfer_id}: D takes the KV from its buffer (or
+   recomputes it when the push failed). A stream of one sequence whose first token is plain text
+   (:func:`sends_first_token`) gets its first chunk from P's answer at once, with that token's logprobs when
+   asked; D is told {first_token_id, skip_first_token}, forces P's token, so both agree on it, and streams
+   the rest. Anything else D answers whole, drawing the first token itself on the loaded KV: a whole answer,
+   each of ``n`` sequences (which load the push once: the others start from its cached blocks), a stream with
+   tools (whose calls are read from the whole output) or one whose first token P read as reasoning. If P
+   fails, D computes the prompt itself: slower, never an error.
 
 vLLM pairs (splitserve's KV connector in both, ``splitserve.worker.vllm_connector``) go the same way, but D's
 receiver is at ``--vllm-kv-transfer-port`` of its host (vLLM has no ``/kv/transfer``), and D computes the
 prompt's last token on the loaded KV and samples the first token itself, as vLLM's own disaggregation does: a
 stream is D's whole stream, and P's first token is not sent.
 
-A request that disaggregation would answer differently goes to D as to a colocated worker (the log says
-why): several sequences (``n`` or ``best_of`` above 1), which would all start with P's one first token, and
-a request for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``), which computes its whole
-prompt wherever it runs, and a streamed one with tools, whose tool-call deltas come from reading the whole output.
-A schema, regex or grammar goes through as it is: P draws the first token within it, and D's grammar starts by
-taking that token.
+A request for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``), which computes its
+whole prompt wherever it runs, goes to D as to a colocated worker (the log says why), and so do several
+sequences for a vLLM decode worker, whose connector loads a push for one request. A schema, regex or grammar
+goes through as it is: P draws the first token within it, and D's grammar starts by taking that token (or
+draws its own).
 
 Streams are followed for migration as colocated ones are (``router/migrate.py``), on every path: when D dies
 mid-stream, another decode worker goes on from the prompt and the tokens generated so far (the first one, P's,
@@ -79,7 +82,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.router")
 
 CHARS_PER_TOKEN = 4  # the estimate when the prompt cannot be tokenized
-PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options", "n", "logprobs", "top_logprobs")
+# P computes the prompt and draws one token: one sequence, no usage to stream, the client's logprobs (for a first
+# token sent from P's answer)
+PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options", "n", "best_of")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,17 +170,18 @@ class Disaggregator:
             logger.warning("KV transfer %s failed (%s); decode recomputes", transfer_id, report.reason)
         self.metrics.observe_transfer(report)
         self.metrics.pd_path("disaggregated")
+        is_chat = call.path.endswith("/chat/completions")
         first_token = report.first_token_id
-        params = self._signed(
-            KVTransferParams(transfer_id, first_token_id=first_token, skip_first_token=call.is_stream).as_api()
-        )
-        decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
-        decode_call.observe_ttft = not call.is_stream  # a stream's first token came from prefill
-        if not call.is_stream or first_token is None or not decoder.forces_first_token:
-            if migratable and call.is_stream:
+        if not (decoder.forces_first_token and first_token is not None and sends_first_token(is_chat, call, p_body)):
+            # D samples the first token itself, on the loaded KV, and answers or streams the whole answer
+            params = self._signed(KVTransferParams(transfer_id).as_api())
+            decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
+            if migratable:
                 forwarder.track(decode_call)
             return await forwarder.forward(decode_call, self.decode_pool, decision)
-        is_chat = call.path.endswith("/chat/completions")
+        params = self._signed(KVTransferParams(transfer_id, first_token_id=first_token, skip_first_token=True).as_api())
+        decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
+        decode_call.observe_ttft = False  # the stream's first token came from prefill
         first_text = answer_text(is_chat, p_body)
         if migratable:  # D's stream carries the first token's id, and the client has its text already
             forwarder.track(decode_call, sent_text=first_text)
@@ -203,7 +209,7 @@ class Disaggregator:
         prefillers = [w for w in self.prefill_pool() if w.is_routable]
         prefill: Decision | None = None
         costs: PDCosts | None = None
-        colocated = kept_colocated(call.body)
+        colocated = kept_colocated(call.body, self.config.backend_kind)
         if colocated is not None and decode.uncached_tokens >= self.threshold and prefillers:
             logger.info("Conditional routing: not disaggregated, %s", colocated)
         elif decode.uncached_tokens >= self.threshold and prefillers:
@@ -325,16 +331,32 @@ def vllm_receiver(worker_url: str, port: str) -> str:
     return f"{host}:{port_of(port, http_port)}"
 
 
-def kept_colocated(body: dict[str, Any]) -> str | None:
+def kept_colocated(body: dict[str, Any], backend: BackendKind = BackendKind.SPLITSERVE) -> str | None:
     """Why a request is not disaggregated whatever its length (None: it may be)."""
-    for name in ("n", "best_of"):
-        if isinstance(body.get(name), int) and body[name] > 1:
-            return f"{name}={body[name]}: every sequence draws its own first token"
+    if backend == BackendKind.VLLM:
+        for name in ("n", "best_of"):
+            if isinstance(body.get(name), int) and body[name] > 1:
+                return f"{name}={body[name]}: a vLLM decode worker loads a pushed prompt for one sequence"
     if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
         return "the prompt's logprobs are asked for: the prompt is computed where the answer is"
-    if body.get("stream") and body.get("tools") and body.get("tool_choice") != "none":
-        return "a streamed answer with tools: its calls are read from the whole output on one worker"
     return None
+
+
+def sends_first_token(is_chat: bool, call: Call, prefill_answer: dict[str, Any]) -> bool:
+    """Whether a disaggregated answer's first token goes to the client from P's answer, at once: a stream of one
+    sequence whose first token is plain text. Otherwise D samples the first token itself and sends everything:
+    with ``n`` or ``best_of`` above 1 (each sequence draws its own), tools (calls are read from the whole
+    output), or when P read its token as reasoning or a call (a chat message without content, or with
+    ``reasoning_content``: a ``--reasoning-parser``)."""
+    body = call.body
+    if not call.is_stream or any(isinstance(body.get(k), int) and body[k] > 1 for k in ("n", "best_of")):
+        return False
+    if not is_chat:
+        return True
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return False
+    message = ((prefill_answer.get("choices") or [{}])[0]).get("message")
+    return isinstance(message, dict) and message.get("content") is not None and "reasoning_content" not in message
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:
@@ -353,7 +375,12 @@ def _with_body(call: Call, body: dict[str, Any]) -> Call:
 
 
 def _first_chunk(is_chat: bool, prefill_answer: dict[str, Any], text: str) -> bytes:
-    """An SSE chunk carrying the first token's ``text`` from P's answer, in the API's format."""
+    """An SSE chunk carrying the first token's ``text`` from P's answer, in the API's format, with its logprobs
+    when the client asked for them (a whole answer's are a chunk's, for one token)."""
     common = {"id": prefill_answer.get("id", ""), "created": prefill_answer.get("created", int(time.time())),
               "model": prefill_answer.get("model", "")}  # fmt: skip
-    return sse_event(text_chunk(is_chat, common, text, role=True))
+    chunk = text_chunk(is_chat, common, text, role=True)
+    logprobs = ((prefill_answer.get("choices") or [{}])[0]).get("logprobs")
+    if logprobs is not None:
+        chunk["choices"][0]["logprobs"] = logprobs
+    return sse_event(chunk)

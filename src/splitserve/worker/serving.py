@@ -555,7 +555,8 @@ class OpenAIServing:
         def chunk(choices: list[openai.CompletionChoice], usage: openai.Usage | None = None) -> bytes:
             return openai.sse_event(openai.completion(rid, created, model, choices, usage))
 
-        async for event in _stream_events(choices, include_usage, _skips_first_text(engine_input)):
+        skipped = _skipped_first_text(engine_input)
+        async for event in _stream_events(choices, include_usage, skipped):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
@@ -563,8 +564,10 @@ class OpenAIServing:
             else:
                 index, output = event
                 first = index not in offsets
-                text = (echo or "") + output.new_text if first else output.new_text
-                if not (text or output.finished or with_ids or engine_input.logprobs):
+                if first and skipped is not None:  # the client has the echo and the first token's text
+                    offsets[index] = len(echo or "") + len(skipped[index])
+                text = (echo or "") + output.new_text if first and skipped is None else output.new_text
+                if not (text or output.finished or with_ids or (engine_input.logprobs and output.new_logprobs)):
                     continue
                 logprobs = prompt_logprobs = None
                 if engine_input.logprobs:
@@ -599,7 +602,7 @@ class OpenAIServing:
             role = openai.chat_chunk_choice(openai.chat_delta("", role=True), index=index)
             yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
         readers: dict[int, _ChatStreamReader] = {}
-        async for event in _stream_events(choices, include_usage, _skips_first_text(engine_input)):
+        async for event in _stream_events(choices, include_usage, _skipped_first_text(engine_input)):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
@@ -609,7 +612,11 @@ class OpenAIServing:
                 reader = readers.setdefault(index, _ChatStreamReader(engine_input))
                 token_ids = output.new_token_ids if with_ids else None
                 usage = _usage(output) if continuous_usage else None
-                logprobs = await self._chat_logprobs(output.new_logprobs or []) if engine_input.logprobs else None
+                logprobs = (
+                    await self._chat_logprobs(output.new_logprobs)
+                    if engine_input.logprobs and output.new_logprobs
+                    else None
+                )
                 for delta in reader.deltas(output.new_text, output.finished):
                     yield chunk([openai.chat_chunk_choice(delta, None, token_ids, index=index, logprobs=logprobs)],
                                 usage)  # fmt: skip
@@ -767,16 +774,18 @@ def _finite(value: float) -> float:
 
 
 async def _stream_events(
-    choices: Choices, include_usage: bool, skip_first_text: bool = False
+    choices: Choices, include_usage: bool, skipped: dict[int, str] | None = None
 ) -> AsyncIterator[tuple[int, RequestOutput] | openai.Usage | bytes]:
     """The choices' outputs as ``(index, output)``, then the usage (if asked), then ``[DONE]``; an engine failure
     becomes an SSE error event. Every sequence is aborted if the consumer stops early (client disconnect). With
-    ``skip_first_text`` the first token's text is left out (a router already sent it)."""
+    ``skipped`` (a router already sent the first token, from the prefill worker's answer) the first output's text
+    goes there instead, and its first token's logprobs are left out."""
     try:
         last: dict[int, RequestOutput] = {}
         async for index, output in choices.merged():
-            if index not in last and skip_first_text:
-                output.new_text = ""
+            if index not in last and skipped is not None:
+                skipped[index], output.new_text = output.new_text, ""
+                output.new_logprobs = output.new_logprobs[1:] if output.new_logprobs else output.new_logprobs
             last[index] = output
             yield index, output
         if include_usage and last:
@@ -843,9 +852,10 @@ async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict
     return report.as_api()
 
 
-def _skips_first_text(engine_input: EngineInput) -> bool:
+def _skipped_first_text(engine_input: EngineInput) -> dict[int, str] | None:
+    """Where a stream whose first token a router already sent keeps that token's text (None: it sends it)."""
     transfer = engine_input.params.kv_transfer
-    return transfer is not None and transfer.skip_first_token
+    return {} if transfer is not None and transfer.skip_first_token else None
 
 
 def _usage(output: RequestOutput) -> openai.Usage:
