@@ -160,7 +160,7 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
 def test_a_killed_workers_n_stream_resumes_each_choice_with_the_same_seeded_text(pair: Pair) -> None:
     body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 300, "temperature": 0.8, "seed": 5, "n": 3,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "user": "story-n"}  # fmt: skip
+            "user": "story-n", "logprobs": True, "top_logprobs": 2}  # fmt: skip
     reference = stream_events(f"{pair.router.url}/v1/chat/completions", body)
     expected = choice_texts(reference)
     assert len(set(expected.values())) == 3  # three different draws
@@ -176,6 +176,7 @@ def test_a_killed_workers_n_stream_resumes_each_choice_with_the_same_seeded_text
     events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill_the_serving_worker)
     assert killed, "the stream ended before the worker could be killed"
     assert choice_texts(events) == expected  # each choice went on from seed + its index, as the worker drew it
+    assert logprob_entries(events) == logprob_entries(reference)  # each token's, once, as chat gives them
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert not any(isinstance(e, dict) and "error" in e for e in events)
     finishes = [
@@ -186,6 +187,16 @@ def test_a_killed_workers_n_stream_resumes_each_choice_with_the_same_seeded_text
     assert usage["completion_tokens"] == reference_usage["completion_tokens"] == 900
     assert pair.router.metric(MIGRATIONS, outcome="resumed") == before + 1
     pair.replace(pair.workers.index(killed[0]))
+
+
+def logprob_entries(events: list[dict[str, Any] | str]) -> dict[int, list[dict[str, Any]]]:
+    """Each choice's chat logprobs entries, in the order they came."""
+    entries: dict[int, list[dict[str, Any]]] = {}
+    for event in events:
+        for choice in event.get("choices") or [] if isinstance(event, dict) else []:
+            content = (choice.get("logprobs") or {}).get("content") or []
+            entries.setdefault(choice["index"], []).extend(content)
+    return entries
 
 
 def choice_texts(events: list[dict[str, Any] | str]) -> dict[int, str]:
@@ -301,7 +312,7 @@ def test_a_killed_decode_workers_disaggregated_stream_resumes_with_the_same_gree
         if chat else {"prompt": LIGHTHOUSE + f" The story of night {len(path)} begins:"}
     )  # fmt: skip
     body = {"model": "smollm2", **prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}  # fmt: skip
 
     def text(events: list[dict[str, Any] | str]) -> str:
         return chat_text(events) if chat else "".join(
@@ -328,6 +339,7 @@ def test_a_killed_decode_workers_disaggregated_stream_resumes_with_the_same_gree
     assert router.metric("splitserve:router_pd_decisions_total", path="disaggregated") == disaggregated_before + 1
     assert not any(isinstance(e, dict) and "error" in e for e in events), events
     assert text(events) == expected
+    assert logprob_entries(events) == logprob_entries(reference) and len(logprob_entries(events)[0]) == 300
     assert events[-1] == "[DONE]"
     usage, reference_usage = events[-2]["usage"], reference[-2]["usage"]  # type: ignore[index]
     assert (

@@ -347,8 +347,59 @@ def test_which_streams_migrate() -> None:
     )
     assert not is_migratable("/v1/completions", chat | {"n": 2, "best_of": 4})  # not streamed whole
     assert not is_migratable("/v1/chat/completions", chat | {"n": 0})
-    assert not is_migratable("/v1/chat/completions", chat | {"logprobs": True})
+    assert is_migratable("/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 2})
+    assert is_migratable("/v1/completions", chat | {"logprobs": 0})
+    assert not is_migratable("/v1/completions", chat | {"logprobs": "many"})  # the worker refuses it anyway
+    assert not is_migratable("/v1/completions", chat | {"prompt_logprobs": 1})
+    assert not is_migratable("/v1/completions", chat | {"echo": True})
     assert not is_migratable("/v1/chat/completions", chat | {"stream": False})
+
+
+def _sent(tracker: StreamTracker, event: dict[str, Any], index: int | None = None) -> dict[str, Any] | None:
+    out = tracker.on_event(json.dumps(event), index)
+    return json.loads(out.decode().removeprefix("data: ")) if out else None
+
+
+def test_a_resumed_chat_streams_logprobs_come_in_its_shape_and_none_twice() -> None:
+    """The first worker sent two tokens with their logprobs; the second ends in half a character, so the new
+    worker generates it again: its entry is not sent twice, the next one comes as chat's, with its top token."""
+    tracker = StreamTracker(is_chat=True, client_wants_ids=False, client_wants_usage=False, logprobs=1)
+    entry = {"token": "P", "logprob": -0.1, "bytes": [80], "top_logprobs": [{"token": "P", "logprob": -0.1,
+                                                                              "bytes": [80]}]}  # fmt: skip
+    common = {"id": "chatcmpl-2", "object": "chat.completion.chunk", "created": 3, "model": MODEL}
+    _sent(tracker, common | {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    _sent(tracker, common | {"choices": [{"index": 0, "delta": {"content": "P"}, "token_ids": [80, 200],
+                                          "logprobs": {"content": [entry, entry | {"token": "\ufffd"}]}}]})  # fmt: skip
+    choice = tracker.choices[0]
+    assert choice.num_logprobs == 2
+    choice.output_ids.pop()  # half a character: generated again
+    assert resume_body(tracker, choice, {"messages": [], "logprobs": True, "top_logprobs": 1})["logprobs"] == 1
+    tracker.resume()
+    resumed = {"choices": [{"index": 0, "text": "éa", "token_ids": [200, 97], "logprobs": {
+        "tokens": ["é", "a"], "token_logprobs": [-0.2, -0.3], "top_logprobs": [{"é": -0.2}, {"b": -0.25, "a": -0.3}],
+        "text_offset": [0, 1]}}]}  # fmt: skip
+    out = _sent(tracker, resumed, 0)
+    assert out is not None and out["object"] == "chat.completion.chunk"
+    top = [{"token": "b", "logprob": -0.25, "bytes": [98]}]  # the first of its most likely, as asked
+    assert out["choices"][0]["logprobs"] == {"content": [{"token": "a", "logprob": -0.3, "bytes": [97],
+                                                          "top_logprobs": top}]}  # fmt: skip
+    assert choice.num_logprobs == 3
+
+
+def test_a_resumed_completion_streams_text_offsets_go_on_from_the_text_sent() -> None:
+    tracker = StreamTracker(is_chat=False, client_wants_ids=False, client_wants_usage=False, logprobs=0)
+    first = {"index": 0, "text": "Pa", "prompt_token_ids": [1], "token_ids": [80, 97],
+             "logprobs": {"tokens": ["P", "a"], "token_logprobs": [-0.1, -0.2], "top_logprobs": [{"P": -0.1},
+                          {"a": -0.2}], "text_offset": [0, 1]}}  # fmt: skip
+    _sent(tracker, {"id": "cmpl-4", "choices": [first]})
+    tracker.resume()
+    resumed = {"choices": [{"index": 0, "text": "ris", "token_ids": [114, 105], "logprobs": {
+        "tokens": ["r", "is"], "token_logprobs": [-0.3, -0.4], "top_logprobs": [{"r": -0.3}, {"is": -0.4}],
+        "text_offset": [0, 1]}}]}  # fmt: skip
+    out = _sent(tracker, resumed, 0)
+    assert out is not None and out["choices"][0]["logprobs"] == {
+        "tokens": ["r", "is"], "token_logprobs": [-0.3, -0.4], "top_logprobs": [{"r": -0.3}, {"is": -0.4}],
+        "text_offset": [2, 3]}  # fmt: skip
 
 
 # ---- faults between the router and a worker (tests/support/faults.py) ------------------------------------------------

@@ -183,9 +183,10 @@ class Disaggregator:
         decode_call = _with_body(call, call.body | {"kv_transfer_params": params})
         decode_call.observe_ttft = False  # the stream's first token came from prefill
         first_text = answer_text(is_chat, p_body)
-        if migratable:  # D's stream carries the first token's id, and the client has its text already
-            forwarder.track(decode_call, sent_text=first_text)
-        first_chunk = _first_chunk(is_chat, p_body, first_text)
+        logprobs = ((p_body.get("choices") or [{}])[0]).get("logprobs")  # when the client asked for them
+        first_chunk = _first_chunk(is_chat, p_body, first_text, logprobs)
+        if migratable:  # D's stream carries the first token's id, and the client has its text (and logprobs)
+            forwarder.track(decode_call, sent_text=first_text, sent_logprobs=int(logprobs is not None))
         self.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
         relay = self._stream_after_first(first_chunk, decode_call, decision)
         return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -374,13 +375,12 @@ def _with_body(call: Call, body: dict[str, Any]) -> Call:
     return replace(call, body=body, raw=json.dumps(body).encode(), headers=headers)
 
 
-def _first_chunk(is_chat: bool, prefill_answer: dict[str, Any], text: str) -> bytes:
-    """An SSE chunk carrying the first token's ``text`` from P's answer, in the API's format, with its logprobs
-    when the client asked for them (a whole answer's are a chunk's, for one token)."""
+def _first_chunk(is_chat: bool, prefill_answer: dict[str, Any], text: str, logprobs: Any) -> bytes:
+    """An SSE chunk carrying the first token's ``text`` from P's answer, in the API's format, with its
+    ``logprobs`` (P's answer's: a whole answer's are a chunk's, for one token)."""
     common = {"id": prefill_answer.get("id", ""), "created": prefill_answer.get("created", int(time.time())),
               "model": prefill_answer.get("model", "")}  # fmt: skip
     chunk = text_chunk(is_chat, common, text, role=True)
-    logprobs = ((prefill_answer.get("choices") or [{}])[0]).get("logprobs")
     if logprobs is not None:
         chunk["choices"][0]["logprobs"] = logprobs
     return sse_event(chunk)

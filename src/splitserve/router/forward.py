@@ -44,6 +44,7 @@ from splitserve.router.migrate import (
     StreamTracker,
     WorkerStreamFailed,
     held_back_text,
+    requested_logprobs,
     resume_body,
 )
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest
@@ -121,16 +122,19 @@ class Forwarder:
         self.hit_check = hit_check
         self._rng = random.Random()
 
-    def track(self, call: Call, sent_text: str = "") -> None:
+    def track(self, call: Call, sent_text: str = "", sent_logprobs: int = 0) -> None:
         """Follow ``call``'s stream so that it can be resumed elsewhere: ask the worker for token ids.
-        ``sent_text``: what the client already got of the answer (a disaggregated stream's first token)."""
+        ``sent_text``: what the client already got of the answer (a disaggregated stream's first token), and
+        ``sent_logprobs`` how many tokens' logprobs."""
         body = call.body
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         wants_ids = body.get("return_token_ids") is True
         n = body["n"] if isinstance(body.get("n"), int) else 1
-        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n)
+        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n,
+                                     logprobs=requested_logprobs(call.path, body))  # fmt: skip
         call.tracker.choices[0].text = sent_text
+        call.tracker.choices[0].num_logprobs = sent_logprobs
         if not wants_ids:
             call.raw = json.dumps(body | {"return_token_ids": True}).encode()
 

@@ -34,7 +34,13 @@ grammar first takes the tokens already sent (``engine/structured.py``), so the o
 a seeded request with seed + i, as the worker drew it), their chunks are merged into the one stream under the
 choice's index, and the usage at the end counts every choice's tokens.
 
-Not migrated: logprobs, ``echo`` and tool calls; those end with an error event as before.
+Logprobs migrate: the resumed request asks for them in the completions shape (``logprobs`` k, the chat
+request's ``top_logprobs``), and each chunk's entries are rewritten into the original stream's shape (chat: each
+token's ``token``, ``logprob``, ``bytes`` of its text and the first k of its most likely tokens; completions: the
+``text_offset`` moved past the text sent before). A token whose entry the client already has (one generated again
+because it ended in half a character) is not sent twice.
+
+Not migrated: ``echo``, the prompt's logprobs and tool calls; those end with an error event as before.
 """
 
 from __future__ import annotations
@@ -59,9 +65,9 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover 
 
 
 def is_migratable(path: str, body: dict[str, Any]) -> bool:
-    """A streamed request the router can resume elsewhere: no logprobs, no echo, no tool calls (their deltas are
-    not text). ``n`` choices resume each on its own; a schema, regex or grammar resumes: the new worker's grammar
-    takes the tokens sent."""
+    """A streamed request the router can resume elsewhere: no echo, no prompt logprobs, no tool calls (their
+    deltas are not text). ``n`` choices resume each on its own; a schema, regex or grammar resumes: the new
+    worker's grammar takes the tokens sent; logprobs resume in the stream's shape."""
     if body.get("stream") is not True or not path.endswith(("/v1/completions", "/v1/chat/completions")):
         return False
     n = 1 if body.get("n") is None else body["n"]
@@ -69,7 +75,22 @@ def is_migratable(path: str, body: dict[str, Any]) -> bool:
         return False
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
-    return not (body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"))
+    return body.get("prompt_logprobs") is None and requested_logprobs(path, body) != INVALID_LOGPROBS
+
+
+INVALID_LOGPROBS = -1
+
+
+def requested_logprobs(path: str, body: dict[str, Any]) -> int | None:
+    """How many most likely tokens each streamed token's logprobs name (None: no logprobs asked for;
+    ``INVALID_LOGPROBS``: a value the worker will refuse, so nothing to resume)."""
+    if path.endswith("/chat/completions"):
+        if body.get("logprobs") is not True:
+            return None if body.get("logprobs") in (None, False) else INVALID_LOGPROBS
+        top = body.get("top_logprobs")
+        return 0 if top is None else top if type(top) is int and top >= 0 else INVALID_LOGPROBS
+    value = body.get("logprobs")
+    return None if value is None else value if type(value) is int and value >= 0 else INVALID_LOGPROBS
 
 
 class WorkerStreamFailed(SplitserveError):
@@ -86,6 +107,9 @@ class ChoiceTrack:
     finished: bool = False  # a finish_reason was seen
     resumed_at: int | None = None  # output tokens before the last resume (None: the first worker's stream)
     resumed_tokens: int | None = None  # completion tokens its resumed request reported (usage), once it did
+    num_logprobs: int = 0  # tokens whose logprobs the client got
+    next_logprob: int = 0  # resumed: the output position of the resumed request's next logprobs entry
+    text_base: int = 0  # resumed: characters the client had before the resumed request's text (text_offset)
 
     @property
     def num_output(self) -> int:
@@ -105,6 +129,7 @@ class StreamTracker:
     client_wants_ids: bool  # the client itself asked for return_token_ids: keep them in its chunks
     client_wants_usage: bool
     num_choices: int = 1
+    logprobs: int | None = None  # requested_logprobs: each token's most likely tokens (None: no logprobs)
     prompt_ids: list[int] | None = None
     choices: list[ChoiceTrack] = field(default_factory=list)
     done: bool = False  # [DONE] was seen (or, resumed, every choice's)
@@ -187,6 +212,7 @@ class StreamTracker:
                 changed = changed or not self.client_wants_ids
                 track.output_ids.extend(_ids(ids or []))
             track.text += openai.choice_text(self.is_chat, choice)
+            track.num_logprobs += _num_logprobs(self.is_chat, choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 track.finished = True
         return changed
@@ -207,6 +233,7 @@ class StreamTracker:
         self.pending = {c.index for c in unfinished}
         for choice in unfinished:
             choice.resumed_at, choice.resumed_tokens = len(choice.output_ids), None
+            choice.next_logprob, choice.text_base = len(choice.output_ids), len(choice.text)
 
     def end(self) -> bytes:
         """What ends the client's stream once every choice finished: after a resume, the whole answer's usage
@@ -232,11 +259,41 @@ class StreamTracker:
         finish = choice.get("finish_reason")
         if finish is not None:
             track.finished = True
-        if not text and finish is None and not self.client_wants_ids:
+        logprobs = self._logprobs(choice.get("logprobs"), track) if self.logprobs is not None else None
+        if not text and finish is None and not self.client_wants_ids and not logprobs:
             return None
         out = self.chunk(text, finish, ids, choice.get("stop_reason"), index=track.index)
+        if logprobs is not None:
+            out["choices"][0]["logprobs"] = logprobs
         continuous = self.client_wants_usage and isinstance(chunk.get("usage"), dict)
         return out | {"usage": self.whole_usage()} if continuous else out  # continuous_usage_stats
+
+    def _logprobs(self, value: Any, track: ChoiceTrack) -> dict[str, Any] | None:
+        """A resumed chunk's logprobs (the completions shape) in the original stream's, without the entries the
+        client already has; None when none is left."""
+        if not isinstance(value, dict):
+            return None
+        tokens, values, tops = value.get("tokens") or [], value.get("token_logprobs") or [], value.get("top_logprobs")
+        offsets = value.get("text_offset") or []
+        keep: list[int] = []
+        for i in range(len(tokens)):
+            if track.next_logprob >= track.num_logprobs:
+                keep.append(i)
+            track.next_logprob += 1
+        track.num_logprobs += len(keep)
+        if not keep:
+            return None
+        top = [tops[i] if isinstance(tops, list) and i < len(tops) else None for i in keep]
+        if not self.is_chat:
+            offset = [track.text_base + (offsets[i] if i < len(offsets) else 0) for i in keep]
+            tokens_kept, values_kept = [tokens[i] for i in keep], [values[i] if i < len(values) else None for i in keep]
+            return {"tokens": tokens_kept, "token_logprobs": values_kept, "top_logprobs": top, "text_offset": offset}
+        k = self.logprobs or 0
+        return {"content": [
+            _chat_entry(str(tokens[i]), values[i] if i < len(values) else None) | {"top_logprobs": [
+                _chat_entry(str(t), lp) for t, lp in list((top[j] or {}).items())[:k]]}
+            for j, i in enumerate(keep)
+        ]}  # fmt: skip
 
     def _take_usage(self, usage: Any, track: ChoiceTrack) -> None:
         if not isinstance(usage, dict):
@@ -298,6 +355,8 @@ def resume_body(
         body["min_tokens"] = max(0, original["min_tokens"] - done)
     if isinstance(original.get("seed"), int) and choice.index:
         body["seed"] = original["seed"] + choice.index
+    if tracker.logprobs is not None:
+        body["logprobs"] = tracker.logprobs
     if original.get("model") is not None:
         body["model"] = original["model"]
     body |= {"prompt": tracker.prompt_ids + choice.output_ids, "stream": True, "return_token_ids": True}
@@ -306,6 +365,19 @@ def resume_body(
         continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
         body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if continuous else {})
     return body
+
+
+def _chat_entry(token: str, logprob: Any) -> dict[str, Any]:
+    """A chat logprobs entry of a token known by its text (its ``bytes``: the text's, as splitserve gives them)."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _num_logprobs(is_chat: bool, value: Any) -> int:
+    """How many tokens' entries a chunk's ``logprobs`` carries."""
+    if not isinstance(value, dict):
+        return 0
+    entries = value.get("content") if is_chat else value.get("tokens")
+    return len(entries) if isinstance(entries, list) else 0
 
 
 def held_back_text(choice: ChoiceTrack, context_text: str, full_text: str) -> str:
