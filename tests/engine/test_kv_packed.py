@@ -54,9 +54,8 @@ def awkward_rows() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8], ids=["int8", "fp8"])
-def test_the_native_and_pytorch_quantizers_write_the_same_bytes(dtype: torch.dtype) -> None:
-    kernels = native()
-    assert kernels is not None
+def test_the_native_and_pytorch_quantizers_write_the_same_bytes(kernels: NativeKernels, dtype: torch.dtype) -> None:
+    """On every build this CPU runs: each has its own vector code for the codes."""
     x = awkward_rows()
     rows = kernels.quantize_kv(x.contiguous(), dtype)
     assert rows is not None and rows.shape == (600, 3, 68) and rows.dtype == dtype
@@ -110,11 +109,13 @@ def test_an_fp8_group_is_e4m3_times_its_least_scale_and_exactly_a_bfloat16() -> 
 def test_attention_over_packed_rows_is_attention_over_the_same_values_in_bfloat16(
     kernels: NativeKernels, dtype: torch.dtype
 ) -> None:
-    """Decode rows (split mode) and a prefill chunk (tiles) alike, on every build this CPU runs."""
+    """Decode rows (split mode) and a prefill chunk (tiles) alike, on every build this CPU runs. Each group's
+    values span six decades, so that fp8 rows hold subnormal codes and zeros beside normal ones."""
     gen = torch.Generator().manual_seed(11)
     slots, heads, kv_heads, head_dim = 1024, 9, 3, 64
-    k = kv_format.quantize_rows(torch.randn(slots, kv_heads, head_dim, generator=gen) * 3, dtype)
-    v = kv_format.quantize_rows(torch.randn(slots, kv_heads, head_dim, generator=gen), dtype)
+    spread = torch.logspace(-6, 0, 16).repeat(head_dim // 16)
+    k = kv_format.quantize_rows(torch.randn(slots, kv_heads, head_dim, generator=gen) * 3 * spread, dtype)
+    v = kv_format.quantize_rows(torch.randn(slots, kv_heads, head_dim, generator=gen) * spread, dtype)
     kb, vb = kv_format.dequantize_rows(k, torch.bfloat16), kv_format.dequantize_rows(v, torch.bfloat16)
     table = torch.randperm(slots // BLOCK, generator=gen)[None].contiguous()
     q = torch.randn(700, heads, head_dim, generator=gen).bfloat16()

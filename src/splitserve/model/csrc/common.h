@@ -138,23 +138,59 @@ enum { SS_F32 = 0, SS_BF16 = 1, SS_INT8 = 2, SS_FP8 = 3 };
 #define SS_KV_INT8_GROUP 16
 static inline int64_t kv_int8_row_bytes(int head_dim) { return (int64_t)head_dim + head_dim / SS_KV_INT8_GROUP; }
 
+/* A group's exponent: the least e in [lo, hi] with max |x| <= limit * 2^e (limit in [2^top, 2^(top+1))), 0 for a
+ * group of zeros; NaN is left out and inf counts as the largest float. */
+static inline int kv_group_exponent(const float *xg, int top, float limit, int lo, int hi) {
+    float amax = 0.f;
+    for (int d = 0; d < SS_KV_INT8_GROUP; d++) amax = fabsf(xg[d]) > amax ? fabsf(xg[d]) : amax; /* NaN: out */
+    if (amax == 0.f) return 0;
+    if (amax > 3.0e38f) amax = 3.0e38f;
+    int e = ilogbf(amax) - top; /* amax / 2^e in [2^top, 2^(top+1)) */
+    if (ldexpf(amax, -e) > limit) e++;
+    return e < lo ? lo : e > hi ? hi : e;
+}
+
+/* int8 codes of 16 (8 on AVX2) values already divided by their group's scale: rint (ties to even, the default
+ * rounding) within [-127, 127], NaN to 0 */
+#if defined(SS_AVX512)
+static inline __m128i int8_of_16(__m512 y) {
+    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+    const __m512i q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), _mm512_cvtps_epi32(clamped));
+    return _mm512_cvtepi32_epi8(q);
+}
+#elif defined(SS_AVX2)
+/* the low byte of each 32-bit lane of v, 8 bytes */
+static inline __m128i low_bytes_of_8(__m256i v) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i b = _mm256_shuffle_epi8(v, pick);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+static inline __m128i int8_of_8(__m256 y) {
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+    const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q));
+    return low_bytes_of_8(_mm256_and_si256(ordered, _mm256_cvtps_epi32(clamped)));
+}
+#endif
+
 static inline void kv_int8_store_row(const float *x, int head_dim, int8_t *dst) {
     for (int g = 0; g < head_dim / SS_KV_INT8_GROUP; g++) {
         const float *xg = x + g * SS_KV_INT8_GROUP;
-        float amax = 0.f;
-        for (int d = 0; d < SS_KV_INT8_GROUP; d++) amax = fabsf(xg[d]) > amax ? fabsf(xg[d]) : amax; /* NaN: out */
-        int e = 0;
-        if (amax > 0.f) {
-            if (amax > 3.0e38f) amax = 3.0e38f; /* inf: the largest exponent */
-            e = ilogbf(amax) - 6;               /* amax / 2^e in [64, 128) */
-            if (ldexpf(amax, -e) > 127.f) e++;
-            if (e < -126) e = -126;
-        }
+        int8_t *q = dst + g * SS_KV_INT8_GROUP;
+        const int e = kv_group_exponent(xg, 6, 127.f, -126, 127);
         const float inverse = ldexpf(1.f, -e);
+#if defined(SS_AVX512)
+        _mm_storeu_si128((__m128i *)q, int8_of_16(_mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse))));
+#elif defined(SS_AVX2)
+        for (int h = 0; h < SS_KV_INT8_GROUP; h += 8)
+            _mm_storel_epi64((__m128i *)(q + h), int8_of_8(_mm256_mul_ps(_mm256_loadu_ps(xg + h), _mm256_set1_ps(inverse))));
+#else
         for (int d = 0; d < SS_KV_INT8_GROUP; d++) {
             const float y = nearbyintf(xg[d] * inverse);
-            dst[g * SS_KV_INT8_GROUP + d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
+            q[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
         }
+#endif
         dst[head_dim + g] = (int8_t)e;
     }
 }
@@ -233,23 +269,37 @@ static inline __m128i e4m3_of_16(__m512 y) {
 }
 #endif
 
+#if defined(SS_AVX2) && !defined(SS_AVX512)
+/* e4m3_of_16's arithmetic for 8 values */
+static inline __m128i e4m3_of_8(__m256 y) {
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256 a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), y), _mm256_set1_ps(448.f));
+    const __m256i ab = _mm256_castps_si256(a);
+    const __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(512.f)));
+    const __m256i rounded = _mm256_add_epi32(
+        ab, _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), _mm256_and_si256(_mm256_srli_epi32(ab, 20), _mm256_set1_epi32(1))));
+    const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32((127 - 7) << 3));
+    const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+    __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), small));
+    code = _mm256_or_si256(code, _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32((int)0x80000000u)), 24));
+    code = _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q))); /* NaN: 0 */
+    return low_bytes_of_8(code);
+}
+#endif
+
 static inline void kv_fp8_store_row(const float *x, int head_dim, uint8_t *dst) {
     for (int g = 0; g < head_dim / SS_KV_INT8_GROUP; g++) {
         const float *xg = x + g * SS_KV_INT8_GROUP;
-        float amax = 0.f;
-        for (int d = 0; d < SS_KV_INT8_GROUP; d++) amax = fabsf(xg[d]) > amax ? fabsf(xg[d]) : amax;
-        int e = 0;
-        if (amax > 0.f) {
-            if (amax > 3.0e38f) amax = 3.0e38f;
-            e = ilogbf(amax) - 8; /* amax / 2^e in [256, 512) */
-            if (ldexpf(amax, -e) > 448.f) e++;
-            e = e < SS_KV_FP8_MIN_EXPONENT ? SS_KV_FP8_MIN_EXPONENT : e > SS_KV_FP8_MAX_EXPONENT ? SS_KV_FP8_MAX_EXPONENT : e;
-        }
+        uint8_t *q = dst + g * SS_KV_INT8_GROUP;
+        const int e = kv_group_exponent(xg, 8, 448.f, SS_KV_FP8_MIN_EXPONENT, SS_KV_FP8_MAX_EXPONENT);
         const float inverse = ldexpf(1.f, -e);
 #if defined(SS_AVX512)
-        _mm_storeu_si128((__m128i *)(dst + g * SS_KV_INT8_GROUP), e4m3_of_16(_mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse))));
+        _mm_storeu_si128((__m128i *)q, e4m3_of_16(_mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse))));
+#elif defined(SS_AVX2)
+        for (int h = 0; h < SS_KV_INT8_GROUP; h += 8)
+            _mm_storel_epi64((__m128i *)(q + h), e4m3_of_8(_mm256_mul_ps(_mm256_loadu_ps(xg + h), _mm256_set1_ps(inverse))));
 #else
-        for (int d = 0; d < SS_KV_INT8_GROUP; d++) dst[g * SS_KV_INT8_GROUP + d] = f32_to_e4m3(xg[d] * inverse);
+        for (int d = 0; d < SS_KV_INT8_GROUP; d++) q[d] = f32_to_e4m3(xg[d] * inverse);
 #endif
         dst[head_dim + g] = (uint8_t)(int8_t)e;
     }
@@ -284,6 +334,22 @@ static inline void kv_fp8_row_to_bf16(const uint8_t *src, int head_dim, const ui
                                                _mm256_set1_epi16((short)(e[d / SS_KV_INT8_GROUP + 1] * 128)), 1);
         b = _mm512_mask_add_epi16(b, _mm512_test_epi16_mask(b, magnitude), b, add);
         _mm512_storeu_si512(dst + d, b);
+    }
+#elif defined(SS_AVX2)
+    /* 8 codes at a time, as float32 bits: a normal code's value (8 + m) 2^(E - 10) has the bits (E + 120) << 23 |
+     * m << 20, the code's low 7 bits shifted by 20 plus 120 << 23; a subnormal one's (E = 0) is m 2^-9, converted;
+     * then the group's exponent added to the nonzero values, the sign, and the top half of each */
+    for (; d + 8 <= head_dim; d += 8) {
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + d)));
+        const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+        const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+        const __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512.f)));
+        __m256i v = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+        const __m256i nonzero = _mm256_andnot_si256(_mm256_cmpeq_epi32(mag, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
+        v = _mm256_add_epi32(v, _mm256_and_si256(nonzero, _mm256_set1_epi32(e[d / SS_KV_INT8_GROUP] * (1 << 23))));
+        v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24));
+        const __m256i hi = _mm256_srli_epi32(v, 16);
+        _mm_storeu_si128((__m128i *)(dst + d), _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
     }
 #endif
     for (; d < head_dim; d++) {
