@@ -174,27 +174,6 @@ static inline __m128i int8_of_8(__m256 y) {
 }
 #endif
 
-static inline void kv_int8_store_row(const float *x, int head_dim, int8_t *dst) {
-    for (int g = 0; g < head_dim / SS_KV_INT8_GROUP; g++) {
-        const float *xg = x + g * SS_KV_INT8_GROUP;
-        int8_t *q = dst + g * SS_KV_INT8_GROUP;
-        const int e = kv_group_exponent(xg, 6, 127.f, -126, 127);
-        const float inverse = ldexpf(1.f, -e);
-#if defined(SS_AVX512)
-        _mm_storeu_si128((__m128i *)q, int8_of_16(_mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse))));
-#elif defined(SS_AVX2)
-        for (int h = 0; h < SS_KV_INT8_GROUP; h += 8)
-            _mm_storel_epi64((__m128i *)(q + h), int8_of_8(_mm256_mul_ps(_mm256_loadu_ps(xg + h), _mm256_set1_ps(inverse))));
-#else
-        for (int d = 0; d < SS_KV_INT8_GROUP; d++) {
-            const float y = nearbyintf(xg[d] * inverse);
-            q[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
-        }
-#endif
-        dst[head_dim + g] = (int8_t)e;
-    }
-}
-
 static inline float kv_int8_scale(int8_t e) { /* 2^e for e in [-126, 127] */
     const uint32_t bits = (uint32_t)(e + 127) << 23;
     float f;
@@ -287,19 +266,33 @@ static inline __m128i e4m3_of_8(__m256 y) {
 }
 #endif
 
-static inline void kv_fp8_store_row(const float *x, int head_dim, uint8_t *dst) {
+static inline int8_t int8_code(float y) { /* int8_of_16's arithmetic for one value */
+    y = nearbyintf(y);
+    return (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
+}
+
+/* One head's row x[head_dim] into a packed row at dst (SS_INT8 or SS_FP8): each group's exponent, its values'
+ * codes, the exponent bytes after the codes. Always inlined with a constant format: one copy per format. */
+static inline __attribute__((always_inline)) void kv_store_row(const float *x, int head_dim, uint8_t *dst,
+                                                               const int format) {
+    const int fp8 = format == SS_FP8;
     for (int g = 0; g < head_dim / SS_KV_INT8_GROUP; g++) {
         const float *xg = x + g * SS_KV_INT8_GROUP;
         uint8_t *q = dst + g * SS_KV_INT8_GROUP;
-        const int e = kv_group_exponent(xg, 8, 448.f, SS_KV_FP8_MIN_EXPONENT, SS_KV_FP8_MAX_EXPONENT);
+        const int e = fp8 ? kv_group_exponent(xg, 8, 448.f, SS_KV_FP8_MIN_EXPONENT, SS_KV_FP8_MAX_EXPONENT)
+                          : kv_group_exponent(xg, 6, 127.f, -126, 127);
         const float inverse = ldexpf(1.f, -e);
 #if defined(SS_AVX512)
-        _mm_storeu_si128((__m128i *)q, e4m3_of_16(_mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse))));
+        const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_set1_ps(inverse));
+        _mm_storeu_si128((__m128i *)q, fp8 ? e4m3_of_16(y) : int8_of_16(y));
 #elif defined(SS_AVX2)
-        for (int h = 0; h < SS_KV_INT8_GROUP; h += 8)
-            _mm_storel_epi64((__m128i *)(q + h), e4m3_of_8(_mm256_mul_ps(_mm256_loadu_ps(xg + h), _mm256_set1_ps(inverse))));
+        for (int h = 0; h < SS_KV_INT8_GROUP; h += 8) {
+            const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(xg + h), _mm256_set1_ps(inverse));
+            _mm_storel_epi64((__m128i *)(q + h), fp8 ? e4m3_of_8(y) : int8_of_8(y));
+        }
 #else
-        for (int d = 0; d < SS_KV_INT8_GROUP; d++) q[d] = f32_to_e4m3(xg[d] * inverse);
+        for (int d = 0; d < SS_KV_INT8_GROUP; d++)
+            q[d] = fp8 ? f32_to_e4m3(xg[d] * inverse) : (uint8_t)int8_code(xg[d] * inverse);
 #endif
         dst[head_dim + g] = (uint8_t)(int8_t)e;
     }

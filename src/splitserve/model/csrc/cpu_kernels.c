@@ -952,9 +952,9 @@ void ss_quantize_kv(const float *x, int64_t num_rows, int head_dim, int format, 
     for (int64_t r = 0; r < num_rows; r++) {
         uint8_t *row = (uint8_t *)out + r * kv_int8_row_bytes(head_dim);
         if (format == SS_FP8)
-            kv_fp8_store_row(x + r * head_dim, head_dim, row);
+            kv_store_row(x + r * head_dim, head_dim, row, SS_FP8);
         else
-            kv_int8_store_row(x + r * head_dim, head_dim, (int8_t *)row);
+            kv_store_row(x + r * head_dim, head_dim, row, SS_INT8);
     }
 }
 
