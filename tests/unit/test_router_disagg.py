@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from splitserve.cli import app
-from splitserve.config import BackendKind, PDDecision, RouterConfig
+from splitserve.config import PDDecision, RouterConfig
 from splitserve.router.app import Router, build_router_app
 from splitserve.router.build import build_router
 from splitserve.router.cost import PRIOR_S_PER_TOKEN
@@ -243,7 +243,16 @@ class TestTheThresholdRule:
         assert "n" not in prefill_body and "best_of" not in prefill_body and prefill_body["max_tokens"] == 1
         assert decode_body | extra == decode_body and decode_body["kv_transfer_params"]["first_token_id"] is None
         assert paths(router) == {"direct": 0, "disaggregated": 1, "fallback": 0}
-        assert kept_colocated(extra, BackendKind.VLLM) is not None  # a vLLM decode worker loads it for one
+
+    def test_several_sequences_stay_on_a_vllm_decoder(self, stack: list[TestClient]) -> None:
+        """A vLLM decode worker's connector loads a push for one request: n sequences are computed there."""
+        transport = PDTransport({P: [], D: [decode_answer()]})
+        router, client = start(stack, transport, PDDecision.THRESHOLD)
+        worker(router, D).kv_transfer_addr, worker(router, D).forces_first_token = "127.0.0.1:9", False  # vLLM
+        complete(client, LONG, n=2)
+        assert [url for url, _ in transport.sent] == [f"{D}/v1/completions"]
+        assert "kv_transfer_params" not in transport.sent[0][1]
+        assert paths(router) == {"direct": 1, "disaggregated": 0, "fallback": 0}
 
     @pytest.mark.parametrize(
         "extra", [{"tools": [{"type": "function", "function": {"name": "f"}}]}, {"n": 2}, {}],

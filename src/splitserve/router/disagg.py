@@ -39,8 +39,8 @@ prompt's last token on the loaded KV and samples the first token itself, as vLLM
 stream is D's whole stream, and P's first token is not sent.
 
 A request for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``), which computes its
-whole prompt wherever it runs, goes to D as to a colocated worker (the log says why), and so do several
-sequences for a vLLM decode worker, whose connector loads a push for one request. A schema, regex or grammar
+whole prompt wherever it runs, goes to D as to a colocated worker (the log says why), and so does a request of
+several sequences whose D is a vLLM worker, whose connector loads a push for one request. A schema, regex or grammar
 goes through as it is: P draws the first token within it, and D's grammar starts by taking that token (or
 draws its own).
 
@@ -150,6 +150,14 @@ class Disaggregator:
             return await forwarder.forward(call, self.decode_pool, decision)
         decoder = decision.worker
         addr = await self._kv_addr(decoder)
+        if addr is not None and not decoder.forces_first_token and (several := several_sequences(call.body)):
+            logger.info(
+                "Conditional routing: not disaggregated, %s: a vLLM decode worker loads a push for one", several
+            )
+            self.metrics.pd_path("direct")
+            if migratable:
+                forwarder.track(call)
+            return await forwarder.forward(call, self.decode_pool, decision)
         transfer_id = f"xfer-{uuid.uuid4().hex}"
         answer = await self._prefill(route.prefill, call, transfer_id, addr) if addr is not None else None
         if answer is not None and 400 <= answer.status < 500 and answer.status != 429:
@@ -210,7 +218,7 @@ class Disaggregator:
         prefillers = [w for w in self.prefill_pool() if w.is_routable]
         prefill: Decision | None = None
         costs: PDCosts | None = None
-        colocated = kept_colocated(call.body, self.config.backend_kind)
+        colocated = kept_colocated(call.body)
         if colocated is not None and decode.uncached_tokens >= self.threshold and prefillers:
             logger.info("Conditional routing: not disaggregated, %s", colocated)
         elif decode.uncached_tokens >= self.threshold and prefillers:
@@ -332,15 +340,16 @@ def vllm_receiver(worker_url: str, port: str) -> str:
     return f"{host}:{port_of(port, http_port)}"
 
 
-def kept_colocated(body: dict[str, Any], backend: BackendKind = BackendKind.SPLITSERVE) -> str | None:
+def kept_colocated(body: dict[str, Any]) -> str | None:
     """Why a request is not disaggregated whatever its length (None: it may be)."""
-    if backend == BackendKind.VLLM:
-        for name in ("n", "best_of"):
-            if isinstance(body.get(name), int) and body[name] > 1:
-                return f"{name}={body[name]}: a vLLM decode worker loads a pushed prompt for one sequence"
     if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
         return "the prompt's logprobs are asked for: the prompt is computed where the answer is"
     return None
+
+
+def several_sequences(body: dict[str, Any]) -> str:
+    """``n=N`` or ``best_of=N`` for a request of several sequences, else ""."""
+    return next((f"{k}={body[k]}" for k in ("n", "best_of") if isinstance(body.get(k), int) and body[k] > 1), "")
 
 
 def sends_first_token(is_chat: bool, call: Call, prefill_answer: dict[str, Any]) -> bool:
@@ -350,7 +359,7 @@ def sends_first_token(is_chat: bool, call: Call, prefill_answer: dict[str, Any])
     output), or when P read its token as reasoning or a call (a chat message without content, or with
     ``reasoning_content``: a ``--reasoning-parser``)."""
     body = call.body
-    if not call.is_stream or any(isinstance(body.get(k), int) and body[k] > 1 for k in ("n", "best_of")):
+    if not call.is_stream or several_sequences(body):
         return False
     if not is_chat:
         return True
