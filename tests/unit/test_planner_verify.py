@@ -30,6 +30,7 @@ from splitserve.planner.verify import (
     measured_figures,
     relative_errors,
     replay_workload,
+    warm_up_lengths,
 )
 from splitserve.planner.workload import TraceRequest, WorkloadShape, with_prompt_tokens
 from tests.support.paths import EXAMPLES
@@ -65,6 +66,14 @@ def test_a_document_is_shared_by_its_questions_and_by_nothing_else() -> None:
     assert _common_prefix(a, c) == 1000
     assert not set(b) & (set(a) | set(c) | set(d)) and not set(d) & set(a)
     assert [r.arrival_s for r in replayed.requests] == [0.0, 0.5, 1.0, 1.5]  # everything else is kept
+
+
+def test_the_warm_up_is_no_longer_than_the_workloads_longest_prompt() -> None:
+    short = replay_workload([TraceRequest(0.0, 120, 8), TraceRequest(0.5, 180, 8)])
+    assert warm_up_lengths(short) == (64, 180)
+    long = replay_workload([TraceRequest(0.0, 6000, 8), TraceRequest(0.5, 40, 8)])
+    assert warm_up_lengths(long) == (64, 512, 2048)
+    assert warm_up_lengths(replay_workload([TraceRequest(0.0, 30, 8)])) == (30,)
 
 
 def test_symbols_become_ids_of_the_pool_the_same_way_every_time() -> None:

@@ -53,7 +53,9 @@ FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "output_tokens_per_s")
 """The figures whose relative error ``--verify`` reports (the target: within 25 % each)."""
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 90.0
-WARMUP_PROMPTS = (64, 512, 2048)  # tokens; each sent once per worker, one at a time, before the replay
+# tokens; each sent once per worker, one at a time, before the replay; none longer than the workload's longest
+# prompt (warm_up_lengths)
+WARMUP_PROMPTS = (64, 512, 2048)
 _SYMBOL_MIX = 0x9E3779B97F4A7C15  # a fixed odd 64-bit multiplier: symbols -> pool slots, the same in every run
 
 
@@ -113,6 +115,13 @@ def replay_workload(requests: Sequence[TraceRequest]) -> ReplayWorkload:
             history[group] = prompt + fresh(request.output_tokens)  # the answer's stand-in
         prompts.append(tuple(prompt))
     return ReplayWorkload(tuple(restated), tuple(prompts))
+
+
+def warm_up_lengths(workload: ReplayWorkload) -> tuple[int, ...]:
+    """The warm-up prompts' lengths for one worker: ``WARMUP_PROMPTS``, none past the workload's longest prompt
+    (a path the replay never takes needs no warming, and a long prompt costs seconds a worker)."""
+    longest = max((len(p) for p in workload.prompts), default=WARMUP_PROMPTS[0])
+    return tuple(sorted({min(n, longest) for n in WARMUP_PROMPTS}))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -289,11 +298,9 @@ def replay(
     """Warm the endpoint up, send the workload at its arrival times, and summarize what came back; requests
     still unanswered at ``deadline`` (``time.monotonic()``) fail with :data:`CUT`."""
     prompts = workload.token_ids(pool)
+    lengths = warm_up_lengths(workload) * num_workers
     warmup = ReplayWorkload(
-        (),
-        tuple(
-            tuple(range(-(i + 1) * 10_000, -(i + 1) * 10_000 + n)) for i, n in enumerate(WARMUP_PROMPTS * num_workers)
-        ),
+        (), tuple(tuple(range(-(i + 1) * 10_000, -(i + 1) * 10_000 + n)) for i, n in enumerate(lengths))
     ).token_ids(pool, seed=7)
     results, duration_s = asyncio.run(_replay(url, model, prompts, workload.requests, warmup, deadline))
     return Replay(tuple(results), duration_s, measured_figures(results, slo))
