@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from splitserve.deploy import collector
 from splitserve.deploy.operator import install_manifests
 from splitserve.deploy.render import (
     RUN_AS_ID,
@@ -138,7 +139,8 @@ def test_what_a_process_writes_goes_to_an_empty_dir(name: str, manifests: list[M
     for pod_name, pod, c in containers(manifests):
         empty_dirs = {v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v}
         mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
-        writable = {"redis": ["/data"], "discovery": ["/tmp"]}.get(c["name"])
+        # the collector writes nothing: its spans go to its log or out to a backend
+        writable = {"redis": ["/data"], "discovery": ["/tmp"], collector.CONTAINER_NAME: []}.get(c["name"])
         if writable is None:  # worker, router: /tmp and HOME (native kernels, caches)
             home = next(e["value"] for e in c["env"] if e["name"] == "HOME")
             writable = ["/tmp", home]

@@ -14,6 +14,7 @@ import typer
 import yaml
 
 from splitserve.cli import app
+from splitserve.deploy import collector
 from splitserve.deploy.crd import CRD_PATH, crd, crd_yaml, openapi_schema
 from splitserve.deploy.plan import Target, plan
 from splitserve.deploy.render import (
@@ -212,7 +213,7 @@ def test_pod_labels_carry_the_role_and_the_recommended_app_labels() -> None:
     assert colocated["app.kubernetes.io/component"] == "worker" and LABEL_ROLE not in colocated
 
 
-def test_the_reference_api_group_adds_the_seeds_role_label_too() -> None:
+def test_the_reference_api_group_adds_the_reference_systems_role_label_too() -> None:
     labels = _pod_labels(find(render(example("reference")), "Deployment", "decode-dpd-test"))
     assert labels[LABEL_ROLE] == "decode"
     assert labels["inference.sagemaker.aws.amazon.com/dpd-role"] == "decode"
@@ -546,6 +547,36 @@ def test_metrics_enabled_annotates_pods_for_prometheus() -> None:
     assert router["annotations"]["prometheus.io/port"] == "8080"
     dpd = find(render(example("dpd")), "Deployment", "dpd-router")["spec"]["template"]["metadata"]
     assert not [key for key in dpd["annotations"] if key.startswith("prometheus.io/")]
+
+
+def test_metrics_enabled_puts_a_trace_collector_beside_every_splitserve_process() -> None:
+    """The reference system's observability path: a collector container in each model pod and the router pod,
+    and each splitserve process sending its spans to the one on its pod's loopback."""
+    manifests = render(example("kvaware"))  # metrics.enabled
+    config = find(manifests, "ConfigMap", "kvaware-otel-collector")["data"][collector.CONFIG_KEY]
+    pipeline = yaml.safe_load(config)
+    assert pipeline["receivers"]["otlp"]["protocols"]["http"]["endpoint"] == "127.0.0.1:4318"
+    assert pipeline["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
+    for name, process in (("kvaware", "worker"), ("kvaware-router", "router")):
+        deployment = find(manifests, "Deployment", name)
+        assert (
+            value_after(container(deployment, process)["args"], "--otlp-traces-endpoint") == collector.TRACES_ENDPOINT
+        )
+        sidecar = container(deployment, collector.CONTAINER_NAME)
+        assert sidecar["image"] == collector.COLLECTOR_IMAGE and sidecar["resources"]["limits"]
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        assert {"name": collector.VOLUME, "configMap": {"name": "kvaware-otel-collector"}} in volumes
+    dpd = render(example("dpd"))  # metrics off: no collector, no flag
+    assert not names(dpd, "ConfigMap") and not any("--otlp-traces-endpoint" in c.get("args", [])
+                                                   for m in dpd if m["kind"] == "Deployment"
+                                                   for c in m["spec"]["template"]["spec"]["containers"])  # fmt: skip
+    data = example_data("vllm")
+    data["spec"]["metrics"] = {"enabled": True}
+    vllm_pods = render(parse_endpoint(data))
+    worker = find(vllm_pods, "Deployment", data["metadata"]["name"])  # vLLM traces only with OpenTelemetry
+    assert [c["name"] for c in worker["spec"]["template"]["spec"]["containers"]] == ["worker"]
+    router = find(vllm_pods, "Deployment", f"{data['metadata']['name']}-router")
+    assert collector.CONTAINER_NAME in [c["name"] for c in router["spec"]["template"]["spec"]["containers"]]
 
 
 def test_objects_live_in_the_resources_namespace() -> None:

@@ -73,6 +73,7 @@ MANAGED_KINDS = (
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("v1", "ServiceAccount"),
+    ("v1", "ConfigMap"),
     ("v1", "Secret"),
 )
 
@@ -513,7 +514,11 @@ def _operator_rules(cluster_wide: bool) -> list[Manifest]:
         {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": list(manage)},
-        {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets"], "verbs": list(manage)},
+        {
+            "apiGroups": [""],
+            "resources": ["services", "serviceaccounts", "secrets", "configmaps"],
+            "verbs": list(manage),
+        },
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": list(manage)},
         {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": list(manage)},
         {"apiGroups": [""], "resources": ["pods"], "verbs": list(read)},

@@ -26,6 +26,9 @@ What an endpoint becomes (``<name>`` is ``metadata.name``; every object is in ``
   routing (prefix-aware, KV-aware, PD pairing) sees each pod.
   ServiceAccount, Role and RoleBinding ``<name>-router`` let the sidecar list pods. Only the sidecar mounts the
   account's token (a projected volume); the router container has none.
+- tracing: with ``spec.metrics.enabled``, an ``otel-collector`` container beside each splitserve worker and the
+  router, configured by the ConfigMap ``<name>-otel-collector``, and ``--otlp-traces-endpoint`` on their
+  processes (``splitserve.deploy.collector``).
 - Redis: with ``l2CacheBackend: redis`` and no ``l2CacheLocalUrl``, a ``<name>-redis`` Deployment and Service
   (``REDIS_IMAGE``), as ``splitserve up`` starts a redis-server. It reads its password from the Secret on
   stdin (never argv); every worker gets its URL and ``SPLITSERVE_REDIS_PASSWORD``.
@@ -70,7 +73,7 @@ import yaml
 
 from splitserve import envs
 from splitserve.config import L2Backend, Role
-from splitserve.deploy import vllm
+from splitserve.deploy import collector, vllm
 from splitserve.deploy.labels import (
     COMPONENTS,
     LABEL_COMPONENT,
@@ -154,6 +157,11 @@ class _Endpoint:
         return self.config.metadata.name
 
     @property
+    def traces(self) -> bool:
+        """Whether the splitserve pods run an OpenTelemetry collector beside them (``deploy/collector.py``)."""
+        return self.config.spec.metrics.enabled
+
+    @property
     def namespace(self) -> str:
         return self.config.metadata.namespace
 
@@ -177,6 +185,8 @@ def render(
     router_image = default_image if endpoint_plan.engine == WorkerEngine.VLLM else image
     ep = _Endpoint(config, endpoint_plan, image, router_image, values)
     manifests = [_secret(ep), *network_policies(_network(ep)), *_router_rbac(ep)]
+    if ep.traces:
+        manifests.append(collector.config_map(ep.name, ep.namespace, _labels(ep, "router")))
     if config.needs_local_redis:
         manifests += [_redis_deployment(ep), _service(ep, f"{ep.name}-redis", "redis", _redis_ports())]
     for role in endpoint_plan.roles:
@@ -291,7 +301,11 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
     volumes = _model_volumes(ep) + _scratch_volumes() + ([_l2_volume()] if ep.plan.l2_path is not None else [])
     if ep.is_vllm:
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
-    pod_spec = _pod_spec([_pruned(container)], volumes, terminationGracePeriodSeconds=TERMINATION_GRACE_S)
+    containers = [_pruned(container)]
+    if ep.traces and not ep.is_vllm:
+        containers.append(collector.container(_container_security()))
+        volumes.append(collector.volume(ep.name))
+    pod_spec = _pod_spec(containers, volumes, terminationGracePeriodSeconds=TERMINATION_GRACE_S)
     pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": pod_spec}
     return _deployment(ep, role.name, COMPONENTS[role.role], role.replicas, pod)
 
@@ -306,7 +320,12 @@ def _worker_args(ep: _Endpoint, role: RolePlan) -> list[str]:
         args += ["--kv-transfer-port", str(kv_transfer_port(port))]
     if ep.plan.router.kv_events:
         args += ["--kv-events-url", f"{_service_url(ep, ep.plan.router.name, ROUTER_PORT)}/kv/events"]
-    return args
+    return args + _traces_args(ep)
+
+
+def _traces_args(ep: _Endpoint) -> list[str]:
+    """A splitserve process's tracing flag: its pod's collector, when there is one."""
+    return ["--otlp-traces-endpoint", collector.TRACES_ENDPOINT] if ep.traces else []
 
 
 def _vllm_args(ep: _Endpoint, role: RolePlan) -> list[str]:
@@ -421,6 +440,7 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
             str(ROUTER_ADMIN_PORT),
             "--shutdown-timeout",
             str(SHUTDOWN_TIMEOUT_S),
+            *_traces_args(ep),
             *bootstrap,
         ],
         "ports": [_port(HTTP_PORT_NAME, ROUTER_PORT)],
@@ -434,7 +454,11 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
         "volumeMounts": _model_mounts(ep) + _scratch_mounts(),
     }
     volumes = _model_volumes(ep) + _scratch_volumes() + [_api_access_volume()]
-    pod_spec = _pod_spec([_pruned(container), _discovery_container(ep)], volumes, serviceAccountName=router.name,
+    containers = [_pruned(container), _discovery_container(ep)]
+    if ep.traces:
+        containers.append(collector.container(_container_security()))
+        volumes.append(collector.volume(ep.name))
+    pod_spec = _pod_spec(containers, volumes, serviceAccountName=router.name,
                          terminationGracePeriodSeconds=TERMINATION_GRACE_S)  # fmt: skip
     pod = {"metadata": _pod_metadata(ep, _labels(ep, "router"), ROUTER_PORT), "spec": pod_spec}
     return _deployment(ep, router.name, "router", 1, pod)
