@@ -125,6 +125,22 @@ def test_a_long_prompt_is_disaggregated_with_the_colocated_output_on_both_decode
 def test_streaming_through_prefill_sends_the_first_token_then_the_rest(endpoint: Endpoint) -> None:
     prompt = FOX * 50 + "Then the dog"
     assert streamed_text(endpoint.router.url, prompt, 20) == text_of(endpoint.colocated.complete(prompt, 20))
+    # a long stop string: the decode worker holds back the first token's text with the next ones, and still
+    # leaves out exactly what the client got from the prefill worker; the offsets go on from it
+    extra = {"stop": ["no such ending here"], "logprobs": 1}
+    reference = endpoint.colocated.complete(prompt, 20, **extra).json()["choices"][0]
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True, **extra}
+    with httpx.stream("POST", f"{endpoint.router.url}/v1/completions", json=body, timeout=300) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == reference["text"]
+    streamed = [
+        (t, o)
+        for c in choices
+        if c.get("logprobs")
+        for t, o in zip(c["logprobs"]["tokens"], c["logprobs"]["text_offset"], strict=True)
+    ]
+    assert streamed == list(zip(reference["logprobs"]["tokens"], reference["logprobs"]["text_offset"], strict=True))
 
 
 def test_logprobs_and_n_through_prefill_equal_the_colocated_ones(endpoint: Endpoint) -> None:

@@ -122,22 +122,25 @@ def test_prefix_lookups_counted_once_per_request(make_engine: EngineFactory) -> 
     assert stats.prefix_cache_queries == 80 + 60
 
 
-def test_the_same_prompt_arriving_n_times_at_once_is_computed_once(make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("length", [150, 160], ids=["partial-last-block", "whole-blocks"])
+def test_the_same_prompt_arriving_n_times_at_once_is_computed_once(make_engine: EngineFactory, length: int) -> None:
     """Sequences admitted together whose next block the first is computing wait one step for it, then start from
-    the prefix cache (the partial last block copied): n sequences of one request cost one prompt."""
+    the prefix cache together (the last block copied): n sequences of one request cost one prompt."""
     engine = make_engine()
-    prompt = random_prompts(1, 150, 150, seed=4)["r0"]
+    prompt = random_prompts(1, length, length, seed=4)["r0"]
     params = SamplingParams(max_tokens=4, temperature=0)
-    for rid in ("a", "b", "c"):
+    for rid in ("a", "b", "c", "d"):
         engine.add_request(rid, prompt, params)
     engine.step()
-    assert engine.iteration_tokens.total == 150 and engine.get_stats().num_waiting == 2
+    assert engine.iteration_tokens.total == length and engine.get_stats().num_waiting == 3
+    engine.step()  # the three others at once, each computing its last prompt token
+    assert engine.get_stats().num_waiting == 0
     cached = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             cached.setdefault(out.request_id, out.num_cached_tokens)
-    assert cached == {"a": 0, "b": 149, "c": 149}
-    assert engine.iteration_tokens.total == 150 + 2 * 1 + 3 * 3  # the others' last prompt token, three decodes each
+    assert cached == {"a": 0, "b": length - 1, "c": length - 1, "d": length - 1}
+    assert engine.iteration_tokens.total == length + 3 * 1 + 4 * 3  # the others' last prompt token, 3 decodes each
 
 
 def test_stop_token_ids_outside_vocabulary_are_refused(make_engine: EngineFactory) -> None:

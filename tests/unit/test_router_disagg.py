@@ -237,10 +237,11 @@ class TestTheThresholdRule:
     ) -> None:
         transport = PDTransport({P: [prefill_answer(LONG, 7.5)], D: [decode_answer()]})
         router, client = start(stack, transport, PDDecision.THRESHOLD)
-        complete(client, LONG, **extra)
+        complete(client, LONG, **extra, logprobs=1, min_tokens=5)
         assert [url for url, _ in transport.sent] == [f"{P}/v1/completions", f"{D}/v1/completions"]
         prefill_body, decode_body = transport.sent[0][1], transport.sent[1][1]
         assert "n" not in prefill_body and "best_of" not in prefill_body and prefill_body["max_tokens"] == 1
+        assert "logprobs" not in prefill_body and prefill_body["min_tokens"] == 1  # no EOS first, which D would take
         assert decode_body | extra == decode_body and decode_body["kv_transfer_params"]["first_token_id"] is None
         assert paths(router) == {"direct": 0, "disaggregated": 1, "fallback": 0}
 

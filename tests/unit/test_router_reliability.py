@@ -376,11 +376,11 @@ def test_a_resumed_chat_streams_logprobs_come_in_its_shape_and_none_twice() -> N
     assert resume_body(tracker, choice, {"messages": [], "logprobs": True, "top_logprobs": 1})["logprobs"] == 1
     tracker.resume()
     resumed = {"choices": [{"index": 0, "text": "éa", "token_ids": [200, 97], "logprobs": {
-        "tokens": ["é", "a"], "token_logprobs": [-0.2, -0.3], "top_logprobs": [{"é": -0.2}, {"b": -0.25, "a": -0.3}],
+        "tokens": ["é", "a"], "token_logprobs": [-0.2, -0.3], "top_logprobs": [{"é": -0.2}, {"a": -0.3, "b": -0.25}],
         "text_offset": [0, 1]}}]}  # fmt: skip
     out = _sent(tracker, resumed, 0)
     assert out is not None and out["object"] == "chat.completion.chunk"
-    top = [{"token": "b", "logprob": -0.25, "bytes": [98]}]  # the first of its most likely, as asked
+    top = [{"token": "b", "logprob": -0.25, "bytes": [98]}]  # its most likely, as asked (the chosen one after it)
     assert out["choices"][0]["logprobs"] == {"content": [{"token": "a", "logprob": -0.3, "bytes": [97],
                                                           "top_logprobs": top}]}  # fmt: skip
     assert choice.num_logprobs == 3

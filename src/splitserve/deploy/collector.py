@@ -7,10 +7,13 @@ container (``COLLECTOR_IMAGE``, the collector's core distribution) that receives
 pointing at it: every hop of a request (router, prefill, the KV push, decode, a migration) is a span of one trace
 (``splitserve.tracing``). Each collector reads the endpoint's ConfigMap ``<name>-otel-collector``
 (:func:`config_map`): spans are batched and written to the container's log (``kubectl logs -c otel-collector``) by
-the ``debug`` exporter; to send them to a tracing backend (Tempo, Jaeger, an OTLP gateway), put its exporter in
-that ConfigMap's ``exporters`` and ``service.pipelines.traces``, and allow the collector's egress to it in the
-endpoint's NetworkPolicies. vLLM workers get neither: ``vllm serve`` traces only where its image has
-OpenTelemetry installed, and a flag it cannot honour stops it.
+the ``debug`` exporter. The resource has no field for another exporter yet, and the operator re-applies the
+ConfigMap and the NetworkPolicies as rendered: to send spans to a tracing backend (Tempo, Jaeger, an OTLP
+gateway), render with ``splitserve render``, add its exporter to the ConfigMap's ``exporters`` and
+``service.pipelines.traces`` and the collector's egress to the NetworkPolicies, and apply that (a collector reads
+its configuration when it starts). The image must have ``splitserve[tracing]`` (this repository's has). vLLM
+workers get neither: ``vllm serve`` traces only where its image has OpenTelemetry installed, and a flag it
+cannot honour stops it.
 """
 
 from __future__ import annotations

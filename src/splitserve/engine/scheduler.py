@@ -305,7 +305,8 @@ class Scheduler:
                 num_cached += num_new - 1
             self._start_past_cached(out, request, block_ids, num_cached, num_external, source)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            self._in_flight.update(self._prompt_blocks_to_fill(request, len(cached)))
+            if tail is None:  # with a tail every block is cached already: it computes only the last token
+                self._in_flight.update(self._prompt_blocks_to_fill(request, len(cached)))
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:  # kept over preemptions, as vLLM's SCHEDULED event
                 request.scheduled_time = time.monotonic()

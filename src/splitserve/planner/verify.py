@@ -121,7 +121,7 @@ def warm_up_lengths(workload: ReplayWorkload) -> tuple[int, ...]:
     """The warm-up prompts' lengths for one worker: ``WARMUP_PROMPTS``, none past the workload's longest prompt
     (a path the replay never takes needs no warming, and a long prompt costs seconds a worker)."""
     longest = max((len(p) for p in workload.prompts), default=WARMUP_PROMPTS[0])
-    return tuple(sorted({min(n, longest) for n in WARMUP_PROMPTS}))
+    return tuple(sorted({max(1, min(n, longest)) for n in WARMUP_PROMPTS}))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -68,7 +68,7 @@ from splitserve.protocol.openai import answer_text, sse_event, stream_error_end,
 from splitserve.router.cost import PDCosts, PrefillCostModel, QueuedPrefill, pd_costs
 from splitserve.router.discovery import Worker, WorkerPool, WorkerRole
 from splitserve.router.forward import Call, Forwarder
-from splitserve.router.migrate import is_migratable
+from splitserve.router.migrate import is_migratable, num_logprobs
 from splitserve.router.policies import Decision, build_policy
 from splitserve.router.transport import TransportError
 from splitserve.router.vllm_events import host_and_port
@@ -194,7 +194,7 @@ class Disaggregator:
         logprobs = ((p_body.get("choices") or [{}])[0]).get("logprobs")  # when the client asked for them
         first_chunk = _first_chunk(is_chat, p_body, first_text, logprobs)
         if migratable:  # D's stream carries the first token's id, and the client has its text (and logprobs)
-            forwarder.track(decode_call, sent_text=first_text, sent_logprobs=int(logprobs is not None))
+            forwarder.track(decode_call, sent_text=first_text, sent_logprobs=num_logprobs(is_chat, logprobs))
         self.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
         relay = self._stream_after_first(first_chunk, decode_call, decision)
         return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -261,8 +261,12 @@ class Disaggregator:
         queued there until it answers; its answer teaches the cost model (:meth:`_learn`)."""
         worker = prefill.worker
         body = {k: v for k, v in call.body.items() if k not in PREFILL_DROPPED_FIELDS}
+        if not call.is_stream or several_sequences(call.body):  # its first token never reaches the client
+            body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
         params = self._signed(KVTransferParams(transfer_id, decode_kv_addr=addr).as_api())
         body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
+        if isinstance(call.body.get("min_tokens"), int) and call.body["min_tokens"] >= 1:
+            body["min_tokens"] = 1  # no EOS as the first token, which D would be made to take
         lease = worker.lease(prefill.uncached_tokens)
         queued = QueuedPrefill(lease)
         attributes = {"splitserve.worker": worker.url, "splitserve.transfer_id": transfer_id,

@@ -36,9 +36,10 @@ choice's index, and the usage at the end counts every choice's tokens.
 
 Logprobs migrate: the resumed request asks for them in the completions shape (``logprobs`` k, the chat
 request's ``top_logprobs``), and each chunk's entries are rewritten into the original stream's shape (chat: each
-token's ``token``, ``logprob``, ``bytes`` of its text and the first k of its most likely tokens; completions: the
+token's ``token``, ``logprob``, ``bytes`` of its text and its k most likely tokens; completions: the
 ``text_offset`` moved past the text sent before). A token whose entry the client already has (one generated again
-because it ended in half a character) is not sent twice.
+because it ended in half a character) is not sent twice. The completions shape names the most likely tokens by
+their text, so two of them with the same text (byte-fallback pieces of one character) come back as one.
 
 Not migrated: ``echo``, the prompt's logprobs and tool calls; those end with an error event as before.
 """
@@ -46,6 +47,7 @@ Not migrated: ``echo``, the prompt's logprobs and tool calls; those end with an 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,7 +214,7 @@ class StreamTracker:
                 changed = changed or not self.client_wants_ids
                 track.output_ids.extend(_ids(ids or []))
             track.text += openai.choice_text(self.is_chat, choice)
-            track.num_logprobs += _num_logprobs(self.is_chat, choice.get("logprobs"))
+            track.num_logprobs += num_logprobs(self.is_chat, choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 track.finished = True
         return changed
@@ -291,7 +293,7 @@ class StreamTracker:
         k = self.logprobs or 0
         return {"content": [
             _chat_entry(str(tokens[i]), values[i] if i < len(values) else None) | {"top_logprobs": [
-                _chat_entry(str(t), lp) for t, lp in list((top[j] or {}).items())[:k]]}
+                _chat_entry(str(t), lp) for t, lp in _most_likely(top[j] or {}, k)]}
             for j, i in enumerate(keep)
         ]}  # fmt: skip
 
@@ -367,12 +369,19 @@ def resume_body(
     return body
 
 
+def _most_likely(top: dict[str, Any], k: int) -> list[tuple[str, Any]]:
+    """The k most likely of a completions entry's ``top_logprobs``, most likely first: the dict also holds the
+    chosen token, wherever a worker puts it (splitserve last, vLLM first), when it is not among them."""
+    ranked = sorted(top.items(), key=lambda item: -item[1] if isinstance(item[1], (int, float)) else math.inf)
+    return ranked[:k]
+
+
 def _chat_entry(token: str, logprob: Any) -> dict[str, Any]:
     """A chat logprobs entry of a token known by its text (its ``bytes``: the text's, as splitserve gives them)."""
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def _num_logprobs(is_chat: bool, value: Any) -> int:
+def num_logprobs(is_chat: bool, value: Any) -> int:
     """How many tokens' entries a chunk's ``logprobs`` carries."""
     if not isinstance(value, dict):
         return 0

@@ -28,6 +28,7 @@ from splitserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from splitserve.engine.detokenizer import Decoder, IncrementalDetokenizer
 from splitserve.engine.outputs import RequestOutput, TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.errors import SplitserveError
@@ -555,8 +556,8 @@ class OpenAIServing:
         def chunk(choices: list[openai.CompletionChoice], usage: openai.Usage | None = None) -> bytes:
             return openai.sse_event(openai.completion(rid, created, model, choices, usage))
 
-        skipped = _skipped_first_text(engine_input)
-        async for event in _stream_events(choices, include_usage, skipped):
+        skipped = await self._off_loop(first_token_text, self._tokenizer(), engine_input)
+        async for event in _stream_events(choices, include_usage, None if skipped is None else len(skipped)):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
@@ -565,7 +566,7 @@ class OpenAIServing:
                 index, output = event
                 first = index not in offsets
                 if first and skipped is not None:  # the client has the echo and the first token's text
-                    offsets[index] = len(echo or "") + len(skipped[index])
+                    offsets[index] = len(echo or "") + len(skipped)
                 text = (echo or "") + output.new_text if first and skipped is None else output.new_text
                 if not (text or output.finished or with_ids or (engine_input.logprobs and output.new_logprobs)):
                     continue
@@ -577,7 +578,12 @@ class OpenAIServing:
                     logprobs = await self._completion_logprobs(entries, tokens, offsets.get(index, 0))
                 if first:
                     prompt_logprobs = await self._prompt_logprobs(engine_input, output.prompt_logprobs)
-                offsets[index] = offsets.get(index, 0) + len(text)
+                # text_offset counts the tokens' text, which a stop string's hold-back can send later than them
+                offsets[index] = (
+                    logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    if logprobs is not None and logprobs["tokens"]
+                    else offsets.get(index, 0) + (0 if engine_input.logprobs else len(text))
+                )
                 choice = openai.completion_choice(
                     text, _reason(output), index=index, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                     prompt_token_ids=engine_input.prompt_token_ids if with_ids and first else None,  # the first only
@@ -602,7 +608,8 @@ class OpenAIServing:
             role = openai.chat_chunk_choice(openai.chat_delta("", role=True), index=index)
             yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
         readers: dict[int, _ChatStreamReader] = {}
-        async for event in _stream_events(choices, include_usage, _skipped_first_text(engine_input)):
+        skipped = await self._off_loop(first_token_text, self._tokenizer(), engine_input)
+        async for event in _stream_events(choices, include_usage, None if skipped is None else len(skipped)):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
@@ -774,18 +781,24 @@ def _finite(value: float) -> float:
 
 
 async def _stream_events(
-    choices: Choices, include_usage: bool, skipped: dict[int, str] | None = None
+    choices: Choices, include_usage: bool, skip_chars: int | None = None
 ) -> AsyncIterator[tuple[int, RequestOutput] | openai.Usage | bytes]:
     """The choices' outputs as ``(index, output)``, then the usage (if asked), then ``[DONE]``; an engine failure
     becomes an SSE error event. Every sequence is aborted if the consumer stops early (client disconnect). With
-    ``skipped`` (a router already sent the first token, from the prefill worker's answer) the first output's text
-    goes there instead, and its first token's logprobs are left out."""
+    ``skip_chars`` (a router already sent the first token, from the prefill worker's answer: that many
+    characters) the first characters of each choice's text are left out, however the outputs split them (a
+    stop string's hold-back can keep part of the first token's text for the next one), and so are its first
+    token's logprobs."""
     try:
         last: dict[int, RequestOutput] = {}
+        left: dict[int, int] = {}
         async for index, output in choices.merged():
-            if index not in last and skipped is not None:
-                skipped[index], output.new_text = output.new_text, ""
-                output.new_logprobs = output.new_logprobs[1:] if output.new_logprobs else output.new_logprobs
+            if skip_chars is not None:
+                if index not in last:
+                    left[index] = skip_chars
+                    output.new_logprobs = output.new_logprobs[1:] if output.new_logprobs else output.new_logprobs
+                cut = min(left[index], len(output.new_text))
+                output.new_text, left[index] = output.new_text[cut:], left[index] - cut
             last[index] = output
             yield index, output
         if include_usage and last:
@@ -852,10 +865,15 @@ async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict
     return report.as_api()
 
 
-def _skipped_first_text(engine_input: EngineInput) -> dict[int, str] | None:
-    """Where a stream whose first token a router already sent keeps that token's text (None: it sends it)."""
+def first_token_text(tokenizer: Decoder, engine_input: EngineInput) -> str | None:
+    """The text of the first token of a stream whose router already sent it (the prefill worker's: forced
+    here), decoded as the engine decodes it after the prompt; None when the router did not send it."""
     transfer = engine_input.params.kv_transfer
-    return {} if transfer is not None and transfer.skip_first_token else None
+    if transfer is None or not transfer.skip_first_token or transfer.first_token_id is None:
+        return None
+    detokenizer = IncrementalDetokenizer(tokenizer, (), False, engine_input.prompt_token_ids)
+    detokenizer.update([transfer.first_token_id])
+    return detokenizer.text
 
 
 def _usage(output: RequestOutput) -> openai.Usage:
