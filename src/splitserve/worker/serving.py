@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from splitserve import tracing
 from splitserve.auth import verified
@@ -556,7 +556,7 @@ class OpenAIServing:
         def chunk(choices: list[openai.CompletionChoice], usage: openai.Usage | None = None) -> bytes:
             return openai.sse_event(openai.completion(rid, created, model, choices, usage))
 
-        skipped = await self._off_loop(first_token_text, self._tokenizer(), engine_input)
+        skipped = await self._first_token_text(engine_input)
         async for event in _stream_events(choices, include_usage, None if skipped is None else len(skipped)):
             if isinstance(event, dict):
                 yield chunk([], event)
@@ -608,7 +608,7 @@ class OpenAIServing:
             role = openai.chat_chunk_choice(openai.chat_delta("", role=True), index=index)
             yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
         readers: dict[int, _ChatStreamReader] = {}
-        skipped = await self._off_loop(first_token_text, self._tokenizer(), engine_input)
+        skipped = await self._first_token_text(engine_input)
         async for event in _stream_events(choices, include_usage, None if skipped is None else len(skipped)):
             if isinstance(event, dict):
                 yield chunk([], event)
@@ -637,6 +637,13 @@ class OpenAIServing:
                     reason = reader.finish_reason(_reason(output))
                     finish = openai.chat_chunk_choice({}, reason, token_ids, index=index, logprobs=logprobs)
                     yield chunk([finish], usage)
+
+    async def _first_token_text(self, engine_input: EngineInput) -> str | None:
+        """:func:`first_token_text`, on the tokenizer thread when there is one to decode."""
+        transfer = engine_input.params.kv_transfer
+        if transfer is None or not transfer.skip_first_token:
+            return None
+        return cast("str | None", await self._off_loop(first_token_text, self._tokenizer(), engine_input))
 
     # ---- log-probabilities in OpenAI's shapes ---------------------------------------------------------------
 
