@@ -144,20 +144,14 @@ class Disaggregator:
         decision = route.decode
         migratable = self.config.stream_migration and is_migratable(call.path, call.body)
         if route.prefill is None:
-            self.metrics.pd_path("direct")
-            if migratable:
-                forwarder.track(call)
-            return await forwarder.forward(call, self.decode_pool, decision)
+            return await self._to_decoder(call, decision, migratable, "direct")
         decoder = decision.worker
         addr = await self._kv_addr(decoder)
         if addr is not None and not decoder.forces_first_token and (several := several_sequences(call.body)):
             logger.info(
                 "Conditional routing: not disaggregated, %s: a vLLM decode worker loads a push for one", several
             )
-            self.metrics.pd_path("direct")
-            if migratable:
-                forwarder.track(call)
-            return await forwarder.forward(call, self.decode_pool, decision)
+            return await self._to_decoder(call, decision, migratable, "direct")
         transfer_id = f"xfer-{uuid.uuid4().hex}"
         answer = await self._prefill(route.prefill, call, transfer_id, addr) if addr is not None else None
         if answer is not None and 400 <= answer.status < 500 and answer.status != 429:
@@ -165,10 +159,7 @@ class Disaggregator:
         p_body = answer.body if answer is not None else None
         if answer is None or p_body is None:
             logger.warning("prefill of %s failed; decode worker %s computes the prompt", transfer_id, decoder.name)
-            self.metrics.pd_path("fallback")
-            if migratable:
-                forwarder.track(call)
-            return await forwarder.forward(call, self.decode_pool, decision)
+            return await self._to_decoder(call, decision, migratable, "fallback")
         self.prefill_policy.on_routed(call.routing, route.prefill.worker)
         report = answer.report
         if report.ok:
@@ -198,6 +189,13 @@ class Disaggregator:
         self.metrics.ttft_s.observe(time.perf_counter() - call.start_s)
         relay = self._stream_after_first(first_chunk, decode_call, decision)
         return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _to_decoder(self, call: Call, decision: Decision, migratable: bool, path: str) -> Response:
+        """``call`` as it is to D, as to a colocated worker, counted under ``path`` (direct or fallback)."""
+        self.metrics.pd_path(path)
+        if migratable:
+            self.forwarder.track(call)
+        return await self.forwarder.forward(call, self.decode_pool, decision)
 
     def _route(self, call: Call, decoders: list[Worker]) -> _Route:
         """Pick D among ``decoders``, decide whether P prefills (step 2 above), and log the decision."""

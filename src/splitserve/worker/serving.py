@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from splitserve import tracing
 from splitserve.auth import verified
@@ -556,8 +556,8 @@ class OpenAIServing:
         def chunk(choices: list[openai.CompletionChoice], usage: openai.Usage | None = None) -> bytes:
             return openai.sse_event(openai.completion(rid, created, model, choices, usage))
 
-        skipped = await self._first_token_text(engine_input)
-        async for event in _stream_events(choices, include_usage, None if skipped is None else len(skipped)):
+        skipped = await self._skipped_chars(engine_input)
+        async for event in _stream_events(choices, include_usage, skipped):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
@@ -566,7 +566,7 @@ class OpenAIServing:
                 index, output = event
                 first = index not in offsets
                 if first and skipped is not None:  # the client has the echo and the first token's text
-                    offsets[index] = len(echo or "") + len(skipped)
+                    offsets[index] = len(echo or "") + skipped
                 text = (echo or "") + output.new_text if first and skipped is None else output.new_text
                 if not (text or output.finished or with_ids or (engine_input.logprobs and output.new_logprobs)):
                     continue
@@ -608,8 +608,8 @@ class OpenAIServing:
             role = openai.chat_chunk_choice(openai.chat_delta("", role=True), index=index)
             yield openai.sse_event(openai.chat_chunk(rid, created, model, [role], first_usage, prompt_ids))
         readers: dict[int, _ChatStreamReader] = {}
-        skipped = await self._first_token_text(engine_input)
-        async for event in _stream_events(choices, include_usage, None if skipped is None else len(skipped)):
+        skipped = await self._skipped_chars(engine_input)
+        async for event in _stream_events(choices, include_usage, skipped):
             if isinstance(event, dict):
                 yield chunk([], event)
             elif isinstance(event, bytes):
@@ -638,12 +638,15 @@ class OpenAIServing:
                     finish = openai.chat_chunk_choice({}, reason, token_ids, index=index, logprobs=logprobs)
                     yield chunk([finish], usage)
 
-    async def _first_token_text(self, engine_input: EngineInput) -> str | None:
-        """:func:`first_token_text`, on the tokenizer thread when there is one to decode."""
+    async def _skipped_chars(self, engine_input: EngineInput) -> int | None:
+        """The characters a stream leaves out because its router already sent its first token (the prefill
+        worker's, forced here): that token's text (:func:`token_text_after`, on the tokenizer thread). None when
+        the router did not send it."""
         transfer = engine_input.params.kv_transfer
-        if transfer is None or not transfer.skip_first_token:
+        if transfer is None or not transfer.skip_first_token or transfer.first_token_id is None:
             return None
-        return cast("str | None", await self._off_loop(first_token_text, self._tokenizer(), engine_input))
+        prompt, token = engine_input.prompt_token_ids, transfer.first_token_id
+        return len(await self._off_loop(token_text_after, self._tokenizer(), prompt, token))
 
     # ---- log-probabilities in OpenAI's shapes ---------------------------------------------------------------
 
@@ -872,14 +875,10 @@ async def _transfer_report(last: RequestOutput, first_token: int | None) -> dict
     return report.as_api()
 
 
-def first_token_text(tokenizer: Decoder, engine_input: EngineInput) -> str | None:
-    """The text of the first token of a stream whose router already sent it (the prefill worker's: forced
-    here), decoded as the engine decodes it after the prompt; None when the router did not send it."""
-    transfer = engine_input.params.kv_transfer
-    if transfer is None or not transfer.skip_first_token or transfer.first_token_id is None:
-        return None
-    detokenizer = IncrementalDetokenizer(tokenizer, (), False, engine_input.prompt_token_ids)
-    detokenizer.update([transfer.first_token_id])
+def token_text_after(tokenizer: Decoder, prompt: list[int], token: int) -> str:
+    """The text of ``token`` as the first output after ``prompt``, decoded as the engine decodes it."""
+    detokenizer = IncrementalDetokenizer(tokenizer, (), False, prompt)
+    detokenizer.update([token])
     return detokenizer.text
 
 
