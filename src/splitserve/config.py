@@ -91,9 +91,9 @@ class ModelConfig:
     num_threads: int | None = setting(None, "CPU threads for the engine (default: the CPUs this process may use).")
     quantization: str = setting(
         "auto",
-        "gguf: every CPU matmul from a quantized GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, "
-        "Q4_K, Q5_K, Q6_K; native kernels); int4: PyTorch's int4 kernel for decode steps (bf16 CPU); auto: gguf, "
-        "else int4, where they run; none: always the dequantized --dtype weights.",
+        "gguf: every CPU matmul from a quantized GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, "
+        "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; native kernels); int4: PyTorch's int4 kernel for decode steps (bf16 CPU); "
+        "auto: gguf, else int4, where they run; none: always the dequantized --dtype weights.",
     )
     tensor_parallel_size: int = setting(1, "Only 1 is supported (one engine per worker).")
     pipeline_parallel_size: int = setting(1, "Only 1 is supported (one engine per worker).")

@@ -17,8 +17,7 @@ from splitserve.model import kv_format
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import QUANT_TYPES, NativeKernels
 from tests.support.engine import build_engine, run_to_completion, tokens_of
-from tests.support.kquants import K_TYPES
-from tests.support.quant import gguf_rows, model_for, quantize_model
+from tests.support.quant import SUPER_BLOCK_TYPES, gguf_rows, model_for, quantize_model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -141,7 +140,7 @@ def test_a_quantized_matmul_row_is_the_same_at_any_row_count(kernels: NativeKern
     """1 to 4 rows take the integer kernels' row tiles; 5 and more the AMX tiles (``amx``) or the 512-bit VNNI
     tiles (``avx512``; Q6_K keeps the row tiles); 72 weight rows end in half a 16-row tile."""
     rng = np.random.default_rng(wtype)
-    k = 512 if wtype in K_TYPES else 128
+    k = 512 if wtype in SUPER_BLOCK_TYPES else 128
     rows = gguf_rows(rng.normal(0, 0.3, (72, k)), wtype)
     packed = kernels.pack(rows.rows, wtype, k)
     x = torch.from_numpy(rng.normal(0, 1, (37, k)).astype(np.float32))

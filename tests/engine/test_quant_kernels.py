@@ -28,8 +28,7 @@ from splitserve.model.kernel_build import ARM_LEVELS, BASE_FLAGS, IsaLevel, dete
 from splitserve.model.kernels import MIXED_TYPE, QUANT_TYPES, NativeKernels, kernels_for
 from splitserve.model.quant import load_gguf_quantized
 from tests.support.engine import TINY, build_engine, run_to_completion
-from tests.support.kquants import K_TYPES
-from tests.support.quant import gguf_rows, model_for, quantize_model
+from tests.support.quant import SUPER_BLOCK_TYPES, gguf_rows, model_for, quantize_model
 
 LEVELS = [level.name for level in detect_cpu().levels]
 
@@ -63,7 +62,7 @@ def test_quant_matmul_matches_a_float64_reference(kernels: NativeKernels, wtype:
     rng = np.random.default_rng(wtype * 100 + num_rows)
     # 9 blocks: more than the AMX path's pipeline holds (it reuses its buffers from the 5th block); the K-quants
     # in two super-blocks of 256
-    k = 512 if wtype in K_TYPES else 288
+    k = 512 if wtype in SUPER_BLOCK_TYPES else 288
     rows = gguf_rows(rng.normal(0, 0.3, (n, k)), wtype)
     weight = torch.from_numpy(dequantize(rows.rows.numpy(), wtype)).double()
     x = torch.from_numpy(rng.normal(0, 1, (num_rows, k)).astype(np.float32))
@@ -90,7 +89,7 @@ def test_quant_matmul_takes_bfloat16_and_strided_rows(kernels: NativeKernels) ->
 def test_the_native_dequantizer_agrees_with_the_gguf_package(kernels: NativeKernels) -> None:
     rng = np.random.default_rng(3)
     for wtype in QUANT_TYPES:
-        k = 512 if wtype in K_TYPES else 64
+        k = 512 if wtype in SUPER_BLOCK_TYPES else 64
         rows = gguf_rows(rng.normal(0, 1, (8, k)), wtype)
         ours = kernels.dequantize(rows.rows, wtype, k)
         assert torch.equal(ours, torch.from_numpy(dequantize(rows.rows.numpy(), wtype)))
@@ -103,7 +102,7 @@ def test_quant_matmul_declines_what_it_cannot_take(kernels: NativeKernels) -> No
     assert kernels.quant_matmul(torch.ones(2, 64, dtype=torch.float16), packed) is None
     assert kernels.quant_matmul(torch.ones(64, 2).t(), packed) is None  # columns not contiguous
     with pytest.raises(ValueError, match="cannot pack"):
-        kernels.pack(rows.rows, 10, 64)  # Q2_K: not a format the kernels take
+        kernels.pack(rows.rows, 16, 64)  # IQ2_XXS: not a format the kernels take
     with pytest.raises(ValueError, match="cannot pack"):
         kernels.pack(gguf_rows(np.ones((8, 512)), 12).rows, 12, 288)  # Q4_K: k not a multiple of 256
     with pytest.raises(ValueError, match="cannot pack"):
@@ -233,15 +232,18 @@ def test_the_arm_paths_under_qemu(level: IsaLevel, tmp_path: Path) -> None:
 def test_matrices_without_native_kernels_are_named_in_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A GGUF mixing native formats with one that has no native kernel (Q2_K here) loads the native matrices and
+    """A GGUF mixing native formats with one that has no native kernel (IQ2_XXS here) loads the native matrices and
     names the others, with their format, in one warning."""
     config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=8, head_dim=32)
     rng = np.random.default_rng(2)
     writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
     q4k = gguf_rows(rng.normal(0, 0.3, (256, 256)), 12)
     writer.add_tensor("blk.0.attn_q.weight", q4k.rows.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-    q2k = rng.integers(0, 256, (128, 84), dtype=np.uint8)  # 128 rows of one 256-weight Q2_K super-block each
-    writer.add_tensor("blk.0.attn_k.weight", q2k, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    for name, wtype, rows in (("attn_v", 10, 128), ("attn_output", 23, 256)):  # Q2_K and IQ4_XS: native
+        blocks = gguf_rows(rng.normal(0, 0.3, (rows, 256)), wtype).rows.numpy()
+        writer.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType(wtype))
+    iq2 = rng.integers(0, 256, (128, 66), dtype=np.uint8)  # 128 rows of one 256-weight IQ2_XXS super-block each
+    writer.add_tensor("blk.0.attn_k.weight", iq2, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -249,7 +251,7 @@ def test_matrices_without_native_kernels_are_named_in_one_warning(
     writer.close()
     with caplog.at_level(logging.WARNING, logger="splitserve.model.quant"):
         weights = load_gguf_quantized(tmp_path / "mixed.gguf", config)
-    assert set(weights) == {"model.layers.0.self_attn.q_proj.weight"}
-    assert weights["model.layers.0.self_attn.q_proj.weight"].wtype == 12
+    names = {f"model.layers.0.self_attn.{m}.weight": t for m, t in (("q_proj", 12), ("v_proj", 10), ("o_proj", 23))}
+    assert {name: rows.wtype for name, rows in weights.items()} == names
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "Q2_K: blk.0.attn_k.weight (1)" in warnings[0], warnings
+    assert len(warnings) == 1 and "IQ2_XXS: blk.0.attn_k.weight (1)" in warnings[0], warnings

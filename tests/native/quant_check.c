@@ -31,7 +31,7 @@ static float uniform(void) { return (float)next() / 16777216.0f; } /* [0, 1) */
 
 static const uint16_t HALF_SCALES[] = {0x2000, 0x2266, 0x23ff, 0x1c00}; /* about 0.0078 .. 0.0039 */
 
-static int is_k(int wtype) { return wtype >= 11; }
+static int is_k(int wtype) { return (wtype >= 10 && wtype <= 14) || wtype == 23; }
 
 /* Random blocks of each format, with small positive fp16 scales (and a small negative Q4_1/Q5_1 minimum). */
 static void random_rows(uint8_t *rows, int wtype, int64_t n, int64_t k) {
@@ -41,9 +41,10 @@ static void random_rows(uint8_t *rows, int wtype, int64_t n, int64_t k) {
         uint8_t *p = rows + b * block;
         for (int64_t i = 0; i < block; i++) p[i] = (uint8_t)next();
         uint16_t d = HALF_SCALES[next() % 4], m = 0xA000;
-        memcpy(p + (wtype == 14 ? 208 : wtype == 11 ? 108 : 0), &d, 2); /* Q3_K and Q6_K keep their d last */
+        memcpy(p + (wtype == 14 ? 208 : wtype == 11 ? 108 : wtype == 10 ? 80 : 0), &d, 2); /* Q2_K, Q3_K, Q6_K: d last */
         if (wtype == 3 || wtype == 7) memcpy(p + 2, &m, 2);
         if (wtype == 12 || wtype == 13) memcpy(p + 2, &d, 2); /* dmin */
+        if (wtype == 10) memcpy(p + 82, &d, 2);
     }
 }
 
@@ -135,7 +136,8 @@ static int attention_invariance(void) {
 }
 
 int main(void) {
-    const int types[] = {2, 3, 6, 7, 8, 11, 12, 13, 14}; /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q3_K Q4_K Q5_K Q6_K */
+    /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS */
+    const int types[] = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23};
     const int num_types = (int)(sizeof types / sizeof types[0]);
     const int64_t rows[] = {1, 3, 4, 5, 17};
     int failures = 0;

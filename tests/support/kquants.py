@@ -1,4 +1,4 @@
-"""A plain quantizer for llama.cpp's K-quant formats (Q3_K, Q4_K, Q5_K, Q6_K), for tests: the ``gguf`` package
+"""A plain quantizer for llama.cpp's K-quant formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), for tests: the ``gguf`` package
 dequantizes them but cannot make them. Scales come from each block's range (no search for the best scale, as
 ``llama-quantize`` does), so the blocks are valid and close to the weights, not the ones llama.cpp would write.
 Checked against ``gguf.quants.dequantize``."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-Q3_K, Q4_K, Q5_K, Q6_K = 11, 12, 13, 14
-K_TYPES = (Q3_K, Q4_K, Q5_K, Q6_K)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 QK_K = 256
 
 
@@ -66,6 +66,8 @@ def quantize_k(weight: np.ndarray, wtype: int) -> np.ndarray:
         return np.concatenate(parts, axis=-1).reshape(n, -1)
     if wtype == Q3_K:
         return _quantize_q3_k(w.reshape(n, supers, 16, 16))
+    if wtype == Q2_K:
+        return _quantize_q2_k(w.reshape(n, supers, 16, 16))
     if wtype != Q6_K:
         raise ValueError(f"not a K-quant type: {wtype}")
     halves = w.reshape(n, supers, 16, 16)
@@ -85,6 +87,31 @@ def quantize_k(weight: np.ndarray, wtype: int) -> np.ndarray:
     ).reshape(n, supers, 128)
     qh = (u[:, :, :, 0] >> 4) | ((u[:, :, :, 1] >> 4) << 2) | ((u[:, :, :, 2] >> 4) << 4) | ((u[:, :, :, 3] >> 4) << 6)
     parts = [ql, qh.reshape(n, supers, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, supers, 2)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def _quantize_q2_k(halves: np.ndarray) -> np.ndarray:
+    """[n, supers, 16, 16] -> Q2_K blocks: w = d sc q - dmin mn per 16, q in 0..3, sc and mn 4 bits."""
+    n, supers = halves.shape[:2]
+    low = np.minimum(halves.min(axis=-1), 0.0)
+    scale = (halves.max(axis=-1) - low) / 3.0
+    d = _f16(scale.max(axis=-1) / 15.0)
+    dmin = _f16((-low).max(axis=-1) / 15.0)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 15).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-low, dminf, out=np.zeros_like(low), where=dminf > 0)), 0, 15).astype(np.uint8)
+    step, offset = (df * sc)[..., None], (dminf * mn)[..., None]
+    q = np.divide(halves + offset, step, out=np.zeros_like(halves), where=step > 0)
+    codes = np.clip(np.round(q), 0, 3).astype(np.uint8).reshape(n, supers, 2, 4, 32)  # weight 128 half + 32 j + l
+    qs = np.zeros((n, supers, 2, 32), dtype=np.uint8)
+    for j in range(4):
+        qs |= codes[:, :, :, j] << (2 * j)
+    parts = [
+        sc | (mn << 4),
+        qs.reshape(n, supers, 64),
+        d.view(np.uint8).reshape(n, supers, 2),
+        dmin.view(np.uint8).reshape(n, supers, 2),
+    ]
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 

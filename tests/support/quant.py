@@ -1,4 +1,5 @@
-"""Quantized weights made with the ``gguf`` package's own quantizer (the K-quants with ``kquants``, IQ4_NL here): GGUF
+"""Quantized weights made with the ``gguf`` package's own quantizer (the K-quants with ``kquants``, IQ4_NL and IQ4_XS
+here): GGUF
 rows of a matrix, and a model whose linear layers and embeddings run as quantized blocks."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from splitserve.model.kernels import NativeKernels
 from splitserve.model.quant import GGUFRows
 from tests.support.kquants import K_TYPES, quantize_k
 
-IQ4_NL = 20
+IQ4_NL, IQ4_XS = 20, 23
+# formats in super-blocks of 256 weights: their matrices' k is a multiple of 256
+SUPER_BLOCK_TYPES = (*K_TYPES, IQ4_XS)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 
@@ -31,12 +34,38 @@ def quantize_iq4_nl(weight: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(n, k // 32 * 18)
 
 
+def quantize_iq4_xs(weight: np.ndarray) -> np.ndarray:
+    """``weight`` [n, k] (k a multiple of 256) as IQ4_XS blocks (uint8 [n, k / 256 * 136]): per 256 weights an fp16
+    d, per 32 a 6-bit scale ls (step d (ls - 32)) from the block's largest magnitude, and each weight's nearest
+    table value."""
+    n, k = weight.shape
+    supers = k // 256
+    blocks = weight.astype(np.float32).reshape(n, supers, 8, 32)
+    step = np.abs(blocks).max(axis=-1) / 127  # [n, supers, 8]
+    d = (step.max(axis=-1) / 31).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    ls = np.clip(np.round(np.divide(step, df, out=np.zeros_like(step), where=df > 0)), -32, 31).astype(np.int32) + 32
+    dl = (df * (ls - 32))[..., None]
+    scaled = np.divide(blocks, dl, out=np.zeros_like(blocks), where=dl != 0)
+    codes = np.abs(scaled[..., None] - IQ4_NL_VALUES).argmin(axis=-1).astype(np.uint8)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, supers, 128)
+    low = (ls & 0x0F).astype(np.uint8)
+    scales_l = low[..., 0::2] | (low[..., 1::2] << 4)  # [n, supers, 4]
+    scales_h = np.zeros((n, supers), dtype=np.uint16)
+    for b in range(8):
+        scales_h |= ((ls[..., b] >> 4) & 3).astype(np.uint16) << (2 * b)
+    parts = [d.view(np.uint8).reshape(n, supers, 2), scales_h.view(np.uint8).reshape(n, supers, 2), scales_l, qs]
+    return np.concatenate(parts, axis=-1).reshape(n, supers * 136)
+
+
 def gguf_rows(weight: np.ndarray, wtype: int) -> GGUFRows:
     """``weight`` [n, k] as GGUF rows of ``wtype`` (K-quants from ``kquants``, the rest from ``gguf``'s quantizer)."""
     if wtype in K_TYPES:
         blocks = quantize_k(weight, wtype)
     elif wtype == IQ4_NL:
         blocks = quantize_iq4_nl(weight)
+    elif wtype == IQ4_XS:
+        blocks = quantize_iq4_xs(weight)
     else:
         blocks = quantize(weight.astype(np.float32), wtype)
     return GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks)), wtype, weight.shape[1])

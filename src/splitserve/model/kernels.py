@@ -76,11 +76,13 @@ QUANT_TYPES = {
     6: "Q5_0",
     7: "Q5_1",
     8: "Q8_0",
+    10: "Q2_K",
     11: "Q3_K",
     12: "Q4_K",
     13: "Q5_K",
     14: "Q6_K",
     20: "IQ4_NL",
+    23: "IQ4_XS",
 }
 # The weight type of a weight stacked from parts in different formats (csrc/ss_kernels.h SS_MIXED)
 MIXED_TYPE = 1000

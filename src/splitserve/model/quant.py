@@ -2,14 +2,15 @@
 
 A quantized GGUF already holds its linear weights in blocks of 32 weights with a scale (and a minimum or a fifth
 bit: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; or 4-bit indices into a fixed table of 8-bit values: IQ4_NL), or in
-super-blocks of 256 with small integer scales per block (the K-quants Q3_K, Q4_K, Q5_K, Q6_K, which Q3_K_M, Q4_K_M
-and Q5_K_M files mix). ``load_gguf_quantized`` reads those blocks unchanged (only the q/k rows are put back into
-Hugging Face's rotate-half order, as ``loader.load_gguf`` does for the float weights); ``NativeKernels.pack`` then
-repacks them into the kernels' interleaved layout at load without loss (``csrc/quant_matmul.c``). Matmuls
-quantize their activations to 8 bits per block and take integer dot products, as llama.cpp's ggml-cpu does.
+super-blocks of 256 with small integer scales per block (the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, which Q3_K_M,
+Q4_K_M and Q5_K_M files mix; IQ4_XS, IQ4_NL's table with a scale per block of 32). ``load_gguf_quantized`` reads
+those blocks unchanged (only the q/k rows are put back into Hugging Face's rotate-half order, as
+``loader.load_gguf`` does for the float weights); ``NativeKernels.pack`` then repacks them into the kernels'
+interleaved layout at load without loss (``csrc/quant_matmul.c``). Matmuls quantize their activations to 8 bits
+per block and take integer dot products, as llama.cpp's ggml-cpu does.
 
-Matrices in other formats (F16, Q2_K, IQ4_XS and the other IQ formats, ...) are left out, with one warning naming
-them, and run from the dequantized float weights.
+Matrices in other formats (F16, the IQ1/IQ2/IQ3 formats, ...) are left out, with one warning naming them, and run
+from the dequantized float weights.
 """
 
 from __future__ import annotations

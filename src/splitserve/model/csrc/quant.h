@@ -15,7 +15,7 @@
 
 enum {
     GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
-    GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20,
+    GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23,
 };
 #define QK 32
 #define QK_K 256 /* a K-quant super-block: 8 blocks of 32 */
@@ -46,8 +46,21 @@ typedef struct { /* IQ4_NL: 4-bit indices into a fixed table of 16 signed 8-bit 
     uint16_t d;
     uint8_t qs[QK / 2]; /* as block_q4_0's */
 } block_iq4_nl;
+/* ggml's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit indices name */
+#define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+typedef struct { /* IQ4_XS: 8 blocks of 32 IQ4_NL indices, each block's 6-bit scale ls (d (ls - 32)) */
+    uint16_t d;
+    uint16_t scales_h; /* bits 2 b, 2 b + 1: bits 4, 5 of block b's ls */
+    uint8_t scales_l[QK_K / 64]; /* block b's low 4 bits: nibble b % 2 of byte b / 2 */
+    uint8_t qs[QK_K / 2];        /* block b: 16 bytes as block_iq4_nl's qs */
+} block_iq4_xs;
 /* llama.cpp's K-quant super-blocks (ggml-common.h): 256 weights, 8 blocks of 32 with 6-bit scales and mins
- * (Q4_K, Q5_K) or 16 of 16 with 8-bit scales (Q6_K). */
+ * (Q4_K, Q5_K), 16 of 16 with 8-bit scales (Q6_K) or 4-bit scales and mins (Q2_K). */
+typedef struct {
+    uint8_t scales[QK_K / 16]; /* half block h: its scale in the low nibble, its min in the high one */
+    uint8_t qs[QK_K / 4];      /* weight 128 n + 32 j + l: bits 2 j of byte 32 n + l */
+    uint16_t d, dmin;
+} block_q2_K;
 typedef struct {
     uint16_t d, dmin;
     uint8_t scales[12];
@@ -91,8 +104,12 @@ typedef struct {
  * and m_w = -dmin mn, products exact in float32: an fp16 times a 6-bit integer). Q6_K's scales change every 16
  * weights, so its rows keep integer scales per half block: w = d sc_h (u - 32), summed in integers (d sc_0 (D_0
  * - 32 h_0) + ...) before the one float scale d. Q3_K (w = d (sc - 32) (q - 4) per 16 weights, q 3 bits) is the same
- * sum: it repacks into Q6_K's groups with u = q + 28 and scales sc - 32, without loss. The K formats keep a super-block's scales as the file does (one
- * fp16 d per 256 weights and small integers per block), so their groups are as compact as the file. */
+ * sum: it repacks into Q6_K's groups with u = q + 28 and scales sc - 32, without loss. Q2_K (w = d sc_h q - dmin mn_h
+ * per 16 weights, q 2 bits) sums the same way and adds its mins against the activations' half sums: d (sc_0 D_0 +
+ * sc_1 D_1) - dmin (mn_0 h_0 + mn_1 h_1), both in integers. The K formats keep a super-block's scales as the file
+ * does (one fp16 d per 256 weights and small integers per block), so their groups are as compact as the file.
+ * IQ4_XS keeps its 4-bit indices, d and each block's scale ls - 32 (d_w = d (ls - 32), exact in float32); the kernels
+ * turn indices into the table's values (+ Q8_OFFSET) with one byte shuffle and multiply them as Q8_0's codes. */
 #if defined(SS_NEON)
 #define RG 4
 #else
@@ -105,7 +122,7 @@ typedef struct {
 #endif
 
 /* The kernels' formats: each GGML type's repacked group (format_of maps one to the other). */
-enum { FMT_Q4, FMT_Q5, FMT_Q8, FMT_Q4K, FMT_Q5K, FMT_Q6K };
+enum { FMT_Q4, FMT_Q5, FMT_Q8, FMT_Q4K, FMT_Q5K, FMT_Q6K, FMT_Q2K, FMT_IQ4K };
 
 typedef struct {
     uint16_t d[RG], m[RG];  /* fp16 scale and offset of each row's block: w = d u + m, u in 0..15 */
@@ -139,6 +156,28 @@ typedef struct {
                                  4 (4 p + i) + j */
     uint8_t ql[8][4][RG * 4]; /* the low 4 bits, as group_q4's qs */
 } group_q6k;
+typedef struct {
+    uint16_t d[RG], dmin[RG];
+    uint8_t sc[16][RG];       /* half block h of row r: its scale in the low nibble, its min in the high one */
+    uint8_t qs[8][2][RG * 4]; /* block b, byte 4 r + j of qs[b][p]: bits 2 i, 2 i + 1 = weight 4 (4 p + i) + j (as
+                                 group_q6k's qh) */
+} group_q2k;
+typedef struct {
+    uint16_t d[RG];
+    int8_t sc[8][RG];         /* block b of row r: d_w = d sc[b][r] */
+    uint8_t qs[8][4][RG * 4]; /* block b: the table's indices, as group_q4's qs */
+} group_iq4k;
+/* The table's values as the kernels multiply them (Q8_0's codes). */
+static const int8_t IQ4_CODES[16] = {
+#if Q8_OFFSET
+#define IQ4_CODE(v) (int8_t)((v) + Q8_OFFSET - 256 * ((v) + Q8_OFFSET > 127))
+#else
+#define IQ4_CODE(v) (int8_t)(v)
+#endif
+    IQ4_CODE(-127), IQ4_CODE(-104), IQ4_CODE(-83), IQ4_CODE(-65), IQ4_CODE(-49), IQ4_CODE(-35), IQ4_CODE(-22),
+    IQ4_CODE(-10), IQ4_CODE(1), IQ4_CODE(13), IQ4_CODE(25), IQ4_CODE(38), IQ4_CODE(53), IQ4_CODE(69),
+    IQ4_CODE(89), IQ4_CODE(113)};
+#undef IQ4_CODE
 
 /* The kernel format of a GGML type, or -1. */
 static inline int format_of(int wtype) {
@@ -153,14 +192,21 @@ static inline int format_of(int wtype) {
         case GGML_Q5_K: return FMT_Q5K;
         case GGML_Q3_K:
         case GGML_Q6_K: return FMT_Q6K;
+        case GGML_Q2_K: return FMT_Q2K;
+        case GGML_IQ4_XS: return FMT_IQ4K;
         default: return -1;
     }
 }
 static inline int is_k_format(int fmt) { return fmt >= FMT_Q4K; }
+/* A format whose scales change every 16 weights, summed per half block in integers (Q6_K, Q2_K). */
+static inline int is_half_format(int fmt) { return fmt == FMT_Q6K || fmt == FMT_Q2K; }
+/* A format whose codes are signed weights (+ Q8_OFFSET), as Q8_0's. */
+static inline int has_q8_codes(int fmt) { return fmt == FMT_Q8 || fmt == FMT_IQ4K; }
 /* Bytes of one group's blocks kb .. kb + 7 (K formats) or block kb (the others). */
 static inline size_t format_unit_bytes(int fmt) {
     static const size_t bytes[] = {sizeof(group_q4), sizeof(group_q5), sizeof(group_q8),
-                                   sizeof(group_q4k), sizeof(group_q5k), sizeof(group_q6k)};
+                                   sizeof(group_q4k), sizeof(group_q5k), sizeof(group_q6k), sizeof(group_q2k),
+                                   sizeof(group_iq4k)};
     return bytes[fmt];
 }
 /* Bytes of one group of RG rows over nb blocks. */
@@ -218,7 +264,7 @@ static inline __m512 join_scaled(const uint16_t *da, const uint16_t *db, const u
 }
 
 /* Block kb of groups ga and gb (gb NULL past the last group: zero codes and scales) for 16 weight rows, any format
- * but Q6_K: the codes as dpbusd and the AMX tiles read them (8 vectors of 4 codes per row), the scales d_w and the
+ * but Q6_K and Q2_K: the codes as dpbusd and the AMX tiles read them (8 vectors of 4 codes per row), the scales d_w and the
  * offsets m_w. The AVX-512 VNNI tiles and the AMX tiles both take their blocks from here. */
 static inline void unpack16(const uint8_t *ga, const uint8_t *gb, const int fmt, int64_t kb, __m512i *u, __m512 *dw,
                             __m512 *mw) {
@@ -253,6 +299,20 @@ static inline void unpack16(const uint8_t *ga, const uint8_t *gb, const int fmt,
             *mw = join_scaled(a->dmin, b != NULL ? b->dmin : NULL, a->mn[j], b != NULL ? b->mn[j] : NULL, 1);
             qa = a->qs[j], qb = b != NULL ? b->qs[j] : NULL;
             break;
+        }
+        case FMT_IQ4K: {
+            const group_iq4k *a = (const group_iq4k *)ga + kb / 8, *b = gb != NULL ? (const group_iq4k *)gb + kb / 8 : NULL;
+            const __m128i lo = _mm_loadl_epi64((const __m128i *)a->sc[j]);
+            const __m128i sc = _mm_unpacklo_epi64(lo, b != NULL ? _mm_loadl_epi64((const __m128i *)b->sc[j]) : _mm_setzero_si128());
+            *dw = _mm512_mul_ps(join_groups_f16(a->d, b != NULL ? b->d : NULL), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+            *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-(float)Q8_OFFSET));
+            const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = join_groups(a->qs[j][v], b != NULL ? b->qs[j][v] : NULL);
+                u[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
+                u[v + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+            }
+            return;
         }
         default: { /* FMT_Q5K */
             const group_q5k *a = (const group_q5k *)ga + kb / 8, *b = gb != NULL ? (const group_q5k *)gb + kb / 8 : NULL;

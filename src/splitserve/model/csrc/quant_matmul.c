@@ -3,7 +3,7 @@
  * weights, the tiling over threads and the dispatch to each architecture's kernels (quant.h names them).
  *
  * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL blocks (32 weights
- * each) or Q3_K, Q4_K, Q5_K or Q6_K super-blocks (256), repacked at load from the file's blocks without loss (IQ4_NL
+ * each) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-blocks (256), repacked at load from the file's blocks without loss (IQ4_NL
  * as Q8_0: the 8-bit values its indices name are Q8_0's codes, at twice its bytes), and X quantized on
  * the fly to 8 bits per block of 32 (scale d, sum s = d * sum(q)), so every block product is an integer dot
  * product:
@@ -11,7 +11,7 @@
  *     sum_k w_k x_k = d_w d_x sum_k u_k q_k + m_w s_x      (w_k = d_w u_k + m_w, x_k ~ d_x q_k)
  *
  * where u is the weight code the instruction set multiplies and m_w the offset that makes it exact (quant.h says
- * what each format's are; Q6_K sums its two half blocks in integers first; each architecture's file says which
+ * what each format's are; Q6_K and Q2_K sum their two half blocks in integers first; each architecture's file says which
  * codes it uses: arch/x86/quant.c, arch/arm/quant.c, arch/scalar/quant.c, amx/quant_matmul.c).
  *
  * The layout is the reading of llama.cpp's ggml-cpu vec_dot_q4_1_q8_1 and friends; the tiling is ours: a
@@ -30,7 +30,7 @@
 _Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20 && sizeof(block_q5_0) == 22 &&
                    sizeof(block_q5_1) == 24 && sizeof(block_q8_0) == 34 && sizeof(block_q4_K) == 144 &&
                    sizeof(block_q3_K) == 110 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210 &&
-                   sizeof(block_iq4_nl) == 18,
+                   sizeof(block_iq4_nl) == 18 && sizeof(block_q2_K) == 84 && sizeof(block_iq4_xs) == 136,
                "GGML blocks");
 
 /* A unit of a GGUF row: one block of 32 weights, or a K format's super-block of 256. */
@@ -43,6 +43,8 @@ static int64_t unit_bytes(int wtype) {
         case GGML_Q5_1: return sizeof(block_q5_1);
         case GGML_Q8_0: return sizeof(block_q8_0);
         case GGML_IQ4_NL: return sizeof(block_iq4_nl);
+        case GGML_Q2_K: return sizeof(block_q2_K);
+        case GGML_IQ4_XS: return sizeof(block_iq4_xs);
         case GGML_Q3_K: return sizeof(block_q3_K);
         case GGML_Q4_K: return sizeof(block_q4_K);
         case GGML_Q5_K: return sizeof(block_q5_K);
@@ -61,10 +63,11 @@ int64_t ss_quant_row_bytes(int wtype, int64_t k) {
  * signed weight) and the integers and fp16 values that scale it (quant.h). The repacking and the dequantizer both
  * read this, so the two agree with each other by construction and with llama.cpp's dequantize_row_* by test. */
 typedef struct {
-    int16_t u[QK_K];
+    int16_t u[QK_K];       /* IQ4_XS: the table's indices */
     uint16_t d, m;         /* fp16: the block's d and m_w (Q4/Q5/Q8 formats), or the super-block's d and dmin */
     uint8_t sc[8], mn[8];  /* Q4_K, Q5_K: each block's 6-bit scale and min */
-    int8_t sc16[16];       /* Q6_K: each half block's scale */
+    int8_t sc16[16];       /* Q6_K, Q3_K, Q2_K: each half block's scale; IQ4_XS: each block's ls - 32 */
+    uint8_t mn16[16];      /* Q2_K: each half block's min */
 } decoded_unit;
 
 /* Q4_K's and Q5_K's packed 6-bit scale and min of block j (ggml's get_scale_min_k4). */
@@ -121,7 +124,7 @@ static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
             break;
         }
         case GGML_IQ4_NL: { /* ggml's dequantize_row_iq4_nl: d times the table's value */
-            static const int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+            static const int8_t values[16] = {IQ4_VALUES};
             const block_iq4_nl *b = (const block_iq4_nl *)src;
             o->d = b->d;
             for (int t = 0; t < QK / 2; t++) o->u[t] = values[b->qs[t] & 0x0F], o->u[t + QK / 2] = values[b->qs[t] >> 4];
@@ -145,6 +148,26 @@ static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
                     if (qh != NULL) lo |= ((qh[l] >> (2 * c)) & 1) << 4, hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
                     o->u[64 * c + l] = (int16_t)lo, o->u[64 * c + 32 + l] = (int16_t)hi;
                 }
+            break;
+        }
+        case GGML_Q2_K: { /* w = d sc q - dmin mn per 16 weights (ggml's dequantize_row_q2_K) */
+            const block_q2_K *b = (const block_q2_K *)src;
+            o->d = b->d, o->m = b->dmin;
+            for (int h = 0; h < 16; h++) o->sc16[h] = (int8_t)(b->scales[h] & 0x0F), o->mn16[h] = b->scales[h] >> 4;
+            for (int half = 0; half < 2; half++) /* 128 weights from 32 bytes of qs, 2 bits at a time */
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++) o->u[128 * half + 32 * j + l] = (b->qs[32 * half + l] >> (2 * j)) & 3;
+            break;
+        }
+        case GGML_IQ4_XS: { /* w = d (ls - 32) value[index] per 32 weights (ggml's dequantize_row_iq4_xs) */
+            const block_iq4_xs *b = (const block_iq4_xs *)src;
+            o->d = b->d;
+            for (int j = 0; j < 8; j++) {
+                const int ls = ((b->scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((b->scales_h >> (2 * j)) & 3) << 4);
+                o->sc16[j] = (int8_t)(ls - 32);
+                for (int t = 0; t < QK / 2; t++)
+                    o->u[QK * j + t] = b->qs[16 * j + t] & 0x0F, o->u[QK * j + t + QK / 2] = b->qs[16 * j + t] >> 4;
+            }
             break;
         }
         case GGML_Q3_K: { /* as Q6_K: u - 32 = q - 4, the half blocks' scales sc - 32 (ggml's dequantize_row_q3_K) */
@@ -195,6 +218,11 @@ static float decoded_weight(const decoded_unit *o, int wtype, int t) {
         case FMT_Q4K:
         case FMT_Q5K: return d * (float)o->sc[t / QK] * (float)o->u[t] - f16_to_f32(o->m) * (float)o->mn[t / QK];
         case FMT_Q6K: return d * (float)o->sc16[t / 16] * (float)(o->u[t] - 32);
+        case FMT_Q2K: return d * (float)o->sc16[t / 16] * (float)o->u[t] - f16_to_f32(o->m) * (float)o->mn16[t / 16];
+        case FMT_IQ4K: {
+            static const int8_t values[16] = {IQ4_VALUES};
+            return d * (float)o->sc16[t / QK] * (float)values[o->u[t]];
+        }
         default: return d * (float)o->u[t] + f16_to_f32(o->m);
     }
 }
@@ -300,6 +328,25 @@ static void repack_unit(const decoded_unit *o, int fmt, int r, uint8_t *unit) {
                     g5->sc[b][r] = o->sc[b], g5->mn[b][r] = o->mn[b];
                     put_codes(o->u + QK * b, r, g5->qs[b], g5->qh[b], NULL);
                 }
+            }
+            break;
+        }
+        case FMT_Q2K: {
+            group_q2k *g = (group_q2k *)unit;
+            g->d[r] = o->d, g->dmin[r] = o->m;
+            for (int h = 0; h < 16; h++) g->sc[h][r] = (uint8_t)(o->sc16[h] | o->mn16[h] << 4);
+            for (int b = 0; b < 8; b++)
+                for (int c = 0; c < 8; c++)
+                    for (int j = 0; j < 4; j++)
+                        g->qs[b][c / 4][4 * r + j] |= (uint8_t)(o->u[QK * b + 4 * c + j] << (2 * (c % 4)));
+            break;
+        }
+        case FMT_IQ4K: {
+            group_iq4k *g = (group_iq4k *)unit;
+            g->d[r] = o->d;
+            for (int b = 0; b < 8; b++) {
+                g->sc[b][r] = o->sc16[b];
+                put_codes(o->u + QK * b, r, g->qs[b], NULL, NULL);
             }
             break;
         }

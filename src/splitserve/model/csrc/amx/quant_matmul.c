@@ -161,7 +161,7 @@ static void amx_qgemm_body(const void *w, int wtype, int64_t n, int64_t k, const
 
 int amx_quant_matmul(const block_q8a *xq, int64_t m, int64_t k, const void *w, int wtype, int64_t n, void *y,
                      int out_dtype, int64_t ldy, int threads) {
-    if (!ss_amx_permitted() || format_of(wtype) == FMT_Q6K) return -1; /* Q6_K: the group kernels */
+    if (!ss_amx_permitted() || is_half_format(format_of(wtype))) return -1; /* Q6_K, Q2_K: the VNNI tiles */
     amx_act *xa = aligned_alloc(64, sizeof(amx_act) * (size_t)((m + 15) / 16 * (k / QK)));
     if (xa == NULL) return -1;
     amx_activations(xq, m, k / QK, xa);

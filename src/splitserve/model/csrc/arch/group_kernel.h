@@ -19,6 +19,8 @@ void group_kernel(const void *w, int fmt, const block_q8a *const *x, int rows, i
         case FMT_Q8: SS_GROUP_ROWS(FMT_Q8)
         case FMT_Q4K: SS_GROUP_ROWS(FMT_Q4K)
         case FMT_Q5K: SS_GROUP_ROWS(FMT_Q5K)
+        case FMT_Q2K: SS_GROUP_ROWS(FMT_Q2K)
+        case FMT_IQ4K: SS_GROUP_ROWS(FMT_IQ4K)
         default: SS_GROUP_ROWS(FMT_Q6K)
     }
 }

@@ -75,6 +75,14 @@ static inline void fifth_bits(const uint8_t *qh, int8x16_t *u) {
         u[c] = vorrq_s8(u[c], vreinterpretq_s8_u8(vshlq_n_u8(bit, 4)));
     }
 }
+/* Codes of 2 bits (group_q2k's qs, group_q6k's qh layout). */
+static inline void crumbs(const uint8_t (*q)[RG * 4], int8x16_t *u) {
+    for (int p = 0; p < 2; p++) {
+        const uint8x16_t h = vld1q_u8(q[p]);
+        for (int i = 0; i < 4; i++)
+            u[4 * p + i] = vreinterpretq_s8_u8(vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(-2 * i))), vdupq_n_u8(3)));
+    }
+}
 static inline void high_pairs(const uint8_t (*qh)[RG * 4], int8x16_t *u) {
     for (int p = 0; p < 2; p++) {
         const uint8x16_t h = vld1q_u8(qh[p]);
@@ -91,7 +99,7 @@ static inline float32x4_t scaled(const uint16_t *d, const uint8_t *bytes, int ne
     return vmulq_f32(load_f16x4(d), vcvtq_f32_s32(ints));
 }
 
-/* Block kb of a group of any format but Q6_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per
+/* Block kb of a group of any format but Q6_K and Q2_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per
  * row). */
 static inline void unpack_block(const void *w, const int fmt, int64_t kb, float32x4_t *dw, float32x4_t *mw,
                                 int8x16_t *u) {
@@ -120,6 +128,14 @@ static inline void unpack_block(const void *w, const int fmt, int64_t kb, float3
             const group_q4k *g = (const group_q4k *)w + kb / 8;
             *dw = scaled(g->d, g->sc[j], 0), *mw = scaled(g->dmin, g->mn[j], 1);
             nibbles(g->qs[j], u);
+            break;
+        }
+        case FMT_IQ4K: {
+            const group_iq4k *g = (const group_iq4k *)w + kb / 8;
+            *dw = vmulq_f32(load_f16x4(g->d), vcvtq_f32_s32(bytes_to_i32(g->sc[j], 1))), *mw = vdupq_n_f32(0.0f);
+            nibbles(g->qs[j], u);
+            const int8x16_t table = vld1q_s8(IQ4_CODES);
+            for (int c = 0; c < 8; c++) u[c] = vqtbl1q_s8(table, vreinterpretq_u8_s8(u[c]));
             break;
         }
         default: { /* FMT_Q5K */
@@ -153,6 +169,21 @@ static inline __attribute__((always_inline)) void group_rows(const void *w, cons
                 const int32x4_t d1 = vsubq_s32(dot_half(u, xb->qs, 4), vdupq_n_s32(32 * xb->h[1]));
                 const int32x4_t isum = vaddq_s32(vmulq_s32(s0, d0), vmulq_s32(s1, d1));
                 acc[i] = vfmaq_f32(acc[i], vcvtq_f32_s32(isum), vmulq_n_f32(dw, xb->d));
+            }
+        } else if (fmt == FMT_Q2K) { /* per half block h: d sc_h D_h - dmin mn_h h_h, each part summed in integers */
+            const group_q2k *g = (const group_q2k *)w + kb / 8;
+            const int j = (int)(kb & 7);
+            const float32x4_t dw = load_f16x4(g->d), mw = vnegq_f32(load_f16x4(g->dmin));
+            const int32x4_t b0 = bytes_to_i32(g->sc[2 * j], 0), b1 = bytes_to_i32(g->sc[2 * j + 1], 0);
+            const int32x4_t s0 = vandq_s32(b0, vdupq_n_s32(0x0F)), s1 = vandq_s32(b1, vdupq_n_s32(0x0F));
+            const int32x4_t m0 = vshrq_n_s32(b0, 4), m1 = vshrq_n_s32(b1, 4);
+            crumbs(g->qs[j], u);
+            for (int i = 0; i < rows; i++) {
+                const block_q8a *xb = x[i] + kb;
+                const int32x4_t isum = vaddq_s32(vmulq_s32(s0, dot_half(u, xb->qs, 0)), vmulq_s32(s1, dot_half(u, xb->qs, 4)));
+                const int32x4_t msum = vaddq_s32(vmulq_n_s32(m0, xb->h[0]), vmulq_n_s32(m1, xb->h[1]));
+                acc[i] = vfmaq_f32(acc[i], vcvtq_f32_s32(isum), vmulq_n_f32(dw, xb->d));
+                acc[i] = vfmaq_f32(acc[i], vcvtq_f32_s32(msum), vmulq_n_f32(mw, xb->d));
             }
         } else {
             float32x4_t dw, mw;

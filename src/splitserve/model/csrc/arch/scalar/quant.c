@@ -22,9 +22,10 @@ static void row_codes(const uint8_t (*qs)[RG * 4], const uint8_t *qh, const uint
 }
 
 /* Block kb of a group: each row's 32 codes, and row r's scale d_w and offset m_w in d[r] and m[r] (Q6_K: its
- * fp16 d, and the half blocks' integer scales in s0[r], s1[r]). */
+ * fp16 d, and the half blocks' integer scales in s0[r], s1[r]; Q2_K: also -dmin in m[r] and the half blocks'
+ * mins in m0[r], m1[r]). */
 static void unpack_block(const void *w, int fmt, int64_t kb, int16_t (*u)[QK], float *d, float *m, int *s0,
-                         int *s1) {
+                         int *s1, int *m0, int *m1) {
     const int j = (int)(kb & 7);
     for (int r = 0; r < RG; r++) switch (fmt) {
             case FMT_Q8: {
@@ -60,6 +61,22 @@ static void unpack_block(const void *w, int fmt, int64_t kb, int16_t (*u)[QK], f
                 row_codes(g->qs[j], g->qh[j], NULL, r, u[r]);
                 break;
             }
+            case FMT_IQ4K: {
+                const group_iq4k *g = (const group_iq4k *)w + kb / 8;
+                d[r] = f16_to_f32(g->d[r]) * (float)g->sc[j][r], m[r] = 0.0f;
+                row_codes(g->qs[j], NULL, NULL, r, u[r]);
+                for (int t = 0; t < QK; t++) u[r][t] = IQ4_CODES[u[r][t]];
+                break;
+            }
+            case FMT_Q2K: {
+                const group_q2k *g = (const group_q2k *)w + kb / 8;
+                d[r] = f16_to_f32(g->d[r]), m[r] = -f16_to_f32(g->dmin[r]);
+                s0[r] = g->sc[2 * j][r] & 0x0F, s1[r] = g->sc[2 * j + 1][r] & 0x0F;
+                m0[r] = g->sc[2 * j][r] >> 4, m1[r] = g->sc[2 * j + 1][r] >> 4;
+                for (int c = 0; c < 8; c++)
+                    for (int t = 0; t < 4; t++) u[r][4 * c + t] = (g->qs[j][c / 4][4 * r + t] >> (2 * (c % 4))) & 3;
+                break;
+            }
             default: { /* FMT_Q6K */
                 const group_q6k *g = (const group_q6k *)w + kb / 8;
                 d[r] = f16_to_f32(g->d[r]), m[r] = 0.0f;
@@ -75,8 +92,8 @@ void group_kernel(const void *w, int fmt, const block_q8a *const *x, int rows, i
     for (int64_t kb = 0; kb < nb; kb++) {
         int16_t u[RG][QK];
         float d[RG], m[RG];
-        int s0[RG], s1[RG];
-        unpack_block(w, fmt, kb, u, d, m, s0, s1);
+        int s0[RG], s1[RG], m0[RG], m1[RG];
+        unpack_block(w, fmt, kb, u, d, m, s0, s1, m0, m1);
         for (int r = 0; r < RG; r++) {
             const float dw = d[r], mw = m[r];
             for (int i = 0; i < rows; i++) {
@@ -87,6 +104,10 @@ void group_kernel(const void *w, int fmt, const block_q8a *const *x, int rows, i
                 if (fmt == FMT_Q6K) {
                     const int32_t isum = s0[r] * (dot0 - 32 * xb->h[0]) + s1[r] * (dot1 - 32 * xb->h[1]);
                     acc[i][r] += dw * xb->d * (float)isum;
+                } else if (fmt == FMT_Q2K) {
+                    const int32_t isum = s0[r] * dot0 + s1[r] * dot1, msum = m0[r] * xb->h[0] + m1[r] * xb->h[1];
+                    acc[i][r] += dw * xb->d * (float)isum;
+                    acc[i][r] += mw * xb->d * (float)msum;
                 } else {
                     acc[i][r] += dw * xb->d * (float)(dot0 + dot1) + mw * xb->s;
                 }

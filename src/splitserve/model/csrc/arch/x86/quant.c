@@ -95,7 +95,7 @@ static inline __m256i dot_q8(const __m256i *w, const int8_t *xq) {
 
 /* A block's full dot product for a format of unsigned codes (all but Q8). */
 static inline __m256i dot_block(const __m256i *u, const int8_t *xq, const int fmt) {
-    if (fmt == FMT_Q8) return dot_q8(u, xq);
+    if (has_q8_codes(fmt)) return dot_q8(u, xq);
     return dot_chunks(u, xq, 0, 8, fmt == FMT_Q4 || fmt == FMT_Q4K ? 8 : 4);
 }
 
@@ -113,6 +113,14 @@ static inline void fifth_bits(const uint8_t *qh, __m256i *u) {
     for (int c = 0; c < 8; c++)
         u[c] = _mm256_or_si256(u[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, c), one), 4));
 }
+/* Codes of 2 bits (group_q2k's qs, group_q6k's qh layout). */
+static inline void crumbs(const uint8_t (*q)[RG * 4], __m256i *u) {
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int p = 0; p < 2; p++) {
+        const __m256i h = load32(q[p]);
+        for (int i = 0; i < 4; i++) u[4 * p + i] = _mm256_and_si256(_mm256_srli_epi16(h, 2 * i), three);
+    }
+}
 static inline void high_pairs(const uint8_t (*qh)[RG * 4], __m256i *u) {
     const __m256i three = _mm256_set1_epi8(3);
     for (int p = 0; p < 2; p++) {
@@ -129,7 +137,7 @@ static inline void k_scales(const uint16_t *d, const uint16_t *dmin, const uint8
     *mw = _mm256_mul_ps(f16x8(dmin), _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), bytes_to_i32(mn, 0))));
 }
 
-/* Block kb of a group of any format but Q6_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per
+/* Block kb of a group of any format but Q6_K and Q2_K: its scales dw, offsets mw and codes u (8 vectors of 4 codes per
  * row). */
 static inline void unpack_block(const void *w, const int fmt, int64_t kb, __m256 *dw, __m256 *mw, __m256i *u) {
     switch (fmt) {
@@ -162,6 +170,17 @@ static inline void unpack_block(const void *w, const int fmt, int64_t kb, __m256
             prefetch_k_unit(g, sizeof *g, kb);
             k_scales(g->d, g->dmin, g->sc[j], g->mn[j], dw, mw);
             nibbles(g->qs[j], u);
+            break;
+        }
+        case FMT_IQ4K: {
+            const group_iq4k *g = (const group_iq4k *)w + kb / 8;
+            const int j = (int)(kb & 7);
+            prefetch_k_unit(g, sizeof *g, kb);
+            *dw = _mm256_mul_ps(f16x8(g->d), _mm256_cvtepi32_ps(bytes_to_i32(g->sc[j], 1)));
+            *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-(float)Q8_OFFSET));
+            nibbles(g->qs[j], u);
+            const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+            for (int c = 0; c < 8; c++) u[c] = _mm256_shuffle_epi8(table, u[c]);
             break;
         }
         default: { /* FMT_Q5K */
@@ -199,6 +218,30 @@ static inline __attribute__((always_inline)) void group_rows(const void *w, cons
                 const __m256i d1 = _mm256_sub_epi32(dot_chunks(u, xb->qs, 4, 4, 2), _mm256_set1_epi32(32 * xb->h[1]));
                 const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(s0, d0), _mm256_mullo_epi32(s1, d1));
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
+            }
+        }
+    } else if (fmt == FMT_Q2K) {
+        /* per half block h: d sc_h D_h - dmin mn_h h_h, each part summed in integers */
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int64_t kb = 0; kb < nb; kb++) {
+            const group_q2k *g = (const group_q2k *)w + kb / 8;
+            const int j = (int)(kb & 7);
+            prefetch_k_unit(g, sizeof *g, kb);
+            const __m256 dw = f16x8(g->d), mw = _mm256_sub_ps(_mm256_setzero_ps(), f16x8(g->dmin));
+            const __m256i b0 = bytes_to_i32(g->sc[2 * j], 0), b1 = bytes_to_i32(g->sc[2 * j + 1], 0);
+            const __m256i s0 = _mm256_and_si256(b0, low), s1 = _mm256_and_si256(b1, low);
+            const __m256i m0 = _mm256_srli_epi32(b0, 4), m1 = _mm256_srli_epi32(b1, 4);
+            __m256i u[8];
+            crumbs(g->qs[j], u);
+            for (int i = 0; i < rows; i++) {
+                const block_q8a *xb = x[i] + kb;
+                const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(s0, dot_chunks(u, xb->qs, 0, 4, 4)),
+                                                      _mm256_mullo_epi32(s1, dot_chunks(u, xb->qs, 4, 4, 4)));
+                const __m256i msum = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xb->h[0])),
+                                                      _mm256_mullo_epi32(m1, _mm256_set1_epi32(xb->h[1])));
+                const __m256 xd = _mm256_set1_ps(xb->d);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, xd), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(mw, xd), acc[i]);
             }
         }
     } else {

@@ -20,11 +20,11 @@
 #define WIDE_ROWS 8
 
 /* One block of a 16-row tile, unpacked: the codes as the dpbusd reads them, the scales and the offsets (Q6_K:
- * its d and the half blocks' integer scales s0, s1). */
+ * its d and the half blocks' integer scales s0, s1; Q2_K: also -dmin in mw and the half blocks' mins m0, m1). */
 typedef struct {
     __m512i u[8];
     __m512 dw, mw;
-    __m512i s0, s1;
+    __m512i s0, s1, m0, m1;
 } wide_block;
 
 /* Block kb of two Q6_K groups (gb NULL: zeros) for 16 weight rows: the codes, d, and the two half blocks' integer
@@ -52,10 +52,33 @@ static inline void unpack16_q6k(const uint8_t *ga, const uint8_t *gb, int64_t kb
     }
 }
 
+/* Block kb of two Q2_K groups (gb NULL: zeros) for 16 weight rows: the codes, d, -dmin, and the two half blocks'
+ * integer scales and mins. */
+static inline void unpack16_q2k(const uint8_t *ga, const uint8_t *gb, int64_t kb, wide_block *out) {
+    const group_q2k *a = (const group_q2k *)ga + kb / 8, *b = gb != NULL ? (const group_q2k *)gb + kb / 8 : NULL;
+    const int j = (int)(kb & 7);
+    const __m512i three = _mm512_set1_epi8(3), low = _mm512_set1_epi32(0x0F);
+    out->dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
+    out->mw = _mm512_sub_ps(_mm512_setzero_ps(), join_groups_f16(a->dmin, b != NULL ? b->dmin : NULL));
+    for (int h = 0; h < 2; h++) {
+        const __m128i lo = _mm_loadl_epi64((const __m128i *)a->sc[2 * j + h]);
+        const __m128i hi = b != NULL ? _mm_loadl_epi64((const __m128i *)b->sc[2 * j + h]) : _mm_setzero_si128();
+        const __m512i both = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+        *(h == 0 ? &out->s0 : &out->s1) = _mm512_and_si512(both, low);
+        *(h == 0 ? &out->m0 : &out->m1) = _mm512_srli_epi32(both, 4);
+    }
+    for (int p = 0; p < 2; p++) {
+        const __m512i q = join_groups(a->qs[j][p], b != NULL ? b->qs[j][p] : NULL);
+        for (int i = 0; i < 4; i++) out->u[4 * p + i] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * i), three);
+    }
+}
+
 /* Block kb of groups ga and gb (gb NULL: zero codes and scales), any format. */
 static inline void wide_unpack_block(const uint8_t *ga, const uint8_t *gb, const int fmt, int64_t kb, wide_block *out) {
     if (fmt == FMT_Q6K)
         unpack16_q6k(ga, gb, kb, out->u, &out->dw, &out->s0, &out->s1);
+    else if (fmt == FMT_Q2K)
+        unpack16_q2k(ga, gb, kb, out);
     else
         unpack16(ga, gb, fmt, kb, out->u, &out->dw, &out->mw);
 }
@@ -73,10 +96,23 @@ static inline __m512i bcast4(const int8_t *p) {
 
 /* acc plus one unpacked block's product with one activation row's block, for the tile's 16 weight rows: the
  * integers and float operations of every kernel (quant.h), written once for the buffered tiles and the decode
- * rows alike. */
-static inline __attribute__((always_inline)) __m512 block_row(const wide_block *b, const block_q8a *xb, const int q6k,
+ * rows alike. `half`: FMT_Q6K or FMT_Q2K for those formats' half-block sums, else any other format. */
+static inline __attribute__((always_inline)) __m512 block_row(const wide_block *b, const block_q8a *xb, const int half,
                                                               __m512 acc) {
-    if (q6k) { /* per half block h: s_h (D_h - 32 h_h), summed in integers */
+    if (half == FMT_Q2K) { /* per half block h: d sc_h D_h - dmin mn_h h_h, each part summed in integers */
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            d0 = _mm512_dpbusd_epi32(d0, b->u[c], bcast4(xb->qs + 4 * c));
+            d1 = _mm512_dpbusd_epi32(d1, b->u[c + 4], bcast4(xb->qs + 4 * (c + 4)));
+        }
+        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(b->s0, d0), _mm512_mullo_epi32(b->s1, d1));
+        const __m512i msum = _mm512_add_epi32(_mm512_mullo_epi32(b->m0, _mm512_set1_epi32(xb->h[0])),
+                                              _mm512_mullo_epi32(b->m1, _mm512_set1_epi32(xb->h[1])));
+        const __m512 xd = _mm512_set1_ps(xb->d);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(b->dw, xd), acc);
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(b->mw, xd), acc);
+    }
+    if (half == FMT_Q6K) { /* per half block h: s_h (D_h - 32 h_h), summed in integers */
         __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             d0 = _mm512_dpbusd_epi32(d0, b->u[c], bcast4(xb->qs + 4 * c));
@@ -102,10 +138,10 @@ static inline __attribute__((always_inline)) __m512 block_row(const wide_block *
 /* `rows` activation rows (nb blocks each, consecutive) x the tile's 16 weight rows, into acc. Inlined into one
  * copy per row count, so the loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void wide_rows(const wide_block *wb, const block_q8a *x, const int rows,
-                                                            int64_t nb, const int q6k, __m512 *acc) {
+                                                            int64_t nb, const int half, __m512 *acc) {
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; kb++)
-        for (int r = 0; r < rows; r++) acc[r] = block_row(wb + kb, x + r * nb + kb, q6k, acc[r]);
+        for (int r = 0; r < rows; r++) acc[r] = block_row(wb + kb, x + r * nb + kb, half, acc[r]);
 }
 
 #define SS_WIDE_ROWS(Q)                                          \
@@ -122,9 +158,11 @@ static inline __attribute__((always_inline)) void wide_rows(const wide_block *wb
 
 static void wide_tile(const wide_block *wb, const block_q8a *x, int rows, int64_t nb, int fmt, __m512 *acc) {
     if (fmt == FMT_Q6K) {
-        SS_WIDE_ROWS(1)
+        SS_WIDE_ROWS(FMT_Q6K)
+    } else if (fmt == FMT_Q2K) {
+        SS_WIDE_ROWS(FMT_Q2K)
     } else {
-        SS_WIDE_ROWS(0)
+        SS_WIDE_ROWS(FMT_Q8)
     }
 }
 #undef SS_WIDE_ROWS
@@ -180,7 +218,7 @@ static inline __attribute__((always_inline)) void stream_rows(const uint8_t *ga,
     for (int64_t kb = 0; kb < nb; kb++) {
         wide_block b;
         wide_unpack_block(ga, gb, fmt, kb, &b);
-        for (int r = 0; r < rows; r++) acc[r] = block_row(&b, x[r] + kb, fmt == FMT_Q6K, acc[r]);
+        for (int r = 0; r < rows; r++) acc[r] = block_row(&b, x[r] + kb, fmt, acc[r]);
     }
 }
 
@@ -200,6 +238,8 @@ static void stream_tile(const uint8_t *ga, const uint8_t *gb, int fmt, const blo
         case FMT_Q8: SS_STREAM_ROWS(FMT_Q8) break;
         case FMT_Q4K: SS_STREAM_ROWS(FMT_Q4K) break;
         case FMT_Q5K: SS_STREAM_ROWS(FMT_Q5K) break;
+        case FMT_Q2K: SS_STREAM_ROWS(FMT_Q2K) break;
+        case FMT_IQ4K: SS_STREAM_ROWS(FMT_IQ4K) break;
         default: SS_STREAM_ROWS(FMT_Q6K) break;
     }
 }
