@@ -108,8 +108,9 @@ typedef struct {
  * per 16 weights, q 2 bits) sums the same way and adds its mins against the activations' half sums: d (sc_0 D_0 +
  * sc_1 D_1) - dmin (mn_0 h_0 + mn_1 h_1), both in integers. The K formats keep a super-block's scales as the file
  * does (one fp16 d per 256 weights and small integers per block), so their groups are as compact as the file.
- * IQ4_XS keeps its 4-bit indices, d and each block's scale ls - 32 (d_w = d (ls - 32), exact in float32); the kernels
- * turn indices into the table's values (+ Q8_OFFSET) with one byte shuffle and multiply them as Q8_0's codes. */
+ * IQ4_NL keeps its 4-bit indices and d, IQ4_XS its indices, d and each block's scale ls - 32 (d_w = d (ls - 32),
+ * exact in float32); the kernels turn indices into the table's values (+ Q8_OFFSET) with one byte shuffle and
+ * multiply them as Q8_0's codes. */
 #if defined(SS_NEON)
 #define RG 4
 #else
@@ -122,7 +123,7 @@ typedef struct {
 #endif
 
 /* The kernels' formats: each GGML type's repacked group (format_of maps one to the other). */
-enum { FMT_Q4, FMT_Q5, FMT_Q8, FMT_Q4K, FMT_Q5K, FMT_Q6K, FMT_Q2K, FMT_IQ4K };
+enum { FMT_Q4, FMT_Q5, FMT_Q8, FMT_IQ4, FMT_Q4K, FMT_Q5K, FMT_Q6K, FMT_Q2K, FMT_IQ4K };
 
 typedef struct {
     uint16_t d[RG], m[RG];  /* fp16 scale and offset of each row's block: w = d u + m, u in 0..15 */
@@ -137,6 +138,10 @@ typedef struct {
     uint16_t d[RG];
     uint8_t qs[8][RG * 4]; /* qs[c][4 r + j]: weight 4 c + j of row r, as a byte (+ Q8_OFFSET) */
 } group_q8;
+typedef struct {
+    uint16_t d[RG];
+    uint8_t qs[4][RG * 4]; /* IQ4_NL: the table's indices, as group_q4's qs */
+} group_iq4;
 /* The K formats: one group per super-block, its 8 blocks' codes laid out as group_q4's and group_q5's. */
 typedef struct {
     uint16_t d[RG], dmin[RG];      /* fp16, per row */
@@ -186,8 +191,8 @@ static inline int format_of(int wtype) {
         case GGML_Q4_1: return FMT_Q4;
         case GGML_Q5_0:
         case GGML_Q5_1: return FMT_Q5;
-        case GGML_Q8_0:
-        case GGML_IQ4_NL: return FMT_Q8; /* its table's values are the 8-bit codes: exact */
+        case GGML_Q8_0: return FMT_Q8;
+        case GGML_IQ4_NL: return FMT_IQ4;
         case GGML_Q4_K: return FMT_Q4K;
         case GGML_Q5_K: return FMT_Q5K;
         case GGML_Q3_K:
@@ -201,10 +206,10 @@ static inline int is_k_format(int fmt) { return fmt >= FMT_Q4K; }
 /* A format whose scales change every 16 weights, summed per half block in integers (Q6_K, Q2_K). */
 static inline int is_half_format(int fmt) { return fmt == FMT_Q6K || fmt == FMT_Q2K; }
 /* A format whose codes are signed weights (+ Q8_OFFSET), as Q8_0's. */
-static inline int has_q8_codes(int fmt) { return fmt == FMT_Q8 || fmt == FMT_IQ4K; }
+static inline int has_q8_codes(int fmt) { return fmt == FMT_Q8 || fmt == FMT_IQ4 || fmt == FMT_IQ4K; }
 /* Bytes of one group's blocks kb .. kb + 7 (K formats) or block kb (the others). */
 static inline size_t format_unit_bytes(int fmt) {
-    static const size_t bytes[] = {sizeof(group_q4), sizeof(group_q5), sizeof(group_q8),
+    static const size_t bytes[] = {sizeof(group_q4), sizeof(group_q5), sizeof(group_q8), sizeof(group_iq4),
                                    sizeof(group_q4k), sizeof(group_q5k), sizeof(group_q6k), sizeof(group_q2k),
                                    sizeof(group_iq4k)};
     return bytes[fmt];
@@ -300,15 +305,23 @@ static inline void unpack16(const uint8_t *ga, const uint8_t *gb, const int fmt,
             qa = a->qs[j], qb = b != NULL ? b->qs[j] : NULL;
             break;
         }
+        case FMT_IQ4:
         case FMT_IQ4K: {
-            const group_iq4k *a = (const group_iq4k *)ga + kb / 8, *b = gb != NULL ? (const group_iq4k *)gb + kb / 8 : NULL;
-            const __m128i lo = _mm_loadl_epi64((const __m128i *)a->sc[j]);
-            const __m128i sc = _mm_unpacklo_epi64(lo, b != NULL ? _mm_loadl_epi64((const __m128i *)b->sc[j]) : _mm_setzero_si128());
-            *dw = _mm512_mul_ps(join_groups_f16(a->d, b != NULL ? b->d : NULL), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+            if (fmt == FMT_IQ4) {
+                const group_iq4 *a = (const group_iq4 *)ga + kb, *b = gb != NULL ? (const group_iq4 *)gb + kb : NULL;
+                *dw = join_groups_f16(a->d, b != NULL ? b->d : NULL);
+                qa = a->qs, qb = b != NULL ? b->qs : NULL;
+            } else {
+                const group_iq4k *a = (const group_iq4k *)ga + kb / 8, *b = gb != NULL ? (const group_iq4k *)gb + kb / 8 : NULL;
+                const __m128i lo = _mm_loadl_epi64((const __m128i *)a->sc[j]);
+                const __m128i sc = _mm_unpacklo_epi64(lo, b != NULL ? _mm_loadl_epi64((const __m128i *)b->sc[j]) : _mm_setzero_si128());
+                *dw = _mm512_mul_ps(join_groups_f16(a->d, b != NULL ? b->d : NULL), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+                qa = a->qs[j], qb = b != NULL ? b->qs[j] : NULL;
+            }
             *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-(float)Q8_OFFSET));
             const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
             for (int v = 0; v < 4; v++) {
-                const __m512i raw = join_groups(a->qs[j][v], b != NULL ? b->qs[j][v] : NULL);
+                const __m512i raw = join_groups(qa[v], qb != NULL ? qb[v] : NULL);
                 u[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
                 u[v + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
             }

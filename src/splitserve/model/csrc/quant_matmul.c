@@ -3,8 +3,8 @@
  * weights, the tiling over threads and the dispatch to each architecture's kernels (quant.h names them).
  *
  * Y[M, N] = X[M, K] . W[N, K]^T, with W in llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL blocks (32 weights
- * each) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-blocks (256), repacked at load from the file's blocks without loss (IQ4_NL
- * as Q8_0: the 8-bit values its indices name are Q8_0's codes, at twice its bytes), and X quantized on
+ * each) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-blocks (256), repacked at load from the file's blocks without
+ * loss (IQ4_NL's and IQ4_XS's indices name 8-bit values that are multiplied as Q8_0's codes), and X quantized on
  * the fly to 8 bits per block of 32 (scale d, sum s = d * sum(q)), so every block product is an integer dot
  * product:
  *
@@ -63,7 +63,7 @@ int64_t ss_quant_row_bytes(int wtype, int64_t k) {
  * signed weight) and the integers and fp16 values that scale it (quant.h). The repacking and the dequantizer both
  * read this, so the two agree with each other by construction and with llama.cpp's dequantize_row_* by test. */
 typedef struct {
-    int16_t u[QK_K];       /* IQ4_XS: the table's indices */
+    int16_t u[QK_K];       /* IQ4_NL, IQ4_XS: the table's indices */
     uint16_t d, m;         /* fp16: the block's d and m_w (Q4/Q5/Q8 formats), or the super-block's d and dmin */
     uint8_t sc[8], mn[8];  /* Q4_K, Q5_K: each block's 6-bit scale and min */
     int8_t sc16[16];       /* Q6_K, Q3_K, Q2_K: each half block's scale; IQ4_XS: each block's ls - 32 */
@@ -124,10 +124,9 @@ static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
             break;
         }
         case GGML_IQ4_NL: { /* ggml's dequantize_row_iq4_nl: d times the table's value */
-            static const int8_t values[16] = {IQ4_VALUES};
             const block_iq4_nl *b = (const block_iq4_nl *)src;
             o->d = b->d;
-            for (int t = 0; t < QK / 2; t++) o->u[t] = values[b->qs[t] & 0x0F], o->u[t + QK / 2] = values[b->qs[t] >> 4];
+            for (int t = 0; t < QK / 2; t++) o->u[t] = b->qs[t] & 0x0F, o->u[t + QK / 2] = b->qs[t] >> 4;
             break;
         }
         case GGML_Q4_K:
@@ -213,15 +212,17 @@ static void decode_unit(const uint8_t *src, int wtype, decoded_unit *o) {
 /* Weight t of a decoded unit, in float32 as llama.cpp's dequantize_row_* computes it. */
 static float decoded_weight(const decoded_unit *o, int wtype, int t) {
     const float d = f16_to_f32(o->d);
-    switch (format_of(wtype)) {
+    const int fmt = format_of(wtype);
+    switch (fmt) {
         case FMT_Q8: return d * (float)o->u[t];
         case FMT_Q4K:
         case FMT_Q5K: return d * (float)o->sc[t / QK] * (float)o->u[t] - f16_to_f32(o->m) * (float)o->mn[t / QK];
         case FMT_Q6K: return d * (float)o->sc16[t / 16] * (float)(o->u[t] - 32);
         case FMT_Q2K: return d * (float)o->sc16[t / 16] * (float)o->u[t] - f16_to_f32(o->m) * (float)o->mn16[t / 16];
+        case FMT_IQ4:
         case FMT_IQ4K: {
             static const int8_t values[16] = {IQ4_VALUES};
-            return d * (float)o->sc16[t / QK] * (float)values[o->u[t]];
+            return (fmt == FMT_IQ4 ? d : d * (float)o->sc16[t / QK]) * (float)values[o->u[t]];
         }
         default: return d * (float)o->u[t] + f16_to_f32(o->m);
     }
@@ -339,6 +340,12 @@ static void repack_unit(const decoded_unit *o, int fmt, int r, uint8_t *unit) {
                 for (int c = 0; c < 8; c++)
                     for (int j = 0; j < 4; j++)
                         g->qs[b][c / 4][4 * r + j] |= (uint8_t)(o->u[QK * b + 4 * c + j] << (2 * (c % 4)));
+            break;
+        }
+        case FMT_IQ4: {
+            group_iq4 *g = (group_iq4 *)unit;
+            g->d[r] = o->d;
+            put_codes(o->u, r, g->qs, NULL, NULL);
             break;
         }
         case FMT_IQ4K: {

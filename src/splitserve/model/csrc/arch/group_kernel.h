@@ -17,6 +17,7 @@ void group_kernel(const void *w, int fmt, const block_q8a *const *x, int rows, i
         case FMT_Q4: SS_GROUP_ROWS(FMT_Q4)
         case FMT_Q5: SS_GROUP_ROWS(FMT_Q5)
         case FMT_Q8: SS_GROUP_ROWS(FMT_Q8)
+        case FMT_IQ4: SS_GROUP_ROWS(FMT_IQ4)
         case FMT_Q4K: SS_GROUP_ROWS(FMT_Q4K)
         case FMT_Q5K: SS_GROUP_ROWS(FMT_Q5K)
         case FMT_Q2K: SS_GROUP_ROWS(FMT_Q2K)

@@ -75,6 +75,11 @@ static inline void fifth_bits(const uint8_t *qh, int8x16_t *u) {
         u[c] = vorrq_s8(u[c], vreinterpretq_s8_u8(vshlq_n_u8(bit, 4)));
     }
 }
+/* IQ4_NL's and IQ4_XS's indices (from nibbles) to the table's values, as Q8_0's codes. */
+static inline void iq4_codes(int8x16_t *u) {
+    const int8x16_t table = vld1q_s8(IQ4_CODES);
+    for (int c = 0; c < 8; c++) u[c] = vqtbl1q_s8(table, vreinterpretq_u8_s8(u[c]));
+}
 /* Codes of 2 bits (group_q2k's qs, group_q6k's qh layout). */
 static inline void crumbs(const uint8_t (*q)[RG * 4], int8x16_t *u) {
     for (int p = 0; p < 2; p++) {
@@ -130,12 +135,18 @@ static inline void unpack_block(const void *w, const int fmt, int64_t kb, float3
             nibbles(g->qs[j], u);
             break;
         }
+        case FMT_IQ4: {
+            const group_iq4 *b = (const group_iq4 *)w + kb;
+            *dw = load_f16x4(b->d), *mw = vdupq_n_f32(0.0f);
+            nibbles(b->qs, u);
+            iq4_codes(u);
+            break;
+        }
         case FMT_IQ4K: {
             const group_iq4k *g = (const group_iq4k *)w + kb / 8;
             *dw = vmulq_f32(load_f16x4(g->d), vcvtq_f32_s32(bytes_to_i32(g->sc[j], 1))), *mw = vdupq_n_f32(0.0f);
             nibbles(g->qs[j], u);
-            const int8x16_t table = vld1q_s8(IQ4_CODES);
-            for (int c = 0; c < 8; c++) u[c] = vqtbl1q_s8(table, vreinterpretq_u8_s8(u[c]));
+            iq4_codes(u);
             break;
         }
         default: { /* FMT_Q5K */

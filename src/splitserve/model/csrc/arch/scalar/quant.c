@@ -61,6 +61,13 @@ static void unpack_block(const void *w, int fmt, int64_t kb, int16_t (*u)[QK], f
                 row_codes(g->qs[j], g->qh[j], NULL, r, u[r]);
                 break;
             }
+            case FMT_IQ4: {
+                const group_iq4 *b = (const group_iq4 *)w + kb;
+                d[r] = f16_to_f32(b->d[r]), m[r] = 0.0f;
+                row_codes(b->qs, NULL, NULL, r, u[r]);
+                for (int t = 0; t < QK; t++) u[r][t] = IQ4_CODES[u[r][t]];
+                break;
+            }
             case FMT_IQ4K: {
                 const group_iq4k *g = (const group_iq4k *)w + kb / 8;
                 d[r] = f16_to_f32(g->d[r]) * (float)g->sc[j][r], m[r] = 0.0f;

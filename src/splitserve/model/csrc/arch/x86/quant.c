@@ -113,6 +113,11 @@ static inline void fifth_bits(const uint8_t *qh, __m256i *u) {
     for (int c = 0; c < 8; c++)
         u[c] = _mm256_or_si256(u[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, c), one), 4));
 }
+/* IQ4_NL's and IQ4_XS's indices (from nibbles) to the table's values, as Q8_0's codes. */
+static inline void iq4_codes(__m256i *u) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+    for (int c = 0; c < 8; c++) u[c] = _mm256_shuffle_epi8(table, u[c]);
+}
 /* Codes of 2 bits (group_q2k's qs, group_q6k's qh layout). */
 static inline void crumbs(const uint8_t (*q)[RG * 4], __m256i *u) {
     const __m256i three = _mm256_set1_epi8(3);
@@ -172,6 +177,15 @@ static inline void unpack_block(const void *w, const int fmt, int64_t kb, __m256
             nibbles(g->qs[j], u);
             break;
         }
+        case FMT_IQ4: {
+            const group_iq4 *b = (const group_iq4 *)w + kb;
+            prefetch_ahead(b, sizeof *b);
+            *dw = f16x8(b->d);
+            *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-(float)Q8_OFFSET));
+            nibbles(b->qs, u);
+            iq4_codes(u);
+            break;
+        }
         case FMT_IQ4K: {
             const group_iq4k *g = (const group_iq4k *)w + kb / 8;
             const int j = (int)(kb & 7);
@@ -179,8 +193,7 @@ static inline void unpack_block(const void *w, const int fmt, int64_t kb, __m256
             *dw = _mm256_mul_ps(f16x8(g->d), _mm256_cvtepi32_ps(bytes_to_i32(g->sc[j], 1)));
             *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-(float)Q8_OFFSET));
             nibbles(g->qs[j], u);
-            const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODES));
-            for (int c = 0; c < 8; c++) u[c] = _mm256_shuffle_epi8(table, u[c]);
+            iq4_codes(u);
             break;
         }
         default: { /* FMT_Q5K */

@@ -236,6 +236,7 @@ static void stream_tile(const uint8_t *ga, const uint8_t *gb, int fmt, const blo
         case FMT_Q4: SS_STREAM_ROWS(FMT_Q4) break;
         case FMT_Q5: SS_STREAM_ROWS(FMT_Q5) break;
         case FMT_Q8: SS_STREAM_ROWS(FMT_Q8) break;
+        case FMT_IQ4: SS_STREAM_ROWS(FMT_IQ4) break;
         case FMT_Q4K: SS_STREAM_ROWS(FMT_Q4K) break;
         case FMT_Q5K: SS_STREAM_ROWS(FMT_Q5K) break;
         case FMT_Q2K: SS_STREAM_ROWS(FMT_Q2K) break;
