@@ -19,7 +19,13 @@ from splitserve.model import registry
 from splitserve.model.config import DecoderConfig
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernels import native
-from splitserve.model.loader import gguf_to_hf_name, hf_decoder_config, load_gguf, load_safetensors_folder
+from splitserve.model.loader import (
+    fused_parts,
+    gguf_to_hf_name,
+    hf_decoder_config,
+    load_gguf,
+    load_safetensors_folder,
+)
 from splitserve.model.reference import transformers_config
 from splitserve.model.registry import resolve_dtype
 
@@ -280,13 +286,31 @@ def test_unknown_dtype_lists_choices() -> None:
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope scaling 'longrope'"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "unsupported rope scaling 'mrope'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope rope scaling needs short_factor"),
     ],
 )
 def test_an_option_the_model_does_not_compute_is_named(extra: dict[str, object], message: str) -> None:
     hf = {"architectures": ["LlamaForCausalLM"], **tiny_hf(tie=True).config.to_dict(), **extra}
     with pytest.raises(ValueError, match=re.escape(message)):
         hf_decoder_config(hf)
+
+
+def test_a_fused_matrix_whose_rows_do_not_match_the_config_is_named() -> None:
+    phi3 = {**tiny_hf(tie=True).config.to_dict(), "architectures": ["Phi3ForCausalLM"]}
+    config = hf_decoder_config(phi3)
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    name = "model.layers.3.self_attn.qkv_proj.weight"
+    assert fused_parts(name, q + 2 * kv, config) == [
+        ("model.layers.3.self_attn.q_proj.weight", 0, q),
+        ("model.layers.3.self_attn.k_proj.weight", q, q + kv),
+        ("model.layers.3.self_attn.v_proj.weight", q + kv, q + 2 * kv),
+    ]
+    with pytest.raises(ValueError, match=re.escape(f"{name}: {q + kv} rows, not {q} + {kv} + {kv}")):
+        fused_parts(name, q + kv, config)
+    assert fused_parts("model.layers.0.mlp.down_proj.weight", 7, config) == [
+        ("model.layers.0.mlp.down_proj.weight", 0, 7)
+    ]
 
 
 def test_qwen_sliding_window_layers_are_refused_and_off_by_default() -> None:

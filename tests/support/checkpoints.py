@@ -8,6 +8,7 @@ random too, so a loader that drops or misplaces one changes the logits.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,21 @@ CASES = (
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
     ),
     Case("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 96}),
+    Case(
+        "phi3-longrope",
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "original_max_position_embeddings": 1024,
+            "pad_token_id": 0,
+            "sliding_window": None,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                "long_factor": [1.0 + 0.9 * i for i in range(32)],
+            },
+        },
+    ),
 )
 
 
@@ -96,6 +112,9 @@ def make_checkpoint(case: Case, folder: Path, seed: int = 0) -> transformers.Pre
                 param.copy_(0.05 * noise)
     model.save_pretrained(folder)
     load_tokenizer("smollm2").hf.save_pretrained(folder)
+    if case.config_class == "Phi3Config":  # llama.cpp's converter reads a Phi model's BPE vocabulary by this name
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
     return model.float().eval()
 
 

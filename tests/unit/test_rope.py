@@ -65,3 +65,34 @@ def test_hf_rope_reads_both_transformers_layouts() -> None:
     assert theta == 5e5 and scaling is not None and scaling.kind == "llama3"
     assert hf_rope({"rope_theta": 1e4}) == (1e4, None)
     assert hf_rope({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}) == (1e4, None)
+
+
+def test_longrope_takes_the_short_factors_below_the_pretrained_length_and_the_long_ones_from_it() -> None:
+    """Phi-3's layout (``rope_scaling`` of type ``su``, ``original_max_position_embeddings`` beside it): each
+    position's rotation from one set of factors, and cos/sin scaled by sqrt(1 + ln(factor) / ln(original))."""
+    short, long = [1.0 + 0.1 * i for i in range(4)], [1.0 + 2.0 * i for i in range(4)]
+    hf = {
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "su", "short_factor": short, "long_factor": long},
+    }
+    theta, scaling = hf_rope(hf)
+    assert scaling is not None and scaling.kind == "longrope" and scaling.original_max_positions == 16
+    assert scaling.factor == 4.0
+    cos, sin = rotary_tables(8, theta, scaling, 64)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    mscale = math.sqrt(1 + math.log(4.0) / math.log(16))
+    for position, factors in ((3, short), (15, short), (16, long), (63, long)):
+        angles = position * plain / torch.tensor(factors, dtype=torch.float64)
+        torch.testing.assert_close(cos[position, :4].double(), angles.cos() * mscale, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(sin[position, 4:].double(), angles.sin() * mscale, rtol=1e-6, atol=1e-7)
+    # the GGUF's form: llama.cpp's converter writes both sets as tensors and the factor as attn_factor
+    meta = {"phi3.context_length": 64, "phi3.rope.scaling.original_context_length": 16,
+            "phi3.rope.scaling.attn_factor": mscale}  # fmt: skip
+    from_gguf = gguf_rope(meta, "phi3", None, (tuple(long), tuple(short)))
+    assert from_gguf is not None
+    torch.testing.assert_close(rotary_tables(8, theta, from_gguf, 64)[0], cos)
+    with pytest.raises(ValueError, match="longrope has 3 factors for 4 rotary pairs"):
+        rotary_tables(8, theta, RopeScaling(kind="longrope", original_max_positions=16, short_factors=(1.0,) * 3,
+                                            long_factors=(1.0,) * 3), 64)  # fmt: skip

@@ -9,7 +9,9 @@ here; an entry only names its checkpoints (Hugging Face ``architectures`` and ``
 - ``gguf_permutes_qk``: llama.cpp's converter reorders each q/k head's rows for its interleaved rotation (Llama's
   GGUFs); the loader puts them back in Hugging Face's rotate-half order. Qwen's GGUFs keep rotate-half order;
 - ``sliding_window_switch``: the config key that turns ``sliding_window`` on (Qwen's ``use_sliding_window``,
-  off by default); without one, a ``sliding_window`` in the config is always in force (Mistral).
+  off by default); without one, a ``sliding_window`` in the config is always in force (Mistral, Phi-3);
+- ``fused``: the checkpoint holds q, k and v as one ``qkv_proj`` and gate and up as one ``gate_up_proj`` (Phi-3;
+  its GGUF as ``attn_qkv`` and a double-height ``ffn_up``); the loaders split them into Llama's matrices.
 
 The table follows llama.cpp's architecture list and vLLM's model registry: an architecture is data, not a copy of
 the model.
@@ -29,6 +31,7 @@ class Architecture:
     qk_norm: bool = False
     gguf_permutes_qk: bool = False
     sliding_window_switch: str | None = None
+    fused: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -52,6 +55,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             qk_norm=True,
             sliding_window_switch="use_sliding_window",
         ),
+        Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), fused=True),
     )
 }
 

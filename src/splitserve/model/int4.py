@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 
 from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
-from splitserve.model.loader import gguf_to_hf_name, unpermute_gguf_rows
+from splitserve.model.loader import fused_parts, gguf_fused_name, gguf_to_hf_name, unpermute_gguf_rows
 
 GROUP_SIZE = 32
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
@@ -54,12 +54,13 @@ def load_gguf_int4(path: str | Path, config: DecoderConfig) -> dict[str, Int4Wei
         block_bytes = _BLOCK_BYTES.get(tensor.tensor_type)
         if block_bytes is None or len(tensor.shape) != 2:
             continue
-        name = gguf_to_hf_name(tensor.name)
+        name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
         num_cols, num_rows = (int(n) for n in tensor.shape)
         blocks = np.asarray(tensor.data).reshape(num_rows, num_cols // GROUP_SIZE, block_bytes)
         weight = _decode_blocks(blocks, tensor.tensor_type == GGMLQuantizationType.Q4_1)
         order = unpermute_gguf_rows(np.arange(num_rows)[:, None], name, config)[:, 0]
-        weights[name] = Int4Weight(*(t[torch.from_numpy(order.copy())] for t in weight))
+        for part, start, stop in fused_parts(name, num_rows, config):
+            weights[part] = Int4Weight(*(t[torch.from_numpy(order[start:stop].copy())] for t in weight))
     return weights
 
 

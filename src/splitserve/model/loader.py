@@ -30,6 +30,7 @@ from splitserve.model.rope import gguf_rope, hf_rope
 # GGUF leaf name -> Hugging Face name, for tensors inside a block (blk.N.<leaf>.weight).
 _GGUF_BLOCK_LEAVES = {
     "attn_q": "self_attn.q_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -48,6 +49,7 @@ _GGUF_TOP_LEVEL = {
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling: one frequency divisor per rotary pair
+_GGUF_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope divisors
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -68,13 +70,42 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Dec
     config = gguf_file_config(reader)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.name == _GGUF_ROPE_FREQS:
+        if tensor.name == _GGUF_ROPE_FREQS or tensor.name in _GGUF_LONGROPE:
             continue
-        name = gguf_to_hf_name(tensor.name)
+        name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
         array = _dequantize(tensor)
         array = unpermute_gguf_rows(array, name, config)
-        state[name] = torch.from_numpy(array).to(dtype).contiguous()
+        for part, start, stop in fused_parts(name, array.shape[0], config):
+            state[part] = torch.from_numpy(array[start:stop]).to(dtype).contiguous()
     return config, state
+
+
+def gguf_fused_name(hf_name: str, config: DecoderConfig) -> str:
+    """A fused architecture's GGUF ``ffn_up`` holds gate and up (llama.cpp's SwiGLU of one double-height matrix):
+    its name is then ``gate_up_proj``, as in the Hugging Face checkpoint."""
+    if architectures.ARCHITECTURES[config.arch].fused and hf_name.endswith("mlp.up_proj.weight"):
+        return hf_name.replace("mlp.up_proj", "mlp.gate_up_proj")
+    return hf_name
+
+
+def fused_parts(name: str, rows: int, config: DecoderConfig) -> list[tuple[str, int, int]]:
+    """The Llama-named matrices a tensor holds, each with its rows ``[start, stop)``: a fused ``qkv_proj`` is q,
+    k and v, a ``gate_up_proj`` gate then up (Phi-3); any other tensor is itself. ``ValueError`` when a fused
+    tensor's rows do not add up."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+                         (".mlp.gate_up_proj.", (("gate_proj", inter), ("up_proj", inter)))):  # fmt: skip
+        if fused not in name:
+            continue
+        if rows != sum(size for _, size in parts):
+            raise ValueError(f"{name}: {rows} rows, not {' + '.join(str(n) for _, n in parts)} ({fused.strip('.')})")
+        out, start = [], 0
+        for part, size in parts:
+            out.append((name.replace(fused, f".{fused.split('.')[1]}.{part}."), start, start + size))
+            start += size
+        return out
+    return [(name, 0, rows)]
 
 
 def gguf_file_config(reader: gguf.GGUFReader) -> DecoderConfig:
@@ -82,9 +113,19 @@ def gguf_file_config(reader: gguf.GGUFReader) -> DecoderConfig:
     biases, q/k norms, llama3-style ``rope_freqs``)."""
     metadata = _gguf_scalar_metadata(reader)
     names = {t.name for t in reader.tensors}
-    freqs = next((t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS), None)
-    factors = None if freqs is None else tuple(float(f) for f in _dequantize(freqs).reshape(-1))
-    config = gguf_config(metadata, num_tokens=_gguf_token_count(reader), rope_freq_factors=factors)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def values(name: str) -> tuple[float, ...] | None:
+        return None if name not in tensors else tuple(float(f) for f in _dequantize(tensors[name]).reshape(-1))
+
+    long_factors, short_factors = (values(name) for name in _GGUF_LONGROPE)
+    long_short = None if long_factors is None or short_factors is None else (long_factors, short_factors)
+    config = gguf_config(
+        metadata,
+        num_tokens=_gguf_token_count(reader),
+        rope_freq_factors=values(_GGUF_ROPE_FREQS),
+        long_short=long_short,
+    )
     return replace(
         config,
         tie_word_embeddings="output.weight" not in names,
@@ -94,13 +135,16 @@ def gguf_file_config(reader: gguf.GGUFReader) -> DecoderConfig:
 
 
 def gguf_config(
-    metadata: dict[str, Any], num_tokens: int | None = None, rope_freq_factors: tuple[float, ...] | None = None
+    metadata: dict[str, Any],
+    num_tokens: int | None = None,
+    rope_freq_factors: tuple[float, ...] | None = None,
+    long_short: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
 ) -> DecoderConfig:
     """Build a ``DecoderConfig`` from GGUF scalar metadata (keys such as ``llama.block_count``).
 
     ``num_tokens`` is the length of ``tokenizer.ggml.tokens``, used when ``{arch}.vocab_size`` is absent;
-    ``rope_freq_factors`` the ``rope_freqs`` tensor's values. Assumes tied embeddings and no biases;
-    ``gguf_file_config`` corrects both from the tensor list.
+    ``rope_freq_factors`` the ``rope_freqs`` tensor's values, ``long_short`` longrope's (Phi-3's). Assumes tied
+    embeddings and no biases; ``gguf_file_config`` corrects both from the tensor list.
     """
     spec = architectures.for_gguf(metadata.get("general.architecture"))
     arch = spec.name
@@ -133,7 +177,7 @@ def gguf_config(
         eos_token_id=_optional_int(metadata.get("tokenizer.ggml.eos_token_id")),
         arch=arch,
         qk_norm=spec.qk_norm,
-        rope_scaling=gguf_rope(metadata, arch, rope_freq_factors),
+        rope_scaling=gguf_rope(metadata, arch, rope_freq_factors, long_short),
         sliding_window=_optional_int(window) or None,
     )
 
@@ -237,7 +281,8 @@ def load_safetensors_folder(
     for name, tensor in _iter_safetensors(files):
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
-        state[name] = tensor.to(dtype).contiguous()
+        for part, start, stop in fused_parts(name, tensor.shape[0] if tensor.dim() else 0, config):
+            state[part] = tensor[start:stop].to(dtype).contiguous()
     return config, state
 
 

@@ -14,6 +14,13 @@ computes it (a prefix-cache hit, a PD push or an L2 record reuses K computed for
   which would change the rotation of tokens already in the KV cache. As vLLM does, the base is fixed at what it
   would be at ``factor`` times the pretrained length. Below the pretrained length transformers' rotation is
   unscaled, so the two differ there.
+- ``longrope`` (Phi-3's, once called ``su``): each pair's frequency divided by a per-pair factor, the short factors
+  below the pretrained length and the long ones past it, and cos/sin multiplied by
+  ``sqrt(1 + ln(factor) / ln(pretrained length))``. transformers picks one set for the whole sequence by its
+  length, which would change the rotation of tokens already cached once a sequence grows past the pretrained
+  length; here the set is picked per position, so a position's rotation is fixed. Within the pretrained length
+  the two are the same; past it transformers' rotation of the earlier positions differs (llama.cpp picks by
+  the context size it is given, vLLM by the longest sequence of the batch).
 
 Frequencies are computed in float64 and the tables stored as float32.
 """
@@ -26,7 +33,7 @@ from typing import Any
 
 import torch
 
-ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,20 +42,24 @@ class RopeScaling:
 
     kind: str = "default"
     factor: float = 1.0
-    original_max_positions: int | None = None  # the pretrained context (llama3, yarn, dynamic)
+    original_max_positions: int | None = None  # the pretrained context (llama3, yarn, dynamic, longrope)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 ln(factor) + 1
+    attention_factor: float | None = None  # yarn, longrope: cos/sin multiplier; None: from factor
     truncate: bool = True  # yarn: round the ramp's ends to whole pairs
     freq_factors: tuple[float, ...] | None = None  # a GGUF's rope_freqs: each pair's frequency divided by its factor
+    short_factors: tuple[float, ...] | None = None  # longrope: each pair's divisor below the pretrained length
+    long_factors: tuple[float, ...] | None = None  # longrope: and from it on
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
             raise ValueError(f"unsupported rope scaling {self.kind!r}; supported: {', '.join(ROPE_KINDS)}")
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        if self.kind == "longrope" and (self.short_factors is None or self.long_factors is None):
+            raise ValueError("longrope rope scaling needs short_factor and long_factor")
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
@@ -74,6 +85,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         inv_freq = 1.0 / (base**exponents)
     elif scaling.kind == "yarn":
         inv_freq, attention = _yarn(theta, dim, scaling)
+    elif scaling.kind == "longrope":
+        inv_freq, attention = inv_freq / _pair_factors(scaling.short_factors, inv_freq), _longrope_attention(scaling)
     return inv_freq, attention
 
 
@@ -83,6 +96,12 @@ def rotary_tables(
     """cos and sin, ``[max_positions, head_dim]`` float32 each, rotate-half layout (each frequency twice)."""
     inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    if scaling is not None and scaling.kind == "longrope":  # the long factors from the pretrained length on
+        original = _original(scaling)
+        plain, _ = inverse_frequencies(head_dim, theta, None)
+        long_freq = plain / _pair_factors(scaling.long_factors, plain)
+        positions = torch.arange(original, max(max_positions, original), dtype=torch.float64)
+        freqs[original:] = torch.outer(positions, long_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * attention).float(), (emb.sin() * attention).float()
 
@@ -91,6 +110,20 @@ def _original(scaling: RopeScaling) -> int:
     if scaling.original_max_positions is None:
         raise ValueError(f"rope scaling {scaling.kind!r} needs original_max_position_embeddings")
     return scaling.original_max_positions
+
+
+def _pair_factors(factors: tuple[float, ...] | None, inv_freq: torch.Tensor) -> torch.Tensor:
+    values = torch.tensor(factors or (), dtype=torch.float64)
+    if values.shape != inv_freq.shape:
+        raise ValueError(f"longrope has {values.numel()} factors for {inv_freq.numel()} rotary pairs")
+    return values
+
+
+def _longrope_attention(s: RopeScaling) -> float:
+    """cos/sin's multiplier: the given one, else transformers' (and llama.cpp's converter's) from the factor."""
+    if s.attention_factor is not None:
+        return s.attention_factor
+    return math.sqrt(1 + math.log(s.factor) / math.log(_original(s))) if s.factor > 1 else 1.0
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -137,15 +170,18 @@ def hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         params.update(value)
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = str(params.get("rope_type", params.get("type", "default")))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     if kind == "default":
         return theta, None
     if kind not in ROPE_KINDS:
         raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_KINDS)}")
     original = params.get("original_max_position_embeddings")
-    if original is None and kind in ("dynamic", "yarn", "llama3"):
+    if kind == "longrope":  # Phi-3 keeps it beside rope_scaling, and it wins there (as in transformers)
+        original = hf.get("original_max_position_embeddings", original)
+    if original is None and kind in ("dynamic", "yarn", "llama3", "longrope"):
         original = hf.get("max_position_embeddings")
     factor = params.get("factor")
-    if factor is None and kind == "yarn" and original:
+    if factor is None and kind in ("yarn", "longrope") and original:
         factor = float(hf["max_position_embeddings"]) / float(original)
     attention = params.get("attention_factor")
     if kind == "yarn" and attention is None and params.get("mscale") and params.get("mscale_all_dim"):
@@ -160,14 +196,38 @@ def hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=None if attention is None else float(attention),
         truncate=bool(params.get("truncate", True)),
+        short_factors=_floats(params.get("short_factor")),
+        long_factors=_floats(params.get("long_factor")),
     )
 
 
-def gguf_rope(metadata: dict[str, Any], arch: str, freq_factors: tuple[float, ...] | None) -> RopeScaling | None:
+def _floats(values: Any) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(v) for v in values)
+
+
+def gguf_rope(
+    metadata: dict[str, Any],
+    arch: str,
+    freq_factors: tuple[float, ...] | None,
+    long_short: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+) -> RopeScaling | None:
     """The scaling a GGUF's ``{arch}.rope.scaling.*`` keys and ``rope_freqs`` tensor describe, as llama.cpp's
-    converter writes them; ``ValueError`` for a kind this module does not compute."""
+    converter writes them (longrope: its ``rope_factors_long`` and ``rope_factors_short`` tensors, ``long_short``);
+    ``ValueError`` for a kind this module does not compute."""
     kind = str(metadata.get(f"{arch}.rope.scaling.type", "none"))
     key = f"{arch}.rope.scaling."
+    if long_short is not None:
+        pretrained = int(metadata.get(key + "original_context_length", metadata.get(f"{arch}.context_length", 0)))
+        context = int(metadata.get(f"{arch}.context_length", pretrained))
+        attn = metadata.get(key + "attn_factor")
+        return RopeScaling(
+            kind="longrope",
+            factor=context / pretrained if pretrained else 1.0,
+            original_max_positions=pretrained or None,
+            attention_factor=None if attn is None else float(attn),
+            long_factors=long_short[0],
+            short_factors=long_short[1],
+        )
     if kind in ("none", ""):
         return None if freq_factors is None else RopeScaling(freq_factors=freq_factors)
     if kind not in ("linear", "yarn"):
