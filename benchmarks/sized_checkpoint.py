@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from common import REPO
 
 sys.path.insert(0, str(REPO))
@@ -71,7 +72,7 @@ def main() -> None:
     root = args.out.expanduser() / args.shape
     folder = root / "hf"
     if not (folder / "config.json").is_file():
-        make_checkpoint(SHAPES[args.shape], folder)
+        make_checkpoint(SHAPES[args.shape], folder, dtype=torch.bfloat16)  # as such checkpoints are published
     print(folder)
     f16 = root / f"{args.shape}-f16.gguf"
     if not f16.is_file():

@@ -128,6 +128,9 @@ class KVCacheDtype(StrEnum):
     FP8_E4M3 = "fp8_e4m3"  # the same
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # --kv-cache-memory unset on CPU (less where less memory is available)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache held by the engine."""
@@ -136,7 +139,8 @@ class CacheConfig:
     # on CUDA, None is what --gpu-memory-utilization leaves after weights and activations
     kv_cache_memory: str | None = setting(
         None,
-        "KV cache size in bytes (2GiB) or as a fraction of free memory (0.3); default 2GiB on CPU.",
+        "KV cache size in bytes (2GiB) or as a fraction of free memory (0.3); default 2GiB on CPU, or what the "
+        "memory available beside the model leaves when that is less. A size that does not fit is an error at start.",
         env=True,  # as vLLM's VLLM_CPU_KVCACHE_SPACE: every local pod of a small machine sized at once
     )
     gpu_memory_utilization: float = setting(0.9, "CUDA: the fraction of device memory for weights, activations and KV.")

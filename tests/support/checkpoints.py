@@ -96,10 +96,18 @@ CASES = (
 )
 
 
-def make_checkpoint(case: Case, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Build ``case`` with random weights, save it to ``folder`` (safetensors, config, tokenizer); returns it."""
+def make_checkpoint(
+    case: Case, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> transformers.PreTrainedModel:
+    """Build ``case`` with random weights, save it to ``folder`` (safetensors, config, tokenizer) in ``dtype``;
+    returns it, in float32 (bfloat16 for a bfloat16 one: a 3B model's float32 copy is 12 GB)."""
     config = getattr(transformers, case.config_class)(**{**SHAPE, **case.extra})
-    model = getattr(transformers, case.model_class)(config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype: no float32 copy of a large model on the way
+    try:
+        model = getattr(transformers, case.model_class)(config)
+    finally:
+        torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -115,7 +123,7 @@ def make_checkpoint(case: Case, folder: Path, seed: int = 0) -> transformers.Pre
     if case.config_class == "Phi3Config":  # llama.cpp's converter reads a Phi model's BPE vocabulary by this name
         path = folder / "tokenizer_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
-    return model.float().eval()
+    return (model if dtype == torch.bfloat16 else model.float()).eval()
 
 
 def llama_cpp_source() -> Path:

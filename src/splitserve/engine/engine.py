@@ -5,17 +5,19 @@ Not thread-safe: every method must be called from one thread (``AsyncEngine`` ow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitserve.config import EngineConfig
+from splitserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.connector import KVConnectorBase, KVReceiverLike
 from splitserve.engine.detokenizer import IncrementalDetokenizer
@@ -47,7 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# what a step's activations and logits take beside the weights and the KV cache, on CPU
+ACTIVATION_HEADROOM_BYTES = 512 << 20
 FETCH_POLL_S = 0.002  # when nothing can run until a connector's fetch completes, step again after this
 
 
@@ -162,9 +165,10 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = config.cache.num_gpu_blocks_override or num_kv_blocks(config, model, device)
         if num_blocks * block_size < self.max_model_len:
+            memory = "" if device.type != "cpu" else f" ({_gib(available_memory_bytes())} of memory available)"
             raise ValueError(
                 f"the KV cache holds {num_blocks * block_size} tokens, fewer than --max-model-len "
-                f"({self.max_model_len}); raise --kv-cache-memory or lower --max-model-len"
+                f"({self.max_model_len}){memory}; raise --kv-cache-memory or lower --max-model-len"
             )
         return num_blocks
 
@@ -547,11 +551,50 @@ def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM, device: torch
         if fraction is not None:
             num_bytes = int(fraction * free)
         num_bytes = max(0, headroom) if num_bytes is None else min(num_bytes, max(0, headroom))
-    elif fraction is not None:
-        num_bytes = int(fraction * available_memory_bytes())
-    elif num_bytes is None:
-        num_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    else:
+        num_bytes = cpu_kv_cache_bytes(fraction, num_bytes)
     return max(1, num_bytes // bytes_per_block)
+
+
+def cpu_kv_cache_bytes(fraction: float | None, asked: int | None) -> int:
+    """The KV cache's bytes on CPU, with the model loaded: ``fraction`` of the memory available, the size
+    ``asked``, or the default where that much is available beside a step's activations (else what is).
+    ``ValueError`` naming the sizes where an asked size does not fit."""
+    available = available_memory_bytes()
+    room = max(0, available - ACTIVATION_HEADROOM_BYTES)
+    if fraction is not None:
+        return int(fraction * available)
+    if asked is None:
+        if room < DEFAULT_CPU_KV_CACHE_BYTES:
+            logger.warning(
+                "%s of memory is available beside the model (%s resident): the KV cache takes %s, not the default %s",
+                _gib(available), _gib(resident_bytes()), _gib(room), _gib(DEFAULT_CPU_KV_CACHE_BYTES),
+            )  # fmt: skip
+            return room
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    if asked > room:
+        raise ValueError(
+            f"--kv-cache-memory {_gib(asked)} does not fit: {_gib(available)} of memory is available beside the model "
+            f"({_gib(resident_bytes())} resident in this process), of which a step's activations need about "
+            f"{_gib(ACTIVATION_HEADROOM_BYTES)}; lower --kv-cache-memory or give the worker more memory"
+        )
+    return asked
+
+
+def check_weights_fit(files: Sequence[Path]) -> None:
+    """Before loading: ``ValueError`` naming the sizes where a model's files alone take more memory than is
+    available (its weights in memory take at least that much), rather than a kill by the kernel halfway."""
+    need, available = sum(f.stat().st_size for f in files), available_memory_bytes()
+    if need > available:
+        names = ", ".join(f.name for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        raise ValueError(
+            f"the model's weights take at least {_gib(need)} ({names}), more than the {_gib(available)} of memory "
+            "available; give the worker more memory or serve a smaller (or more quantized) file"
+        )
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 def kv_bytes_per_token(model: DecoderForCausalLM, kv_cache_dtype: str = "auto") -> int:
@@ -583,15 +626,51 @@ def set_cpu_threads(num_threads: int | None) -> None:
 
 
 def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
+    """The memory this process can still take: MemAvailable from /proc/meminfo (Linux; else a conservative 4
+    GiB), or less where its cgroup's limit (a container's, a pod's) leaves less."""
+    available = 4 << 30
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 4 << 30
+    room = _cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The cgroup's memory limit less its working set (usage less inactive file pages, which the kernel reclaims
+    first: the kubelet's measure), cgroup v2 else v1; None without a limit."""
+    for limit_file, usage_file, stat_file, inactive_key in (
+        ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file"),
+    ):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= 1 << 60:  # no limit (v1 writes a huge number)
+            return None
+        inactive = 0
+        with contextlib.suppress(OSError, ValueError):
+            for line in (root / stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == inactive_key:
+                    inactive = int(value)
+        return max(0, int(limit_text) - max(0, usage - inactive))
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux), else 0."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _eos_ids(tokenizer: Tokenizer | None, model: DecoderForCausalLM) -> frozenset[int]:

@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 
 import yaml
 
-from splitserve.config import CacheConfig, KVTierConfig, Role, RoutingStrategy, SchedulerConfig, parse_bytes
+from splitserve.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    CacheConfig,
+    KVTierConfig,
+    Role,
+    RoutingStrategy,
+    SchedulerConfig,
+    parse_bytes,
+)
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import (
     Flag,
@@ -54,7 +62,6 @@ from splitserve.planner.workload import TraceRequest
 
 T = TypeVar("T")
 MAX_WORKERS = 8
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # the engine's default on CPU (engine/engine.py)
 L2_DEFAULT_BYTES = KVTierConfig().l2_max_bytes
 PLANNED_ANNOTATION = "splitserve.io/planned"
 

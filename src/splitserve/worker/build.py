@@ -13,7 +13,7 @@ import torch
 
 from splitserve.config import EngineConfig, Role
 from splitserve.engine.connector import KVConnectorBase
-from splitserve.engine.engine import LLMEngine, kv_cache_layout, resolve_device, set_cpu_threads
+from splitserve.engine.engine import LLMEngine, check_weights_fit, kv_cache_layout, resolve_device, set_cpu_threads
 from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import load_tokenizer, read_chat_template
@@ -43,6 +43,8 @@ def build_engine(
     source = resolve_model(config.model.model)
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
+    if device.type == "cpu":
+        check_weights_fit([source.path] if source.path.is_file() else sorted(source.path.glob("*.safetensors")))
     model = load_model(source, dtype, device)
     quantized = apply_quantization(model, source, config.model.quantization)
     if quantized:

@@ -1,0 +1,64 @@
+"""The memory checks at start: the KV cache's size against the memory available beside the model, the model's
+files against the memory available before loading, and a container's (cgroup's) limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from splitserve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from splitserve.engine import engine
+from splitserve.engine.engine import ACTIVATION_HEADROOM_BYTES, check_weights_fit, cpu_kv_cache_bytes
+
+GIB = 1 << 30
+
+
+def test_an_asked_kv_cache_that_does_not_fit_is_an_error_naming_the_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 3 * GIB)
+    assert cpu_kv_cache_bytes(None, 2 * GIB) == 2 * GIB
+    with pytest.raises(ValueError, match=r"--kv-cache-memory 8\.00 GiB does not fit: 3\.00 GiB of memory is available"):
+        cpu_kv_cache_bytes(None, 8 * GIB)
+    assert cpu_kv_cache_bytes(0.5, None) == int(1.5 * GIB)  # a fraction is of what is available
+
+
+def test_the_default_kv_cache_shrinks_to_what_is_available(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 16 * GIB)
+    assert cpu_kv_cache_bytes(None, None) == DEFAULT_CPU_KV_CACHE_BYTES
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: GIB)
+    assert cpu_kv_cache_bytes(None, None) == GIB - ACTIVATION_HEADROOM_BYTES
+    assert "not the default 2.00 GiB" in caplog.text
+
+
+def test_weights_larger_than_the_memory_available_are_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 8192)
+    check_weights_fit([weights])
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 1024)
+    with pytest.raises(ValueError, match=r"the model's weights take at least 0\.00 GiB \(model\.gguf\), more than"):
+        check_weights_fit([weights])
+
+
+@pytest.mark.parametrize(
+    ("files", "room"),
+    [
+        ({"memory.max": "max", "memory.current": "100"}, None),  # cgroup v2, no limit
+        ({"memory.max": "5000", "memory.current": "1200"}, 3800),
+        ({"memory.max": "5000", "memory.current": "1200", "memory.stat": "anon 700\ninactive_file 500\n"}, 4300),
+        ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "5"}, None),  # v1
+        ({"memory/memory.limit_in_bytes": "4096", "memory/memory.usage_in_bytes": "1024"}, 3072),
+        ({"memory/memory.limit_in_bytes": "4096", "memory/memory.usage_in_bytes": "1024",
+          "memory/memory.stat": "cache 600\ntotal_inactive_file 24\n"}, 3096),  # fmt: skip
+        ({}, None),
+    ],
+)
+def test_a_containers_memory_limit_counts(tmp_path: Path, files: dict[str, str], room: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    assert engine._cgroup_room(tmp_path) == room
