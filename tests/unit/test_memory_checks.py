@@ -52,8 +52,14 @@ def test_weights_larger_than_the_memory_available_are_refused_before_loading(
         ({"memory.max": "5000", "memory.current": "1200", "memory.stat": "anon 700\ninactive_file 500\n"}, 4300),
         ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "5"}, None),  # v1
         ({"memory/memory.limit_in_bytes": "4096", "memory/memory.usage_in_bytes": "1024"}, 3072),
-        ({"memory/memory.limit_in_bytes": "4096", "memory/memory.usage_in_bytes": "1024",
-          "memory/memory.stat": "cache 600\ntotal_inactive_file 24\n"}, 3096),  # fmt: skip
+        (
+            {
+                "memory/memory.limit_in_bytes": "4096",
+                "memory/memory.usage_in_bytes": "1024",
+                "memory/memory.stat": "cache 600\ntotal_inactive_file 24\n",
+            },
+            3096,
+        ),
         ({}, None),
     ],
 )
