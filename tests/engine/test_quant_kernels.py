@@ -27,6 +27,8 @@ from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernel_build import ARM_LEVELS, BASE_FLAGS, IsaLevel, detect_cpu, sources
 from splitserve.model.kernels import MIXED_TYPE, QUANT_TYPES, NativeKernels, kernels_for
 from splitserve.model.quant import load_gguf_quantized
+from splitserve.model.registry import apply_quantization, load_model
+from splitserve.model.source import resolve_model
 from tests.support.engine import TINY, build_engine, run_to_completion
 from tests.support.quant import SUPER_BLOCK_TYPES, gguf_rows, model_for, quantize_model
 
@@ -255,3 +257,22 @@ def test_matrices_without_native_kernels_are_named_in_one_warning(
     assert {name: rows.wtype for name, rows in weights.items()} == names
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "IQ2_XXS: blk.0.attn_k.weight (1)" in warnings[0], warnings
+
+
+def test_the_float_copy_of_the_quantized_weights_is_freed() -> None:
+    """A worker keeps only the GGUF's blocks of the matrices they run: the float copy is freed (meta tensors, so a
+    path that would read one fails loudly), the head's and the embeddings' float rows stay, and the model answers."""
+    source = resolve_model("smollm2")
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    assert apply_quantization(model, source, "gguf")
+    expected = sum(
+        m.weight.numel() * 4 for m in model.modules() if isinstance(m, decoder.Linear) and m.quant is not None
+    )
+    assert model.release_float_weights() == expected > 100e6  # SmolLM2's 106 M matmul weights in float32
+    assert model.release_float_weights() == 0
+    assert model.embed_tokens.weight.device.type == "cpu"
+    layer = model.layers[0]
+    assert isinstance(layer, decoder.DecoderLayer) and layer.mlp.down_proj.weight.device.type == "meta"
+    engine = build_engine(model, block_size=16)
+    out = run_to_completion(engine, {"a": list(range(1, 40))}, SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(out["a"]) and model.runs_forward_step

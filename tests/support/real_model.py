@@ -19,6 +19,7 @@ def smollm2_defaults() -> tuple[DecoderForCausalLM, Tokenizer]:
     source = resolve_model("smollm2")
     model = load_model(source, resolve_dtype("auto", torch.device("cpu")), torch.device("cpu"))
     assert apply_quantization(model, source, "auto")  # the worker's default: the GGUF's blocks
+    model.release_float_weights()  # as the worker does: nothing may read them
     return model, load_tokenizer(source)
 
 

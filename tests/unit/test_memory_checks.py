@@ -6,10 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from splitserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from splitserve.engine import engine
 from splitserve.engine.engine import ACTIVATION_HEADROOM_BYTES, check_weights_fit, cpu_kv_cache_bytes
+from splitserve.model.registry import load_footprint_bytes
+from splitserve.model.source import resolve_model
 
 GIB = 1 << 30
 
@@ -32,16 +35,13 @@ def test_the_default_kv_cache_shrinks_to_what_is_available(
     assert "not the default 2.00 GiB" in caplog.text
 
 
-def test_weights_larger_than_the_memory_available_are_refused_before_loading(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    weights = tmp_path / "model.gguf"
-    weights.write_bytes(b"\0" * 4096)
-    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 8192)
-    check_weights_fit([weights])
-    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 1024)
-    with pytest.raises(ValueError, match=r"the model's weights take at least 0\.00 GiB \(model\.gguf\), more than"):
-        check_weights_fit([weights])
+def test_a_model_larger_than_the_memory_available_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 8 * GIB)
+    check_weights_fit(7 * GIB, "model.gguf in bfloat16")
+    with pytest.raises(
+        ValueError, match=r"loading model\.gguf in bfloat16 takes at least 9\.00 GiB, more than the 8\.00"
+    ):
+        check_weights_fit(9 * GIB, "model.gguf in bfloat16")
 
 
 @pytest.mark.parametrize(
@@ -68,3 +68,10 @@ def test_a_containers_memory_limit_counts(tmp_path: Path, files: dict[str, str],
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text + "\n")
     assert engine._cgroup_room(tmp_path) == room
+
+
+def test_the_load_footprint_counts_every_weight_in_the_dtype_and_a_ggufs_blocks() -> None:
+    source = resolve_model("smollm2")  # 134.5 M weights in a 0.1 GB Q4_1 file
+    weights = load_footprint_bytes(source, torch.float32) - load_footprint_bytes(source, torch.bfloat16)
+    assert 134e6 * 2 < weights < 136e6 * 2
+    assert load_footprint_bytes(source, torch.bfloat16) == weights + source.path.stat().st_size

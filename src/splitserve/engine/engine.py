@@ -581,15 +581,14 @@ def cpu_kv_cache_bytes(fraction: float | None, asked: int | None) -> int:
     return asked
 
 
-def check_weights_fit(files: Sequence[Path]) -> None:
-    """Before loading: ``ValueError`` naming the sizes where a model's files alone take more memory than is
-    available (its weights in memory take at least that much), rather than a kill by the kernel halfway."""
-    need, available = sum(f.stat().st_size for f in files), available_memory_bytes()
+def check_weights_fit(need: int, what: str) -> None:
+    """Before loading: ``ValueError`` naming the sizes where loading a model takes more memory (``need`` bytes, at
+    least: ``model.registry.load_footprint_bytes``) than is available, rather than a kill by the kernel halfway."""
+    available = available_memory_bytes()
     if need > available:
-        names = ", ".join(f.name for f in files[:3]) + (" ..." if len(files) > 3 else "")
         raise ValueError(
-            f"the model's weights take at least {_gib(need)} ({names}), more than the {_gib(available)} of memory "
-            "available; give the worker more memory or serve a smaller (or more quantized) file"
+            f"loading {what} takes at least {_gib(need)}, more than the {_gib(available)} of memory available; give "
+            "the worker more memory or serve a smaller (or more quantized) file"
         )
 
 

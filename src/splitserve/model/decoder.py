@@ -9,6 +9,9 @@ state dicts load unchanged; ``load_hf_state_dict`` fuses q/k/v and gate/up into 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,6 +95,14 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _return_freed_memory() -> None:
+    """Hand memory freed in the C heap back to the system (glibc's ``malloc_trim``): weights of a few MB each are
+    heap blocks, not mappings, once glibc has raised its mapping threshold, and freeing them alone leaves the
+    process's resident size where it was. Elsewhere, nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:
@@ -423,6 +434,22 @@ class DecoderForCausalLM(nn.Module):
             self._quant_head = kernels.pack(head.rows, head.wtype, head.k), kernels
             num_set += 1
         return num_set
+
+    def release_float_weights(self) -> int:
+        """Free the float copy of every weight that runs from the GGUF's quantized blocks (``load_quantized_weights``):
+        every matmul of those layers reads the blocks, so the copy only held memory, more than the blocks
+        themselves (a 1B model's 2 GB of bfloat16 beside 0.67 GB of Q4_K_M). Each such weight becomes a meta tensor
+        of its shape and dtype: a float path that would still read one fails loudly. Returns the bytes freed."""
+        freed = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module.quant is not None and module.weight.device.type != "meta":
+                weight = module.weight
+                freed += weight.numel() * weight.element_size()
+                module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), False)
+                module.packed_weight = None
+        if freed:
+            _return_freed_memory()
+        return freed
 
     def _linear_sources(self) -> dict[Linear, list[str]]:
         """Each fused linear layer and the HF weights it stacks."""

@@ -5,9 +5,12 @@ This module is torch's side; resolving names to sources is torch-free and lives 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from splitserve.model.decoder import DecoderForCausalLM
+from splitserve.model.gguf_file import open_gguf
 from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
 from splitserve.model.kernels import QUANT_TYPES, native
 from splitserve.model.loader import load_gguf, load_safetensors_folder
@@ -24,6 +27,23 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
     loader = load_gguf if source.kind == "gguf" else load_safetensors_folder
     config, state = loader(source.path, dtype=dtype)
     return DecoderForCausalLM.from_hf_state_dict(config, state, device).eval()
+
+
+def load_footprint_bytes(source: ModelSource, dtype: torch.dtype) -> int:
+    """A lower bound on the memory loading ``source`` in ``dtype`` takes at its peak: every weight in ``dtype`` (the
+    loaders build the float model first) plus, for a GGUF, its file (the quantized blocks the kernels keep)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if source.kind == "gguf":
+        elements = sum(int(t.n_elements) for t in open_gguf(source.path).tensors)
+        return elements * size + source.path.stat().st_size
+    from safetensors import safe_open
+
+    elements = 0
+    for file in sorted(source.path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                elements += math.prod(handle.get_slice(name).get_shape())
+    return elements * size
 
 
 def apply_quantization(model: DecoderForCausalLM, source: ModelSource, quantization: str) -> str:
