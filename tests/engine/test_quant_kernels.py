@@ -27,9 +27,9 @@ from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernel_build import ARM_LEVELS, BASE_FLAGS, IsaLevel, detect_cpu, sources
 from splitserve.model.kernels import MIXED_TYPE, QUANT_TYPES, NativeKernels, kernels_for
 from splitserve.model.quant import load_gguf_quantized
-from splitserve.model.registry import apply_quantization, load_model
+from splitserve.model.registry import apply_quantization, load_for_serving, load_model
 from splitserve.model.source import resolve_model
-from tests.support.engine import TINY, build_engine, run_to_completion
+from tests.support.engine import TINY, build_engine, run_to_completion, tokens_of
 from tests.support.quant import SUPER_BLOCK_TYPES, gguf_rows, model_for, quantize_model
 
 LEVELS = [level.name for level in detect_cpu().levels]
@@ -259,20 +259,27 @@ def test_matrices_without_native_kernels_are_named_in_one_warning(
     assert len(warnings) == 1 and "IQ2_XXS: blk.0.attn_k.weight (1)" in warnings[0], warnings
 
 
-def test_the_float_copy_of_the_quantized_weights_is_freed() -> None:
-    """A worker keeps only the GGUF's blocks of the matrices they run: the float copy is freed (meta tensors, so a
-    path that would read one fails loudly), the head's and the embeddings' float rows stay, and the model answers."""
-    source = resolve_model("smollm2")
-    model = load_model(source, torch.float32, torch.device("cpu"))
-    assert apply_quantization(model, source, "gguf")
-    expected = sum(
-        m.weight.numel() * 4 for m in model.modules() if isinstance(m, decoder.Linear) and m.quant is not None
-    )
-    assert model.release_float_weights() == expected > 100e6  # SmolLM2's 106 M matmul weights in float32
-    assert model.release_float_weights() == 0
-    assert model.embed_tokens.weight.device.type == "cpu"
-    layer = model.layers[0]
-    assert isinstance(layer, decoder.DecoderLayer) and layer.mlp.down_proj.weight.device.type == "meta"
-    engine = build_engine(model, block_size=16)
-    out = run_to_completion(engine, {"a": list(range(1, 40))}, SamplingParams(max_tokens=8, temperature=0.0))
-    assert len(out["a"]) and model.runs_forward_step
+def test_the_quantized_matrices_hold_no_float_copy_and_answer_as_before() -> None:
+    """A worker keeps only the GGUF's blocks of the matrices they run: ``load_for_serving`` never makes their float
+    copy (meta tensors, so a path that would read one fails loudly), ``release_float_weights`` frees it where it
+    was made; the embeddings' and the head's float rows stay, and the answers are the same bits either way."""
+    source, cpu = resolve_model("smollm2"), torch.device("cpu")
+    made = load_model(source, torch.float32, cpu)
+    assert apply_quantization(made, source, "gguf")
+    quantized = [m for m in made.modules() if isinstance(m, decoder.Linear) and m.quant is not None]
+    expected = sum(m.weight.numel() * 4 for m in quantized)
+    assert made.release_float_weights() == expected > 100e6  # SmolLM2's 106 M matmul weights in float32
+    assert made.release_float_weights() == 0
+    never, description = load_for_serving(source, torch.float32, cpu, "auto")
+    assert "native kernels" in description and never.release_float_weights() == 0
+    for model in (made, never):
+        layer = model.layers[0]
+        assert isinstance(layer, decoder.DecoderLayer) and layer.mlp.down_proj.weight.device.type == "meta"
+        assert model.embed_tokens.weight.device.type == "cpu"
+    params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
+    prompt = {"a": list(range(1, 40))}
+    first = run_to_completion(build_engine(made, block_size=16), prompt, params)["a"]
+    second = run_to_completion(build_engine(never, block_size=16), prompt, params)["a"]
+    assert len(tokens_of(first)) == 48 and made.runs_forward_step and never.runs_forward_step
+    assert tokens_of(first) == tokens_of(second)
+    assert [o.new_logprobs for o in first] == [o.new_logprobs for o in second]

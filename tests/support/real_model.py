@@ -10,16 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.model.decoder import DecoderForCausalLM
-from splitserve.model.registry import apply_quantization, load_model, resolve_dtype
+from splitserve.model.registry import load_for_serving, resolve_dtype
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
 
 def smollm2_defaults() -> tuple[DecoderForCausalLM, Tokenizer]:
     source = resolve_model("smollm2")
-    model = load_model(source, resolve_dtype("auto", torch.device("cpu")), torch.device("cpu"))
-    assert apply_quantization(model, source, "auto")  # the worker's default: the GGUF's blocks
-    model.release_float_weights()  # as the worker does: nothing may read them
+    model, quantized = load_for_serving(source, resolve_dtype("auto", torch.device("cpu")), torch.device("cpu"), "auto")
+    assert quantized  # the worker's default: the GGUF's blocks, their float copy never made
     return model, load_tokenizer(source)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,31 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_source_names(num_layers: int) -> list[list[list[str]]]:
+    """Per layer, the HF weights each of its fused linear layers stacks: q/k/v, o, gate/up, down."""
+    out = []
+    for i in range(num_layers):
+        hf = f"model.layers.{i}."
+        out.append([
+            [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
+            [hf + "self_attn.o_proj.weight"],
+            [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+            [hf + "mlp.down_proj.weight"],
+        ])  # fmt: skip
+    return out
+
+
+def runs_from_blocks(names: list[str], weights: Mapping[str, GGUFRows]) -> bool:
+    """Whether the fused layer stacking ``names`` runs from quantized blocks: every part there, of one width."""
+    return all(n in weights for n in names) and len({weights[n].k for n in names}) == 1
+
+
+def block_matrices(num_layers: int, weights: Mapping[str, GGUFRows]) -> set[str]:
+    """The HF names of the matrices ``load_quantized_weights`` would run from ``weights``' blocks."""
+    layers = linear_source_names(num_layers)
+    return {n for layer in layers for names in layer if runs_from_blocks(names, weights) for n in names}
 
 
 def _return_freed_memory() -> None:
@@ -424,9 +450,8 @@ class DecoderForCausalLM(nn.Module):
         got one."""
         num_set = 0
         for module, names in self._linear_sources().items():
-            parts = [weights[n] for n in names if n in weights]
-            if len(parts) == len(names) and len({p.k for p in parts}) == 1:
-                module.set_quantized(parts, kernels)
+            if runs_from_blocks(names, weights):
+                module.set_quantized([weights[n] for n in names], kernels)
                 num_set += 1
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head = weights.get("lm_head.weight", weights.get(head_name))
@@ -447,20 +472,16 @@ class DecoderForCausalLM(nn.Module):
                 freed += weight.numel() * weight.element_size()
                 module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), False)
                 module.packed_weight = None
-        if freed:
-            _return_freed_memory()
+        _return_freed_memory()  # these, and what loading left (the blocks read from the file before packing)
         return freed
 
     def _linear_sources(self) -> dict[Linear, list[str]]:
         """Each fused linear layer and the HF weights it stacks."""
         sources: dict[Linear, list[str]] = {}
-        for i, layer in enumerate(self.layers):
+        for layer, names in zip(self.layers, linear_source_names(len(self.layers)), strict=True):
             assert isinstance(layer, DecoderLayer)
-            hf = f"model.layers.{i}."
-            sources[layer.self_attn.qkv_proj] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
-            sources[layer.self_attn.o_proj] = [hf + "self_attn.o_proj.weight"]
-            sources[layer.mlp.gate_up_proj] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
-            sources[layer.mlp.down_proj] = [hf + "mlp.down_proj.weight"]
+            modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            sources.update(zip(modules, names, strict=True))
         return sources
 
     def _head_weight(self) -> torch.Tensor:
@@ -498,7 +519,7 @@ class DecoderForCausalLM(nn.Module):
             fused[name] = _hf_tensor_for(name, state, self.config)
             if fused[name].shape != target.shape:
                 raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(fused[name].shape)}")
-            if device is not None:
+            if device is not None and fused[name].device.type != "meta":  # meta: a matrix loaded as blocks only
                 fused[name] = fused[name].to(device)
         self.load_state_dict(fused, strict=True, assign=assign)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,13 +55,16 @@ _GGUF_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Ph
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, blocks_only: Collection[str] = ()
+) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
     """Read a llama.cpp GGUF file into a config and a dequantized, HF-named state dict.
 
     Every tensor type that ``gguf.quants.dequantize`` supports is accepted (F32, F16, BF16, Q4_0, Q4_1,
     Q8_0, the K-quants, ...). Where llama.cpp's converter permuted the q and k projections (Llama), their rows
     are put back from its interleaved-RoPE order into Hugging Face's rotate-half order. Tensors come back
-    contiguous, on CPU, in ``dtype``.
+    contiguous, on CPU, in ``dtype``; the matrices named in ``blocks_only`` (HF names: those that will run from
+    the file's quantized blocks) are not dequantized but come back as meta tensors of their shape.
 
     Raises ``ValueError`` for an architecture ``model/arch.py`` does not list, for missing metadata, or for a
     tensor name this loader does not know; ``FileNotFoundError`` when ``path`` does not exist.
@@ -73,9 +76,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Dec
         if tensor.name == _GGUF_ROPE_FREQS or tensor.name in _GGUF_LONGROPE:
             continue
         name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
+        rows, *cols = (int(n) for n in reversed(tensor.shape.tolist()))
+        parts = fused_parts(name, rows, config)
+        if blocks_only and all(part in blocks_only for part, _, _ in parts):
+            for part, start, stop in parts:
+                state[part] = torch.empty((stop - start, *cols), dtype=dtype, device="meta")
+            continue
         array = _dequantize(tensor)
         array = unpermute_gguf_rows(array, name, config)
-        for part, start, stop in fused_parts(name, array.shape[0], config):
+        for part, start, stop in parts:
             state[part] = torch.from_numpy(array[start:stop]).to(dtype).contiguous()
     return config, state
 

@@ -14,7 +14,7 @@ import torch
 from splitserve.config import EngineConfig, Role
 from splitserve.engine.connector import KVConnectorBase
 from splitserve.engine.engine import LLMEngine, check_weights_fit, kv_cache_layout, resolve_device, set_cpu_threads
-from splitserve.model.registry import apply_quantization, load_footprint_bytes, load_model, resolve_dtype
+from splitserve.model.registry import load_footprint_bytes, load_for_serving, resolve_dtype
 from splitserve.model.source import resolve_model
 from splitserve.model.tokenizer import load_tokenizer, read_chat_template
 from splitserve.protocol.kv_events import KVEventSink
@@ -44,9 +44,9 @@ def build_engine(
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     if device.type == "cpu":
-        check_weights_fit(load_footprint_bytes(source, dtype), f"{source.name} in {str(dtype).removeprefix('torch.')}")
-    model = load_model(source, dtype, device)
-    quantized = apply_quantization(model, source, config.model.quantization)
+        need = load_footprint_bytes(source, dtype, config.model.quantization)
+        check_weights_fit(need, f"{source.name} in {str(dtype).removeprefix('torch.')}")
+    model, quantized = load_for_serving(source, dtype, device, config.model.quantization)
     if quantized:
         logger.info("matmuls use %s", quantized)
     freed = model.release_float_weights()
