@@ -37,9 +37,9 @@ def load_footprint_bytes(source: ModelSource, dtype: torch.dtype, quantization: 
     if source.kind == "gguf":
         tensors = open_gguf(source.path).tensors
         if quantization in ("auto", "gguf") and native() is not None:
-            native_types = [t for t in tensors if int(t.tensor_type) in QUANT_TYPES and len(t.shape) == 2]
-            floats = sum(int(t.n_elements) for t in tensors if t not in native_types)
-            return floats * size + 2 * sum(int(t.n_bytes) for t in native_types)
+            blocks = {t.name for t in tensors if int(t.tensor_type) in QUANT_TYPES and len(t.shape) == 2}
+            floats = sum(int(t.n_elements) for t in tensors if t.name not in blocks)
+            return floats * size + 2 * sum(int(t.n_bytes) for t in tensors if t.name in blocks)
         return sum(int(t.n_elements) for t in tensors) * size
     from safetensors import safe_open
 
