@@ -276,6 +276,9 @@ def test_the_quantized_matrices_hold_no_float_copy_and_answer_as_before() -> Non
         layer = model.layers[0]
         assert isinstance(layer, decoder.DecoderLayer) and layer.mlp.down_proj.weight.device.type == "meta"
         assert model.embed_tokens.weight.device.type == "cpu"
+    x = torch.randn(3, 1536)
+    down = never.layers[0].mlp.down_proj  # an input the kernels decline: run as float32, not from a float copy
+    assert torch.equal(down(x.half()), down(x.half().float()).half())
     params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
     prompt = {"a": list(range(1, 40))}
     first = run_to_completion(build_engine(made, block_size=16), prompt, params)["a"]

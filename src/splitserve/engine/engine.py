@@ -552,18 +552,22 @@ def num_kv_blocks(config: EngineConfig, model: DecoderForCausalLM, device: torch
             num_bytes = int(fraction * free)
         num_bytes = max(0, headroom) if num_bytes is None else min(num_bytes, max(0, headroom))
     else:
-        num_bytes = cpu_kv_cache_bytes(fraction, num_bytes)
+        num_bytes = cpu_kv_cache_bytes(fraction, num_bytes, model.prepare_bytes())
     return max(1, num_bytes // bytes_per_block)
 
 
-def cpu_kv_cache_bytes(fraction: float | None, asked: int | None) -> int:
+def cpu_kv_cache_bytes(fraction: float | None, asked: int | None, reserved: int = 0) -> int:
     """The KV cache's bytes on CPU, with the model loaded: ``fraction`` of the memory available, the size
-    ``asked``, or the default where that much is available beside a step's activations (else what is).
-    ``ValueError`` naming the sizes where an asked size does not fit."""
-    available = available_memory_bytes()
-    room = max(0, available - ACTIVATION_HEADROOM_BYTES)
+    ``asked``, or the default where that much is available beside a step's activations and ``reserved`` (what the
+    model still allocates before serving: ``prepare_bytes``), else what is. ``ValueError`` naming the sizes where
+    an asked size does not fit."""
+    known = known_available_memory()
+    available = available_memory_bytes() if known is None else known
+    room = max(0, available - ACTIVATION_HEADROOM_BYTES - reserved)
     if fraction is not None:
         return int(fraction * available)
+    if known is None:  # nothing to check against
+        return DEFAULT_CPU_KV_CACHE_BYTES if asked is None else asked
     if asked is None:
         if room < DEFAULT_CPU_KV_CACHE_BYTES:
             logger.warning(
@@ -576,7 +580,8 @@ def cpu_kv_cache_bytes(fraction: float | None, asked: int | None) -> int:
         raise ValueError(
             f"--kv-cache-memory {_gib(asked)} does not fit: {_gib(available)} of memory is available beside the model "
             f"({_gib(resident_bytes())} resident in this process), of which a step's activations need about "
-            f"{_gib(ACTIVATION_HEADROOM_BYTES)}; lower --kv-cache-memory or give the worker more memory"
+            f"{_gib(ACTIVATION_HEADROOM_BYTES)} and the model's serving copies {_gib(reserved)}; lower "
+            "--kv-cache-memory or give the worker more memory"
         )
     return asked
 
@@ -584,8 +589,8 @@ def cpu_kv_cache_bytes(fraction: float | None, asked: int | None) -> int:
 def check_weights_fit(need: int, what: str) -> None:
     """Before loading: ``ValueError`` naming the sizes where loading a model takes more memory (``need`` bytes, at
     least: ``model.registry.load_footprint_bytes``) than is available, rather than a kill by the kernel halfway."""
-    available = available_memory_bytes()
-    if need > available:
+    available = known_available_memory()
+    if available is not None and need > available:
         raise ValueError(
             f"loading {what} takes at least {_gib(need)}, more than the {_gib(available)} of memory available; give "
             "the worker more memory or serve a smaller (or more quantized) file"
@@ -625,38 +630,76 @@ def set_cpu_threads(num_threads: int | None) -> None:
 
 
 def available_memory_bytes() -> int:
-    """The memory this process can still take: MemAvailable from /proc/meminfo (Linux; else a conservative 4
-    GiB), or less where its cgroup's limit (a container's, a pod's) leaves less."""
-    available = 4 << 30
+    """The memory this process can still take (``known_available_memory``), else a conservative 4 GiB."""
+    known = known_available_memory()
+    return 4 << 30 if known is None else known
+
+
+def known_available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, or less where a cgroup's limit (a container's, a pod's, a systemd
+    unit's) leaves less; None where neither is known (then nothing is refused for memory)."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024
                     break
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     room = _cgroup_room()
-    return available if room is None else min(available, room)
+    if room is None:
+        return available
+    return room if available is None else min(available, room)
 
 
-def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The cgroup's memory limit less its working set (usage less inactive file pages, which the kernel reclaims
-    first: the kubelet's measure), cgroup v2 else v1; None without a limit."""
-    for limit_file, usage_file, stat_file, inactive_key in (
-        ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file"),
-    ):
+_CGROUP_FILES = (  # cgroup v2, then v1: the limit, the usage, the stat file and its inactive-file key
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+    ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "total_inactive_file"),
+)
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The least room any cgroup above this process leaves: its memory limit less its working set (usage less
+    inactive file pages, which the kernel reclaims first: the kubelet's measure). The process's own cgroup and each
+    parent up to the mount (v2's unified tree, or v1's memory controller), so a systemd unit's or a parent's limit
+    counts too; None without a limit."""
+    dirs: list[Path] = []
+    with contextlib.suppress(OSError):
+        for line in own.read_text().splitlines():
+            hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+            base = (
+                root
+                if hierarchy == "0" and not controllers
+                else root / "memory"
+                if "memory" in controllers.split(",")
+                else None
+            )
+            if base is None:
+                continue
+            here = base / path.strip("/")
+            while base == here or base in here.parents:
+                dirs.append(here)
+                if here == base:
+                    break
+                here = here.parent
+    dirs += [root, root / "memory"]  # a namespaced container sees its own cgroup at the mount
+    rooms = [room for room in (_cgroup_level_room(d) for d in dict.fromkeys(dirs)) if room is not None]
+    return min(rooms) if rooms else None
+
+
+def _cgroup_level_room(level: Path) -> int | None:
+    for limit_file, usage_file, stat_file, inactive_key in _CGROUP_FILES:
         try:
-            limit_text = (root / limit_file).read_text().strip()
-            usage = int((root / usage_file).read_text().strip())
+            limit_text = (level / limit_file).read_text().strip()
+            usage = int((level / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
         if limit_text == "max" or int(limit_text) >= 1 << 60:  # no limit (v1 writes a huge number)
             return None
         inactive = 0
         with contextlib.suppress(OSError, ValueError):
-            for line in (root / stat_file).read_text().splitlines():
+            for line in (level / stat_file).read_text().splitlines():
                 key, _, value = line.partition(" ")
                 if key == inactive_key:
                     inactive = int(value)

@@ -87,6 +87,11 @@ class Linear(nn.Linear):
         kernels = self.quant_kernels
         if kernels is not None and self.quant is not None:
             out = kernels.quant_matmul(x, self.quant)
+            if out is None and self.weight.device.type == "meta":  # no float copy to fall back on (float16, strides)
+                out = kernels.quant_matmul(x.float().contiguous(), self.quant)
+                if out is None:
+                    raise RuntimeError(f"the quantized matmul declined a {tuple(x.shape)} input; no float copy is kept")
+                out = out.to(x.dtype)
             if out is not None:
                 return out if self.bias is None else out.add_(self.bias)
         if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
@@ -112,15 +117,16 @@ def linear_source_names(num_layers: int) -> list[list[list[str]]]:
     return out
 
 
-def runs_from_blocks(names: list[str], weights: Mapping[str, GGUFRows]) -> bool:
-    """Whether the fused layer stacking ``names`` runs from quantized blocks: every part there, of one width."""
-    return all(n in weights for n in names) and len({weights[n].k for n in names}) == 1
+def runs_from_blocks(names: list[str], widths: Mapping[str, int]) -> bool:
+    """Whether the fused layer stacking ``names`` runs from quantized blocks (``widths``: the k of each matrix
+    there is in a native format): every part there, of one width."""
+    return all(n in widths for n in names) and len({widths[n] for n in names}) == 1
 
 
-def block_matrices(num_layers: int, weights: Mapping[str, GGUFRows]) -> set[str]:
-    """The HF names of the matrices ``load_quantized_weights`` would run from ``weights``' blocks."""
+def block_matrices(num_layers: int, widths: Mapping[str, int]) -> set[str]:
+    """The HF names of the matrices ``load_quantized_weights`` would run from blocks (``widths`` as above)."""
     layers = linear_source_names(num_layers)
-    return {n for layer in layers for names in layer if runs_from_blocks(names, weights) for n in names}
+    return {n for layer in layers for names in layer if runs_from_blocks(names, widths) for n in names}
 
 
 def _return_freed_memory() -> None:
@@ -358,6 +364,19 @@ class DecoderForCausalLM(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "")
         return F.linear(hidden, self._head_weight())
 
+    def prepare_bytes(self) -> int:
+        """About the memory ``prepare_for_inference`` will allocate: the head's float32 rows, and oneDNN's packed
+        copy of every float matmul's weights (beside the weights themselves) where it packs them."""
+        dtype = self.dtype
+        head = self._head_weight()
+        total = head.numel() * 4 if self._quant_head is not None or dtype != torch.float32 else 0
+        if can_pack_linear(head.device, dtype):
+            float_linears = [m for m in self.modules() if isinstance(m, Linear) and m.quant is None]
+            total += sum(m.weight.numel() * m.weight.element_size() for m in float_linears)
+            if self._quant_head is None:
+                total += head.numel() * head.element_size()
+        return total
+
     def prepare_for_inference(self) -> None:
         """Set the model up for serving; call once after loading and casting.
 
@@ -449,8 +468,9 @@ class DecoderForCausalLM(nn.Module):
         take its quantized form for ``kernels`` (parts in different formats as one mixed weight); returns how many
         got one."""
         num_set = 0
+        widths = {name: rows.k for name, rows in weights.items()}
         for module, names in self._linear_sources().items():
-            if runs_from_blocks(names, weights):
+            if runs_from_blocks(names, widths):
                 module.set_quantized([weights[n] for n in names], kernels)
                 num_set += 1
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"

@@ -50,6 +50,7 @@ _GGUF_TOP_LEVEL = {
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling: one frequency divisor per rotary pair
 _GGUF_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope divisors
+GGUF_ROPE_TENSORS = (_GGUF_ROPE_FREQS, *_GGUF_LONGROPE)  # tensors of the rotary scaling, not weights
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -73,7 +74,7 @@ def load_gguf(
     config = gguf_file_config(reader)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.name == _GGUF_ROPE_FREQS or tensor.name in _GGUF_LONGROPE:
+        if tensor.name in GGUF_ROPE_TENSORS:
             continue
         name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
         rows, *cols = (int(n) for n in reversed(tensor.shape.tolist()))

@@ -13,7 +13,15 @@ from splitserve.model.decoder import DecoderForCausalLM, block_matrices
 from splitserve.model.gguf_file import open_gguf
 from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
 from splitserve.model.kernels import QUANT_TYPES, native
-from splitserve.model.loader import gguf_file_config, load_gguf, load_safetensors_folder
+from splitserve.model.loader import (
+    GGUF_ROPE_TENSORS,
+    fused_parts,
+    gguf_file_config,
+    gguf_fused_name,
+    gguf_to_hf_name,
+    load_gguf,
+    load_safetensors_folder,
+)
 from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.source import ModelSource
 
@@ -31,16 +39,31 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) ->
 
 def load_footprint_bytes(source: ModelSource, dtype: torch.dtype, quantization: str = "none") -> int:
     """About the memory ``load_for_serving`` takes at its peak, on CPU: every weight in ``dtype``, except that a
-    GGUF whose blocks run in the native kernels keeps its quantized matrices as blocks only, read from the file
-    and then packed (twice the file's bytes for them at the end of packing)."""
+    GGUF whose blocks run in the native kernels keeps those matrices as blocks only, read from the file and then
+    packed (twice their bytes at the end of packing); a native head is packed beside its float rows too."""
     size = torch.empty((), dtype=dtype).element_size()
     if source.kind == "gguf":
-        tensors = open_gguf(source.path).tensors
-        if quantization in ("auto", "gguf") and native() is not None:
-            blocks = {t.name for t in tensors if int(t.tensor_type) in QUANT_TYPES and len(t.shape) == 2}
-            floats = sum(int(t.n_elements) for t in tensors if t.name not in blocks)
-            return floats * size + 2 * sum(int(t.n_bytes) for t in tensors if t.name in blocks)
-        return sum(int(t.n_elements) for t in tensors) * size
+        reader = open_gguf(source.path)
+        tensors = [t for t in reader.tensors if t.name not in GGUF_ROPE_TENSORS]
+        if quantization not in ("auto", "gguf") or native() is None:
+            return sum(int(t.n_elements) for t in tensors) * size
+        config = gguf_file_config(reader)
+        parts = {t.name: fused_parts(gguf_fused_name(gguf_to_hf_name(t.name), config), int(t.shape[-1]), config)
+                 for t in tensors}  # fmt: skip
+        widths = {
+            part: int(t.shape[0])
+            for t in tensors
+            if int(t.tensor_type) in QUANT_TYPES and len(t.shape) == 2
+            for part, _, _ in parts[t.name]
+        }
+        blocks = block_matrices(config.num_hidden_layers, widths)
+        total = 0
+        for t in tensors:
+            as_blocks = all(part in blocks for part, _, _ in parts[t.name])
+            total += 2 * int(t.n_bytes) if as_blocks else int(t.n_elements) * size
+            if t.name in ("token_embd.weight", "output.weight") and int(t.tensor_type) in QUANT_TYPES:
+                total += int(t.n_bytes)  # the head's packed blocks
+        return total
     from safetensors import safe_open
 
     elements = 0
@@ -62,7 +85,8 @@ def load_for_serving(
     if kernels is not None:
         config = gguf_file_config(open_gguf(source.path))
         blocks = load_gguf_quantized(source.path, config)
-        _, state = load_gguf(source.path, dtype=dtype, blocks_only=block_matrices(config.num_hidden_layers, blocks))
+        widths = {name: rows.k for name, rows in blocks.items()}
+        _, state = load_gguf(source.path, dtype=dtype, blocks_only=block_matrices(config.num_hidden_layers, widths))
         model = DecoderForCausalLM.from_hf_state_dict(config, state, device).eval()
         del state
         num_set = model.load_quantized_weights(blocks, kernels)
