@@ -561,13 +561,12 @@ def cpu_kv_cache_bytes(fraction: float | None, asked: int | None, reserved: int 
     ``asked``, or the default where that much is available beside a step's activations and ``reserved`` (what the
     model still allocates before serving: ``prepare_bytes``), else what is. ``ValueError`` naming the sizes where
     an asked size does not fit."""
-    known = known_available_memory()
-    available = available_memory_bytes() if known is None else known
-    room = max(0, available - ACTIVATION_HEADROOM_BYTES - reserved)
     if fraction is not None:
-        return int(fraction * available)
-    if known is None:  # nothing to check against
+        return int(fraction * available_memory_bytes())
+    available = known_available_memory()
+    if available is None:  # nothing to check against
         return DEFAULT_CPU_KV_CACHE_BYTES if asked is None else asked
+    room = max(0, available - ACTIVATION_HEADROOM_BYTES - reserved)
     if asked is None:
         if room < DEFAULT_CPU_KV_CACHE_BYTES:
             logger.warning(

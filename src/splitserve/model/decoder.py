@@ -129,7 +129,7 @@ def block_matrices(num_layers: int, widths: Mapping[str, int]) -> set[str]:
     return {n for layer in layers for names in layer if runs_from_blocks(names, widths) for n in names}
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand memory freed in the C heap back to the system (glibc's ``malloc_trim``): weights of a few MB each are
     heap blocks, not mappings, once glibc has raised its mapping threshold, and freeing them alone leaves the
     process's resident size where it was. Elsewhere, nothing."""
@@ -492,7 +492,7 @@ class DecoderForCausalLM(nn.Module):
                 freed += weight.numel() * weight.element_size()
                 module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), False)
                 module.packed_weight = None
-        _return_freed_memory()  # these, and what loading left (the blocks read from the file before packing)
+        return_freed_memory()
         return freed
 
     def _linear_sources(self) -> dict[Linear, list[str]]:

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from splitserve.model.decoder import DecoderForCausalLM, block_matrices
+from splitserve.model.decoder import DecoderForCausalLM, block_matrices, return_freed_memory
 from splitserve.model.gguf_file import open_gguf
 from splitserve.model.int4 import int4_matmul_available, load_gguf_int4
 from splitserve.model.kernels import QUANT_TYPES, native
@@ -90,6 +90,8 @@ def load_for_serving(
         model = DecoderForCausalLM.from_hf_state_dict(config, state, device).eval()
         del state
         num_set = model.load_quantized_weights(blocks, kernels)
+        del blocks  # the file's blocks, now packed
+        return_freed_memory()
         if num_set:
             return model, _native_description(num_set)
     else:

@@ -49,9 +49,6 @@ def build_engine(
     model, quantized = load_for_serving(source, dtype, device, config.model.quantization)
     if quantized:
         logger.info("matmuls use %s", quantized)
-    freed = model.release_float_weights()
-    if freed:
-        logger.info("freed the %.2f GiB float copy of the quantized weights", freed / 2**30)
     tokenizer = load_tokenizer(source)
     if config.model.chat_template is not None:
         tokenizer.set_chat_template(read_chat_template(config.model.chat_template))
