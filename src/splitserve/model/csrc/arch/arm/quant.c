@@ -89,13 +89,9 @@ static inline void crumbs(const uint8_t (*q)[RG * 4], int8x16_t *u) {
     }
 }
 static inline void high_pairs(const uint8_t (*qh)[RG * 4], int8x16_t *u) {
-    for (int p = 0; p < 2; p++) {
-        const uint8x16_t h = vld1q_u8(qh[p]);
-        for (int i = 0; i < 4; i++) {
-            const uint8x16_t bits = vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(-2 * i))), vdupq_n_u8(3));
-            u[4 * p + i] = vorrq_s8(u[4 * p + i], vreinterpretq_s8_u8(vshlq_n_u8(bits, 4)));
-        }
-    }
+    int8x16_t high[8];
+    crumbs(qh, high);
+    for (int c = 0; c < 8; c++) u[c] = vorrq_s8(u[c], vshlq_n_s8(high[c], 4));
 }
 /* d (fp16 per row) times a byte per row, negated where `negate`: exact, as the x86 kernels' */
 static inline float32x4_t scaled(const uint16_t *d, const uint8_t *bytes, int negate) {

@@ -127,12 +127,9 @@ static inline void crumbs(const uint8_t (*q)[RG * 4], __m256i *u) {
     }
 }
 static inline void high_pairs(const uint8_t (*qh)[RG * 4], __m256i *u) {
-    const __m256i three = _mm256_set1_epi8(3);
-    for (int p = 0; p < 2; p++) {
-        const __m256i h = load32(qh[p]);
-        for (int i = 0; i < 4; i++)
-            u[4 * p + i] = _mm256_or_si256(u[4 * p + i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i), three), 4));
-    }
+    __m256i high[8];
+    crumbs(qh, high);
+    for (int c = 0; c < 8; c++) u[c] = _mm256_or_si256(u[c], _mm256_slli_epi16(high[c], 4));
 }
 
 /* A Q4_K or Q5_K block's scales d_w = d sc and offsets m_w = -dmin mn (exact products) for the group's rows. */
