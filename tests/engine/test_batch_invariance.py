@@ -5,6 +5,7 @@ grouped and however many threads run them. That is what makes a token's K/V and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -133,6 +134,60 @@ def test_an_attention_row_is_the_same_alone_in_a_chunk_and_beside_other_sequence
         alone = kernels.paged_attention(q[position : position + 1], k, v, table, lens[position : position + 1],
                                         BLOCK, scale)  # fmt: skip
         assert alone is not None and torch.equal(alone[0], whole[position]), position
+
+
+@functools.cache
+def _windowed_reference(length: int, dtype: torch.dtype, window: int, softcap: float | None) -> torch.Tensor:
+    """What ``_sequence(length, dtype)``'s queries should get in float64: each over its last ``window`` keys, the
+    scaled scores soft-capped when ``softcap`` is given."""
+    k, v, table, q = _sequence(length, dtype)
+    slots = (table[0][:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:length]
+    keys, values = (kv_format.dequantize_rows(c, torch.float64) if dtype in kv_format.PACKED else c.double()
+                    for c in (k, v))  # fmt: skip
+    group = HEADS // KV_HEADS
+    keys, values = (c[slots].repeat_interleave(group, dim=1).transpose(0, 1) for c in (keys, values))  # [H, L, D]
+    scores = torch.einsum("lhd,hmd->hlm", q.double(), keys) * HEAD_DIM**-0.5
+    if softcap is not None:
+        scores = (scores / softcap).tanh() * softcap
+    position = torch.arange(length)
+    seen = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - window)
+    return torch.einsum("hlm,hmd->lhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("window", "softcap"), [(300, None), (300, 1.5)], ids=["window", "window-softcap"])
+def test_a_sliding_window_row_attends_to_its_window_alone_the_same_on_every_path(
+    kernels: NativeKernels, threads: int, dtype: torch.dtype, window: int, softcap: float | None
+) -> None:
+    """With a window of 300 over 700 positions, windows start before position 0, inside a partition and on a
+    partition's first key (position 555: 256 .. 555); each row matches a float64 softmax over its window (its scores
+    soft-capped, as Gemma 2's), and gives the same bits in a whole chunk (tiles), in chunks beside another
+    sequence's row, and alone (split)."""
+    length = 700
+    k, v, table, q = _sequence(length, dtype)
+    scale = HEAD_DIM**-0.5
+    lens = torch.arange(1, length + 1)
+    zeros = torch.zeros(length, dtype=torch.long)
+    capped = {"window": window, "softcap": softcap}
+    whole = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, zeros, **capped)
+    assert whole is not None
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (whole.double() - _windowed_reference(length, dtype, window, softcap)).abs().max().item() < tolerance
+    tables = torch.cat([table, table.flip(1)]).contiguous()
+    for start, size in [(0, 37), (250, 37), (530, 37), (550, 150)]:
+        rows = torch.arange(start, min(start + size, length))
+        out = kernels.paged_attention(torch.cat([q[rows], q[:1]]), k, v, tables,
+                                      torch.cat([lens[rows], torch.tensor([length])]), BLOCK, scale,
+                                      torch.cat([zeros[: len(rows)], torch.ones(1, dtype=torch.long)]),
+                                      **capped)  # fmt: skip
+        assert out is not None and torch.equal(out[: len(rows)], whole[rows]), f"chunk at {start}"
+    for at in (0, 298, 299, 300, 511, 554, 555, 556, 699):
+        alone = kernels.paged_attention(q[at : at + 1], k, v, table, lens[at : at + 1], BLOCK, scale, **capped)
+        assert alone is not None and torch.equal(alone[0], whole[at]), at
+    # a window as long as the context is no window: the same bits
+    full = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, zeros, window=length, softcap=softcap)
+    plain = kernels.paged_attention(q, k, v, table, lens, BLOCK, scale, zeros, softcap=softcap)
+    assert full is not None and plain is not None and torch.equal(full, plain)
 
 
 @pytest.mark.parametrize("wtype", sorted(QUANT_TYPES))

@@ -313,22 +313,57 @@ def test_a_fused_matrix_whose_rows_do_not_match_the_config_is_named() -> None:
     ]
 
 
-def test_qwen_sliding_window_layers_are_refused_and_off_by_default() -> None:
+def test_qwen_slides_from_max_window_layers_once_switched_on() -> None:
     qwen = {**tiny_hf(tie=True).config.to_dict(), "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
+    layers = qwen["num_hidden_layers"]
     assert hf_decoder_config(qwen).sliding_window is None  # use_sliding_window defaults to off
     assert hf_decoder_config(qwen).qkv_bias
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        hf_decoder_config({**qwen, "use_sliding_window": True})
+    cfg = hf_decoder_config({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert [cfg.window_of(i) for i in range(layers)] == [None] + [64] * (layers - 1)
+    assert hf_decoder_config({**qwen, "use_sliding_window": True, "max_window_layers": layers}).sliding_window is None
+    listed = ["full_attention", "sliding_attention"] * (layers // 2)
+    cfg = hf_decoder_config({**qwen, "use_sliding_window": True, "layer_types": listed})
+    assert cfg.sliding_layers == tuple(kind == "sliding_attention" for kind in listed)  # the config's list wins
 
 
-def test_mistrals_sliding_window_bounds_the_context() -> None:
+def test_mistrals_sliding_window_applies_to_every_layer_and_bounds_no_context() -> None:
     mistral = {**tiny_hf(tie=True).config.to_dict(), "architectures": ["MistralForCausalLM"], "sliding_window": 64}
     cfg = hf_decoder_config(mistral)
-    assert (cfg.arch, cfg.sliding_window) == ("llama", 64)
-    assert _max_model_len(None, cfg) == 64
-    assert _max_model_len(48, cfg) == 48
-    with pytest.raises(ValueError, match="sliding window of 64 tokens"):
-        _max_model_len(128, cfg)
+    assert (cfg.arch, cfg.sliding_window, cfg.sliding_layers) == ("llama", 64, None)
+    assert cfg.window_of(0) == 64
+    assert _max_model_len(None, cfg) == cfg.max_position_embeddings
+    assert _max_model_len(128, cfg) == 128
+
+
+def test_gemma3_configs_old_and_new_give_the_same_layers_and_rotations() -> None:
+    base = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "query_pre_attn_scalar": 16, "sliding_window": 8, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+    old = {**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    new = {**base, "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
+    for hf in (old, new):
+        cfg = hf_decoder_config(hf)
+        assert cfg.sliding_layers == (True,) * 5 + (False, True)
+        assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.rope_scaling and cfg.rope_scaling.kind) == (
+            1e6,
+            1e4,
+            "linear",
+        )
+        assert (cfg.hidden_act, cfg.sandwich_norms, cfg.embed_scale, cfg.attention_scale) == (
+            "gelu_tanh",
+            True,
+            8.0,
+            0.25,
+        )
+        assert [cfg.slides_with_own_rope(i) for i in range(7)] == [True] * 5 + [False, True]
+    capped = hf_decoder_config({**old, "final_logit_softcapping": 30.0, "attn_logit_softcapping": None})
+    assert (capped.final_softcap, capped.attn_softcap) == (30.0, None)
+    gemma2 = hf_decoder_config({**base, "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0})
+    assert (gemma2.arch, gemma2.attn_softcap, gemma2.sliding_rope_theta) == ("gemma2", 50.0, None)
+    assert gemma2.sliding_layers == (True, False, True, False, True, False, True)  # every other layer
 
 
 def test_the_supported_architectures_are_listed() -> None:

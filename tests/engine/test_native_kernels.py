@@ -16,7 +16,7 @@ import splitserve.model.attention as attention
 import splitserve.model.decoder as decoder
 import splitserve.model.kernels as kernels_module
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.attention import DecodeBatch, PrefillChunk
+from splitserve.model.attention import DecodeBatch, PrefillChunk, ScoreRule
 from splitserve.model.decoder import DecoderForCausalLM
 from splitserve.model.kernel_build import CpuInfo, detect_cpu, select_level
 from splitserve.model.kernels import NativeKernels, kernels_for, native
@@ -81,12 +81,41 @@ def test_decode_kernel_matches_reference_and_torch_path(
     scale = HEAD_DIM**-0.5
     out = kernels.paged_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK, scale)
     assert out is not None and out.dtype == dtype and out.shape == (len(lengths), HEADS, HEAD_DIM)
-    torch_out = attention._decode_attention_torch(q, k_cache, v_cache, decode, scale)
+    torch_out = attention._decode_attention_torch(q, k_cache, v_cache, decode, ScoreRule(scale))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for row in range(len(lengths)):
         ref = _reference(q[row : row + 1], _context(k_cache, decode, row), _context(v_cache, decode, row))[0]
         assert torch.allclose(out[row].double(), ref, atol=tol), row
     assert torch.allclose(out.float(), torch_out.float(), atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pytorch_paths_take_a_sliding_window_and_a_soft_cap_as_the_kernel_does(
+    kernels: NativeKernels, dtype: torch.dtype
+) -> None:
+    """The padded decode and the chunk's SDPA (the fallbacks, and the float model's prefill) mask the positions
+    before each row's window and cap the scores, as the native kernel does."""
+    k_cache, v_cache = _cache(80, dtype)
+    lengths, window, cap = [5, 40, 300, 700], 37, 1.5
+    decode = _decode_batch(lengths, 80)
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    scale, tol = HEAD_DIM**-0.5, 1e-5 if dtype == torch.float32 else 2e-2
+    for softcap in (None, cap):
+        native_out = kernels.paged_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK,
+                                             scale, window=window, softcap=softcap)  # fmt: skip
+        torch_out = attention._decode_attention_torch(q, k_cache, v_cache, decode, ScoreRule(scale, window, softcap))
+        assert native_out is not None and torch.allclose(native_out.float(), torch_out.float(), atol=tol)
+    # a chunk of the last 50 positions of the 700-token sequence, its rows as decodes of that sequence
+    row = lengths.index(700)
+    slots = (decode.block_tables[row][:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:700]
+    chunk_q = torch.randn(50, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+    table = decode.block_tables[row : row + 1].expand(50, -1).contiguous()
+    for softcap in (None, cap):
+        got = attention._prefill_attention(chunk_q, k_cache, v_cache, PrefillChunk(50, slots, 700),
+                                           ScoreRule(scale, window, softcap))  # fmt: skip
+        rows = kernels.paged_attention(chunk_q, k_cache, v_cache, table, torch.arange(651, 701), BLOCK, scale,
+                                       window=window, softcap=softcap)  # fmt: skip
+        assert rows is not None and torch.allclose(got.float(), rows.float(), atol=tol)
 
 
 def test_decode_kernel_declines_what_it_cannot_take(kernels: NativeKernels) -> None:
@@ -95,7 +124,7 @@ def test_decode_kernel_declines_what_it_cannot_take(kernels: NativeKernels) -> N
     q = torch.randn(1, HEADS, HEAD_DIM, dtype=torch.float16)
     assert kernels.paged_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, BLOCK, 1.0) is None
     # the attention entry point then takes the PyTorch path
-    out = attention._decode_attention(q, k_cache, v_cache, decode, 1.0)
+    out = attention._decode_attention(q, k_cache, v_cache, decode, ScoreRule(1.0))
     assert out.shape == (1, HEADS, HEAD_DIM)
 
 
@@ -105,7 +134,9 @@ def test_prefill_attention_matches_reference(dtype: torch.dtype, num_q: int, num
     k_cache, v_cache = _cache(32, dtype)
     slots = torch.randperm(32 * BLOCK, generator=torch.Generator().manual_seed(3))[:num_ctx]
     q = torch.randn(num_q, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
-    out = attention._prefill_attention(q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), HEAD_DIM**-0.5)
+    out = attention._prefill_attention(
+        q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), ScoreRule(HEAD_DIM**-0.5)
+    )
     ref = _reference(q, k_cache[slots], v_cache[slots])
     assert torch.allclose(out.double(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -147,7 +178,7 @@ def test_prefill_attention_kernel_matches_reference(amx_kernels: NativeKernels, 
     assert out is not None
     ref = _reference(q, k_cache[slots], v_cache[slots])
     sdpa = attention._prefill_attention(
-        q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), HEAD_DIM**-0.5
+        q, k_cache, v_cache, PrefillChunk(num_q, slots, num_ctx), ScoreRule(HEAD_DIM**-0.5)
     ) if num_q > 4 else out  # fmt: skip
     ours, theirs = (out.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
     assert ours < 3e-2 and ours <= 1.25 * theirs + 1e-3, (ours, theirs)  # as close as PyTorch's bf16 flash kernel

@@ -11,16 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int64_t ss_quant_row_bytes(int wtype, int64_t k);
-int64_t ss_packed_bytes(int wtype, int64_t n, int64_t k);
-int ss_repack(const void *src, int wtype, int64_t n, int64_t k, void *dst);
-int ss_quant_matmul(const void *x, int x_dtype, int64_t x_stride, int64_t m, int64_t k, const void *w, int wtype,
-                    int64_t n, void *y, int out_dtype, int64_t ldy, void *scratch, int num_threads);
-int ss_dequantize_rows(const void *w, int wtype, int64_t k, int64_t n0, int64_t n1, float *out);
-int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-                           const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
-                           float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, int num_threads);
+#include "../../src/splitserve/model/csrc/ss_kernels.h"
 
 static uint32_t state = 12345u;
 static uint32_t next(void) {
@@ -110,8 +101,9 @@ static int matmul_invariance(int wtype) {
 }
 
 /* A 300-token sequence's queries as one prefill chunk beside a decode row of another sequence, against each
- * query alone, at 1 and 2 threads: the same bits. */
-static int attention_invariance(void) {
+ * query alone, at 1 and 2 threads: the same bits; over the whole context, or a sliding window (the last rows' first
+ * partition skipped), or with soft-capped scores. */
+static int attention_invariance(int64_t window, float softcap) {
     enum { LEN = 300, H = 4, HKV = 2, D = 32, BS = 16, BLOCKS = (LEN + BS - 1) / BS };
     float *k = malloc(sizeof(float) * BLOCKS * BS * HKV * D), *v = malloc(sizeof(float) * BLOCKS * BS * HKV * D);
     float *q = malloc(sizeof(float) * (LEN + 1) * H * D), *all = malloc(sizeof(float) * (LEN + 1) * H * D);
@@ -123,15 +115,15 @@ static int attention_invariance(void) {
     for (int r = 0; r < LEN; r++) seq[r] = 0, lens[r] = r + 1;
     seq[LEN] = 1, lens[LEN] = LEN;
     int failures = ss_paged_attention_f32(q, H * D, k, v, tables, BLOCKS, seq, lens, all, LEN + 1, H, HKV, D, BS,
-                                          0.17f, 2);
+                                          0.17f, window, softcap, 2);
     for (int threads = 1; threads <= 2; threads++)
         for (int r = 0; r <= LEN; r += 13) {
             failures += ss_paged_attention_f32(q + r * H * D, H * D, k, v, tables + seq[r] * BLOCKS, BLOCKS, NULL,
-                                               lens + r, one, 1, H, HKV, D, BS, 0.17f, threads);
+                                               lens + r, one, 1, H, HKV, D, BS, 0.17f, window, softcap, threads);
             failures += memcmp(one, all + r * H * D, sizeof one) != 0;
         }
     free(k), free(v), free(q), free(all);
-    if (failures) printf("an attention row depends on the batch\n");
+    if (failures) printf("an attention row depends on the batch (window %lld, softcap %g)\n", (long long)window, softcap);
     return failures != 0;
 }
 
@@ -144,7 +136,7 @@ int main(void) {
     for (int t = 0; t < num_types; t++)
         for (int r = 0; r < 5; r++) failures += check(types[t], rows[r], 44, is_k(types[t]) ? 512 : 96);
     for (int t = 0; t < num_types; t++) failures += matmul_invariance(types[t]);
-    failures += attention_invariance();
+    failures += attention_invariance(0, 0.f) + attention_invariance(40, 0.f) + attention_invariance(0, 2.f);
     printf(failures ? "failed\n" : "ok\n");
     return failures != 0;
 }

@@ -93,6 +93,37 @@ CASES = (
             },
         },
     ),
+    # six layers: five through a window of 24 positions (rotary base 10,000), the sixth over the whole context
+    # (1,000,000), as transformers' and llama.cpp's default pattern has it
+    # one layer through a window of 24 positions, one over the whole context; soft caps low enough to bend these
+    # random weights' scores and logits (Gemma 2's own are 50 and 30)
+    Case(
+        "gemma2",
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 64,
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+    ),
+    Case(
+        "gemma3",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 6,
+            "head_dim": 64,
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 24,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+    ),
 )
 
 
@@ -109,11 +140,12 @@ def make_checkpoint(
     finally:
         torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(seed)
+    norm_offset = 0 if case.config_class.startswith("Gemma") else 1  # Gemma's norms multiply by 1 + weight
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
             if "norm" in name:
-                param.copy_(1 + 0.1 * noise)
+                param.copy_(norm_offset + 0.1 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.1 * noise)
             else:
@@ -142,7 +174,9 @@ def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
 
     The converter names a BPE tokenizer by hashing how it splits a test text. SmolLM2's tokenizer as rebuilt from
     its GGUF by transformers splits a few whitespace runs differently from the original, so its hash is not in
-    the converter's table; the child tells the converter it is SmolLM's (``smollm``), which it is.
+    the converter's table; the child tells the converter it is SmolLM's (``smollm``), which it is. Gemma 2's
+    converter reads only a SentencePiece vocabulary; the child has it read the BPE one, as Gemma 3's does when a
+    checkpoint has no ``tokenizer.model``.
     """
     root = llama_cpp_source()
     code = (
@@ -150,6 +184,8 @@ def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
         f"sys.path[:0] = [{str(root)!r}, {str(root / 'gguf-py')!r}]\n"
         "import conversion.base as base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'\n"
+        "import conversion.gemma as gemma\n"
+        "gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()\n"
         f"sys.argv = [{str(root / 'convert_hf_to_gguf.py')!r}, *sys.argv[1:]]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )

@@ -282,7 +282,7 @@ class LLMEngine:
             "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
             "kv_cache_memory_bytes": str(cache.kv_cache_fraction_or_bytes()[1]),
             "prefix_caching_hash_algo": "xxh3_64",  # keys.hash_block
-            "sliding_window": "None",
+            "sliding_window": str(self.runner.model.config.sliding_window),
             "is_attention_free": "False",
         }
 
@@ -722,19 +722,6 @@ def _eos_ids(tokenizer: Tokenizer | None, model: DecoderForCausalLM) -> frozense
 
 
 def _max_model_len(asked: int | None, cfg: DecoderConfig) -> int:
-    """The context length: ``asked`` (or the model's), within the model's positions and its sliding window.
-
-    Every layer attends to all the positions before a token, so a model trained with a sliding window runs as
-    trained up to the window: unasked, the length stops there (with a warning); asked for more, it is an error.
-    """
-    length = min(asked or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    window = cfg.sliding_window
-    if window is None or length <= window:
-        return length
-    if asked is not None:
-        raise ValueError(
-            f"--max-model-len {asked} exceeds the model's sliding window of {window} tokens; sliding-window "
-            f"attention is not supported, so the context can be at most {window} tokens"
-        )
-    logger.warning("the model attends through a sliding window of %d tokens: max_model_len set to %d", window, window)
-    return window
+    """The context length: ``asked`` (or the model's), within the model's positions. A sliding window does not
+    bound it: its layers attend through the window at any length (``model/attention.py``)."""
+    return min(asked or cfg.max_position_embeddings, cfg.max_position_embeddings)

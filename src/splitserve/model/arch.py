@@ -11,7 +11,17 @@ here; an entry only names its checkpoints (Hugging Face ``architectures`` and ``
 - ``sliding_window_switch``: the config key that turns ``sliding_window`` on (Qwen's ``use_sliding_window``,
   off by default); without one, a ``sliding_window`` in the config is always in force (Mistral, Phi-3);
 - ``fused``: the checkpoint holds q, k and v as one ``qkv_proj`` and gate and up as one ``gate_up_proj`` (Phi-3;
-  its GGUF as ``attn_qkv`` and a double-height ``ffn_up``); the loaders split them into Llama's matrices.
+  its GGUF as ``attn_qkv`` and a double-height ``ffn_up``); the loaders split them into Llama's matrices;
+- ``gemma``: Gemma's differences from Llama: RMSNorm weights stored as ``w - 1`` in Hugging Face checkpoints
+  (llama.cpp's converter adds the 1), the attention's and the MLP's outputs RMS-normed before they join the
+  residual stream (``post_attention_layernorm`` and ``post_feedforward_layernorm``; the MLP's input norm is then
+  ``pre_feedforward_layernorm``), embeddings scaled by ``sqrt(hidden_size)``, GeGLU (``gelu_pytorch_tanh``);
+- ``sliding_pattern``: where a checkpoint does not list its layers' kinds, every ``sliding_pattern``-th layer attends
+  to the whole context and the others through the sliding window (Gemma 3: 6, as in transformers and llama.cpp);
+  ``sliding_rope_theta``: the sliding layers' rotary base when the GGUF does not give one (llama.cpp's default);
+- ``gguf_wide_query_layers``: the layer count of the model whose GGUF, carrying no ``query_pre_attn_scalar``,
+  scales the scores by ``(hidden / heads) ** -0.5`` rather than by the head size's (llama.cpp's rule for Gemma's
+  27B models).
 
 The table follows llama.cpp's architecture list and vLLM's model registry: an architecture is data, not a copy of
 the model.
@@ -32,6 +42,10 @@ class Architecture:
     gguf_permutes_qk: bool = False
     sliding_window_switch: str | None = None
     fused: bool = False
+    gemma: bool = False
+    sliding_pattern: int | None = None
+    sliding_rope_theta: float | None = None
+    gguf_wide_query_layers: int | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -56,6 +70,19 @@ ARCHITECTURES: dict[str, Architecture] = {
             sliding_window_switch="use_sliding_window",
         ),
         Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), fused=True),
+        Architecture(
+            "gemma2", ("Gemma2ForCausalLM",), ("gemma2",), gemma=True, sliding_pattern=2, gguf_wide_query_layers=46
+        ),
+        Architecture(
+            "gemma3",
+            ("Gemma3ForCausalLM",),
+            ("gemma3_text",),
+            qk_norm=True,
+            gemma=True,
+            sliding_pattern=6,
+            sliding_rope_theta=10000.0,
+            gguf_wide_query_layers=62,
+        ),
     )
 }
 

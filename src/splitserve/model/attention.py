@@ -17,17 +17,33 @@ in the order of ``prefills``.
 
 An int8 or fp8 cache (``--kv-cache-dtype``, ``model/kv_format.py``) holds rows of ``head_dim + head_dim / 16``
 bytes; the native kernels read it in place, the PyTorch paths widen the gathered rows to the query's dtype.
+
+A sliding-window layer (Mistral's, Gemma's alternate layers) passes its ``window``: a token at position ``p``
+attends to positions ``p - window + 1 .. p`` (Hugging Face's and llama.cpp's rule); every path masks the rest. The
+cache still holds the whole context for such layers. Gemma 2 passes a ``softcap``: each scaled score ``x`` becomes
+``softcap * tanh(x / softcap)`` before the mask and the softmax; the PyTorch paths then compute the scores
+themselves (SDPA has no such step), and the AMX tiles decline.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from splitserve.model import kv_format
 from splitserve.model.kernels import native
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRule:
+    """How a layer forms its attention scores: ``scale`` times q.k, capped to ``softcap * tanh(x / softcap)`` where
+    the layer caps them (Gemma 2), over the last ``window`` positions where it slides (None: the whole context)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass(slots=True)
@@ -37,8 +53,9 @@ class PrefillChunk:
     num_query_tokens: int
     context_slots: torch.Tensor  # [num_context_tokens] int64: slots of positions 0..end of this chunk
     num_context_tokens: int  # cached prefix + this chunk
-    # [Q, C] additive causal mask over a cached prefix (0 where allowed, -inf elsewhere), built by the first layer
-    allowed: torch.Tensor | None = None
+    # [Q, C] additive causal masks over a cached prefix (0 where allowed, -inf elsewhere), by sliding window (None:
+    # none), each built by the first layer that needs it
+    allowed: dict[int | None, torch.Tensor] = field(default_factory=dict)
     as_decodes: DecodeBatch | None = None  # set for short chunks: each query runs as a decode of this sequence
 
 
@@ -51,8 +68,9 @@ class DecodeBatch:
     block_size: int
     padded: tuple[torch.Tensor, torch.Tensor] | None = None  # the PyTorch path's slots and mask, built once
 
-    def padded_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context slots [B, L_max] (padding points at real slots) and mask [B, 1, 1, L_max], True where real."""
+    def padded_slots(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context slots [B, L_max] (padding points at real slots) and mask [B, 1, 1, L_max], True where real (and,
+        with a sliding ``window``, within it)."""
         if self.padded is None:
             num_seqs = self.block_tables.shape[0]
             max_len = int(self.context_lens.max())
@@ -60,7 +78,11 @@ class DecodeBatch:
             slots = (self.block_tables[:, :, None] * self.block_size + offsets).view(num_seqs, -1)[:, :max_len]
             mask = torch.arange(max_len, device=slots.device)[None, :] < self.context_lens[:, None]
             self.padded = slots.contiguous(), mask[:, None, None, :]
-        return self.padded
+        slots, mask = self.padded
+        if window is not None:
+            positions = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+            mask = mask & (positions >= self.context_lens[:, None] - window)[:, None, None, :]
+        return slots, mask
 
 
 @dataclass(slots=True)
@@ -110,18 +132,18 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim], this step's K already written
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    rule: ScoreRule,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Attention of every query token over its sequence's cached context."""
+    """Attention of every query token over its sequence's cached context (its last ``window`` positions)."""
     parts = []
     nd = meta.num_decode_tokens
     if nd:
         assert meta.decode is not None
-        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta.decode, scale))
+        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta.decode, rule))
     start = nd
     for chunk in meta.prefills:
         end = start + chunk.num_query_tokens
-        parts.append(_prefill_attention(q[start:end], k_cache, v_cache, chunk, scale))
+        parts.append(_prefill_attention(q[start:end], k_cache, v_cache, chunk, rule))
         start = end
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -131,33 +153,47 @@ def _decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     decode: DecodeBatch,
-    scale: float,
+    rule: ScoreRule,
 ) -> torch.Tensor:  # [B, H, D]
     kernels = native() if q.device.type == "cpu" else None
     if kernels is not None:
         out = kernels.paged_attention(
-            q, k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
-        )
+            q, k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, rule.scale,
+            window=rule.window, softcap=rule.softcap,
+        )  # fmt: skip
         if out is not None:
             return out
-    return _decode_attention_torch(q, k_cache, v_cache, decode, scale)
+    return _decode_attention_torch(q, k_cache, v_cache, decode, rule)
 
 
 def _decode_attention_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch, rule: ScoreRule
 ) -> torch.Tensor:
     """What the native kernel computes, in PyTorch: gather each context into a padded batch, then masked SDPA."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    slots, mask = decode.padded_slots()
+    slots, mask = decode.padded_slots(rule.window)
     # Grouped-query trick: the `group` query heads sharing a KV head act as `group` query rows.
     qd = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     # index_select over the flattened table is ~2x faster than advanced indexing on CPU
     flat = slots.view(-1)
     kd = _gathered(k_cache, flat, q.dtype).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     vd = _gathered(v_cache, flat, q.dtype).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+    od = _attention(qd, kd, vd, mask, rule)
     return od.reshape(num_seqs, num_heads, head_dim)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rule: ScoreRule) -> torch.Tensor:
+    """SDPA of q [..., H, Q, D] over k, v [..., Hkv, C, D] (H a multiple of Hkv) with ``mask`` (bool, True where
+    allowed, or additive); with a soft cap, the same computed here, the scores capped before the mask."""
+    group, softcap = q.shape[-3] // k.shape[-3], rule.softcap
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=rule.scale, enable_gqa=group > 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.float().transpose(-1, -2)).mul_(rule.scale).div_(softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
 def _prefill_attention(
@@ -165,11 +201,13 @@ def _prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
-    scale: float,
+    rule: ScoreRule,
 ) -> torch.Tensor:  # [Q, H, D]
     if chunk.as_decodes is not None:
-        return _decode_attention(q, k_cache, v_cache, chunk.as_decodes, scale)
-    kernels = native() if q.device.type == "cpu" and q.dtype == torch.bfloat16 else None
+        return _decode_attention(q, k_cache, v_cache, chunk.as_decodes, rule)
+    window, scale = rule.window, rule.scale
+    plain = window is None and rule.softcap is None
+    kernels = native() if q.device.type == "cpu" and q.dtype == torch.bfloat16 and plain else None
     if kernels is not None:  # AMX tiles where the CPU has them (kernels.py: the amx build); None elsewhere
         out = kernels.prefill_attention(q, k_cache, v_cache, chunk.context_slots, scale)
         if out is not None:
@@ -180,13 +218,16 @@ def _prefill_attention(
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     # PyTorch's CPU flash kernel keeps scores in float32 tiles that stay in cache; unfused matmuls + softmax
     # stream a [H, Q, C] score matrix through memory and run 3-7x slower (benchmarks.md).
-    if num_q == num_ctx:
+    if num_q == num_ctx and (window is None or window >= num_ctx) and rule.softcap is None:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # query i sits at absolute position C - Q + i: it sees keys 0 .. C - Q + i
+    else:  # query i sits at absolute position C - Q + i: it sees keys 0 (or C - Q + i - window + 1) .. C - Q + i
         # an additive mask in q's dtype: a bool one is converted on every call, 20-30% of a chunk's attention
-        if chunk.allowed is None:
-            chunk.allowed = torch.full((num_q, num_ctx), float("-inf"), dtype=q.dtype, device=q.device).triu_(
-                num_ctx - num_q + 1
-            )
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.allowed, scale=scale, enable_gqa=True)
+        allowed = chunk.allowed.get(window)
+        if allowed is None:
+            keys = torch.arange(num_ctx, device=q.device)[None, :]
+            positions = torch.arange(num_ctx - num_q, num_ctx, device=q.device)[:, None]
+            seen = (keys <= positions) if window is None else (keys <= positions) & (keys > positions - window)
+            allowed = torch.zeros((num_q, num_ctx), dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+            chunk.allowed[window] = allowed
+        o = _attention(qh, k, v, allowed, rule)
     return o[0].transpose(0, 1)

@@ -27,7 +27,15 @@ class DecoderConfig:
     o_bias: bool = False  # the output projection adds a bias
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotation
     rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None  # each token attends to at most this many positions (itself included)
+    sliding_window: int | None = None  # a sliding layer's token attends to at most this many positions (itself too)
+    sliding_layers: tuple[bool, ...] | None = None  # which layers slide (None: all of them, where there is a window)
+    sliding_rope_theta: float | None = None  # the sliding layers' own rotary base, unscaled (Gemma 3's local layers)
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs are RMS-normed before the residual (Gemma)
+    embed_scale: float | None = None  # the token embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores capped to c * tanh(score / c) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # logits capped the same way (Gemma 2)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -37,6 +45,24 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for the rotary embedding")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.sliding_layers)} sliding-layer flags for {self.num_hidden_layers} layers")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None where it attends to the whole context."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def slides_with_own_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with ``sliding_rope_theta`` rather than the model's rotary embedding."""
+        return self.sliding_rope_theta is not None and self.window_of(layer) is not None
+
+    @property
+    def attention_scale_or_default(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
     @property
     def kv_bytes_per_token(self) -> int:

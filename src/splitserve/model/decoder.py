@@ -1,5 +1,6 @@
-"""The decoder of every architecture in ``model/arch.py`` (RMSNorm, RoPE, grouped-query attention, SwiGLU,
-optionally tied embeddings, q/k/v biases, q/k norms) over paged KV.
+"""The decoder of every architecture in ``model/arch.py`` (RMSNorm, RoPE, grouped-query attention, SwiGLU or
+GeGLU, optionally tied embeddings, q/k/v biases, q/k norms, Gemma's norms of each sublayer's output, sliding windows
+per layer with their own rotary base) over paged KV.
 
 Inputs are flat: a step's tokens from every sequence are concatenated into one ``[T]`` tensor, so the
 linear layers run once over the whole batch and only attention looks at sequence boundaries (through
@@ -19,7 +20,7 @@ from torch import nn
 
 from splitserve import envs
 from splitserve.model import kv_format
-from splitserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from splitserve.model.attention import AttentionMetadata, ScoreRule, paged_attention, write_kv
 from splitserve.model.config import DecoderConfig
 from splitserve.model.int4 import GROUP_SIZE, Int4Weight
 from splitserve.model.kernels import (
@@ -175,14 +176,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, index: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.rule = ScoreRule(cfg.attention_scale_or_default, cfg.window_of(index), cfg.attn_softcap)
         self.eps = cfg.rms_norm_eps
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -215,7 +216,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.rule)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -228,12 +229,16 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
+        self.gelu = cfg.hidden_act == "gelu_tanh"
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         kernels = native() if gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16 else None
         act = kernels.silu_mul(gate_up) if kernels is not None else None  # one pass instead of two strided ops
         if act is None:
@@ -243,14 +248,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, index: int = 0) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))  # the MLP's input norm
+        # Gemma: the attention's and the MLP's outputs are normed before they join the residual stream
+        self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+        self.self_attn = Attention(cfg, index)
         self.mlp = MLP(cfg)
+        self.own_rope = cfg.slides_with_own_rope(index)  # rotates with the model's sliding_rotary tables
         self.compute_dtype: torch.dtype | None = None  # matmul input dtype when it differs from the residual's
+
+    def norms(self) -> list[torch.Tensor]:
+        """Every RMSNorm weight of the layer."""
+        attn = self.self_attn
+        found = [self.input_layernorm, self.post_attention_layernorm, self.attn_out_norm, self.mlp_out_norm,
+                 attn.q_norm, attn.k_norm]  # fmt: skip
+        return [n for n in found if n is not None]
 
     def forward(
         self,
@@ -265,8 +281,11 @@ class DecoderLayer(nn.Module):
         matmul_dtype = self.compute_dtype or x.dtype
         h = add_rms_norm(x, delta, self.input_layernorm, self.eps, matmul_dtype)
         attn = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        if self.attn_out_norm is not None:
+            attn = _head_rms_norm(attn, self.attn_out_norm, self.eps)
         h = add_rms_norm(x, attn, self.post_attention_layernorm, self.eps, matmul_dtype)
-        return x, self.mlp(h)
+        out = self.mlp(h)
+        return x, out if self.mlp_out_norm is None else _head_rms_norm(out, self.mlp_out_norm, self.eps)
 
 
 def add_rms_norm(
@@ -294,7 +313,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._fp32_lm_head: torch.Tensor | None = None  # for refining the top logits
@@ -303,6 +322,7 @@ class DecoderForCausalLM(nn.Module):
         self._forward_step: ForwardStep | None = None  # the one-call native step (bind_kv_cache)
         self.residual_dtype: torch.dtype | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.sliding_rotary = _sliding_rotary(cfg)
 
     @property
     def runs_forward_step(self) -> bool:
@@ -323,22 +343,36 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         step, rows = self._forward_step, meta.rows
+        scale = self.config.embed_scale
         if step is not None and rows is not None:
             x = self.embed_tokens(input_ids).float()
+            if scale is not None:
+                x.mul_(scale)
             out = step(x, positions, meta.slot_mapping, rows.block_tables, rows.row_seq, rows.context_lens)
             if out is not None:
                 return out
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions, x.dtype)
+        tables = self.rotary.tables(positions, x.dtype)
+        own = None if self.sliding_rotary is None else self.sliding_rotary.tables(positions, x.dtype)
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
+        if scale is not None:  # in the residual's dtype: float32 beside bfloat16 weights
+            x = x * scale
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            cos, sin = own if layer.own_rope and own is not None else tables
             x, delta = layer(x, delta, cos, sin, k_cache, v_cache, meta)
         return add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps, x.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        """The logits of ``hidden``'s rows, soft-capped where the model caps them (Gemma 2)."""
+        logits = self._logits(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fp32_lm_head is None:
             return F.linear(hidden, self._head_weight()).float()
         # Low-precision logits for the whole vocabulary (cheap), then the leading candidates recomputed
@@ -395,11 +429,8 @@ class DecoderForCausalLM(nn.Module):
             for layer in self.layers:
                 assert isinstance(layer, DecoderLayer)
                 layer.compute_dtype = dtype
-                layer.input_layernorm.data = layer.input_layernorm.data.float()
-                layer.post_attention_layernorm.data = layer.post_attention_layernorm.data.float()
-                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    if norm is not None:
-                        norm.data = norm.data.float()
+                for norm in layer.norms():
+                    norm.data = norm.data.float()
             self.norm.data = self.norm.data.float()
         if beside_bf16:  # for the float matmuls: layers with quantized blocks never run one
             for module in self.modules():
@@ -437,22 +468,37 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             packed = [lin.quant for lin in linears[4 * i : 4 * i + 4] if lin.quant_kernels is kernels]
-            norms = (layer.input_layernorm.detach(), layer.post_attention_layernorm.detach())
-            if any(p is None for p in packed) or len(packed) < 4 or any(n.dtype != torch.float32 for n in norms):
+            qkv, o, gate_up, down = packed if len(packed) == 4 else (None, None, None, None)
+            if qkv is None or o is None or gate_up is None or down is None:
+                return
+            if any(n.dtype != torch.float32 for n in layer.norms()):
                 return
             attn = layer.self_attn
-            extras = [
-                _float32(attn.qkv_proj.bias),
-                _float32(attn.o_proj.bias),
-                _float32(attn.q_norm),
-                _float32(attn.k_norm),
-            ]
-            layers.append(StepLayer(*norms, *packed, *extras))  # type: ignore[arg-type]
+            own = self.sliding_rotary if layer.own_rope else None
+            layers.append(
+                StepLayer(
+                    layer.input_layernorm.detach(),
+                    layer.post_attention_layernorm.detach(),
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                    qkv_bias=_float32(attn.qkv_proj.bias),
+                    o_bias=_float32(attn.o_proj.bias),
+                    q_norm=_float32(attn.q_norm),
+                    k_norm=_float32(attn.k_norm),
+                    attn_out_norm=_float32(layer.attn_out_norm),
+                    mlp_out_norm=_float32(layer.mlp_out_norm),
+                    rotary=None if own is None else (own.cos, own.sin),
+                    window=attn.rule.window,
+                )
+            )
         shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         rotary = (self.rotary.cos, self.rotary.sin)
         self._forward_step = ForwardStep(
-            kernels, layers, self.norm.detach(), rotary, kv_cache, shape, cfg.rms_norm_eps, block_size
-        )
+            kernels, layers, self.norm.detach(), rotary, kv_cache, shape, cfg.rms_norm_eps, block_size,
+            cfg.attention_scale_or_default, cfg.hidden_act, cfg.attn_softcap,
+        )  # fmt: skip
 
     def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
         """Give each linear layer whose HF weights are all present its 4-bit form; returns how many got one."""
@@ -522,6 +568,7 @@ class DecoderForCausalLM(nn.Module):
             model = cls(cfg)
         with torch.device(device):
             model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+            model.sliding_rotary = _sliding_rotary(cfg)
         model.load_hf_state_dict(state, assign=True, device=device)
         return model
 
@@ -542,6 +589,15 @@ class DecoderForCausalLM(nn.Module):
             if device is not None and fused[name].device.type != "meta":  # meta: a matrix loaded as blocks only
                 fused[name] = fused[name].to(device)
         self.load_state_dict(fused, strict=True, assign=assign)
+
+
+def _sliding_rotary(cfg: DecoderConfig) -> RotaryEmbedding | None:
+    """The sliding layers' own rotary tables (Gemma 3: base ``sliding_rope_theta``, unscaled), where any layer uses
+    them."""
+    if not any(cfg.slides_with_own_rope(i) for i in range(cfg.num_hidden_layers)):
+        return None
+    assert cfg.sliding_rope_theta is not None
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.sliding_rope_theta)
 
 
 def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -572,6 +628,11 @@ def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig
         return get(hf + leaf + ".weight")
     if leaf == "mlp.gate_up_proj.weight":
         return torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], dim=0)
+    if cfg.sandwich_norms:  # Gemma's names: its post_attention_layernorm norms the attention's output
+        gemma = {"post_attention_layernorm": "pre_feedforward_layernorm", "attn_out_norm": "post_attention_layernorm",
+                 "mlp_out_norm": "post_feedforward_layernorm"}  # fmt: skip
+        if leaf in gemma:
+            return get(hf + gemma[leaf] + ".weight")
     if leaf in ("input_layernorm", "post_attention_layernorm"):
         return get(hf + leaf + ".weight")
     return get(hf + leaf)

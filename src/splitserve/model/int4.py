@@ -54,7 +54,7 @@ def load_gguf_int4(path: str | Path, config: DecoderConfig) -> dict[str, Int4Wei
         block_bytes = _BLOCK_BYTES.get(tensor.tensor_type)
         if block_bytes is None or len(tensor.shape) != 2:
             continue
-        name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
+        name = gguf_fused_name(gguf_to_hf_name(tensor.name, config), config)
         num_cols, num_rows = (int(n) for n in tensor.shape)
         blocks = np.asarray(tensor.data).reshape(num_rows, num_cols // GROUP_SIZE, block_bytes)
         weight = _decode_blocks(blocks, tensor.tensor_type == GGMLQuantizationType.Q4_1)

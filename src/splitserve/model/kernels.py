@@ -60,7 +60,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows, num_heads, num_kv_heads,
 # head_dim, block_size, scale, num_threads
 _ATTENTION_ARGTYPES: list[type[_SimpleCData[Any]]] = [
-    _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I
+    _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I64, _F, _I
 ]  # fmt: skip
 # x, delta, weight, out, num_rows, n, eps, num_threads
 _NORM_ARGTYPES: list[type[_SimpleCData[Any]]] = [_P, _P, _P, _P, _I64, _I64, _F, _I]
@@ -354,6 +354,8 @@ class NativeKernels:
         block_size: int,
         scale: float,
         row_seq: torch.Tensor | None = None,  # [T] int64: each row's table (None: row i uses table i)
+        window: int | None = None,  # a sliding window: each row attends to its last ``window`` positions at most
+        softcap: float | None = None,  # scores capped to softcap * tanh(score / softcap) (Gemma 2)
     ) -> torch.Tensor | None:
         """[T, H, D] attention output, or None when these tensors are not ones the kernel takes.
 
@@ -380,7 +382,8 @@ class NativeKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], None if row_seq is None else row_seq.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, k_cache.shape[1], head_dim, block_size,
-            scale, torch.get_num_threads(), *([_DTYPE_CODES[k_cache.dtype]] if packed else []),
+            scale, window or 0, softcap or 0.0, torch.get_num_threads(),
+            *([_DTYPE_CODES[k_cache.dtype]] if packed else []),
         )  # fmt: skip
         return out if status == 0 else None
 
@@ -424,7 +427,7 @@ def _int64_rows(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.int64 and t.is_contiguous()) for t in tensors)
 
 
-ABI_VERSION = 5  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
+ABI_VERSION = 7  # csrc/ss_kernels.h's SS_ABI_VERSION: these bindings' idea of the library's interface
 
 
 def check_abi(library: ctypes.CDLL) -> None:
@@ -447,6 +450,7 @@ class _Layer(ctypes.Structure):
         ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
         ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
         ("down_type", ctypes.c_int32), ("qkv_bias", _P), ("o_bias", _P), ("q_norm", _P), ("k_norm", _P),
+        ("attn_out_norm", _P), ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("window", _I64),
     ]  # fmt: skip
 
 
@@ -463,14 +467,19 @@ class _Model(ctypes.Structure):
         ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _P), ("sin", _P), ("max_positions", _I64),
         ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("kv", _P), ("num_slots", _I64),
-        ("kv_dtype", ctypes.c_int32), ("block_size", ctypes.c_int32),
+        ("kv_dtype", ctypes.c_int32), ("block_size", ctypes.c_int32), ("activation", ctypes.c_int32),
+        ("attn_softcap", ctypes.c_float),
     ]  # fmt: skip
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # ss_model.activation (csrc/ss_kernels.h)
 
 
 @dataclass(frozen=True, slots=True)
 class StepLayer:
-    """One decoder layer's tensors for ``ForwardStep``: float32 norm weights and packed matmul weights, and the
-    float32 biases and q/k head norms of the architectures that have them."""
+    """One decoder layer's tensors for ``ForwardStep``: float32 norm weights and packed matmul weights, and what
+    some architectures add: float32 biases, q/k head norms, norms of the attention's and the MLP's outputs, the
+    layer's own rotary tables (float32 [max_positions, head_dim]) and its sliding window."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -482,6 +491,10 @@ class StepLayer:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    window: int | None = None
 
 
 class ForwardStep:
@@ -501,6 +514,9 @@ class ForwardStep:
         shape: tuple[int, int, int, int, int],  # hidden, heads, kv heads, head_dim, intermediate
         eps: float,
         block_size: int,
+        scale: float,  # of the attention scores
+        activation: str = "silu",  # a key of ACTIVATIONS
+        attn_softcap: float | None = None,  # the scores' soft cap (Gemma 2)
     ) -> None:
         hidden, num_heads, num_kv_heads, head_dim, intermediate = shape
         self._keep = (layers, final_norm, rotary, kv_cache)
@@ -511,14 +527,22 @@ class ForwardStep:
                 weight: PackedWeight = getattr(layer, name)
                 setattr(slot, name, weight.data.data_ptr())
                 setattr(slot, f"{name}_type", weight.wtype)
-            for name in ("qkv_bias", "o_bias", "q_norm", "k_norm"):
+            for name in ("qkv_bias", "o_bias", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
                 extra: torch.Tensor | None = getattr(layer, name)
                 setattr(slot, name, None if extra is None else extra.data_ptr())
+            if layer.rotary is not None:
+                if layer.rotary[0].shape != rotary[0].shape:
+                    raise ValueError(
+                        f"a layer's rotary tables {tuple(layer.rotary[0].shape)} beside the model's "
+                        f"{tuple(rotary[0].shape)}"
+                    )
+                slot.cos, slot.sin = (t.data_ptr() for t in layer.rotary)
+            slot.window = layer.window or 0
         cos, sin = rotary
         self._model = _Model(
-            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, head_dim**-0.5,
+            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], final_norm.data_ptr(), self._layers, kv_cache.data_ptr(),
-            kv_cache.shape[2], _DTYPE_CODES[kv_cache.dtype], block_size,
+            kv_cache.shape[2], _DTYPE_CODES[kv_cache.dtype], block_size, ACTIVATIONS[activation], attn_softcap or 0.0,
         )  # fmt: skip
         self.hidden = hidden
         self._fn = kernels.forward_step

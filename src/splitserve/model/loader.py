@@ -25,7 +25,7 @@ from splitserve.model import arch as architectures
 from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import array_length, open_gguf
 from splitserve.model.kernels import QUANT_TYPES, native
-from splitserve.model.rope import gguf_rope, hf_rope
+from splitserve.model.rope import RopeScaling, gguf_rope, hf_rope
 
 # GGUF leaf name -> Hugging Face name, for tensors inside a block (blk.N.<leaf>.weight).
 _GGUF_BLOCK_LEAVES = {
@@ -41,6 +41,12 @@ _GGUF_BLOCK_LEAVES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma's blocks: the MLP's input norm, and the norms of the attention's and the MLP's outputs (Hugging Face's names)
+_GEMMA_GGUF_LEAVES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -76,7 +82,7 @@ def load_gguf(
     for tensor in reader.tensors:
         if tensor.name in GGUF_ROPE_TENSORS:
             continue
-        name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
+        name = gguf_fused_name(gguf_to_hf_name(tensor.name, config), config)
         rows, *cols = (int(n) for n in reversed(tensor.shape.tolist()))
         parts = fused_parts(name, rows, config)
         if blocks_only and all(part in blocks_only for part, _, _ in parts):
@@ -136,6 +142,10 @@ def gguf_file_config(reader: gguf.GGUFReader) -> DecoderConfig:
         rope_freq_factors=values(_GGUF_ROPE_FREQS),
         long_short=long_short,
     )
+    pattern = reader.fields.get(f"{config.arch}.attention.sliding_window_pattern")
+    if config.sliding_window is not None and pattern is not None and pattern.types[0] == gguf.GGUFValueType.ARRAY:
+        kinds = tuple(bool(kind) for kind in pattern.contents())  # a flag per layer
+        config = replace(config, sliding_layers=None if all(kinds) else kinds)
     return replace(
         config,
         tie_word_embeddings="output.weight" not in names,
@@ -170,12 +180,19 @@ def gguf_config(
     if vocab is None:
         raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     head_dim = metadata.get(f"{arch}.attention.key_length", metadata.get(f"{arch}.rope.dimension_count"))
-    window = metadata.get(f"{arch}.attention.sliding_window")
+    num_layers = int(need("block_count"))
+    window = _optional_int(metadata.get(f"{arch}.attention.sliding_window")) or None
+    sliding = None
+    if window is not None and spec.sliding_pattern is not None:  # llama.cpp's set_swa_pattern, as its loader does
+        pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", spec.sliding_pattern)
+        sliding = tuple(int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(num_layers))
+        window = window if any(sliding) else None
+    sliding_theta = metadata.get(f"{arch}.rope.freq_base_swa", spec.sliding_rope_theta)
     return DecoderConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(metadata.get(f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(head_dim) if head_dim is not None else hidden // num_heads,
@@ -188,17 +205,47 @@ def gguf_config(
         arch=arch,
         qk_norm=spec.qk_norm,
         rope_scaling=gguf_rope(metadata, arch, rope_freq_factors, long_short),
-        sliding_window=_optional_int(window) or None,
+        sliding_window=window,
+        sliding_layers=None if sliding is None or all(sliding) or window is None else sliding,
+        sliding_rope_theta=None if sliding_theta is None else _float32_value(sliding_theta),
+        attn_softcap=_float32_value(metadata[f"{arch}.attn_logit_softcapping"])
+        if metadata.get(f"{arch}.attn_logit_softcapping")
+        else None,
+        final_softcap=_float32_value(metadata[f"{arch}.final_logit_softcapping"])
+        if metadata.get(f"{arch}.final_logit_softcapping")
+        else None,
+        **_gemma_fields(spec, hidden, num_heads, num_layers),
     )
 
 
-def gguf_to_hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``ValueError`` if unknown."""
+def _gemma_fields(
+    spec: architectures.Architecture, hidden: int, num_heads: int, num_layers: int, query_scalar: Any = None
+) -> dict[str, Any]:
+    """What a Gemma architecture sets in ``DecoderConfig``: GeGLU, the sandwich norms, embeddings times
+    sqrt(hidden), and the scores' scale: ``query_pre_attn_scalar ** -0.5`` from a Hugging Face config, or where a
+    GGUF does not carry it, llama.cpp's rule (``hidden / heads`` for the 27B models, else the head size)."""
+    if not spec.gemma:
+        return {}
+    if query_scalar is None and num_layers == spec.gguf_wide_query_layers:
+        query_scalar = hidden / num_heads
+    return {
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "embed_scale": float(hidden) ** 0.5,
+        "attention_scale": None if query_scalar is None else float(query_scalar) ** -0.5,
+    }
+
+
+def gguf_to_hf_name(gguf_name: str, config: DecoderConfig | None = None) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (in ``config``'s architecture: Gemma
+    names its norms otherwise); ``ValueError`` if unknown."""
     match = _GGUF_BLOCK_RE.fullmatch(gguf_name)
     if match is not None:
         index, leaf, kind = match.groups()
-        if leaf in _GGUF_BLOCK_LEAVES:
-            return f"model.layers.{index}.{_GGUF_BLOCK_LEAVES[leaf]}.{kind}"
+        gemma = config is not None and architectures.ARCHITECTURES[config.arch].gemma
+        leaves = {**_GGUF_BLOCK_LEAVES, **_GEMMA_GGUF_LEAVES} if gemma else _GGUF_BLOCK_LEAVES
+        if leaf in leaves:
+            return f"model.layers.{index}.{leaves[leaf]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     if base in _GGUF_TOP_LEVEL and kind in ("weight", "bias"):
         return f"{_GGUF_TOP_LEVEL[base]}.{kind}"
@@ -288,9 +335,12 @@ def load_safetensors_folder(
     if not files:
         raise ValueError(f"{folder} holds no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
+    gemma = architectures.ARCHITECTURES[config.arch].gemma
     for name, tensor in _iter_safetensors(files):
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if gemma and name.endswith("norm.weight"):  # stored as w - 1 (Gemma's RMSNorm multiplies by 1 + w)
+            tensor = tensor.float() + 1
         for part, start, stop in fused_parts(name, tensor.shape[0] if tensor.dim() else 0, config):
             state[part] = tensor[start:stop].to(dtype).contiguous()
     return config, state
@@ -311,25 +361,25 @@ def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
     """Map a Hugging Face ``config.json`` dict to ``DecoderConfig``; ``ValueError`` for an architecture or an
     option this model does not run (naming it)."""
     spec = architectures.for_hf(list(hf.get("architectures") or []), hf.get("model_type"))
-    for key, allowed in (("hidden_act", ("silu", "swish")), ("mlp_bias", (False,))):
-        if key in hf and hf[key] not in allowed:
-            raise ValueError(f"{spec.name}: {key}={hf[key]!r} is not supported (only {allowed[0]!r})")
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"  # Gemma's key, then Llama's
+    if activation not in _HF_ACTIVATIONS:
+        raise ValueError(f"{spec.name}: hidden_act={activation!r} is not supported ({', '.join(_HF_ACTIVATIONS)})")
+    if hf.get("mlp_bias", False):
+        raise ValueError(f"{spec.name}: mlp_bias={hf['mlp_bias']!r} is not supported (only False)")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{spec.name}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
     num_heads = int(hf["num_attention_heads"])
+    num_layers = int(hf["num_hidden_layers"])
     eos = hf.get("eos_token_id")
-    theta, rope_scaling = hf_rope(hf)
+    theta, rope_scaling, sliding_theta = _hf_ropes(hf, spec)
     attention_bias = bool(hf.get("attention_bias", False))
-    window = hf.get("sliding_window")
-    if spec.sliding_window_switch is not None and not hf.get(spec.sliding_window_switch, False):
-        window = None
-    if window is not None and spec.sliding_window_switch is not None:
-        raise ValueError(f"{spec.name}: {spec.sliding_window_switch} (sliding-window layers) is not supported")
+    window, sliding = _hf_sliding_layers(hf, spec, num_layers)
+    gemma = _gemma_fields(spec, int(hf["hidden_size"]), num_heads, num_layers, hf.get("query_pre_attn_scalar"))
     return DecoderConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
-        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
@@ -344,8 +394,59 @@ def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
         o_bias=attention_bias if spec.qkv_bias is None else False,
         qk_norm=spec.qk_norm,
         rope_scaling=rope_scaling,
-        sliding_window=_optional_int(window),
+        sliding_window=window,
+        sliding_layers=sliding,
+        sliding_rope_theta=sliding_theta,
+        attn_softcap=float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping") else None,
+        final_softcap=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None,
+        **{**gemma, "hidden_act": _HF_ACTIVATIONS[activation]},
     )
+
+
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _hf_ropes(hf: dict[str, Any], spec: architectures.Architecture) -> tuple[float, RopeScaling | None, float | None]:
+    """``(rope_theta, scaling, the sliding layers' own theta or None)``: transformers 5 gives Gemma 3 one
+    ``rope_parameters`` entry per layer kind; older configs the global layers' ``rope_theta``/``rope_scaling`` and
+    the local layers' ``rope_local_base_freq``. The sliding layers' rotation is never scaled."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        theta, scaling = hf_rope({**hf, "rope_parameters": params["full_attention"], "rope_scaling": None})
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{spec.name}: scaled rotary on sliding layers ({local['rope_type']}) is not supported")
+        local_theta = local.get("rope_theta", spec.sliding_rope_theta)
+        return theta, scaling, None if local_theta is None else float(local_theta)
+    theta, scaling = hf_rope(hf)
+    local_theta = hf.get("rope_local_base_freq", spec.sliding_rope_theta)
+    return theta, scaling, None if local_theta is None else float(local_theta)
+
+
+def _hf_sliding_layers(
+    hf: dict[str, Any], spec: architectures.Architecture, num_layers: int
+) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(sliding_window, which layers slide)`` of a Hugging Face config, as transformers decides: the config's
+    ``layer_types`` where it lists them; else Gemma's pattern (every ``sliding_window_pattern``-th layer global),
+    Qwen's ``max_window_layers`` (the layers from it on slide, once ``use_sliding_window``), or every layer
+    (Mistral, Phi-3). ``(None, None)`` without a window; the flags are None when every layer slides."""
+    window = _optional_int(hf.get("sliding_window"))
+    if window is None or (spec.sliding_window_switch is not None and not hf.get(spec.sliding_window_switch, False)):
+        return None, None
+    kinds = hf.get("layer_types")
+    if kinds:
+        sliding = tuple(kind == "sliding_attention" for kind in kinds)
+    elif spec.sliding_pattern is not None:
+        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or spec.sliding_pattern)
+        sliding = tuple((i + 1) % pattern != 0 for i in range(num_layers))
+    elif spec.sliding_window_switch is not None:
+        first = int(hf.get("max_window_layers", num_layers))
+        sliding = tuple(i >= first for i in range(num_layers))
+    else:
+        return window, None
+    if not any(sliding):
+        return None, None
+    return window, None if all(sliding) else sliding
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

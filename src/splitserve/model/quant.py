@@ -59,7 +59,7 @@ def load_gguf_quantized(path: str | Path, config: DecoderConfig) -> dict[str, GG
             if block > 1:  # a quantized format (F32/F16/BF16 matrices are float by choice)
                 slow.setdefault(GGMLQuantizationType(wtype).name, []).append(tensor.name)
             continue
-        name = gguf_fused_name(gguf_to_hf_name(tensor.name), config)
+        name = gguf_fused_name(gguf_to_hf_name(tensor.name, config), config)
         blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // block * block_bytes)
         order = unpermute_gguf_rows(np.arange(n)[:, None], name, config)[:, 0]
         for part, start, stop in fused_parts(name, n, config):

@@ -48,7 +48,7 @@ def load_footprint_bytes(source: ModelSource, dtype: torch.dtype, quantization: 
         if quantization not in ("auto", "gguf") or native() is None:
             return sum(int(t.n_elements) for t in tensors) * size
         config = gguf_file_config(reader)
-        parts = {t.name: fused_parts(gguf_fused_name(gguf_to_hf_name(t.name), config), int(t.shape[-1]), config)
+        parts = {t.name: fused_parts(gguf_fused_name(gguf_to_hf_name(t.name, config), config), int(t.shape[-1]), config)
                  for t in tensors}  # fmt: skip
         widths = {
             part: int(t.shape[0])

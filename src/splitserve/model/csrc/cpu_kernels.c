@@ -183,7 +183,9 @@ static inline void group_scores(const float *const *qf, int count, const int64_t
  * (1 <= n[i] <= PARTITION) through the slots of its table, the query heads of KV heads kv0 .. kv1 - 1; qf[i] its
  * query scaled to float32 ([heads][head_dim]); part[i]
  * receives, per head h, the maximum score m[h], l[h] = sum of exp(score - m[h]) and acc[h][d] = sum of
- * exp(score - m[h]) v[d] (m, l and acc one after another, for every head). */
+ * exp(score - m[h]) v[d] (m, l and acc one after another, for every head). A key before the row's sliding window
+ * (t < lo[i]) takes the score -infinity, so its weight is the exponential's floor (about 1e-38: nothing beside the
+ * window's largest term, which is 1) in either layout. */
 typedef struct {
     int count;
     const int64_t *n;
@@ -195,7 +197,14 @@ typedef struct {
     float *const *part;
     const uint16_t *const *qb; /* the rows' stored bfloat16 queries, where the scores are pair dot products */
     float scale;               /* their scale, applied to each score (the float path scales qf instead) */
+    const int64_t *lo;         /* row i's keys begin .. begin + lo[i] - 1 lie before its sliding window (NULL: none) */
+    float softcap;             /* scores capped to softcap * tanh(score / softcap) (Gemma 2; 0: none) */
 } ss_partition;
+
+/* Logit soft-capping of n scores in place: the same scalar function in either layout, so both give the same bits. */
+static inline void softcap_scores(float *s, int64_t n, int64_t stride, float cap) {
+    for (int64_t t = 0; t < n; t++) s[t * stride] = cap * tanhf(s[t * stride] / cap);
+}
 
 /* The value pass with the group's accumulators in registers: for each KV head and slice of SV vectors of
  * head_dim, every token's V slice is loaded once and added into up to MAX_GROUP query heads' accumulators
@@ -323,6 +332,9 @@ SS_INLINE void partition_float(const ss_partition *p, const float *const *qf, co
         float *m = p->part[i], *l = m + p->num_heads, *acc = l + p->num_heads;
         float *s = p->scores + (int64_t)i * p->num_heads * PARTITION;
         const int h0 = p->kv0 * group, h1 = p->kv1 * group;
+        for (int h = h0; h < h1 && p->softcap > 0.f; h++) softcap_scores(s + h * PARTITION, n, 1, p->softcap);
+        for (int h = h0; h < h1 && p->lo != NULL; h++)
+            for (int64_t t = 0; t < p->lo[i]; t++) s[h * PARTITION + t] = -INFINITY;
         for (int h = h0; h < h1; h++) m[h] = max_row(s + h * PARTITION, n);
         for (int h = h0; h < h1; h++) l[h] = exp_row(s + h * PARTITION, n, m[h]);
         if (v_pass(p, v_cache, dtype, n, s, acc)) continue;
@@ -520,6 +532,9 @@ SS_INLINE void partition_lanes_body(const ss_partition *p, const float *const *q
                     lanes_tree(q, kf + t * head_dim, qp, kp, pairs, p->scale, head_dim, out);
                     for (int kk = 0; kk < KB; kk++) vstoref(s + (t + kk) * LANES, out[kk]);
                 }
+                for (int i = 0; i < rows && p->softcap > 0.f; i++) softcap_scores(s + i, p->n[c0 + i], LANES, p->softcap);
+                for (int i = 0; i < rows && p->lo != NULL; i++)
+                    for (int64_t t = 0; t < p->lo[c0 + i]; t++) s[t * LANES + i] = -INFINITY;
                 /* the maximum, the exponentials and their sum (exp_row's order) */
                 vf top = vset1(-INFINITY);
                 for (int64_t t = 0; t < most; t++) top = _mm512_mask_max_ps(top, lanes_below(n, t), top, vloadf(s + t * LANES));
@@ -644,7 +659,14 @@ typedef struct {
     int pairs;                    /* the scores from bfloat16 pairs (SS_BF16_DOT, a bfloat16 cache) */
     size_t hd, per_part;          /* floats per query row; per partial (m, l, acc) */
     int kv_packed;                /* SS_INT8 or SS_FP8: the cache in that format of common.h (q and out bfloat16) */
+    int64_t window;               /* a row attends to its last window positions at most (0: all of them) */
+    float softcap;                /* scores capped to softcap * tanh(score / softcap) (0: none) */
 } attention_call;
+
+/* Row r's first key: window positions before its last one, or 0. */
+static inline int64_t first_key(const attention_call *a, int64_t r) {
+    return a->window > 0 && a->lens[r] > a->window ? a->lens[r] - a->window : 0;
+}
 
 /* A thread's buffers: queries in float32, scores, converted keys, and in tile mode its own partials. */
 typedef struct {
@@ -654,7 +676,7 @@ typedef struct {
     const float **qf;
     const uint16_t **qb; /* the rows' stored queries, where the scores are pair dot products */
     float **part;
-    int64_t *n;
+    int64_t *n, *lo;
     int ok;
 } thread_work;
 
@@ -727,7 +749,8 @@ static thread_work thread_buffers(const attention_call *a, int64_t rows_per_item
     t.qb = malloc(sizeof(uint16_t *) * (size_t)rows_per_item);
     t.part = malloc(sizeof(float *) * (size_t)(rows_per_item > a->max_parts ? rows_per_item : a->max_parts));
     t.n = malloc(sizeof(int64_t) * (size_t)rows_per_item);
-    t.ok = t.work != NULL && t.qf != NULL && t.qb != NULL && t.part != NULL && t.n != NULL;
+    t.lo = malloc(sizeof(int64_t) * (size_t)rows_per_item);
+    t.ok = t.work != NULL && t.qf != NULL && t.qb != NULL && t.part != NULL && t.n != NULL && t.lo != NULL;
     t.qbuf = t.work;
     t.scores = t.ok ? t.work + (size_t)rows_per_item * a->hd : NULL;
     t.kf = t.ok ? t.scores + (size_t)rows_per_item * a->num_heads * PARTITION : NULL;
@@ -794,8 +817,9 @@ static void split_item(const attention_call *a, thread_work *t, ss_partition *jo
                        float *partials, int64_t at, int kv0, int kv1, int *r) {
     while (first[*r + 1] <= at) (*r)++;
     while (first[*r] > at) (*r)--;
-    const int64_t row = *r, begin = (at - first[row]) * PARTITION;
+    const int64_t row = *r, start = first_key(a, row), begin = (start / PARTITION + at - first[row]) * PARTITION;
     t->n[0] = a->lens[row] - begin < PARTITION ? a->lens[row] - begin : PARTITION;
+    t->lo[0] = start > begin ? start - begin : 0;
     const size_t e0 = (size_t)kv0 * (size_t)(a->num_heads / a->num_kv_heads) * (size_t)a->head_dim;
     const size_t e1 = (size_t)kv1 * (size_t)(a->num_heads / a->num_kv_heads) * (size_t)a->head_dim;
     for (size_t e = e0; e < e1 && !a->pairs; e++) /* pair scores read the stored query itself (qb) */
@@ -803,7 +827,7 @@ static void split_item(const attention_call *a, thread_work *t, ss_partition *jo
     t->qf[0] = t->qbuf, t->part[0] = partials + a->per_part * (size_t)at;
     t->qb[0] = a->pairs ? (const uint16_t *)a->q + row * a->q_row_stride : NULL;
     job->count = 1, job->table = a->tables + (a->row_seq ? a->row_seq[row] : row) * a->max_blocks;
-    job->begin = begin, job->kv0 = kv0, job->kv1 = kv1;
+    job->begin = begin, job->kv0 = kv0, job->kv1 = kv1, job->lo = a->window > 0 ? t->lo : NULL;
     run_partition(a, t, job, 0);
 }
 
@@ -811,17 +835,20 @@ static void split_item(const attention_call *a, thread_work *t, ss_partition *jo
 static void tile_item(const attention_call *a, thread_work *t, ss_partition *job, int64_t r0, int64_t rows) {
     const int64_t *table = a->tables + (a->row_seq ? a->row_seq[r0] : r0) * a->max_blocks;
     const size_t parts_of_row = (size_t)a->max_parts * a->per_part;
-    int64_t longest = 0;
+    int64_t longest = 0, earliest = a->lens[r0];
     for (int64_t i = 0; i < rows; i++) {
         float *qi = t->qbuf + (size_t)i * a->hd;
         for (size_t e = 0; e < a->hd && !a->pairs; e++) /* pair scores read the stored query itself (qb) */
             qi[e] = load_elem(a->q, a->dtype, (r0 + i) * a->q_row_stride + (int64_t)e) * a->scale;
         longest = a->lens[r0 + i] > longest ? a->lens[r0 + i] : longest;
+        earliest = first_key(a, r0 + i) < earliest ? first_key(a, r0 + i) : earliest;
     }
-    for (int64_t begin = 0; begin < longest; begin += PARTITION) {
+    for (int64_t begin = earliest / PARTITION * PARTITION; begin < longest; begin += PARTITION) {
         int count = 0;
         for (int64_t i = 0; i < rows; i++) {
-            if (a->lens[r0 + i] <= begin) continue;
+            const int64_t start = first_key(a, r0 + i);
+            if (a->lens[r0 + i] <= begin || start >= begin + PARTITION) continue; /* past its end, before its window */
+            t->lo[count] = start > begin ? start - begin : 0;
             t->n[count] = a->lens[r0 + i] - begin < PARTITION ? a->lens[r0 + i] - begin : PARTITION;
             t->qf[count] = t->qbuf + (size_t)i * a->hd;
             t->qb[count] = a->pairs ? (const uint16_t *)a->q + (r0 + i) * a->q_row_stride : NULL;
@@ -829,13 +856,14 @@ static void tile_item(const attention_call *a, thread_work *t, ss_partition *job
             count++;
         }
         job->count = count, job->table = table, job->begin = begin, job->kv0 = 0;
-        job->kv1 = a->num_kv_heads;
+        job->kv1 = a->num_kv_heads, job->lo = a->window > 0 ? t->lo : NULL;
         run_partition(a, t, job, t->lanes != NULL);
     }
     for (int64_t i = 0; i < rows; i++) {
-        const int64_t parts = (a->lens[r0 + i] + PARTITION - 1) / PARTITION;
-        for (int64_t it = 0; it < parts; it++) t->part[it] = t->mine + (size_t)i * parts_of_row + (size_t)it * a->per_part;
-        merge((const float *const *)t->part, parts, a->num_heads, a->head_dim,
+        const int64_t skipped = first_key(a, r0 + i) / PARTITION, parts = (a->lens[r0 + i] + PARTITION - 1) / PARTITION;
+        for (int64_t it = skipped; it < parts; it++)
+            t->part[it - skipped] = t->mine + (size_t)i * parts_of_row + (size_t)it * a->per_part;
+        merge((const float *const *)t->part, parts - skipped, a->num_heads, a->head_dim,
               (void *)elem(a->out, a->dtype, (r0 + i) * (int64_t)a->hd), a->dtype);
     }
 }
@@ -846,7 +874,8 @@ static int64_t *first_items(const attention_call *a) {
     int64_t *first = malloc(sizeof(int64_t) * ((size_t)a->num_rows + 1));
     if (first == NULL) return NULL;
     first[0] = 0;
-    for (int r = 0; r < a->num_rows; r++) first[r + 1] = first[r] + (a->lens[r] + PARTITION - 1) / PARTITION;
+    for (int r = 0; r < a->num_rows; r++)
+        first[r + 1] = first[r] + (a->lens[r] + PARTITION - 1) / PARTITION - first_key(a, r) / PARTITION;
     return first;
 }
 
@@ -874,7 +903,8 @@ static int paged_attention(const attention_call *a, int num_threads) {
                 failed = 1;
             }
             ss_partition job = {0, t.n, NULL, 0, a->num_heads, a->num_kv_heads, 0, a->num_kv_heads, a->head_dim,
-                                a->block_size, t.kf, t.scores, t.part, a->pairs ? t.qb : NULL, a->scale};
+                                a->block_size, t.kf, t.scores, t.part, a->pairs ? t.qb : NULL, a->scale, NULL,
+                                a->softcap};
             const int64_t num_items = split ? first[a->num_rows] * kv_split : num_tiles;
             int r = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -900,7 +930,7 @@ static int paged_attention(const attention_call *a, int num_threads) {
                           (void *)elem(a->out, a->dtype, (int64_t)rr * (int64_t)a->hd), a->dtype);
                 }
             }
-            free(t.work), free(t.qf), free(t.qb), free(t.part), free(t.n), free(t.lanes); /* the stage stays */
+            free(t.work), free(t.qf), free(t.qb), free(t.part), free(t.n), free(t.lo), free(t.lanes); /* the stage stays */
         }
     }
     free(partials), free(first), free(tile);
@@ -911,27 +941,30 @@ static int paged_attention(const attention_call *a, int num_threads) {
 static int attention_entry(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            void *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, int num_threads, int dtype, int kv_packed) {
+                           float scale, int64_t window, float softcap, int num_threads, int dtype, int kv_packed) {
     attention_call a = {q, k_cache, v_cache, out, tables, row_seq, lens, q_row_stride, max_blocks, dtype,
-                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0, kv_packed};
+                        num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0, 0, 0, 0, kv_packed,
+                        window > 0 ? window : 0, softcap > 0.f ? softcap : 0.f};
     return attention_sizes(&a) != 0 ? -1 : paged_attention(&a, num_threads);
 }
 
 /* Attention of num_rows query rows, each over its own context: row r attends to positions 0 .. lens[r] - 1
- * of the sequence whose block table is tables[row_seq[r]] (tables[r] when row_seq is NULL). Returns 0, or -1
- * for shapes beyond the fixed buffers, an empty context or no memory (the caller falls back to PyTorch). */
+ * of the sequence whose block table is tables[row_seq[r]] (tables[r] when row_seq is NULL), or with a sliding
+ * window (window > 0) to the last window of them; softcap > 0 caps each scale * q.k to softcap * tanh(x / softcap). Returns 0, or -1 for shapes beyond the fixed buffers, an empty
+ * context or no memory (the caller falls back to PyTorch). */
 int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int num_threads) {
+                            float scale, int64_t window, float softcap, int num_threads) {
 #if defined(SS_AMX)
-    /* the tiles' head size on a CPU that grants them: every call of the process takes the tiles' arithmetic */
-    if (head_dim == SS_AMX_HEAD_DIM && ss_amx_permitted())
+    /* the tiles' head size on a CPU that grants them: every call of the process without a window or soft-capping
+     * takes the tiles' arithmetic (a layer with either always takes the vector code) */
+    if (head_dim == SS_AMX_HEAD_DIM && window <= 0 && softcap <= 0.f && ss_amx_permitted())
         return amx_paged_attention_bf16(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out,
                                         num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
 #endif
     return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, 0);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, num_threads, SS_BF16, 0);
 }
 
 /* The same over a cache in one of common.h's packed formats (format: SS_INT8 or SS_FP8; [num_slots, num_kv_heads,
@@ -940,10 +973,11 @@ int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint1
 int ss_paged_attention_packed(const uint16_t *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                               const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                               uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim,
-                              int block_size, float scale, int num_threads, int format) {
+                              int block_size, float scale, int64_t window, float softcap, int num_threads,
+                              int format) {
     if (format != SS_INT8 && format != SS_FP8) return -1;
     return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_BF16, format);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, num_threads, SS_BF16, format);
 }
 
 /* rows x [num_rows, head_dim] float32 to common.h's packed format (SS_INT8 or SS_FP8), row r at
@@ -961,9 +995,9 @@ void ss_quantize_kv(const float *x, int64_t num_rows, int head_dim, int format, 
 int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, int num_threads) {
+                           float scale, int64_t window, float softcap, int num_threads) {
     return attention_entry(q, q_row_stride, k_cache, v_cache, tables, max_blocks, row_seq, lens, out, num_rows,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, SS_F32, 0);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, num_threads, SS_F32, 0);
 }
 
 /* RMSNorm with the residual add in front (vLLM's fused_add_rms_norm): for each of the num_rows rows of x

@@ -1,6 +1,7 @@
 /*
  * The prefill's elementwise steps in bfloat16, one pass each: SiLU(gate) x up over the fused gate/up matmul's
- * output, and the rotate-half rotary embedding in place. PyTorch runs the first as two ops over a strided
+ * output, and the rotate-half rotary embedding in place. And, for the one-call step in float32, the two gated
+ * activations: SiLU (SwiGLU) and tanh-approximated GELU (GeGLU: Gemma). PyTorch runs the first as two ops over a strided
  * view (about a quarter of a bf16 prefill on 2 cores) and the second as five. Both compute in float32 and
  * round to bfloat16 once. The float32 model keeps PyTorch's ops, so that it matches transformers bit for bit.
  */
@@ -9,6 +10,12 @@
 #include "ss_kernels.h"
 
 static inline float silu_mul(float g, float u) { return g / (1.f + ss_expf(-g)) * u; }
+
+/* GELU's tanh form, 0.5 g (1 + tanh(c (g + 0.044715 g^3))), written as g sigmoid(2 c (g + 0.044715 g^3)). */
+#define SS_GELU_2C 1.5957691216057308f /* 2 sqrt(2 / pi) */
+static inline float gelu_mul(float g, float u) {
+    return g / (1.f + ss_expf(-SS_GELU_2C * (g + 0.044715f * g * g * g))) * u;
+}
 
 /* o[i] = silu(g[i]) * u[i] for i < n, stored as dtype. */
 SS_INLINE void silu_mul_row(const void *g, const void *u, void *o, int dtype, int64_t n) {
@@ -20,6 +27,25 @@ SS_INLINE void silu_mul_row(const void *g, const void *u, void *o, int dtype, in
     }
 #endif
     for (; i < n; i++) store_elem(o, dtype, i, silu_mul(load_elem(g, dtype, i), load_elem(u, dtype, i)));
+}
+
+/* o[i] = gelu_tanh(g[i]) * u[i] for i < n, float32. */
+static void gelu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+    int64_t i = 0;
+#if defined(LANES)
+    for (; i + LANES <= n; i += LANES) {
+        const vf x = vloadf(g + i);
+        const vf inner = vmul(vset1(SS_GELU_2C), vfmadd(vmul(vmul(x, x), x), vset1(0.044715f), x));
+        vstoref(o + i, vmul(vmul(x, vsigmoid(inner)), vloadf(u + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = gelu_mul(g[i], u[i]);
+}
+
+void ss_gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads) {
+    const int threads = rows * n >= (1 << 14) ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) gelu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, n);
 }
 
 /* out[r][i] = silu(gu[r][i]) * gu[r][n + i] for r < rows, i < n; gu's rows are gu_stride elements apart. Once

@@ -1,8 +1,9 @@
 /*
  * A whole step of a decoder model (model/arch.py) in one call, for any mix of rows: decode tokens and prefill
  * chunks alike. For each layer: add + RMSNorm, q/k/v matmul (+ bias), q/k head norms where the architecture has
- * them, rotary embedding, KV write, paged attention, output matmul (+ bias), add + RMSNorm, gate/up matmul,
- * SiLU-and-multiply and down matmul; then the final norm. At 135M
+ * them, rotary embedding, KV write, paged attention (over the layer's sliding window where it has one), output
+ * matmul (+ bias, + RMSNorm where the architecture norms it), add + RMSNorm, gate/up matmul, SiLU- or GELU-and-
+ * multiply, down matmul (+ RMSNorm likewise); then the final norm. At 135M
  * parameters a decode step is about 10 ms of arithmetic; run as PyTorch ops it also pays about 600 op
  * dispatches (5-8 us each) and the Python between them. Here only the kernels run, each with its own OpenMP
  * team.
@@ -106,7 +107,8 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->qkv, L->qkv_type, nqkv, wide, SS_F32, nqkv, scratch, num_threads);
         if (L->qkv_bias != NULL) add_bias(wide, L->qkv_bias, num_rows, nqkv, nqkv);
         if (L->q_norm != NULL && L->k_norm != NULL) head_norms(wide, num_rows, nqkv, m, L->q_norm, L->k_norm);
-        rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions, m->cos, m->sin);
+        rotary(wide, num_rows, m->num_heads + m->num_kv_heads, m->head_dim, nqkv, positions,
+               L->cos != NULL ? L->cos : m->cos, L->sin != NULL ? L->sin : m->sin);
         for (int t = 0; t < num_rows; t++) { /* K/V to the cache, q to its dtype for attention */
             const float *row = wide + t * nqkv;
             if (packed) {
@@ -127,24 +129,29 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
         if (packed)
             status |= ss_paged_attention_packed(q_cache, nq, k_cache, v_cache, tables, max_blocks, row_seq, lens,
                                                 attn_out, num_rows, m->num_heads, m->num_kv_heads, m->head_dim,
-                                                m->block_size, m->scale, num_threads, m->kv_dtype);
+                                                m->block_size, m->scale, L->window, m->attn_softcap, num_threads, m->kv_dtype);
         else if (m->kv_dtype == SS_BF16)
             status |= ss_paged_attention_bf16(q_cache, nq, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables,
                                               max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
-                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
+                                              m->num_kv_heads, m->head_dim, m->block_size, m->scale, L->window, m->attn_softcap, num_threads);
         else
             status |= ss_paged_attention_f32(q_cache, nq, (const float *)k_cache, (const float *)v_cache, tables,
                                              max_blocks, row_seq, lens, attn_out, num_rows, m->num_heads,
-                                             m->num_kv_heads, m->head_dim, m->block_size, m->scale, num_threads);
+                                             m->num_kv_heads, m->head_dim, m->block_size, m->scale, L->window, m->attn_softcap, num_threads);
         status |= ss_quant_matmul(attn_out, qdt, nq, b, nq, L->o, L->o_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
         if (L->o_bias != NULL) add_bias(delta, L->o_bias, num_rows, hd, hd);
+        if (L->attn_out_norm != NULL) ss_add_rms_norm_f32(delta, NULL, L->attn_out_norm, delta, b, hd, m->eps, num_threads);
         ss_add_rms_norm_f32(x, delta, L->post_norm, h, b, hd, m->eps, num_threads);
         status |= ss_quant_matmul(h, SS_F32, hd, b, hd, L->gate_up, L->gate_up_type, 2 * inter, wide, SS_F32,
                                   2 * inter, scratch, num_threads);
-        ss_silu_mul_f32(wide, 2 * inter, b, inter, act, num_threads);
+        if (m->activation == SS_ACT_GELU_TANH)
+            ss_gelu_tanh_mul_f32(wide, 2 * inter, b, inter, act, num_threads);
+        else
+            ss_silu_mul_f32(wide, 2 * inter, b, inter, act, num_threads);
         status |= ss_quant_matmul(act, SS_F32, inter, b, inter, L->down, L->down_type, hd, delta, SS_F32, hd, scratch,
                                   num_threads);
+        if (L->mlp_out_norm != NULL) ss_add_rms_norm_f32(delta, NULL, L->mlp_out_norm, delta, b, hd, m->eps, num_threads);
     }
     if (status == 0) ss_add_rms_norm_f32(x, delta, m->final_norm, out, b, hd, m->eps, num_threads);
     free(h), free(q_cache), free(scratch);

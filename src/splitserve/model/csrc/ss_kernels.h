@@ -10,18 +10,27 @@
 
 #include <stdint.h>
 
-#define SS_ABI_VERSION 5
+#define SS_ABI_VERSION 7
 
 /* One decoder layer of ss_forward_step: float32 norm weights and repacked matmul weights (quant_matmul.c), and
- * what some architectures add (NULL where a layer has none): float32 biases of the fused q/k/v and of the output
- * projection, and the RMSNorm weights applied to each head of q and of k before the rotation (model/arch.py). */
+ * what some architectures add (NULL or 0 where a layer has none, model/arch.py): float32 biases of the fused q/k/v
+ * and of the output projection; the RMSNorm weights applied to each head of q and of k before the rotation; the
+ * RMSNorms of the attention's and of the MLP's output before each joins the residual stream (Gemma's sandwich);
+ * the layer's own rotary tables (Gemma 3's sliding layers) and its sliding window. */
 typedef struct {
     const float *input_norm, *post_norm;   /* [hidden] */
     const void *qkv, *o, *gate_up, *down;  /* repacked weights */
     int32_t qkv_type, o_type, gate_up_type, down_type;
     const float *qkv_bias, *o_bias;        /* [q + 2 kv], [hidden] */
     const float *q_norm, *k_norm;          /* [head_dim] */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden] */
+    const float *cos, *sin;                /* [max_positions, head_dim]; NULL: the model's */
+    int64_t window;                        /* attends to its last window positions (0: to all) */
 } ss_layer;
+
+/* ss_model.activation: the gate of the gated MLP */
+#define SS_ACT_SILU 0
+#define SS_ACT_GELU_TANH 1
 
 /* A weight stacked from parts in different formats (a fused q/k/v whose v has more bits than q and k, as
  * llama.cpp's Q4_K_M files have): the weight type SS_MIXED, and the weight this header followed by each part's
@@ -45,6 +54,8 @@ typedef struct {
     int64_t num_slots; /* slots per layer */
     int32_t kv_dtype;  /* SS_F32, SS_BF16, SS_INT8 or SS_FP8 */
     int32_t block_size;
+    int32_t activation; /* SS_ACT_SILU or SS_ACT_GELU_TANH */
+    float attn_softcap; /* attention scores capped to attn_softcap * tanh(x / attn_softcap) (Gemma 2; 0: none) */
 } ss_model;
 
 /* The ABI: its version, and sizeof(ss_layer) (which 0), sizeof(ss_model) (1) or sizeof(ss_mixed) (2); -1 for
@@ -61,16 +72,17 @@ int ss_forward_step(const ss_model *m, float *x, int num_rows, const int64_t *po
 int ss_paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                             uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int num_threads);
+                            float scale, int64_t window, float softcap, int num_threads);
 int ss_paged_attention_packed(const uint16_t *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                               const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                               uint16_t *out, int num_rows, int num_heads, int num_kv_heads, int head_dim,
-                              int block_size, float scale, int num_threads, int format);
+                              int block_size, float scale, int64_t window, float softcap, int num_threads,
+                              int format);
 void ss_quantize_kv(const float *x, int64_t num_rows, int head_dim, int format, void *out);
 int ss_paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t max_blocks, const int64_t *row_seq, const int64_t *lens,
                            float *out, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, int num_threads);
+                           float scale, int64_t window, float softcap, int num_threads);
 void ss_add_rms_norm_bf16(float *x, const uint16_t *delta, const float *weight, uint16_t *out, int64_t num_rows,
                           int64_t n, float eps, int num_threads);
 void ss_add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t num_rows, int64_t n,
@@ -100,6 +112,7 @@ int ss_amx_permitted(void);
 void ss_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int64_t rows, int64_t n, uint16_t *out,
                       int num_threads);
 void ss_silu_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads);
+void ss_gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, int64_t rows, int64_t n, float *out, int num_threads);
 void ss_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int num_heads, int head_dim,
                     const uint16_t *cos, const uint16_t *sin, int num_threads);
 
