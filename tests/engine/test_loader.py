@@ -25,9 +25,11 @@ from splitserve.model.loader import (
     hf_decoder_config,
     load_gguf,
     load_safetensors_folder,
+    partial_rotary_rows,
 )
 from splitserve.model.reference import transformers_config
 from splitserve.model.registry import resolve_dtype
+from splitserve.model.rope import partial_rotary_order, rotary_tables
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 ROPE_THETA = 50000.0
@@ -285,7 +287,6 @@ def test_unknown_dtype_lists_choices() -> None:
     [
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
         ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "unsupported rope scaling 'mrope'"),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope rope scaling needs short_factor"),
     ],
@@ -294,6 +295,22 @@ def test_an_option_the_model_does_not_compute_is_named(extra: dict[str, object],
     hf = {"architectures": ["LlamaForCausalLM"], **tiny_hf(tie=True).config.to_dict(), **extra}
     with pytest.raises(ValueError, match=re.escape(message)):
         hf_decoder_config(hf)
+
+
+def test_a_partial_rotary_factor_rotates_that_share_of_each_head_in_the_full_width_layout() -> None:
+    hf = {"architectures": ["Phi3ForCausalLM"], **tiny_hf(tie=True).config.to_dict(), "partial_rotary_factor": 0.5}
+    cfg = hf_decoder_config(hf)
+    assert cfg.rotary_dim == cfg.head_dim // 2
+    assert partial_rotary_order(8, 4) == [0, 1, 4, 5, 2, 3, 6, 7]  # pairs (0, 2) and (1, 3) land at (0, 4), (1, 5)
+    cos, sin = rotary_tables(8, 10000.0, None, 16, rotary_dim=4)
+    full_cos, full_sin = rotary_tables(4, 10000.0, None, 16)
+    assert torch.equal(cos[:, [0, 1, 4, 5]], full_cos) and torch.equal(sin[:, [0, 1, 4, 5]], full_sin)
+    assert bool((cos[:, [2, 3, 6, 7]] == 1).all()) and bool((sin[:, [2, 3, 6, 7]] == 0).all())  # passed through
+    q_rows = np.arange(2 * 8 * 3).reshape(16, 3)  # two heads of a q projection
+    cfg8 = dataclasses.replace(cfg, head_dim=8, rotary_dim=4, num_attention_heads=2, num_key_value_heads=1)
+    reordered = partial_rotary_rows(q_rows, "model.layers.0.self_attn.q_proj.weight", cfg8)
+    assert reordered[:, 0].tolist() == [0, 3, 12, 15, 6, 9, 18, 21, 24, 27, 36, 39, 30, 33, 42, 45]
+    assert partial_rotary_rows(q_rows, "model.layers.0.self_attn.v_proj.weight", cfg8) is q_rows
 
 
 def test_a_fused_matrix_whose_rows_do_not_match_the_config_is_named() -> None:

@@ -78,18 +78,20 @@ CASES = (
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
     ),
     Case("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 96}),
+    # Phi-4-mini's way: three quarters of each head rotates (48 of 64 dims: 24 pairs of longrope factors)
     Case(
-        "phi3-longrope",
+        "phi3-partial-longrope",
         "Phi3Config",
         "Phi3ForCausalLM",
         {
             "original_max_position_embeddings": 1024,
             "pad_token_id": 0,
             "sliding_window": None,
+            "partial_rotary_factor": 0.75,
             "rope_scaling": {
                 "type": "longrope",
-                "short_factor": [1.0 + 0.05 * i for i in range(32)],
-                "long_factor": [1.0 + 0.9 * i for i in range(32)],
+                "short_factor": [1.0 + 0.05 * i for i in range(24)],
+                "long_factor": [1.0 + 0.9 * i for i in range(24)],
             },
         },
     ),

@@ -34,6 +34,7 @@ class DecoderConfig:
     sandwich_norms: bool = False  # the attention's and the MLP's outputs are RMS-normed before the residual (Gemma)
     embed_scale: float | None = None  # the token embeddings are multiplied by it (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
+    rotary_dim: int | None = None  # the dims of each head that rotate (Phi-4-mini: 3/4 of them); None: all
     attn_softcap: float | None = None  # scores capped to c * tanh(score / c) before the softmax (Gemma 2)
     final_softcap: float | None = None  # logits capped the same way (Gemma 2)
 
@@ -47,6 +48,8 @@ class DecoderConfig:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for the rotary embedding")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
             raise ValueError(f"{len(self.sliding_layers)} sliding-layer flags for {self.num_hidden_layers} layers")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and within head_dim ({self.head_dim})")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
 

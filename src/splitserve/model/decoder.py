@@ -154,9 +154,16 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
         super().__init__()
-        cos, sin = rotary_tables(head_dim, theta, scaling, max_positions)
+        cos, sin = rotary_tables(head_dim, theta, scaling, max_positions, rotary_dim)
         self.register_buffer("cos", cos, persistent=False)  # [P, D]
         self.register_buffer("sin", sin, persistent=False)
 
@@ -321,7 +328,9 @@ class DecoderForCausalLM(nn.Module):
         self._quant_head: tuple[PackedWeight, NativeKernels] | None = None  # the head's quantized blocks
         self._forward_step: ForwardStep | None = None  # the one-call native step (bind_kv_cache)
         self.residual_dtype: torch.dtype | None = None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+        )
         self.sliding_rotary = _sliding_rotary(cfg)
 
     @property
@@ -567,7 +576,9 @@ class DecoderForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         with torch.device(device):
-            model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+            model.rotary = RotaryEmbedding(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+            )
             model.sliding_rotary = _sliding_rotary(cfg)
         model.load_hf_state_dict(state, assign=True, device=device)
         return model
@@ -597,7 +608,7 @@ def _sliding_rotary(cfg: DecoderConfig) -> RotaryEmbedding | None:
     if not any(cfg.slides_with_own_rope(i) for i in range(cfg.num_hidden_layers)):
         return None
     assert cfg.sliding_rope_theta is not None
-    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.sliding_rope_theta)
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.sliding_rope_theta, None, cfg.rotary_dim)
 
 
 def _float32(t: torch.Tensor | None) -> torch.Tensor | None:

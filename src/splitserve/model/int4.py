@@ -18,7 +18,13 @@ from gguf import GGMLQuantizationType
 
 from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
-from splitserve.model.loader import fused_parts, gguf_fused_name, gguf_to_hf_name, unpermute_gguf_rows
+from splitserve.model.loader import (
+    fused_parts,
+    gguf_fused_name,
+    gguf_to_hf_name,
+    partial_rotary_rows,
+    unpermute_gguf_rows,
+)
 
 GROUP_SIZE = 32
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
@@ -60,7 +66,8 @@ def load_gguf_int4(path: str | Path, config: DecoderConfig) -> dict[str, Int4Wei
         weight = _decode_blocks(blocks, tensor.tensor_type == GGMLQuantizationType.Q4_1)
         order = unpermute_gguf_rows(np.arange(num_rows)[:, None], name, config)[:, 0]
         for part, start, stop in fused_parts(name, num_rows, config):
-            weights[part] = Int4Weight(*(t[torch.from_numpy(order[start:stop].copy())] for t in weight))
+            rows = partial_rotary_rows(order[start:stop], part, config)
+            weights[part] = Int4Weight(*(t[torch.from_numpy(rows.copy())] for t in weight))
     return weights
 
 

@@ -25,7 +25,7 @@ from splitserve.model import arch as architectures
 from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import array_length, open_gguf
 from splitserve.model.kernels import QUANT_TYPES, native
-from splitserve.model.rope import RopeScaling, gguf_rope, hf_rope
+from splitserve.model.rope import RopeScaling, gguf_rope, hf_rope, partial_rotary_order
 
 # GGUF leaf name -> Hugging Face name, for tensors inside a block (blk.N.<leaf>.weight).
 _GGUF_BLOCK_LEAVES = {
@@ -92,7 +92,7 @@ def load_gguf(
         array = _dequantize(tensor)
         array = unpermute_gguf_rows(array, name, config)
         for part, start, stop in parts:
-            state[part] = torch.from_numpy(array[start:stop]).to(dtype).contiguous()
+            state[part] = torch.from_numpy(partial_rotary_rows(array[start:stop], part, config)).to(dtype).contiguous()
     return config, state
 
 
@@ -179,7 +179,8 @@ def gguf_config(
     vocab = metadata.get(f"{arch}.vocab_size", num_tokens)
     if vocab is None:
         raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    head_dim = metadata.get(f"{arch}.attention.key_length", metadata.get(f"{arch}.rope.dimension_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))  # llama.cpp's n_embd_head_k
+    rotary_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))  # and its n_rot
     num_layers = int(need("block_count"))
     window = _optional_int(metadata.get(f"{arch}.attention.sliding_window")) or None
     sliding = None
@@ -195,7 +196,8 @@ def gguf_config(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(metadata.get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(head_dim) if head_dim is not None else hidden // num_heads,
+        head_dim=head_dim,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         rope_theta=_float32_value(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=_float32_value(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
@@ -275,6 +277,22 @@ def unpermute_gguf_rows(array: np.ndarray, hf_name: str, config: DecoderConfig) 
     return array.reshape(num_heads, half, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
 
 
+def partial_rotary_rows(array: np.ndarray, hf_name: str, config: DecoderConfig) -> np.ndarray:
+    """The rows of a q or k projection (weight, bias) or head norm with each head's dims in ``rope.py``'s partial
+    rotary order, where only ``rotary_dim`` of them rotate; anything else, and every tensor of a model whose heads
+    rotate whole, unchanged."""
+    rotary_dim = config.rotary_dim
+    if rotary_dim is None or rotary_dim == config.head_dim:
+        return array
+    leaves = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "q_norm.weight", "k_norm.weight")
+    if not hf_name.endswith(tuple(f"self_attn.{leaf}" for leaf in leaves)):
+        return array
+    head_dim = config.head_dim
+    order = np.asarray(partial_rotary_order(head_dim, rotary_dim))
+    rows = (np.arange(array.shape[0] // head_dim)[:, None] * head_dim + order[None, :]).reshape(-1)
+    return array[rows]
+
+
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     """One GGUF tensor as a float32 array in PyTorch's [out, in] order (the reversed GGUF shape)."""
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
@@ -342,7 +360,10 @@ def load_safetensors_folder(
         if gemma and name.endswith("norm.weight"):  # stored as w - 1 (Gemma's RMSNorm multiplies by 1 + w)
             tensor = tensor.float() + 1
         for part, start, stop in fused_parts(name, tensor.shape[0] if tensor.dim() else 0, config):
-            state[part] = tensor[start:stop].to(dtype).contiguous()
+            piece = tensor[start:stop]
+            if tensor.dim() and config.rotary_dim not in (None, config.head_dim):
+                piece = piece[torch.from_numpy(partial_rotary_rows(np.arange(stop - start), part, config))]
+            state[part] = piece.to(dtype).contiguous()
     return config, state
 
 
@@ -366,9 +387,11 @@ def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
         raise ValueError(f"{spec.name}: hidden_act={activation!r} is not supported ({', '.join(_HF_ACTIVATIONS)})")
     if hf.get("mlp_bias", False):
         raise ValueError(f"{spec.name}: mlp_bias={hf['mlp_bias']!r} is not supported (only False)")
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{spec.name}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
     num_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
+    params = hf.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    partial = float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)  # transformers 4, 5
     num_layers = int(hf["num_hidden_layers"])
     eos = hf.get("eos_token_id")
     theta, rope_scaling, sliding_theta = _hf_ropes(hf, spec)
@@ -382,7 +405,8 @@ def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+        head_dim=head_dim,
+        rotary_dim=None if partial == 1.0 else int(head_dim * partial),
         rope_theta=theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),

@@ -26,7 +26,13 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from splitserve.model.config import DecoderConfig
 from splitserve.model.gguf_file import open_gguf
 from splitserve.model.kernels import QUANT_TYPES
-from splitserve.model.loader import fused_parts, gguf_fused_name, gguf_to_hf_name, unpermute_gguf_rows
+from splitserve.model.loader import (
+    fused_parts,
+    gguf_fused_name,
+    gguf_to_hf_name,
+    partial_rotary_rows,
+    unpermute_gguf_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +69,8 @@ def load_gguf_quantized(path: str | Path, config: DecoderConfig) -> dict[str, GG
         blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // block * block_bytes)
         order = unpermute_gguf_rows(np.arange(n)[:, None], name, config)[:, 0]
         for part, start, stop in fused_parts(name, n, config):
-            weights[part] = GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks[order[start:stop]])), wtype, k)
+            rows = partial_rotary_rows(order[start:stop], part, config)
+            weights[part] = GGUFRows(torch.from_numpy(np.ascontiguousarray(blocks[rows])), wtype, k)
     if slow:
         listed = "; ".join(f"{fmt}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({len(names)})"
                            for fmt, names in slow.items())  # fmt: skip

@@ -22,6 +22,13 @@ computes it (a prefix-cache hit, a PD push or an L2 record reuses K computed for
   the two are the same; past it transformers' rotation of the earlier positions differs (llama.cpp picks by
   the context size it is given, vLLM by the longest sequence of the batch).
 
+A partial rotary embedding (Phi-4-mini: ``partial_rotary_factor`` 0.75) rotates the first ``rotary_dim`` dims of each
+head as a ``rotary_dim``-wide rotate-half and passes the rest through. Here every head keeps the full-width
+rotate-half layout: the loaders reorder each q and k head's dims (``partial_rotary_order``) so that rotary pair
+``(i, i + rotary_dim / 2)`` sits at ``(i, i + head_dim / 2)``, and the passed-through dims fill the other pairs, whose
+cos is 1 and sin 0. q and k are reordered alike, so their dot products, and the model, are unchanged; only the
+kernels' tables differ, and they need no second layout.
+
 Frequencies are computed in float64 and the tables stored as float32.
 """
 
@@ -90,10 +97,27 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return inv_freq, attention
 
 
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """For each dim of a reordered head, the checkpoint's dim it holds: the rotary pairs' first halves, the first
+    half of the passed-through dims, the rotary pairs' second halves, the rest (see the module's docstring)."""
+    half, rotary_half = head_dim // 2, rotary_dim // 2
+    passed, first_half = list(range(rotary_dim, head_dim)), half - rotary_half
+    return [*range(rotary_half), *passed[:first_half], *range(rotary_half, rotary_dim), *passed[first_half:]]
+
+
 def rotary_tables(
-    head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int, rotary_dim: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, ``[max_positions, head_dim]`` float32 each, rotate-half layout (each frequency twice)."""
+    """cos and sin, ``[max_positions, head_dim]`` float32 each, rotate-half layout (each frequency twice); with a
+    ``rotary_dim`` below ``head_dim``, its frequencies in the reordered heads' rotary pairs (``partial_rotary_order``)
+    and cos 1, sin 0 in the others."""
+    if rotary_dim is not None and rotary_dim != head_dim:
+        cos_r, sin_r = rotary_tables(rotary_dim, theta, scaling, max_positions)
+        half, rotary_half = head_dim // 2, rotary_dim // 2
+        cos, sin = torch.ones(max_positions, head_dim), torch.zeros(max_positions, head_dim)
+        for table, part in ((cos, cos_r), (sin, sin_r)):
+            table[:, :rotary_half], table[:, half : half + rotary_half] = part[:, :rotary_half], part[:, rotary_half:]
+        return cos, sin
     inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
     if scaling is not None and scaling.kind == "longrope":  # the long factors from the pretrained length on
