@@ -30,6 +30,7 @@ from splitserve.model.loader import (
 from splitserve.model.reference import transformers_config
 from splitserve.model.registry import resolve_dtype
 from splitserve.model.rope import partial_rotary_order, rotary_tables
+from tests.support.paged import PagedRunner
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 ROPE_THETA = 50000.0
@@ -386,3 +387,33 @@ def test_gemma3_configs_old_and_new_give_the_same_layers_and_rotations() -> None
 def test_the_supported_architectures_are_listed() -> None:
     with pytest.raises(ValueError, match=r"supported: llama \(LlamaForCausalLM, MistralForCausalLM\), qwen2"):
         hf_decoder_config({"architectures": ["GemmaForCausalLM"]})
+
+
+def test_a_multimodal_gemma3_folder_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3's 4B and larger checkpoints are Gemma3ForConditionalGeneration: a sparse text_config (transformers'
+    defaults fill the rest) and the language model's weights under a prefix, beside a vision tower left out."""
+    text = {"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "sliding_window": 8, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path)
+    cfg, state = load_safetensors_folder(tmp_path)
+    assert (cfg.arch, cfg.num_hidden_layers, cfg.sliding_layers) == ("gemma3", 7, (True,) * 5 + (False, True))
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear"  # the global layers' own
+    assert not any("vision" in name or "projector" in name for name in state)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    model = DecoderForCausalLM(cfg).float().eval()
+    model.load_hf_state_dict(state)
+    model.prepare_for_inference()
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits[0]
+    got = PagedRunner(model, 40).prefill(ids[0].tolist())
+    assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()

@@ -342,8 +342,10 @@ def load_safetensors_folder(
 ) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face model folder (``config.json`` + one or more ``*.safetensors``).
 
-    The architectures of ``model/arch.py`` are accepted (by ``architectures``, else ``model_type``). Tensor
-    names are kept as saved; a ``lm_head.weight`` is dropped when the config ties embeddings. Raises
+    The architectures of ``model/arch.py`` are accepted (by ``architectures``, else ``model_type``), and the
+    language model of a multimodal checkpoint of one (Gemma 3's 4B and up: ``_TEXT_MODELS``). Tensor names are kept
+    as saved (a multimodal checkpoint's language model's as the text model's); a ``lm_head.weight`` is dropped when
+    the config ties embeddings. Raises
     ``ValueError`` for another architecture, a missing config or no weight files.
     """
     folder = Path(path)
@@ -354,8 +356,9 @@ def load_safetensors_folder(
         raise ValueError(f"{folder} holds no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     gemma = architectures.ARCHITECTURES[config.arch].gemma
-    for name, tensor in _iter_safetensors(files):
-        if config.tie_word_embeddings and name == "lm_head.weight":
+    for saved, tensor in _iter_safetensors(files):
+        name = text_model_name(saved)
+        if name is None or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
         if gemma and name.endswith("norm.weight"):  # stored as w - 1 (Gemma's RMSNorm multiplies by 1 + w)
             tensor = tensor.float() + 1
@@ -368,14 +371,52 @@ def load_safetensors_folder(
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a Hugging Face folder; ``ValueError`` when absent or not an object."""
+    """The parsed ``config.json`` of a Hugging Face folder (of a multimodal checkpoint: its language model's,
+    ``text_model_config``); ``ValueError`` when absent or not an object."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder} is not a Hugging Face model folder: it has no config.json")
     data = json.loads(config_path.read_text(encoding="utf-8"))
     if not isinstance(data, dict):
         raise ValueError(f"{config_path} does not hold a JSON object")
-    return data
+    return text_model_config(data)
+
+
+# Multimodal checkpoints whose language model is one of model/arch.py's: the text-only model's class. Their weights
+# name the language model under one of _TEXT_PREFIXES (transformers 4's layout and 5's); the vision tower and
+# projector are left out (splitserve serves text).
+_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+
+
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's language model config: its ``text_config`` with transformers' defaults for what it
+    leaves out (the checkpoints list only what differs), named as the text-only model; any other config as it is."""
+    multimodal = next((a for a in hf.get("architectures") or [] if a in _TEXT_MODELS), None)
+    if multimodal is None:
+        return hf
+    import transformers
+
+    text = dict(hf.get("text_config") or {})
+    model_type = text.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{multimodal}: config.json has no text_config.model_type")
+    full = transformers.AutoConfig.for_model(model_type, **text).to_dict()
+    tied = hf.get("tie_word_embeddings", full.get("tie_word_embeddings", True))
+    eos = hf.get("eos_token_id", full.get("eos_token_id"))
+    return {**full, "architectures": [_TEXT_MODELS[multimodal]], "tie_word_embeddings": tied, "eos_token_id": eos}
+
+
+def text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text-only model's, None for the vision parts; others as they
+    are."""
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
+    if name in ("language_model.lm_head.weight", "lm_head.weight"):
+        return "lm_head.weight"
+    return None if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                    "model.multi_modal_projector.")) else name  # fmt: skip
 
 
 def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:

@@ -21,6 +21,7 @@ from splitserve.model.loader import (
     gguf_to_hf_name,
     load_gguf,
     load_safetensors_folder,
+    text_model_name,
 )
 from splitserve.model.quant import load_gguf_quantized
 from splitserve.model.source import ModelSource
@@ -70,7 +71,8 @@ def load_footprint_bytes(source: ModelSource, dtype: torch.dtype, quantization: 
     for file in sorted(source.path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                elements += math.prod(handle.get_slice(name).get_shape())
+                if text_model_name(name) is not None:  # a multimodal checkpoint's vision tower is not loaded
+                    elements += math.prod(handle.get_slice(name).get_shape())
     return elements * size
 
 
