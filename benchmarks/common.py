@@ -40,7 +40,9 @@ def start_server(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
+            log.close()
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; {log_path} ends:\n" + "\n".join(tail))
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
                 return proc

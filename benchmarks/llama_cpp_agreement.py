@@ -17,7 +17,8 @@ With ``--llama-quantize`` (``cmake --build <llama.cpp build> --target llama-quan
 llama.cpp's own quantizer makes: SmolLM2 from its Hugging Face folder in Q4_K_M, Q5_K_M and Q6_K (at its width,
 576, most matrices fall back to Q5_0/Q5_1/Q8_0, and the 1,536-wide down projections are K-quants), and each random
 checkpoint (256 wide: every matrix a K-quant) in each of ``--random-kquants`` (Q4_K_M by default).
-``--smollm2-quants`` names SmolLM2's (``IQ4_NL``, say); ``--skip-random`` leaves the random checkpoints out.
+``--smollm2-quants`` names SmolLM2's (``IQ4_NL``, say); ``--skip-random`` leaves the random checkpoints out, ``--cases``
+keeps only those named.
 
 Both compute 8-bit activations times the GGUF's blocks, but not in the same order (llama.cpp sums a row's blocks in
 its own order and computes attention in float16 or float32 its way), so they part at a near-tie sooner or later;
@@ -74,10 +75,10 @@ def splitserve_greedy(
 
 
 def llama_cpp_greedy(
-    binary: str, gguf_path: Path, prompts: list[list[int]], num_tokens: int, logs: Path
+    binary: str, gguf_path: Path, prompts: list[list[int]], num_tokens: int, logs: Path, context: int = 4096
 ) -> list[list[int]]:
     port = free_port()
-    cmd = [binary, "-m", str(gguf_path), "--port", str(port), "-t", "2", "-c", "4096", "--parallel", "1"]
+    cmd = [binary, "-m", str(gguf_path), "--port", str(port), "-t", "2", "-c", str(context), "--parallel", "1"]
     proc = start_server(cmd, port, logs / f"llama-server-{gguf_path.stem}.log")
     try:
         out = []
@@ -110,10 +111,10 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def compare(
-    name: str, binary: str, gguf_path: Path, prompts: list[list[int]], num_tokens: int, logs: Path
+    name: str, binary: str, gguf_path: Path, prompts: list[list[int]], num_tokens: int, logs: Path, context: int = 4096
 ) -> dict[str, Any]:
     ours = splitserve_greedy(gguf_path, prompts, num_tokens)
-    theirs = llama_cpp_greedy(binary, gguf_path, prompts, num_tokens, logs)
+    theirs = llama_cpp_greedy(binary, gguf_path, prompts, num_tokens, logs, context)
     reference = splitserve_greedy(gguf_path, prompts, num_tokens, quantization="none")
     result: dict[str, Any] = {"prompts": len(prompts), "tokens": num_tokens}
     for label, a, b in (
@@ -138,7 +139,11 @@ def main() -> None:
         "--smollm2-quants", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K"], help="SmolLM2's files (IQ4_NL, ...)"
     )
     parser.add_argument("--skip-random", action="store_true", help="only SmolLM2, not the random checkpoints")
+    parser.add_argument("--cases", nargs="+", help="only these random checkpoints (tests/support/checkpoints.py)")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--llama-context", type=int, default=4096, help="llama-server's -c (it picks longrope's factors by it)"
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llama_cpp_agreement.json"))
     args = parser.parse_args()
@@ -157,11 +162,13 @@ def main() -> None:
                 results[label] = compare(f"smollm2 ({qtype})", args.llama_server, path, chats, args.tokens, root)
         gen = torch.Generator().manual_seed(11)
         randoms = [torch.randint(0, 49152, (48,), generator=gen).tolist() for _ in range(args.prompts)]
-        for case in () if args.skip_random else CASES:
+        for case in () if args.skip_random else [c for c in CASES if not args.cases or c.name in args.cases]:
             folder = root / case.name
             make_checkpoint(case, folder)
             gguf_path = convert_to_gguf(folder, root / f"{case.name}-q8_0.gguf", "q8_0")
-            results[case.name] = compare(case.name, args.llama_server, gguf_path, randoms, args.tokens, root)
+            results[case.name] = compare(
+                case.name, args.llama_server, gguf_path, randoms, args.tokens, root, args.llama_context
+            )
             if args.llama_quantize:
                 f16 = convert_to_gguf(folder, root / f"{case.name}-f16.gguf", "f16")
                 for qtype in args.random_kquants:

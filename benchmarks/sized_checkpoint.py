@@ -59,6 +59,26 @@ SHAPES = {
             "rope_theta": 1000000.0,
         },
     ),
+    # 26 layers, hidden 1152, 4 heads over 1 KV head of 256, MLP 6912 (GeGLU), five of every six layers through a
+    # window of 512 (Gemma 3 1B; its 262,144-token vocabulary is SmolLM2's 49,152 here)
+    "gemma-3-1b": Case(
+        "gemma-3-1b",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 512,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 32768,
+            "pad_token_id": 0,
+        },
+    ),
 }
 
 

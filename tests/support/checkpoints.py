@@ -191,7 +191,20 @@ def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
         f"sys.argv = [{str(root / 'convert_hf_to_gguf.py')!r}, *sys.argv[1:]]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    args = [sys.executable, "-c", code, str(folder), "--outfile", str(out), "--outtype", outtype]
+    # a neutral name: llama.cpp keys vocabulary quirks on general.name (a "phi3" in it looks up Phi-3's own special
+    # tokens, which SmolLM2's vocabulary lacks)
+    args = [
+        sys.executable,
+        "-c",
+        code,
+        str(folder),
+        "--outfile",
+        str(out),
+        "--outtype",
+        outtype,
+        "--model-name",
+        "random",
+    ]
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
