@@ -201,3 +201,30 @@ def test_hf_folder_stop_ids_include_generation_config(tok: Tokenizer, tmp_path: 
 def test_folder_without_tokenizer_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         Tokenizer.from_folder(tmp_path)
+
+
+def test_a_gemma_gguf_stops_at_end_of_turn_as_llama_cpp_does(tmp_path: Path) -> None:
+    """A SentencePiece vocabulary as Gemma's GGUFs carry it: eos is <eos>, and <end_of_turn> (which closes every chat
+    turn) is in no metadata key; llama.cpp finds it by its text, and so does the tokenizer."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "▁", "▁hello", "h", "e", "l", "o"]
+    path = tmp_path / "gemma.gguf"
+    writer = GGUFWriter(str(path), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 6 + [-1.0, -2.0] + [-5.0] * 4)
+    writer.add_token_types([3, 3, 3, 2, 3, 3] + [1] * 6)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    writer.add_unk_token_id(3)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = load_tokenizer(str(path), cache_dir=tmp_path / "cache")
+    assert tok.stop_token_ids == {1, 5}
+    assert tok.decode(tok.encode("hello")) == "hello"

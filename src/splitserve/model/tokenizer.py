@@ -42,6 +42,9 @@ _META_FILE = "splitserve_tokenizer.json"
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # GGUF metadata keys naming tokens that end a turn, besides eos.
 _GGUF_STOP_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+# End-of-turn tokens a GGUF often leaves out of its metadata (Gemma's <end_of_turn>: its eos is <eos>), which
+# llama.cpp finds by their text and stops at; a GGUF's tokenizer stops at those it holds too
+END_OF_TURN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
 
 
 class TokenizerLike(Protocol):
@@ -64,8 +67,9 @@ class TokenizerLike(Protocol):
 class Tokenizer:
     """Text <-> token ids and chat rendering for one model.
 
-    ``stop_token_ids`` is eos plus every end-of-turn id the model declares (GGUF ``eot``/``eom`` ids,
-    ``generation_config.json`` ``eos_token_id`` lists).
+    ``stop_token_ids`` is eos plus every end-of-turn id the model declares (GGUF ``eot``/``eom`` ids, and as llama.cpp
+    the end-of-turn tokens of ``END_OF_TURN_TEXTS`` a GGUF's vocabulary holds; ``generation_config.json``
+    ``eos_token_id`` lists).
     """
 
     def __init__(self, hf: PreTrainedTokenizerBase, stop_token_ids: Iterable[int] = ()) -> None:
@@ -129,7 +133,9 @@ class Tokenizer:
         if meta.get("format") != CACHE_FORMAT_VERSION:
             raise ValueError(f"tokenizer cache format {meta.get('format')!r}, expected {CACHE_FORMAT_VERSION}")
         tokenizer = cls.from_folder(folder)
-        return cls(tokenizer.hf, meta["stop_token_ids"])
+        vocab = tokenizer.hf.get_vocab()
+        turns = [vocab[text] for text in END_OF_TURN_TEXTS if text in vocab]
+        return cls(tokenizer.hf, [*meta["stop_token_ids"], *turns])
 
     # --------------------------------------------------------------------------------------- text <-> ids
 
