@@ -406,6 +406,10 @@ def test_a_multimodal_gemma3_folder_serves_its_language_model(tmp_path: Path) ->
                 param.normal_(0.0, 0.1)
     hf.save_pretrained(tmp_path)
     cfg, state = load_safetensors_folder(tmp_path)
+    # Gemma's norms are 1 + w: kept in float32 whatever the dtype, or bfloat16 would round most of a small w away
+    halved = load_safetensors_folder(tmp_path, torch.bfloat16)[1]
+    norm = "model.layers.0.self_attn.q_norm.weight"
+    assert halved[norm].dtype == torch.float32 and torch.equal(halved[norm], state[norm])
     assert (cfg.arch, cfg.num_hidden_layers, cfg.sliding_layers) == ("gemma3", 7, (True,) * 5 + (False, True))
     assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear"  # the global layers' own
     assert not any("vision" in name or "projector" in name for name in state)

@@ -35,6 +35,10 @@ import torch.nn.functional as F
 from splitserve.model import kv_format
 from splitserve.model.kernels import native
 
+# The soft-capped PyTorch path computes its float32 scores for this many query rows at a time: a whole 1,024-token
+# chunk over an 8K context at 32 heads would be a 1 GiB matrix, several times over
+SOFTCAP_QUERY_ROWS = 128
+
 
 @dataclass(frozen=True, slots=True)
 class ScoreRule:
@@ -191,9 +195,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=rule.scale, enable_gqa=group > 1)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    scores = (q.float() @ k.float().transpose(-1, -2)).mul_(rule.scale).div_(softcap).tanh_().mul_(softcap)
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    kf, vf, parts = k.float().transpose(-1, -2), v.float(), []
+    for start in range(0, q.shape[-2], SOFTCAP_QUERY_ROWS):  # a float32 score matrix of this many rows at a time
+        rows = slice(start, start + SOFTCAP_QUERY_ROWS)
+        part_mask = mask if mask.shape[-2] == 1 else mask[..., rows, :]
+        scores = (q[..., rows, :].float() @ kf).mul_(rule.scale).div_(softcap).tanh_().mul_(softcap)
+        scores = scores.masked_fill(~part_mask, float("-inf")) if mask.dtype == torch.bool else scores + part_mask
+        parts.append(scores.softmax(-1) @ vf)
+    return torch.cat(parts, dim=-2).to(q.dtype)
 
 
 def _prefill_attention(

@@ -92,8 +92,17 @@ def load_gguf(
         array = _dequantize(tensor)
         array = unpermute_gguf_rows(array, name, config)
         for part, start, stop in parts:
-            state[part] = torch.from_numpy(partial_rotary_rows(array[start:stop], part, config)).to(dtype).contiguous()
+            values = torch.from_numpy(partial_rotary_rows(array[start:stop], part, config))
+            state[part] = values.to(weight_dtype(part, config, dtype)).contiguous()
     return config, state
+
+
+def weight_dtype(hf_name: str, config: DecoderConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight loads in: ``dtype``, but float32 for Gemma's norms, whose weights are ``1 + w`` with a
+    small ``w`` (bfloat16's step just above 1 is 2^-7, which would round most of ``w`` away; transformers computes
+    ``1 + w`` in float32 and llama.cpp keeps the sum in F32)."""
+    gemma = architectures.ARCHITECTURES[config.arch].gemma
+    return torch.float32 if gemma and hf_name.endswith("norm.weight") else dtype
 
 
 def gguf_fused_name(hf_name: str, config: DecoderConfig) -> str:
@@ -366,7 +375,7 @@ def load_safetensors_folder(
             piece = tensor[start:stop]
             if tensor.dim() and config.rotary_dim not in (None, config.head_dim):
                 piece = piece[torch.from_numpy(partial_rotary_rows(np.arange(stop - start), part, config))]
-            state[part] = piece.to(dtype).contiguous()
+            state[part] = piece.to(weight_dtype(part, config, dtype)).contiguous()
     return config, state
 
 
