@@ -24,7 +24,7 @@ from splitserve.model.kernels import native
 from splitserve.model.loader import load_gguf, load_safetensors_folder
 from splitserve.model.registry import apply_quantization, load_model
 from splitserve.model.source import resolve_model
-from tests.support.checkpoints import CASES, Case, convert_to_gguf, make_checkpoint
+from tests.support.checkpoints import CASES, Case, convert_to_ggufs, make_checkpoint
 from tests.support.engine import build_engine, run_to_completion, tokens_of
 from tests.support.paged import PagedRunner, greedy, hf_greedy
 
@@ -49,13 +49,8 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     root = tmp_path_factory.mktemp(case.name)
     folder = root / "hf"
     hf = make_checkpoint(case, folder)
-    yield Built(
-        case,
-        hf,
-        folder,
-        convert_to_gguf(folder, root / "model-f32.gguf", "f32"),
-        convert_to_gguf(folder, root / "model-q8_0.gguf", "q8_0"),
-    )
+    ggufs = convert_to_ggufs(folder, {"f32": root / "model-f32.gguf", "q8_0": root / "model-q8_0.gguf"})
+    yield Built(case, hf, folder, ggufs["f32"], ggufs["q8_0"])
 
 
 def ours(loader_path: tuple[str, Path]) -> DecoderForCausalLM:

@@ -8,10 +8,12 @@ random too, so a loader that drops or misplaces one changes the logits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,13 +174,19 @@ def llama_cpp_source() -> Path:
 
 
 def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
-    """``convert_hf_to_gguf.py folder --outtype outtype`` in a child process; returns ``out``.
+    """``convert_hf_to_gguf.py folder --outtype outtype`` in a child process; returns ``out``."""
+    return convert_to_ggufs(folder, {outtype: out})[outtype]
+
+
+def convert_to_ggufs(folder: Path, outs: dict[str, Path]) -> dict[str, Path]:
+    """``folder`` converted to each outtype of ``outs`` (its file), a child process each, side by side.
 
     The converter names a BPE tokenizer by hashing how it splits a test text. SmolLM2's tokenizer as rebuilt from
     its GGUF by transformers splits a few whitespace runs differently from the original, so its hash is not in
     the converter's table; the child tells the converter it is SmolLM's (``smollm``), which it is. Gemma 2's
     converter reads only a SentencePiece vocabulary; the child has it read the BPE one, as Gemma 3's does when a
-    checkpoint has no ``tokenizer.model``.
+    checkpoint has no ``tokenizer.model``. The files get a neutral name: llama.cpp keys vocabulary quirks on
+    ``general.name`` (a "phi3" in it looks up Phi-3's own special tokens, which SmolLM2's vocabulary lacks).
     """
     root = llama_cpp_source()
     code = (
@@ -191,21 +199,37 @@ def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
         f"sys.argv = [{str(root / 'convert_hf_to_gguf.py')!r}, *sys.argv[1:]]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    # a neutral name: llama.cpp keys vocabulary quirks on general.name (a "phi3" in it looks up Phi-3's own special
-    # tokens, which SmolLM2's vocabulary lacks)
-    args = [
-        sys.executable,
-        "-c",
-        code,
-        str(folder),
-        "--outfile",
-        str(out),
-        "--outtype",
-        outtype,
-        "--model-name",
-        "random",
-    ]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
-    if result.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return out
+    failures = []
+    with contextlib.ExitStack() as files:  # each child's log in a file: no pipe for a child to block on
+        logs = {outtype: files.enter_context(tempfile.TemporaryFile("w+")) for outtype in outs}
+        children = {
+            outtype: subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(folder),
+                    "--outfile",
+                    str(out),
+                    "--outtype",
+                    outtype,
+                    "--model-name",
+                    "random",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=logs[outtype],
+            )
+            for outtype, out in outs.items()
+        }
+        for outtype, child in children.items():
+            try:
+                child.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            if child.returncode != 0 or not outs[outtype].is_file():
+                logs[outtype].seek(0)
+                failures.append(f"{outtype} ({child.returncode}):\n{logs[outtype].read()[-4000:]}")
+    if failures:
+        raise RuntimeError("convert_hf_to_gguf.py failed: " + "\n".join(failures))
+    return outs
