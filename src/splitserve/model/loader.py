@@ -101,8 +101,12 @@ def weight_dtype(hf_name: str, config: DecoderConfig, dtype: torch.dtype) -> tor
     """The dtype a weight loads in: ``dtype``, but float32 for Gemma's norms, whose weights are ``1 + w`` with a
     small ``w`` (bfloat16's step just above 1 is 2^-7, which would round most of ``w`` away; transformers computes
     ``1 + w`` in float32 and llama.cpp keeps the sum in F32)."""
-    gemma = architectures.ARCHITECTURES[config.arch].gemma
-    return torch.float32 if gemma and hf_name.endswith("norm.weight") else dtype
+    return torch.float32 if _is_gemma_norm(hf_name, config) else dtype
+
+
+def _is_gemma_norm(hf_name: str, config: DecoderConfig) -> bool:
+    """Whether ``hf_name`` is one of Gemma's RMSNorm weights (a checkpoint's ``w``, the model's ``1 + w``)."""
+    return architectures.ARCHITECTURES[config.arch].gemma and hf_name.endswith("norm.weight")
 
 
 def gguf_fused_name(hf_name: str, config: DecoderConfig) -> str:
@@ -219,12 +223,8 @@ def gguf_config(
         sliding_window=window,
         sliding_layers=None if sliding is None or all(sliding) or window is None else sliding,
         sliding_rope_theta=None if sliding_theta is None else _float32_value(sliding_theta),
-        attn_softcap=_float32_value(metadata[f"{arch}.attn_logit_softcapping"])
-        if metadata.get(f"{arch}.attn_logit_softcapping")
-        else None,
-        final_softcap=_float32_value(metadata[f"{arch}.final_logit_softcapping"])
-        if metadata.get(f"{arch}.final_logit_softcapping")
-        else None,
+        attn_softcap=_soft_cap(metadata.get(f"{arch}.attn_logit_softcapping")),
+        final_softcap=_soft_cap(metadata.get(f"{arch}.final_logit_softcapping")),
         **_gemma_fields(spec, hidden, num_heads, num_layers),
     )
 
@@ -339,6 +339,12 @@ def _float32_value(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
+def _soft_cap(value: Any) -> float | None:
+    """A logit soft cap as a config or GGUF gives it (a float32 value, written as its shortest decimal); None where it
+    is absent, null or 0 (none)."""
+    return _float32_value(value) if value else None
+
+
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -364,12 +370,11 @@ def load_safetensors_folder(
     if not files:
         raise ValueError(f"{folder} holds no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
-    gemma = architectures.ARCHITECTURES[config.arch].gemma
     for saved, tensor in _iter_safetensors(files):
         name = text_model_name(saved)
         if name is None or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
-        if gemma and name.endswith("norm.weight"):  # stored as w - 1 (Gemma's RMSNorm multiplies by 1 + w)
+        if _is_gemma_norm(name, config):  # stored as w - 1 (Gemma's RMSNorm multiplies by 1 + w)
             tensor = tensor.float() + 1
         for part, start, stop in fused_parts(name, tensor.shape[0] if tensor.dim() else 0, config):
             piece = tensor[start:stop]
@@ -471,8 +476,8 @@ def hf_decoder_config(hf: dict[str, Any]) -> DecoderConfig:
         sliding_window=window,
         sliding_layers=sliding,
         sliding_rope_theta=sliding_theta,
-        attn_softcap=float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping") else None,
-        final_softcap=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None,
+        attn_softcap=_soft_cap(hf.get("attn_logit_softcapping")),
+        final_softcap=_soft_cap(hf.get("final_logit_softcapping")),
         **{**gemma, "hidden_act": _HF_ACTIVATIONS[activation]},
     )
 
