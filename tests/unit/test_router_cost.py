@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.keys import hash_blocks
+from splitserve.policy import balance
 from splitserve.protocol.kv_events import Tier
 from splitserve.router.cost import (
     MIN_SAMPLE_TOKENS,
@@ -69,9 +70,10 @@ class TestPDCosts:
         prefiller = queued(Worker(W1), 500)
         costs = pd_costs(model, (decoder, 1000), (prefiller, 800), 1000)
         assert costs.remote_s == pytest.approx((500 + 800) * 2e-3 + 1000 * 1e-4)  # 2.7 s
-        assert costs.local_s == pytest.approx((200 + 1000) * 1e-3)  # 1.2 s
+        # its queue and the prompt (2 steps of 1,024), each step with a row of the 2 streams that answered
+        assert costs.local_s == pytest.approx((200 + 1000 + 2 * 2) * 1e-3)  # 1.204 s
         assert costs.harm_s == pytest.approx(3 * 1000 * 1e-3)  # its own queue stalls them either way
-        assert costs.is_remote_cheaper  # 2.7 < 4.2
+        assert costs.is_remote_cheaper  # 2.7 < 4.204
         decoder.in_flight = 1
         assert not pd_costs(model, (decoder, 1000), (prefiller, 800), 1000).is_remote_cheaper  # 2.7 > 2.2
 
@@ -101,6 +103,21 @@ class TestCheapest:
         assert cheapest(model, [(decoding, 1000), (idle, 1000)])[0] is idle
         model.s_per_token[W1] = 1.2e-3  # truly slower: the score decides
         assert cheapest(model, [(decoding, 1000), (idle, 1000)])[0] is decoding
+
+    def test_streams_decoding_on_the_holder_of_a_short_prefix_send_a_new_conversation_elsewhere(self) -> None:
+        # a new user's 525 tokens, of which the holder has the 48 of a system prompt: alone there it wins (477
+        # tokens against 525: just past the tie band); with 16 streams answering there, a row of each in the
+        # step of its prefill, it ties, and the tie goes to the worker with fewer in flight
+        model = PrefillCostModel({W0: 1e-3, W1: 1e-3})
+        holder, other = Worker(W0), Worker(W1)
+        assert cheapest(model, [(holder, 477), (other, 525)])[0] is holder
+        holder.in_flight = 16
+        assert balance.work_tokens(holder, 477) == 477 + 16
+        assert cheapest(model, [(holder, 477), (other, 525)])[0] is other
+        queued(holder, 600)  # one of them not answered yet: 15 decoding, and its 600 tokens ahead up to 477
+        assert balance.decoding(holder) == 15 and balance.work_tokens(holder, 477) == 477 + 477 + 15
+        # a long history it holds stays there: 40 uncached tokens against 2,000
+        assert cheapest(model, [(holder, 40), (other, 2000)])[0] is holder
 
     def test_a_cold_prompt_goes_where_no_other_cold_prompt_is_queued(self) -> None:
         model = PrefillCostModel({W0: 1e-3, W1: 1e-3})

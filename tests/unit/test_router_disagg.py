@@ -140,7 +140,7 @@ class TestTheCostRule:
         assert paths(router) == {"direct": 0, "disaggregated": 1, "fallback": 0}
         assert routing_lines(caplog) == [
             "Conditional routing: estimated_tokens=300, threshold=256, disaggregate=True, remote_ms=307.5, "
-            "local_ms=300.0, harm_ms=600.0 (2 in flight on the decode worker)"
+            "local_ms=302.0, harm_ms=600.0 (2 in flight on the decode worker)"  # a row of each stream beside it
         ]
 
     def test_a_prefill_worker_with_a_long_queue_loses_to_a_busy_decoder(self, stack: list[TestClient]) -> None:

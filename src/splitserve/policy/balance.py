@@ -2,20 +2,24 @@
 
 **The score** (the default): the estimated time to first token of the request on each worker,
 
-    (the queued prefill it would wait for there + its tokens that worker does not hold) x the worker's seconds
-    per prefill token,
+    (the queued prefill it would wait for there + its tokens that worker does not hold
+     + the streams decoding there x the steps its prefill spans) x the worker's seconds per prefill token,
 
-where the queued prefill it waits for is that of the requests sent there that have not answered, each counted up
-to the request's own uncached tokens (``PendingPrefill.ahead_of``): the engines schedule the fewest uncached
-tokens first (``lpm``) and, with their step-time target, a short request passes a long prompt within a short
-step, so a longer request ahead delays it by about its own length at most (a cached follow-up behind a cold
-prompt waits little; a cold prompt behind another waits for it). The lowest estimate wins (``cheapest``; within
-10% of it, the fewest requests in flight). A cache hit is worth exactly the prefill it saves and a queue costs
-exactly the prefill it holds, so affinity wins only when it saves more than the queue costs; a prefix every worker holds
-(a shared system prompt) changes every estimate alike and counts for nothing; and a conversation stays on the
-worker holding it until that worker has so many shorter requests queued that recomputing the history elsewhere
-is faster ("sticky until saturated", as llm-d's and SGLang's balancers switch to load). The seconds per token
-are measured by the router (``router/cost.py``) or calibrated by the planner.
+where the queued prefill it waits for is that of the requests sent there that have not answered, each counted up to
+the request's own uncached tokens (``PendingPrefill.ahead_of``): the engines schedule the fewest uncached tokens
+first (``lpm``) and, with their step-time target, a short request passes a long prompt within a short step, so a
+longer request ahead delays it by about its own length at most (a cached follow-up behind a cold prompt waits
+little; a cold prompt behind another waits for it). Every step its prefill spans (one per
+``PREFILL_TOKENS_PER_STEP`` of the tokens computed, the engine's default step budget) also carries one row of each
+stream the worker is decoding (the requests in flight there that have answered), each costing about what a prompt
+token does (``DECODE_ROW_TOKENS``): a worker streaming many answers is slower to start a new one, and a new
+conversation whose only match is a short prefix goes to a quieter worker rather than pile onto the one holding it.
+The lowest estimate wins (``cheapest``; within 10% of it, the fewest requests in flight). A cache hit is worth
+exactly the prefill it saves and a queue costs exactly the prefill it holds, so affinity wins only when it saves
+more than the queue costs; a prefix every worker holds (a shared system prompt) changes every estimate alike and
+counts for nothing; and a conversation stays on the worker holding it until that worker has so many shorter requests
+queued that recomputing the history elsewhere is faster ("sticky until saturated", as llm-d's and SGLang's balancers
+switch to load). The seconds per token are measured by the router (``router/cost.py``) or calibrated by the planner.
 
 **The load guard** (``--no-routing-cost-model``, SGLang's cache-aware router's thresholds):
 
@@ -37,22 +41,28 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 SCORE_TOLERANCE = 1.1  # scores within 10% of the lowest are ties
+PREFILL_TOKENS_PER_STEP = 1024  # the engine's default --max-num-batched-tokens
+# A decode row's cost in a step, in prompt tokens: on a CPU both are a row through every matrix (a decode row
+# also reads its context's KV, which a prompt token of a short prompt does not), within a factor of 2 at 135M-1B.
+DECODE_ROW_TOKENS = 1.0
 
 
 class PendingPrefill:
     """The uncached tokens of each request sent to a worker that has not started to answer, as a multiset: what a
     new request waits for there depends on which of them go before it."""
 
-    __slots__ = ("_counts", "total")
+    __slots__ = ("_counts", "num_requests", "total")
 
     def __init__(self) -> None:
         self._counts: Counter[int] = Counter()
         self.total = 0
+        self.num_requests = 0
 
     def add(self, tokens: int) -> None:
         if tokens > 0:
             self._counts[tokens] += 1
             self.total += tokens
+            self.num_requests += 1
 
     def remove(self, tokens: int) -> None:
         if tokens > 0 and self._counts[tokens] > 0:
@@ -60,6 +70,7 @@ class PendingPrefill:
             if not self._counts[tokens]:
                 del self._counts[tokens]
             self.total -= tokens
+            self.num_requests -= 1
 
     def ahead_of(self, uncached: int) -> int:
         """The pending tokens a request with ``uncached`` tokens to compute waits for: all of those of the requests
@@ -99,9 +110,22 @@ class Decision(Generic[W]):
     uncached_tokens: int = 0
 
 
+def decoding(worker: Loaded) -> int:
+    """The streams ``worker`` is decoding: its requests in flight that have answered (none queued as prefill)."""
+    return max(0, worker.in_flight - worker.pending_prefill.num_requests)
+
+
+def work_tokens(worker: Loaded, uncached: int) -> float:
+    """What a request with ``uncached`` tokens to compute waits for on ``worker``, in prompt tokens: the queued
+    prefill that goes before it, its own tokens, and a row of each decoding stream in every step that takes."""
+    prefill = worker.pending_prefill.ahead_of(uncached) + uncached
+    steps = max(1, -(-prefill // PREFILL_TOKENS_PER_STEP))
+    return prefill + decoding(worker) * steps * DECODE_ROW_TOKENS
+
+
 def estimated_ttft_s(worker: Loaded, uncached: int, s_per_token: float) -> float:
     """The score: the estimated TTFT of a request with ``uncached`` tokens to compute, sent to ``worker`` now."""
-    return (worker.pending_prefill.ahead_of(uncached) + uncached) * s_per_token
+    return work_tokens(worker, uncached) * s_per_token
 
 
 def cheapest(options: Sequence[tuple[W, int]], s_per_token: Callable[[W], float], turn: int = 0) -> tuple[W, int]:

@@ -2,7 +2,8 @@
 of ``policy.balance`` (``estimated_ttft_s``; the planner's simulator uses the same):
 
     estimated TTFT(worker) = (prefill queued on the worker that goes before the request + the request's tokens
-                              it does not hold) x that worker's seconds per prefill token
+                              it does not hold + the streams decoding there x the steps its prefill spans)
+                             x that worker's seconds per prefill token
 
 - *Tokens it does not hold*: the prompt's tokens minus the worker's match in the policy's index (the workers'
   KV events for ``kvaware``, the router's own prefix index for ``prefixaware``).
@@ -10,12 +11,13 @@ of ``policy.balance`` (``estimated_ttft_s``; the planner's simulator uses the sa
   requests it sent there that have not yet started to answer (``Worker.pending_prefill``), each up to this
   request's own uncached tokens (the engines run the fewest first, and a short request passes a long prompt
   within a short step).
-- *Seconds per prefill token*: measured, not configured. Each streamed completion's TTFT (a chat's first
-  chunk can be its role alone, sent before any prefill, so chats teach nothing), over the tokens the worker
-  had to compute before it (the queue ahead of it then, plus its own), updates the worker's rate (an
-  exponentially weighted mean), from answers that computed at least ``MIN_SAMPLE_TOKENS`` (below that the
-  fixed costs of a step dominate). Until a worker has its own rate it gets the median of the others', or a
-  prior.
+- *Streams decoding there*: the router's requests in flight to the worker that have answered; each puts a row
+  in every step (``policy.balance.work_tokens``).
+- *Seconds per prefill token*: measured, not configured. Each streamed completion's TTFT (a chat's first chunk can
+  be its role alone, sent before any prefill, so chats teach nothing), over the work the worker had to do before it
+  (the queue ahead of it then, its own tokens and the decode rows beside them), updates the worker's rate (an
+  exponentially weighted mean), from answers that computed at least ``MIN_SAMPLE_TOKENS`` (below that the fixed
+  costs of a step dominate). Until a worker has its own rate it gets the median of the others', or a prior.
 
 The worker with the lowest estimate wins; estimates within 10% of it are ties, which go to the one with fewer
 requests in flight. This is the shape
@@ -74,11 +76,12 @@ class PrefillCostModel:
         measured = self.transfer_s_per_token
         return num_tokens * (measured if measured is not None else PRIOR_TRANSFER_S_PER_TOKEN)
 
-    def observe(self, url: str, ttft_s: float, tokens_computed: int) -> None:
-        """A streamed answer's TTFT after ``tokens_computed`` prefill tokens (queued ahead of it, and its own)."""
-        if tokens_computed < MIN_SAMPLE_TOKENS or ttft_s <= 0:
+    def observe(self, url: str, ttft_s: float, work_tokens: float) -> None:
+        """A streamed answer's TTFT after ``work_tokens`` of work (``policy.balance.work_tokens``: the prefill
+        queued ahead of it, its own, the decode rows beside them)."""
+        if work_tokens < MIN_SAMPLE_TOKENS or ttft_s <= 0:
             return
-        self.s_per_token[url] = _ewma(self.s_per_token.get(url), ttft_s / tokens_computed)
+        self.s_per_token[url] = _ewma(self.s_per_token.get(url), ttft_s / work_tokens)
 
     def observe_transfer(self, elapsed_s: float, num_tokens: int) -> None:
         """A successful KV push of ``num_tokens`` tokens that took ``elapsed_s`` (as the prefill worker timed it)."""
@@ -138,17 +141,16 @@ class QueuedPrefill:
         self.lease = lease
         self.worker = lease.worker
         self.tokens = lease.queued_tokens
-        # queued before this request, that goes first
-        self.ahead = lease.worker.pending_prefill.ahead_of(self.tokens) - self.tokens
+        # the work before its first token (the lease already counts its tokens as queued: not twice)
+        self.work = balance.work_tokens(lease.worker, self.tokens) - self.tokens
         self.sent_s = time.perf_counter()
 
     def answered(self, cost: PrefillCostModel | None, not_prefill_s: float = 0.0) -> None:
         """The worker answered: teach ``cost`` the time since sending, less ``not_prefill_s`` (a prefill worker's
-        KV push, which its answer waited for), over the tokens computed (ahead of this request, and its own);
-        then release the tokens."""
+        KV push, which its answer waited for), over the work it waited for; then release the tokens."""
         if self.tokens and cost is not None:
             elapsed_s = time.perf_counter() - self.sent_s - not_prefill_s
-            cost.observe(self.worker.url, elapsed_s, self.ahead + self.tokens)
+            cost.observe(self.worker.url, elapsed_s, self.work)
         self.release()
 
     def release(self) -> None:
