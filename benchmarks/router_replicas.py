@@ -3,12 +3,13 @@ fast a restarted router knows the workers' caches again.
 
     .venv/bin/python benchmarks/router_replicas.py
 
-Four workers (SmolLM2, one thread each, engine prefix cache, no tiers) and kvaware routers that pull the workers'
-KV events themselves (``router/events.py``): each replica builds its own index from each worker's snapshot, then
-its events, so replicas share no state and need none to agree on where a prefix is. The balancer
-(``tests/support/faults.py``, ``balancer``) sends each connection to the next router that accepts it, as a Kubernetes
-Service does. The load is ``splitserve bench serve --dataset multiround`` (chat users whose history grows), each side on
-fresh workers (empty caches) with the same workload, for each of ``--seeds``:
+Four workers (SmolLM2, one thread each, engine prefix cache, no tiers) and kvaware routers that pull the workers' KV
+events themselves (``router/events.py``): each replica builds its own index from each worker's snapshot, then its
+events, so replicas share no state and need none to agree on where a prefix is. The balancer is the one ``splitserve
+up`` puts in front of ``spec.router.replicas`` (``splitserve.deploy.balancer``, a process of its own): each
+connection to the next router that accepts it, as a Kubernetes Service does. The load is ``splitserve bench serve
+--dataset multiround`` (chat users whose history grows), each side on fresh workers (empty caches) with the same
+workload, for each of ``--seeds``:
 
 1. one router;
 2. two routers behind the balancer;
@@ -40,7 +41,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import REPO, SPLITSERVE, bench_serve, free_port, metric, start_server, stop_server, write_result
-from tests.support.faults import balancer
 
 from splitserve.model.kernels import detect_cpu
 
@@ -120,7 +120,7 @@ def main() -> None:
                     if label == "one_router":
                         results[label].append(hit_rate_of(routers[0].url, fleet.urls, args, seed, label))
                         continue
-                    with contextlib.closing(balancer([r.port for r in routers])) as front:
+                    with Balancer([r.port for r in routers]) as front:
                         results[label].append(hit_rate_of(front.url, fleet.urls, args, seed, label))
                         if seed == args.seeds[-1]:
                             results["kill"] = kill_one(front.url, routers, fleet.urls, args)
@@ -136,6 +136,30 @@ def main() -> None:
     results["hit_rate_two_over_one"] = ratios
     print(json.dumps(results, indent=1))
     write_result(out, "router_replicas", args, results)
+
+
+class Balancer:
+    """``python -m splitserve.deploy.balancer`` in front of local ``ports``, stopped on exit."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        targets = [a for port in ports for a in ("--target", f"127.0.0.1:{port}")]
+        command = [sys.executable, "-m", "splitserve.deploy.balancer", "--port", str(self.port), *targets]
+        self.process = subprocess.Popen(command, stderr=(LOGS / f"replicas-balancer-{self.port}.log").open("wb"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"{self.url}/health", timeout=5)
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the balancer did not start (log: {LOGS})")
+
+    def __enter__(self) -> Balancer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_server(self.process)
 
 
 class Fleet:

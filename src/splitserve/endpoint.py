@@ -303,6 +303,13 @@ class IntelligentRoutingSpec(_Spec):
     routing_strategy: RoutingStrategy = RoutingStrategy.PREFIXAWARE
 
 
+class RouterSpec(_Spec):
+    """``spec.router`` (a splitserve extension): the router's replicas, interchangeable since each follows every
+    worker's KV events and load itself (README, "One resource file")."""
+
+    replicas: int = Field(default=1, ge=1)  # locally behind a TCP balancer; on Kubernetes behind the Service
+
+
 class LoadBalancer(_Spec):
     health_check_path: str = "/health"
 
@@ -346,6 +353,7 @@ class EndpointSpec(_Spec):
     intelligent_routing_spec: IntelligentRoutingSpec | None = None
     pd_spec: PDSpec | None = None
     worker: WorkerSpec = Field(default_factory=WorkerSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
 
 
 class Metadata(BaseModel):

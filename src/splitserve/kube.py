@@ -19,7 +19,8 @@ Manifest = dict[str, Any]
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PLURALS = {"Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
            "Role": "roles", "RoleBinding": "rolebindings", "NetworkPolicy": "networkpolicies",
-           "Secret": "secrets", "Pod": "pods"}  # fmt: skip
+           "Secret": "secrets", "Pod": "pods", "ConfigMap": "configmaps",
+           "PodDisruptionBudget": "poddisruptionbudgets"}  # fmt: skip
 
 
 class KubeApiError(SplitserveError):

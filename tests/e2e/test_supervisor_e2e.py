@@ -58,9 +58,31 @@ def test_every_example_serves_through_its_router(example: str, tmp_path: Path) -
             assert "redis" in roles
         if example == "kvaware":
             assert roles.count("colocated") == 2
+            assert roles.count("router") == 2 and roles.count("balancer") == 1  # spec.router.replicas: 2
+            _one_router_killed_the_other_serves(up)
     finally:
         up.stop()
     assert not any(pid_alive(p["pid"]) for p in state(tmp_path, up.name)["pods"] if p["pid"])
+
+
+def _one_router_killed_the_other_serves(up: Up) -> None:
+    """Router replicas behind the balancer: every request succeeds while one is SIGKILLed and restarted, and both
+    take requests (each learns the workers from the supervisor's lists)."""
+    routers = [p for p in state(up.home, up.name)["pods"] if p["role"] == "router"]
+    for pod in routers:
+        listing = httpx.get(f"{pod['url']}/health", timeout=10)
+        assert listing.status_code == 200, listing.text
+    os.kill(routers[0]["pid"], signal.SIGKILL)
+    for _ in range(4):  # the balancer skips the dead one at once: no retry, no wait
+        answer = chat(up.url, max_tokens=4)
+        assert answer.status_code == 200, answer.text
+
+    def restarted() -> bool:
+        pod = next(p for p in state(up.home, up.name)["pods"] if p["name"] == routers[0]["name"])
+        return bool(pod["restarts"] == 1 and pod["ready"])
+
+    wait_until(restarted, timeout_s=60, interval_s=0.3)
+    assert chat(up.url, max_tokens=4).status_code == 200
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from splitserve.config import RouterConfig
 from splitserve.deploy import operator
 from splitserve.deploy.operator import (
     FIELD_MANAGER,
+    MANAGED_KINDS,
     READY_COLOCATED,
     READY_DPD,
     install_manifests,
@@ -29,7 +30,7 @@ from splitserve.deploy.operator import (
 )
 from splitserve.deploy.render import render
 from splitserve.endpoint import parse_endpoint
-from splitserve.kube import KubeApi, KubeApiError
+from splitserve.kube import PLURALS, KubeApi, KubeApiError
 from splitserve.router.app import build_router_app
 from splitserve.router.build import build_router
 from splitserve.router.k8s_discovery import (
@@ -201,6 +202,18 @@ def test_scaling_a_role_updates_only_its_deployment() -> None:
     assert kube.objects[("Deployment", "default", "prefill-dpd")]["spec"]["replicas"] == 3
     assert kube.objects[("Deployment", "default", "decode-dpd")]["spec"]["replicas"] == 1
     assert kube.deleted == []
+
+
+def test_router_replicas_scale_the_router_and_its_disruption_budget_comes_and_goes_with_them() -> None:
+    kube = FakeKube()
+    reconcile(body("kvaware"), kube)  # spec.router.replicas: 2
+    assert kube.objects[("Deployment", "default", "kvaware-router")]["spec"]["replicas"] == 2
+    assert kube.names("PodDisruptionBudget") == {"kvaware-router"}
+    one = body("kvaware")
+    one["spec"]["router"]["replicas"] = 1
+    reconcile(one, kube)
+    assert kube.objects[("Deployment", "default", "kvaware-router")]["spec"]["replicas"] == 1
+    assert kube.names("PodDisruptionBudget") == set() and kube.deleted == ["PodDisruptionBudget/kvaware-router"]
 
 
 def test_toggling_dpd_off_and_on_swaps_the_deployments_and_services() -> None:
@@ -391,10 +404,11 @@ def test_the_operator_may_manage_everything_it_renders(cluster_wide: bool) -> No
     manifests = install_manifests(namespace="ops", cluster_wide=cluster_wide)
     role = next(m for m in manifests if m["kind"] in ("Role", "ClusterRole"))
     granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    for manifest in render(parse_endpoint(body("dpd-redis"))):  # everything it renders, it may manage
+    rendered = [m for name in ("dpd-redis", "kvaware") for m in render(parse_endpoint(body(name)))]
+    for manifest in rendered:  # everything it renders (ConfigMaps and PodDisruptionBudgets too), it may manage
         group = manifest["apiVersion"].rpartition("/")[0]
-        plural = "networkpolicies" if manifest["kind"] == "NetworkPolicy" else manifest["kind"].lower() + "s"
-        assert (group, plural) in granted
+        assert (group, PLURALS[manifest["kind"]]) in granted  # and its client knows where each kind lives
+        assert (manifest["apiVersion"], manifest["kind"]) in MANAGED_KINDS  # so it prunes what it no longer renders
     assert ("", "pods") in granted  # to grant the router's discovery what it holds itself
 
 

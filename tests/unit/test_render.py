@@ -334,6 +334,21 @@ def test_replicas_come_from_each_role() -> None:
     replicas = {m["metadata"]["name"]: m["spec"]["replicas"] for m in manifests if m["kind"] == "Deployment"}
     assert replicas == {"prefill-dpd": 3, "decode-dpd": 2, "dpd-router": 1}
     assert find(render(example("kvaware")), "Deployment", "kvaware")["spec"]["replicas"] == 2
+    assert not [m for m in manifests if m["kind"] == "PodDisruptionBudget"]  # one router: nothing to keep up
+
+
+def test_router_replicas_leave_one_at_a_time_and_spread_over_nodes() -> None:
+    manifests = render(example("kvaware"))  # spec.router.replicas: 2
+    router = find(manifests, "Deployment", "kvaware-router")
+    assert router["spec"]["replicas"] == 2
+    budget = find(manifests, "PodDisruptionBudget", "kvaware-router")
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": router["spec"]["selector"]}
+    assert budget["spec"]["selector"]["matchLabels"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    spread = router["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term == {"labelSelector": router["spec"]["selector"], "topologyKey": "kubernetes.io/hostname"}
+    # each replica lists the workers itself (its own discovery sidecar) and pulls their KV events itself
+    assert [c["name"] for c in router["spec"]["template"]["spec"]["containers"]][:2] == ["router", "discovery"]
 
 
 def test_the_image_is_the_resources_or_the_documented_default() -> None:

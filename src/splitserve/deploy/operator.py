@@ -68,6 +68,7 @@ RETRY_DELAY_S = 10.0
 # What render() makes, pruned and deleted in this order (workloads first, their identity and secret last).
 MANAGED_KINDS = (
     ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
     ("v1", "Service"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
@@ -520,6 +521,7 @@ def _operator_rules(cluster_wide: bool) -> list[Manifest]:
             "verbs": list(manage),
         },
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": list(manage)},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": list(manage)},
         {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": list(manage)},
         {"apiGroups": [""], "resources": ["pods"], "verbs": list(read)},
     ]

@@ -135,6 +135,7 @@ class RouterPlan:
     flags: tuple[str, ...]  # `splitserve router` arguments, without --host, --port and the worker URLs
     kv_events: bool  # workers should send --kv-events-url <router>/kv/events (kvaware; DPD's cache-aware split)
     vllm_events: bool  # the router follows vLLM workers' ZMQ KV events: they get --kv-events-config (kvaware)
+    replicas: int = 1  # spec.router.replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +329,7 @@ def _router_plan(config: InferenceEndpointConfig, model: str, roles: Sequence[Ro
         flags=tuple(flags),
         kv_events=not is_vllm and (strategy == RoutingStrategy.KVAWARE or config.is_disaggregated),
         vllm_events=vllm_events,
+        replicas=spec.router.replicas,
     )
 
 

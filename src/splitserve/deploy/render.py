@@ -100,6 +100,7 @@ from splitserve.kube import Manifest
 DEFAULT_IMAGE = "splitserve:latest"  # the image this repository builds; spec.worker.image overrides it
 ROUTER_PORT = 8080
 ROUTER_ADMIN_PORT = 8081  # the router's admin listener (/admin/*): loopback only, for the discovery sidecar
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"  # a node, to spread router replicas over
 REDIS_IMAGE = "redis:7-alpine"
 REDIS_PORT = 6379
 REDIS_MAX_MEMORY = "1536mb"  # evicts least recently used chunks beyond this (an L2 is a cache)
@@ -196,6 +197,8 @@ def render(
         ]
     router_port = [_port(HTTP_PORT_NAME, ROUTER_PORT)]
     manifests += [_router_deployment(ep), _service(ep, endpoint_plan.router.name, "router", router_port)]
+    if endpoint_plan.router.replicas > 1:
+        manifests.append(_router_disruption_budget(ep))
     return manifests
 
 
@@ -458,10 +461,29 @@ def _router_deployment(ep: _Endpoint) -> Manifest:
     if ep.traces:
         containers.append(collector.container(_container_security()))
         volumes.append(collector.volume(ep.name))
+    spread = {"affinity": _spread_over_nodes(ep, "router")} if router.replicas > 1 else {}
     pod_spec = _pod_spec(containers, volumes, serviceAccountName=router.name,
-                         terminationGracePeriodSeconds=TERMINATION_GRACE_S)  # fmt: skip
+                         terminationGracePeriodSeconds=TERMINATION_GRACE_S, **spread)  # fmt: skip
     pod = {"metadata": _pod_metadata(ep, _labels(ep, "router"), ROUTER_PORT), "spec": pod_spec}
-    return _deployment(ep, router.name, "router", 1, pod)
+    return _deployment(ep, router.name, "router", router.replicas, pod)
+
+
+def _spread_over_nodes(ep: _Endpoint, component: str) -> Manifest:
+    """Replicas on different nodes where the scheduler can: one node's loss takes one of them."""
+    term = {"labelSelector": {"matchLabels": selector_labels(ep.name, component)}, "topologyKey": HOSTNAME_TOPOLOGY}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}  # fmt: skip
+
+
+def _router_disruption_budget(ep: _Endpoint) -> Manifest:
+    """Router replicas leave one at a time on a voluntary disruption (a node drain, an upgrade): the others serve."""
+    selector = {"matchLabels": selector_labels(ep.name, "router")}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(ep, ep.plan.router.name, "router"),
+        "spec": {"maxUnavailable": 1, "selector": selector},
+    }
 
 
 def _router_env(ep: _Endpoint) -> list[Manifest]:

@@ -12,6 +12,11 @@ each), ``CUDA_VISIBLE_DEVICES`` for a GPU request, a free port, and ``--kv-event
 router uses KV events. The state (pods, the ``Ready`` condition) is written to ``state.json`` in the run
 directory, where ``splitserve get`` and ``logs`` read it.
 
+With ``spec.router.replicas`` above 1, that many routers run, each on a port and an admin port of its own and
+each told the worker lists, behind a TCP balancer on the endpoint's port (``deploy.balancer``, a pod of its own),
+as a Kubernetes Service is in front of the router pods: a killed replica is restarted, and meanwhile the
+balancer sends new connections to the others.
+
 vLLM workers (``spec.worker.engine: vllm``, ``deploy.vllm``) run ``vllm serve`` from the environment
 ``vllm.local_command`` finds (``SPLITSERVE_VLLM_PYTHON``, else ``vllm`` on PATH, else the peer environment of
 ``scripts/setup_vllm_cpu.sh``), checked before anything changes. Each gets a free port with the two after it
@@ -163,7 +168,9 @@ class Supervisor:
         self.plan: EndpointPlan | None = None
         self.config: InferenceEndpointConfig | None = None
         self._templates: dict[str, _Template] = {}
-        self._router: Pod | None = None
+        self._routers: list[Pod] = []
+        self._admin_ports: list[int] = [self.admin_port]  # each router's, in the order of _routers
+        self._balancer: Pod | None = None  # in front of the routers, when there are several
         self._router_flags: tuple[str, ...] = ()
         self._redis: Pod | None = None
         self._vllm_command: tuple[str, ...] = ()  # `vllm serve` here (vllm.local_command), for vLLM workers
@@ -181,8 +188,13 @@ class Supervisor:
 
     @property
     def admin_url(self) -> str:
-        """The router's admin listener (loopback), where the worker lists are published."""
+        """The (first) router's admin listener (loopback), where the worker lists are published."""
         return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def admin_urls(self) -> list[str]:
+        """Every router replica's admin listener."""
+        return [f"http://127.0.0.1:{port}" for port in self._admin_ports[: max(1, len(self._routers))]]
 
     # -- reconcile ----------------------------------------------------------------------------------------
 
@@ -208,10 +220,10 @@ class Supervisor:
             kept += same[: role_plan.replicas]
             added += [self._start_worker(new_plan, role_plan, template) for _ in range(role_plan.replicas - len(same))]
         removed = [p for p in self.pods.pods if p.spec.role in WORKER_ROLES and p not in kept and p not in added]
-        if added and not router_changes and self._router is not None:
+        if added and not router_changes and self._routers:
             self.pods.wait_ready(added, READY_TIMEOUT_S)  # new pods join the router's list once they can serve
         kept += added
-        if router_changes or self._router is None:
+        if router_changes or not self._routers:
             self._restart_router(new_plan, kept)
         else:
             self._publish_workers(kept)
@@ -239,7 +251,7 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self.pods.stop_all()
-        self._router = self._redis = None
+        self._routers, self._balancer, self._redis = [], None, None
         self.write_state()
 
     @property
@@ -295,37 +307,57 @@ class Supervisor:
         return flags
 
     def _router_base_flags(self, endpoint: EndpointPlan) -> tuple[str, ...]:
-        return (*endpoint.router.flags, "--disaggregated" if endpoint.is_disaggregated else "--colocated")
+        mode = "--disaggregated" if endpoint.is_disaggregated else "--colocated"
+        return (*endpoint.router.flags, mode, f"replicas={endpoint.router.replicas}")
 
     def _restart_router(self, endpoint: EndpointPlan, workers: list[Pod]) -> None:
-        if self._router is not None:
-            self.pods.remove(self._router)
-        spec = PodSpec("router", self._router_command(endpoint, workers), self.router_port)
-        self._router = self.pods.add(spec, pod_name("router", endpoint.name))
+        """(Re)start the router replicas, and the balancer in front of them when there are several."""
+        for pod in [*self._routers, *([self._balancer] if self._balancer is not None else [])]:
+            self.pods.remove(pod)
+        self._routers, self._balancer = [], None
+        replicas = endpoint.router.replicas
+        while len(self._admin_ports) < replicas:
+            self._admin_ports.append(free_port())
+        ports = [self.router_port] if replicas == 1 else [free_port() for _ in range(replicas)]
+        for port, admin_port in zip(ports, self._admin_ports, strict=False):
+            spec = PodSpec("router", self._router_command(endpoint, workers, port, admin_port), port)
+            self._routers.append(self.pods.add(spec, pod_name("router", endpoint.name)))
+        if replicas > 1:
+            targets = [a for port in ports for a in ("--target", f"127.0.0.1:{port}")]
+            command = (sys.executable, "-m", "splitserve.deploy.balancer", "--host", self.host,
+                       "--port", str(self.router_port), *targets)  # fmt: skip
+            spec = PodSpec("balancer", command, self.router_port, health_path=endpoint.router.health_check_path)
+            self._balancer = self.pods.add(spec, pod_name("balancer", endpoint.name))
         self._router_flags = self._router_base_flags(endpoint)
 
-    def _router_command(self, endpoint: EndpointPlan, workers: list[Pod]) -> tuple[str, ...]:
+    def _router_command(
+        self, endpoint: EndpointPlan, workers: list[Pod], port: int, admin_port: int
+    ) -> tuple[str, ...]:
         urls = [f for p in workers for f in (ROLE_URL_FLAG[Role(p.spec.role)], p.spec.url)]
         return splitserve_command(
-            "router", *endpoint.router.flags, "--host", self.host, "--port", str(self.router_port),
-            "--admin-port", str(self.admin_port), *urls,
+            "router", *endpoint.router.flags, "--host", self.host, "--port", str(port),
+            "--admin-port", str(admin_port), *urls,
             "--cluster-secret-file", str(self.secret_file),
         )  # fmt: skip
 
     def _publish_workers(self, workers: list[Pod]) -> None:
-        """Tell the running router its worker lists (its discovery feed)."""
+        """Tell every running router replica its worker lists (its discovery feed)."""
         lists: dict[str, list[str]] = {"backend": [], "prefill": [], "decode": []}
         for pod in workers:
             lists[ROLE_URL_FLAG[Role(pod.spec.role)].removeprefix("--")].append(pod.spec.url)
-        assert self.plan is not None and self._router is not None
-        self._router.spec.command = self._router_command(self.plan, workers)  # a restarted router starts current
-        try:
-            url, headers = f"{self.admin_url}/admin/workers", bearer_header(self._secret)
-            response = httpx.put(url, json=lists, headers=headers, timeout=10, trust_env=False)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            logger.warning("could not update the router's workers (%s); restarting it", exc)
-            self._restart_router(self.plan, workers)
+        assert self.plan is not None and self._routers
+        headers = bearer_header(self._secret)
+        for router, admin_port in zip(self._routers, self._admin_ports, strict=False):
+            # a restarted router starts current
+            router.spec.command = self._router_command(self.plan, workers, router.spec.port, admin_port)
+            try:
+                url = f"http://127.0.0.1:{admin_port}/admin/workers"
+                response = httpx.put(url, json=lists, headers=headers, timeout=10, trust_env=False)
+                response.raise_for_status()
+            except httpx.HTTPError as exc:
+                logger.warning("could not update router %s's workers (%s); restarting the routers", router.name, exc)
+                self._restart_router(self.plan, workers)
+                return
 
     def _drain(self, pod: Pod, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Wait (bounded) until a worker the router no longer uses has finished its requests."""
@@ -374,6 +406,7 @@ class Supervisor:
             "endpoint": self.plan.name if self.plan is not None else None,
             "router_url": self.router_url,
             "admin_url": self.admin_url,
+            "admin_urls": self.admin_urls,
             "supervisor_pid": os.getpid(),
             "revision": self.revision,
             "condition": {"type": "Ready", "status": self.is_ready,
