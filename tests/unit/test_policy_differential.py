@@ -22,7 +22,7 @@ from splitserve.config import Role, RouterConfig, RoutingStrategy, SchedulerConf
 from splitserve.planner.costs import LoadCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest, WorkloadShape, generate
-from splitserve.policy.balance import PendingPrefill
+from splitserve.policy.balance import NOTHING_UNSEEN, PendingPrefill, Unseen
 from splitserve.policy.scheduling import StepRate
 from splitserve.protocol.kv_events import EventKind, Tier
 from splitserve.router.cost import PrefillCostModel
@@ -68,6 +68,7 @@ class SimWorker:
     in_flight: int = 0
     pending_prefill: PendingPrefill = field(default_factory=PendingPrefill)
     held: dict[str, int] = field(default_factory=dict)
+    unseen: Unseen = NOTHING_UNSEEN  # the planner routes as the only router
 
     @property
     def pending_prefill_tokens(self) -> int:

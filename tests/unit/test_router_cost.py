@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.keys import hash_blocks
 from splitserve.policy import balance
-from splitserve.protocol.kv_events import Tier
+from splitserve.protocol.kv_events import Tier, WorkerLoad
 from splitserve.router.cost import (
     MIN_SAMPLE_TOKENS,
     PRIOR_S_PER_TOKEN,
@@ -118,6 +118,16 @@ class TestCheapest:
         assert balance.decoding(holder) == 15 and balance.work_tokens(holder, 477) == 477 + 477 + 15
         # a long history it holds stays there: 40 uncached tokens against 2,000
         assert cheapest(model, [(holder, 40), (other, 2000)])[0] is holder
+
+    def test_load_another_router_put_on_a_worker_counts_as_this_routers_own(self) -> None:
+        model = PrefillCostModel({W0: 1e-3, W1: 1e-3})
+        holder, other = Worker(W0), Worker(W1)
+        holder.report(WorkerLoad(running=16))  # 16 streams another replica sent there
+        assert cheapest(model, [(holder, 477), (other, 525)])[0] is other
+        holder.report(WorkerLoad(waiting=3, prefill_tokens=3000))  # 3 cold prompts it sent, 1,000 tokens each
+        assert balance.work_tokens(holder, 40) == 3 * 40 + 40  # each goes before a short one up to its own
+        assert cheapest(model, [(holder, 40), (other, 525)])[0] is holder
+        assert cheapest(model, [(holder, 400), (other, 525)])[0] is other  # 3 x 400 ahead of it there
 
     def test_a_cold_prompt_goes_where_no_other_cold_prompt_is_queued(self) -> None:
         model = PrefillCostModel({W0: 1e-3, W1: 1e-3})

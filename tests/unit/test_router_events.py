@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import pytest
@@ -13,6 +14,7 @@ from starlette.testclient import TestClient
 
 from splitserve.config import RoutingStrategy
 from splitserve.keys import hash_blocks
+from splitserve.policy.balance import NOTHING_UNSEEN
 from splitserve.protocol.kv_events import Tier
 from splitserve.router import events as router_events
 from splitserve.router.app import Router
@@ -92,3 +94,22 @@ def test_a_worker_without_events_gets_one_warning_and_the_prefix_index(
     assert f'{DECISIONS}{{outcome="prefix_index",strategy="kvaware"}} 3.0' in client.get("/metrics").text
     assert caplog.text.count("no KV events from worker") == 2  # once each, not once per retry
     assert router.events is not None and not router.events.has_events(plain[0][0])
+
+
+def test_two_router_replicas_each_see_the_load_the_other_puts_on_a_worker(stack: ExitStack) -> None:
+    """The workers' load rides on the events both replicas pull: a long request replica b sends to the worker
+    shows on replica a's entry for it while it runs, and is gone from it once it has finished."""
+    worker = MemoryWorker("http://worker-a:8000", "a")
+    router_a, _ = start_kvaware(stack, [worker])
+    _, client_b = start_kvaware(stack, [worker])
+    worker.engine.step_delay_s = 0.05
+    entry = router_a.pool.get(worker.url)
+    assert entry is not None
+    wait_until(lambda: entry.reported is not None, timeout_s=10)  # with the snapshot
+    assert entry.unseen == NOTHING_UNSEEN
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(completion, client_b, prompt=PROMPT, max_tokens=50)  # about 2.5 s of steps
+        wait_until(lambda: entry.unseen.requests + entry.unseen.decoding == 1, timeout_s=5, interval_s=0.01)
+        assert entry.in_flight == 0  # none of it is replica a's own
+        assert answer.result(30).status_code == 200
+    wait_until(lambda: entry.unseen == NOTHING_UNSEEN, timeout_s=5)

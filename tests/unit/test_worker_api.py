@@ -3,9 +3,11 @@ disconnects, health and metrics."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -731,6 +733,32 @@ def test_a_draining_worker_finishes_its_stream_and_refuses_new_requests() -> Non
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         events = http.get("/kv/events", params={"after": 0, "wait": 5})  # subscribers back off, no busy loop
         assert events.status_code == 503 and events.json()["error"]["code"] == "draining"
+
+
+def test_kv_events_carry_the_engines_load_and_a_change_of_it_answers_the_long_poll() -> None:
+    from splitserve.worker.kv_events import KVEventLog
+
+    engine = AsyncEngine(lambda: FakeEngine(step_delay_s=0.02), WorkerMetrics(MODEL))
+    with (
+        ServerThread(build_app(engine, ServerConfig(), events=KVEventLog("w", "http://w"))) as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as http,
+    ):
+        wait_until(lambda: http.get("/health").status_code == 200)
+        snapshot = http.get("/kv/events").json()
+        assert snapshot["reset"] and snapshot["load"] == {"waiting": 0, "prefilling": 0, "running": 0,
+                                                          "prefill_tokens": 0}  # fmt: skip
+        params = {"after": snapshot["seq"], "epoch": snapshot["epoch"], "wait": 10}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            poll = pool.submit(lambda: (http.get("/kv/events", params=params).json(), time.monotonic()))
+            time.sleep(0.3)  # the poll is waiting
+            began = time.monotonic()
+            answer = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 100})  # 2 s of steps
+            polled, answered_at = poll.result(15)
+        assert answer.status_code == 200
+        # no event since the snapshot, but the load changed: the poll answered then, not after its 10 s
+        assert polled["events"] == [] and answered_at - began < 2
+        assert polled["load"]["waiting"] + polled["load"]["running"] == 1
+        assert http.get("/kv/events").json()["load"]["running"] == 0
 
 
 def test_the_worker_stops_with_status_1_when_its_engine_thread_dies() -> None:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from splitserve.router.discovery import Worker
+import time
+
+import pytest
+
+from splitserve.policy import balance
+from splitserve.policy.balance import NOTHING_UNSEEN, Unseen
+from splitserve.protocol.kv_events import WorkerLoad
+from splitserve.router import discovery
+from splitserve.router.discovery import REPORT_FRESH_S, Worker
 
 
 def test_a_lease_counts_in_flight_queued_prefill_and_streaming_and_releases_them_once() -> None:
@@ -31,3 +39,23 @@ def test_a_lease_released_before_its_answer_returns_its_queued_tokens() -> None:
     assert (worker.in_flight, worker.pending_prefill_tokens) == (1, 50)
     second.release()
     assert (worker.in_flight, worker.pending_prefill_tokens) == (0, 0)
+
+
+def test_what_a_worker_reports_beyond_this_routers_own_requests_is_what_other_replicas_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker = Worker("http://w:8000")
+    assert worker.unseen == NOTHING_UNSEEN  # no report: one router's view
+    worker.lease(queued_tokens=300)  # one of ours, not answered
+    decoding = worker.lease(queued_tokens=100)
+    decoding.answered()  # and one of ours decoding
+    worker.report(WorkerLoad(waiting=2, prefilling=1, running=5, prefill_tokens=900))
+    # 3 unanswered there, 1 of them ours; 900 tokens, 300 ours; 4 decoding there, 1 ours
+    assert worker.unseen == Unseen(requests=2, tokens=600, decoding=3)
+    assert balance.decoding(worker) == 4 and balance.load_count(worker) == 2 + 2 + 3
+    worker.report(WorkerLoad())  # a report from before ours arrived: ours are counted by us, never below
+    assert worker.unseen == NOTHING_UNSEEN
+    worker.report(WorkerLoad(running=9))
+    later = time.monotonic() + REPORT_FRESH_S + 1
+    monkeypatch.setattr(discovery.time, "monotonic", lambda: later)
+    assert worker.unseen == NOTHING_UNSEEN  # the subscription broke: an old report counts for nothing

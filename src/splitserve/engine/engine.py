@@ -298,6 +298,7 @@ class LLMEngine:
             prefill_tokens=sum(map(self._prefill_left, waiting)) + sum(map(self._prefill_left, running)),
             seconds_per_token=None if line is None else line[1],
             oldest_waiting_since=min((r.waiting_since for r in waiting), default=None),
+            num_prefilling=sum(self._prefill_left(r) > 0 for r in running),
         )
 
     def _prefill_left(self, request: Request) -> int:

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.policy import balance
-from splitserve.policy.balance import Decision, LoadGuard, PendingPrefill
+from splitserve.policy.balance import Decision, LoadGuard, PendingPrefill, Unseen
 from splitserve.policy.ring import HashRing
 
 _DEFAULTS = RouterConfig()
@@ -43,6 +43,7 @@ class RoutedWorker(Protocol):
 
     name: str
     in_flight: int  # requests routed to it and not finished
+    unseen: Unseen  # NOTHING_UNSEEN: the simulated router sends every request
 
     @property
     def s_per_token(self) -> float:

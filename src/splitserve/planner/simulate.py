@@ -42,7 +42,7 @@ from splitserve.config import Role, RoutingStrategy
 from splitserve.planner.costs import LoadCost, StepCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest
-from splitserve.policy.balance import PendingPrefill
+from splitserve.policy.balance import NOTHING_UNSEEN, PendingPrefill
 from splitserve.policy.scheduling import RunningBudget, StepRate, admitted_tokens, lpm_key, step_budget
 
 NUM_SENDER_THREADS = 2  # pd/sender.py's pool
@@ -205,6 +205,7 @@ class _Worker:
         self.running: list[_Job] = []
         self.in_flight = 0
         self.pending_prefill = PendingPrefill()  # the router's view: uncached tokens of jobs not answered yet
+        self.unseen = NOTHING_UNSEEN  # one router: it sent every job
         self.is_busy = False
         self.is_kick_pending = False  # a wake-up is queued at the current time
         self.busy_s = 0.0

@@ -57,6 +57,7 @@ class Backlog:
     prefill_tokens: int = 0  # prompt tokens still to compute, of the requests waiting or in prefill
     seconds_per_token: float | None = None  # the engine's measured prefill cost (None: not measured yet)
     oldest_waiting_since: float | None = None  # time.monotonic() the oldest waiting request arrived at
+    num_prefilling: int = 0  # running requests whose prompt is not all computed
 
     def added(self, num_requests: int, num_prompt_tokens: int) -> Backlog:
         """This backlog with requests just handed to the engine (waiting, and whole)."""
@@ -66,6 +67,7 @@ class Backlog:
             self.prefill_tokens + num_prompt_tokens,
             self.seconds_per_token,
             self.oldest_waiting_since,
+            self.num_prefilling,
         )
 
     def prefill_delay_s(self) -> float | None:

@@ -79,10 +79,28 @@ class PendingPrefill:
         return sum(min(tokens, uncached) * count for tokens, count in self._counts.items())
 
 
+@dataclass(frozen=True, slots=True)
+class Unseen:
+    """What a worker reports running beyond what this router sent it: the requests other router replicas sent
+    (``router/discovery.py``, ``Worker.unseen``)."""
+
+    requests: int = 0  # not answered yet (waiting or prefilling)
+    tokens: int = 0  # their prompt tokens still to compute
+    decoding: int = 0  # streams
+
+
+NOTHING_UNSEEN = Unseen()
+
+
 class Loaded(Protocol):
     """What the score and the guard look at on a worker."""
 
     in_flight: int  # requests sent there and not finished
+
+    @property
+    def unseen(self) -> Unseen:
+        """The load others put there (``NOTHING_UNSEEN`` where this is the only router)."""
+        ...
 
     @property
     def pending_prefill(self) -> PendingPrefill:
@@ -111,14 +129,22 @@ class Decision(Generic[W]):
 
 
 def decoding(worker: Loaded) -> int:
-    """The streams ``worker`` is decoding: its requests in flight that have answered (none queued as prefill)."""
-    return max(0, worker.in_flight - worker.pending_prefill.num_requests)
+    """The streams ``worker`` is decoding: the requests in flight there that have answered (none queued as
+    prefill), and those others sent."""
+    return max(0, worker.in_flight - worker.pending_prefill.num_requests) + worker.unseen.decoding
+
+
+def load_count(worker: Loaded) -> int:
+    """The requests on ``worker``: in flight from this router, and those others sent."""
+    return worker.in_flight + worker.unseen.requests + worker.unseen.decoding
 
 
 def work_tokens(worker: Loaded, uncached: int) -> float:
     """What a request with ``uncached`` tokens to compute waits for on ``worker``, in prompt tokens: the queued
-    prefill that goes before it, its own tokens, and a row of each decoding stream in every step that takes."""
-    prefill = worker.pending_prefill.ahead_of(uncached) + uncached
+    prefill that goes before it (of others' requests, whose sizes are not known, each up to its own as well),
+    its own tokens, and a row of each decoding stream in every step that takes."""
+    unseen = worker.unseen
+    prefill = worker.pending_prefill.ahead_of(uncached) + min(unseen.tokens, unseen.requests * uncached) + uncached
     steps = max(1, -(-prefill // PREFILL_TOKENS_PER_STEP))
     return prefill + decoding(worker) * steps * DECODE_ROW_TOKENS
 
@@ -135,8 +161,8 @@ def cheapest(options: Sequence[tuple[W, int]], s_per_token: Callable[[W], float]
     the ``turn``-th (callers count up, so that new conversations alternate over idle workers)."""
     scores = [estimated_ttft_s(worker, uncached, s_per_token(worker)) for worker, uncached in options]
     near = [option for option, score in zip(options, scores, strict=True) if score <= min(scores) * SCORE_TOLERANCE]
-    fewest = min(worker.in_flight for worker, _ in near)
-    tied = [option for option in near if option[0].in_flight == fewest]
+    fewest = min(load_count(worker) for worker, _ in near)
+    tied = [option for option in near if load_count(option[0]) == fewest]
     return tied[turn % len(tied)]
 
 
@@ -160,13 +186,13 @@ class LoadGuard:
         """The least queued prefill, then the fewest requests in flight; ties rotate (never at random)."""
 
         def load(worker: W) -> tuple[int, int]:
-            return worker.pending_prefill_tokens, worker.in_flight
+            return worker.pending_prefill_tokens + worker.unseen.tokens, load_count(worker)
 
         least = min(load(w) for w in candidates)
         tied = [w for w in candidates if load(w) == least]
         return tied[next(self._tie) % len(tied)]
 
     def is_skewed(self, chosen: W, candidates: Sequence[W]) -> bool:
-        least = min(w.in_flight for w in candidates)
-        gap = chosen.in_flight - least
-        return gap > self.abs_threshold and chosen.in_flight > self.rel_threshold * (least + 1)
+        least = min(load_count(w) for w in candidates)
+        gap = load_count(chosen) - least
+        return gap > self.abs_threshold and load_count(chosen) > self.rel_threshold * (least + 1)

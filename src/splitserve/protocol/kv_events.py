@@ -14,6 +14,10 @@ block; for ``l1`` and ``l2`` the name of each stored record (the hash of its las
 A batch with ``reset`` true is the worker's registration: a full snapshot that replaces whatever the router
 knew of that worker. ``epoch`` changes when the worker restarts, so a reader's sequence numbers are void then.
 
+A pulled batch also carries the worker's engine load (``"load": {"waiting": 2, "prefilling": 1, "running": 9,
+"prefill_tokens": 1800}``, :class:`WorkerLoad`), and the long poll answers as soon as that load changes, events
+or not: every router replica then sees the requests the others sent (``router/discovery.py``, ``Worker.unseen``).
+
 Inside a worker, the engine and the KV store report what they hold to a :class:`KVEventSink` (the worker's
 ``KVEventLog``, ``splitserve.worker.kv_events``), which turns it into these batches.
 """
@@ -21,6 +25,7 @@ Inside a worker, the engine and the KV store report what they hold to a :class:`
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
@@ -54,6 +59,37 @@ class KVEventsBatch(TypedDict):
     reset: bool
     meta: NotRequired[dict[str, Any]]  # reset batches only
     events: list[TierEvent]
+    load: NotRequired[dict[str, int]]  # pulled batches: WorkerLoad.to_json()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's engine load as it reports it with its KV events."""
+
+    waiting: int = 0  # requests without a seat in the running batch yet
+    prefilling: int = 0  # requests with a seat whose prompt is not all computed
+    running: int = 0  # requests with a seat: prefilling or decoding
+    prefill_tokens: int = 0  # prompt tokens still to compute, of those waiting or prefilling
+
+    def to_json(self) -> dict[str, int]:
+        return {"waiting": self.waiting, "prefilling": self.prefilling, "running": self.running,
+                "prefill_tokens": self.prefill_tokens}  # fmt: skip
+
+    @property
+    def changes(self) -> tuple[int, int, int]:
+        """What a long poll answers early for: the requests in each state."""
+        return self.waiting, self.prefilling, self.running
+
+
+def parse_load(batch: Mapping[str, Any]) -> WorkerLoad | None:
+    """A batch's ``load``; None when it has none (a pushed batch, an older worker) or it is malformed."""
+    load = batch.get("load")
+    if not isinstance(load, dict):
+        return None
+    values = [load.get(name) for name in ("waiting", "prefilling", "running", "prefill_tokens")]
+    if not all(type(v) is int and v >= 0 for v in values):
+        return None
+    return WorkerLoad(*values)  # type: ignore[arg-type]
 
 
 def tier_event(tier: Tier, kind: EventKind, hashes: list[int]) -> TierEvent:

@@ -14,6 +14,7 @@ import functools
 from splitserve.auth import bearer_header
 from splitserve.config import RouterConfig, RoutingStrategy
 from splitserve.metrics import RouterMetrics
+from splitserve.protocol.kv_events import WorkerLoad
 from splitserve.router.app import Router, RouterParts, Tokenize, register_worker
 from splitserve.router.cost import PrefillCostModel
 from splitserve.router.disagg import Disaggregator
@@ -115,4 +116,12 @@ def _event_subscriber(
     if config.routing_strategy != RoutingStrategy.KVAWARE:
         return None
     on_register = functools.partial(register_worker, pool, config)
-    return EventSubscriber(kv_index, transport, on_register, config.backend_kind, VLLMSource.from_config(config))
+
+    def on_load(url: str, load: WorkerLoad) -> None:
+        worker = pool.get(url)
+        if worker is not None:
+            worker.report(load)
+
+    return EventSubscriber(
+        kv_index, transport, on_register, config.backend_kind, VLLMSource.from_config(config), on_load
+    )

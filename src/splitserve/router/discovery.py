@@ -9,14 +9,18 @@ load), new ones start unprobed, and removed ones are forgotten.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from splitserve.breaker import CircuitBreaker
 from splitserve.config import checked_worker_url
-from splitserve.policy.balance import PendingPrefill
+from splitserve.policy.balance import NOTHING_UNSEEN, PendingPrefill, Unseen
+from splitserve.protocol.kv_events import WorkerLoad
 from splitserve.router.health import worker_breaker
+
+REPORT_FRESH_S = 15.0  # a worker's load report counts this long (its long poll answers at least every 10 s)
 
 
 class WorkerRole(StrEnum):
@@ -40,6 +44,27 @@ class Worker:
     worker_id: str | None = None  # the name it registered with (KV events), if it did
     kv_transfer_addr: str | None = None  # a decode worker's KV receiver (host:port), once asked
     forces_first_token: bool = True  # a decode worker takes prefill's first token (splitserve's); vLLM samples its own
+    reported: WorkerLoad | None = None  # its engine's load, with its last KV event batch (kvaware)
+    reported_at: float = 0.0  # time.monotonic() of that report
+
+    def report(self, load: WorkerLoad) -> None:
+        self.reported, self.reported_at = load, time.monotonic()
+
+    @property
+    def unseen(self) -> Unseen:
+        """What the worker last reported running beyond this router's own requests there: other replicas'. A
+        report older than ``REPORT_FRESH_S`` (its event subscription broken) counts for nothing, as does a
+        report of less than this router sent (its own requests in transit count in its own counters)."""
+        load = self.reported
+        if load is None or time.monotonic() - self.reported_at > REPORT_FRESH_S:
+            return NOTHING_UNSEEN
+        own = self.pending_prefill
+        own_decoding = max(0, self.in_flight - own.num_requests)
+        return Unseen(
+            requests=max(0, load.waiting + load.prefilling - own.num_requests),
+            tokens=max(0, load.prefill_tokens - own.total),
+            decoding=max(0, load.running - load.prefilling - own_decoding),
+        )
 
     @property
     def pending_prefill_tokens(self) -> int:

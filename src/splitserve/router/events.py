@@ -6,6 +6,8 @@ hold, each later one the events since (``worker.kv_events.KVEventLog``). Batches
 :class:`KVIndex`, as pushed ones do. A worker may also push them (``--kv-events-url``); while its pulled
 events are current, the router acknowledges its pushes and drops them, since a push in flight could only
 take the index back to an older state.
+Each answer also carries the worker's engine load, and the long poll answers when it changes: ``on_load`` hands
+it to the worker's entry, so router replicas see the requests the others sent (``Worker.unseen``).
 A worker that has no such route (an older splitserve, vLLM without a matching event source) or stops
 answering gets one warning; meanwhile ``kvaware`` routes it by the router's own prefix index
 (``policies.KVAwarePolicy``), and the subscription keeps retrying with back-off.
@@ -29,7 +31,7 @@ from urllib.parse import urlencode
 import zmq.asyncio
 
 from splitserve.config import BackendKind
-from splitserve.protocol.kv_events import parse_batch
+from splitserve.protocol.kv_events import WorkerLoad, parse_batch, parse_load
 from splitserve.router.discovery import Worker
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.transport import Transport, TransportError
@@ -55,10 +57,12 @@ class EventSubscriber:
         on_register: Callable[[str, str, dict[str, Any]], None] | None = None,
         kind: BackendKind = BackendKind.SPLITSERVE,
         vllm: VLLMSource | None = None,
+        on_load: Callable[[str, WorkerLoad], None] | None = None,
     ) -> None:
         self.index = index
         self._transport = transport
         self._on_register = on_register or (lambda url, worker_id, meta: None)
+        self._on_load = on_load or (lambda url, load: None)
         self.kind = kind
         self.vllm = vllm or VLLMSource()
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -163,6 +167,8 @@ class EventSubscriber:
                 self.index.apply(url, worker_id, reset, events, meta)
                 if reset:
                     self._on_register(url, worker_id, meta or {})
+                if (load := parse_load(batch)) is not None:
+                    self._on_load(url, load)
                 seq, epoch = int(batch["seq"]), str(batch.get("epoch") or "")
                 self.last_batch_at[url] = silent_since = time.monotonic()
                 if warned:

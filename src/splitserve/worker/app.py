@@ -30,6 +30,7 @@ from splitserve.config import ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.model.kernels import describe_cpu
 from splitserve.protocol import sagemaker
+from splitserve.protocol.kv_events import WorkerLoad
 from splitserve.worker.kv_events import KVEventLog
 from splitserve.worker.protocol import (
     ChatCompletionRequest,
@@ -87,7 +88,7 @@ def build_app(
     app.add_middleware(AuthMiddleware, keys=config.api_keys, cluster_secret=config.cluster_secret)
     _install_error_handlers(app)
     _add_health_routes(app, engine, config, draining)
-    _add_kv_routes(app, serving, events, draining)
+    _add_kv_routes(app, serving, events, draining, engine)
     _add_openai_routes(app, serving, config)
     return app
 
@@ -128,8 +129,10 @@ def _add_health_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig, 
         return _json({"0": dataclasses.asdict(events_config)})
 
 
-def _add_kv_routes(app: FastAPI, serving: OpenAIServing, events: KVEventLog | None, draining: threading.Event) -> None:
-    """The cluster's internal routes: the KV receiver's address, KV events, lookups."""
+def _add_kv_routes(
+    app: FastAPI, serving: OpenAIServing, events: KVEventLog | None, draining: threading.Event, engine: AsyncEngine
+) -> None:
+    """The cluster's internal routes: the KV receiver's address, KV events (with the engine's load), lookups."""
 
     @app.get("/kv/transfer")
     async def kv_transfer() -> Response:
@@ -139,23 +142,33 @@ def _add_kv_routes(app: FastAPI, serving: OpenAIServing, events: KVEventLog | No
     async def kv_events(
         raw: Request, after: int | None = None, epoch: str | None = None, wait: float = 0.0
     ) -> Response:
-        """The events after ``after`` (of ``epoch``), waiting up to ``wait`` seconds for one; a snapshot when the
-        caller has nothing, or has fallen behind what the log keeps (``worker.kv_events.KVEventLog``)."""
+        """The events after ``after`` (of ``epoch``), waiting up to ``wait`` seconds for one or for a change of
+        the engine's load; a snapshot when the caller has nothing, or has fallen behind what the log keeps
+        (``worker.kv_events.KVEventLog``). Every answer carries the load (``protocol.kv_events.WorkerLoad``)."""
         if events is None:
             raise ApiError(404, "this worker publishes no KV events", code="not_found")
         if draining.is_set():  # subscribers back off, rather than poll a worker on its way out
             raise ApiError(503, "the worker is draining", code="draining")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), MAX_EVENTS_WAIT_S)
+        seen = _load(engine).changes
         while after is not None and events.seq <= after and epoch in (None, events.epoch) and loop.time() < deadline:
             if draining.is_set() or await raw.is_disconnected():
                 raise ApiError(503, "the worker is draining", code="draining")
             await asyncio.sleep(EVENTS_POLL_S)
-        return _json(events.batch_after(after, epoch))
+            if _load(engine).changes != seen:
+                break
+        return _json({**events.batch_after(after, epoch), "load": _load(engine).to_json()})
 
     @app.post("/kv/lookup")
     async def kv_lookup(body: KVLookupRequest) -> Response:
         return _json((await serving.kv_lookup(body)).model_dump())
+
+
+def _load(engine: AsyncEngine) -> WorkerLoad:
+    backlog = engine.backlog
+    running = backlog.num_in_flight - backlog.num_waiting
+    return WorkerLoad(backlog.num_waiting, backlog.num_prefilling, running, backlog.prefill_tokens)
 
 
 def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
