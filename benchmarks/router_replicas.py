@@ -146,7 +146,8 @@ class Balancer:
         self.url = f"http://127.0.0.1:{self.port}"
         targets = [a for port in ports for a in ("--target", f"127.0.0.1:{port}")]
         command = [sys.executable, "-m", "splitserve.deploy.balancer", "--port", str(self.port), *targets]
-        self.process = subprocess.Popen(command, stderr=(LOGS / f"replicas-balancer-{self.port}.log").open("wb"))
+        log = (LOGS / f"replicas-balancer-{self.port}.log").open("wb")
+        self.process = subprocess.Popen(command, stderr=log, start_new_session=True)  # stop_server kills its group
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.process.poll() is None:
             with contextlib.suppress(httpx.HTTPError):
