@@ -310,6 +310,34 @@ class RouterSpec(_Spec):
     replicas: int = Field(default=1, ge=1)  # locally behind a TCP balancer; on Kubernetes behind the Service
 
 
+class RoleScaling(_Spec):
+    """One role's bounds and targets under ``spec.autoscaling`` (``deploy/autoscale.py``)."""
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(ge=1)
+    # requests in flight (running and waiting) per replica: Knative's concurrency target
+    target_concurrency: float | None = Field(default=None, gt=0)
+    # the 90th percentile of the time to first token clients see at the router; colocated and prefill only
+    target_ttft_seconds: float | None = Field(default=None, gt=0)
+
+
+class AutoscalingSpec(_Spec):
+    """``spec.autoscaling`` (a splitserve extension): replicas that follow the load, per role, between bounds.
+    Locally the supervisor scales; on Kubernetes, HorizontalPodAutoscalers do."""
+
+    colocated: RoleScaling | None = None  # without pdSpec
+    prefill: RoleScaling | None = None  # with pdSpec
+    decode: RoleScaling | None = None  # with pdSpec
+    interval_seconds: float = Field(default=5.0, gt=0)  # how often the load is read (locally)
+    # a scale-down takes the highest recommendation of this window: no flapping (HPA's stabilization window)
+    scale_down_stabilization_seconds: float = Field(default=60.0, ge=0)
+
+    def roles(self) -> dict[str, RoleScaling]:
+        """The scaled roles by name (colocated, prefill, decode)."""
+        scaled = {"colocated": self.colocated, "prefill": self.prefill, "decode": self.decode}
+        return {role: scaling for role, scaling in scaled.items() if scaling is not None}
+
+
 class LoadBalancer(_Spec):
     health_check_path: str = "/health"
 
@@ -354,6 +382,7 @@ class EndpointSpec(_Spec):
     pd_spec: PDSpec | None = None
     worker: WorkerSpec = Field(default_factory=WorkerSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
+    autoscaling: AutoscalingSpec | None = None
 
 
 class Metadata(BaseModel):
@@ -448,11 +477,35 @@ def _semantic_errors(config: InferenceEndpointConfig) -> list[str]:
     if not spec.load_balancer.health_check_path.startswith("/"):
         errors.append(f"spec.loadBalancer.healthCheckPath: {spec.load_balancer.health_check_path!r} must start with /")
     errors += _env_errors(spec.worker.environment_variables)
+    errors += _autoscaling_errors(spec)
     for path, args in args_lists(spec):
         try:
             parse_args(args, path)
         except EndpointError as exc:
             errors += exc.errors
+    return errors
+
+
+def _autoscaling_errors(spec: EndpointSpec) -> list[str]:
+    if spec.autoscaling is None:
+        return []
+    errors = []
+    roles = spec.autoscaling.roles()
+    allowed = ("prefill", "decode") if spec.pd_spec is not None else ("colocated",)
+    for role, scaling in roles.items():
+        where = f"spec.autoscaling.{role}"
+        if role not in allowed:
+            mode = "a disaggregated endpoint (pdSpec)" if spec.pd_spec is not None else "a colocated endpoint"
+            errors.append(f"{where}: {mode} scales {' and '.join(allowed)}, not {role}")
+        if scaling.min_replicas > scaling.max_replicas:
+            errors.append(f"{where}: minReplicas ({scaling.min_replicas}) exceeds maxReplicas ({scaling.max_replicas})")
+        if scaling.target_concurrency is None and scaling.target_ttft_seconds is None:
+            errors.append(f"{where}: needs a target: targetConcurrency, targetTtftSeconds or both")
+        if role == "decode" and scaling.target_ttft_seconds is not None:
+            errors.append(f"{where}.targetTtftSeconds: the time to first token is the prefill pool's; scale decode by "
+                          "targetConcurrency")  # fmt: skip
+    if not roles:
+        errors.append(f"spec.autoscaling: names no role to scale ({' or '.join(allowed)})")
     return errors
 
 

@@ -20,7 +20,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PLURALS = {"Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
            "Role": "roles", "RoleBinding": "rolebindings", "NetworkPolicy": "networkpolicies",
            "Secret": "secrets", "Pod": "pods", "ConfigMap": "configmaps",
-           "PodDisruptionBudget": "poddisruptionbudgets"}  # fmt: skip
+           "PodDisruptionBudget": "poddisruptionbudgets",
+           "HorizontalPodAutoscaler": "horizontalpodautoscalers"}  # fmt: skip
 
 
 class KubeApiError(SplitserveError):

@@ -85,6 +85,43 @@ def _one_router_killed_the_other_serves(up: Up) -> None:
     assert chat(up.url, max_tokens=4).status_code == 200
 
 
+def test_autoscaling_adds_a_replica_under_load_and_takes_it_away_after_without_losing_a_request(
+    tmp_path: Path,
+) -> None:
+    """spec.autoscaling on colocated workers, with short intervals: 8 streams at once (a target of 2 in flight
+    per worker) bring a second worker, which takes traffic once ready; when the load ends it leaves again, after
+    the routers stop sending it requests and it has finished its own, while requests keep coming."""
+    data = yaml.safe_load((EXAMPLES / "autoscaling.yaml").read_text())
+    data["spec"]["autoscaling"] = {
+        "colocated": {"minReplicas": 1, "maxReplicas": 2, "targetConcurrency": 2},
+        "intervalSeconds": 0.5, "scaleDownStabilizationSeconds": 3,
+    }  # fmt: skip
+    path = tmp_path / "autoscaling.yaml"
+    path.write_text(yaml.safe_dump(data))
+    up = Up(tmp_path, path)
+
+    def workers(ready: bool = False) -> int:
+        pods = state(up.home, up.name)["pods"]
+        return sum(p["role"] == "colocated" and (p["ready"] or not ready) for p in pods)
+
+    try:
+        assert up.wait_ready()["autoscaled"] == {"colocated": 1}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            stories = [pool.submit(chat, up.url, f"Tell a long story about the number {i}.", 160) for i in range(8)]
+            wait_until(lambda: workers(ready=True) == 2, timeout_s=READY_S, interval_s=0.3)
+            assert all(story.result().status_code == 200 for story in stories)
+        assert state(up.home, up.name)["autoscaled"] == {"colocated": 2}
+        answers = []
+        while workers() == 2:  # the load is gone: within the window and a drain, back to one, serving throughout
+            answers.append(chat(up.url, max_tokens=4).status_code)
+            assert len(answers) < 500, "still two workers"
+        answers += [chat(up.url, max_tokens=4).status_code for _ in range(3)]
+        assert set(answers) == {200} and state(up.home, up.name)["autoscaled"] == {"colocated": 1}
+        assert "autoscaling colocated: 1 -> 2 replicas" in (tmp_path / f"up-{up.name}.log").read_text()
+    finally:
+        up.stop()
+
+
 @pytest.fixture
 def colocated(tmp_path: Path) -> Iterator[Up]:
     up = Up(tmp_path, EXAMPLES / "colocated.yaml")

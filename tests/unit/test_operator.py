@@ -404,7 +404,7 @@ def test_the_operator_may_manage_everything_it_renders(cluster_wide: bool) -> No
     manifests = install_manifests(namespace="ops", cluster_wide=cluster_wide)
     role = next(m for m in manifests if m["kind"] in ("Role", "ClusterRole"))
     granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    rendered = [m for name in ("dpd-redis", "kvaware") for m in render(parse_endpoint(body(name)))]
+    rendered = [m for name in ("dpd-redis", "kvaware", "autoscaling") for m in render(parse_endpoint(body(name)))]
     for manifest in rendered:  # everything it renders (ConfigMaps and PodDisruptionBudgets too), it may manage
         group = manifest["apiVersion"].rpartition("/")[0]
         assert (group, PLURALS[manifest["kind"]]) in granted  # and its client knows where each kind lives

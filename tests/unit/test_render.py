@@ -337,6 +337,28 @@ def test_replicas_come_from_each_role() -> None:
     assert not [m for m in manifests if m["kind"] == "PodDisruptionBudget"]  # one router: nothing to keep up
 
 
+def test_an_autoscaled_role_gets_a_horizontal_pod_autoscaler_that_owns_its_replicas() -> None:
+    manifests = render(example("autoscaling"))
+    workers = find(manifests, "Deployment", "autoscaling")
+    assert "replicas" not in workers["spec"]  # a re-apply must not set back what the autoscaler chose
+    hpa = find(manifests, "HorizontalPodAutoscaler", "autoscaling")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "autoscaling"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 2)
+    pods, router = hpa["metrics"]
+    assert pods["pods"] == {"metric": {"name": "splitserve_requests_in_flight"},
+                            "target": {"type": "AverageValue", "averageValue": "4"}}  # fmt: skip
+    assert router["object"]["describedObject"] == {"apiVersion": "v1", "kind": "Service", "name": "autoscaling-router"}
+    assert router["object"]["target"] == {"type": "Value", "value": "2"}
+    assert hpa["behavior"]["scaleDown"] == {"stabilizationWindowSeconds": 30}
+    data = example_data("dpd")
+    data["spec"]["autoscaling"] = {"decode": {"maxReplicas": 3, "targetConcurrency": 12.5}}
+    manifests = render(parse_endpoint(data))
+    assert [m["metadata"]["name"] for m in manifests if m["kind"] == "HorizontalPodAutoscaler"] == ["decode-dpd"]
+    decode = find(manifests, "HorizontalPodAutoscaler", "decode-dpd")["spec"]["metrics"][0]["pods"]["target"]
+    assert decode["averageValue"] == "12500m"
+    assert find(manifests, "Deployment", "prefill-dpd")["spec"]["replicas"] == 1  # not scaled: the resource's
+
+
 def test_router_replicas_leave_one_at_a_time_and_spread_over_nodes() -> None:
     manifests = render(example("kvaware"))  # spec.router.replicas: 2
     router = find(manifests, "Deployment", "kvaware-router")

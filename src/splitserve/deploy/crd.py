@@ -102,6 +102,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...
             out[key] = _structural(value, defs, (*path, key))
         elif key == "const":
             out["enum"] = [value]
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema's bound with its value; OpenAPI v3's is a flag beside minimum / maximum
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
         else:
             out[key] = value
     if path in _INT_OR_STRING:

@@ -69,6 +69,7 @@ RETRY_DELAY_S = 10.0
 MANAGED_KINDS = (
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("v1", "Service"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
@@ -522,6 +523,7 @@ def _operator_rules(cluster_wide: bool) -> list[Manifest]:
         },
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": list(manage)},
         {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": list(manage)},
+        {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": list(manage)},
         {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": list(manage)},
         {"apiGroups": [""], "resources": ["pods"], "verbs": list(read)},
     ]

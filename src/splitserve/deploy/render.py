@@ -87,7 +87,7 @@ from splitserve.deploy.labels import (
 )
 from splitserve.deploy.netpol import Network, network_policies
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
-from splitserve.endpoint import InferenceEndpointConfig, WorkerEngine
+from splitserve.endpoint import InferenceEndpointConfig, RoleScaling, WorkerEngine
 
 __all__ = [
     "COMPONENTS", "LABEL_COMPONENT", "LABEL_INSTANCE", "LABEL_MANAGED_BY", "LABEL_NAME", "LABEL_ROLE", "MANAGED_BY",
@@ -101,6 +101,9 @@ DEFAULT_IMAGE = "splitserve:latest"  # the image this repository builds; spec.wo
 ROUTER_PORT = 8080
 ROUTER_ADMIN_PORT = 8081  # the router's admin listener (/admin/*): loopback only, for the discovery sidecar
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"  # a node, to spread router replicas over
+# the custom metrics the HorizontalPodAutoscalers read (deploy/prometheus/adapter-rules.yaml serves them)
+IN_FLIGHT_METRIC = "splitserve_requests_in_flight"  # per worker pod: running + waiting
+TTFT_METRIC = "splitserve_ttft_p90_seconds"  # on the router's Service: over the last minute
 REDIS_IMAGE = "redis:7-alpine"
 REDIS_PORT = 6379
 REDIS_MAX_MEMORY = "1536mb"  # evicts least recently used chunks beyond this (an L2 is a cache)
@@ -195,6 +198,8 @@ def render(
             _worker_deployment(ep, role),
             _service(ep, role.name, COMPONENTS[role.role], _worker_ports(ep, role)),
         ]
+        if (scaling := _scaling(ep, role)) is not None:
+            manifests.append(_autoscaler(ep, role, scaling))
     router_port = [_port(HTTP_PORT_NAME, ROUTER_PORT)]
     manifests += [_router_deployment(ep), _service(ep, endpoint_plan.router.name, "router", router_port)]
     if endpoint_plan.router.replicas > 1:
@@ -310,7 +315,47 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
         volumes.append(collector.volume(ep.name))
     pod_spec = _pod_spec(containers, volumes, terminationGracePeriodSeconds=TERMINATION_GRACE_S)
     pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": pod_spec}
-    return _deployment(ep, role.name, COMPONENTS[role.role], role.replicas, pod)
+    # an autoscaled role's replicas are its HorizontalPodAutoscaler's: a re-apply must not set them back
+    replicas = None if _scaling(ep, role) is not None else role.replicas
+    return _deployment(ep, role.name, COMPONENTS[role.role], replicas, pod)
+
+
+def _scaling(ep: _Endpoint, role: RolePlan) -> RoleScaling | None:
+    autoscaling = ep.config.spec.autoscaling
+    return None if autoscaling is None else autoscaling.roles().get(role.role.value)
+
+
+def _autoscaler(ep: _Endpoint, role: RolePlan, scaling: RoleScaling) -> Manifest:
+    """The role's HorizontalPodAutoscaler (``deploy/autoscale.py``'s rules in HPA's terms): each pod's requests in
+    flight against ``targetConcurrency`` (a Pods metric), the TTFT p90 at the router's Service against
+    ``targetTtftSeconds`` (an Object metric), both from the custom metrics API a Prometheus adapter serves
+    (``deploy/prometheus/adapter-rules.yaml``); scale-down over the resource's stabilization window."""
+    metrics: list[Manifest] = []
+    if scaling.target_concurrency is not None:
+        target = {"type": "AverageValue", "averageValue": _milli(scaling.target_concurrency)}
+        metrics.append({"type": "Pods", "pods": {"metric": {"name": IN_FLIGHT_METRIC}, "target": target}})
+    if scaling.target_ttft_seconds is not None:
+        router = {"apiVersion": "v1", "kind": "Service", "name": ep.plan.router.name}
+        target = {"type": "Value", "value": _milli(scaling.target_ttft_seconds)}
+        metrics.append({"type": "Object", "object": {"describedObject": router, "metric": {"name": TTFT_METRIC},
+                                                     "target": target}})  # fmt: skip
+    assert ep.config.spec.autoscaling is not None
+    window = round(ep.config.spec.autoscaling.scale_down_stabilization_seconds)
+    spec = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": role.name},
+        "minReplicas": scaling.min_replicas,
+        "maxReplicas": scaling.max_replicas,
+        "metrics": metrics,
+        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
+                     "scaleDown": {"stabilizationWindowSeconds": window}},
+    }  # fmt: skip
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": _metadata(ep, role.name, COMPONENTS[role.role]), "spec": spec}  # fmt: skip
+
+
+def _milli(value: float) -> str:
+    """A Kubernetes quantity for ``value``: whole, or in thousandths."""
+    return str(int(value)) if value == int(value) else f"{round(value * 1000)}m"
 
 
 def _worker_args(ep: _Endpoint, role: RolePlan) -> list[str]:
@@ -634,17 +679,15 @@ def _home_env() -> Manifest:
     return {"name": "HOME", "value": HOME_DIR}
 
 
-def _deployment(ep: _Endpoint, name: str, component: str, replicas: int, pod: Manifest) -> Manifest:
-    """A Deployment of ``pod`` (its ``metadata`` and ``spec``), selected by ``selector_labels``."""
+def _deployment(ep: _Endpoint, name: str, component: str, replicas: int | None, pod: Manifest) -> Manifest:
+    """A Deployment of ``pod`` (its ``metadata`` and ``spec``), selected by ``selector_labels``; ``replicas`` None:
+    left to an autoscaler."""
+    spec = {"selector": {"matchLabels": selector_labels(ep.name, component)}, "template": pod}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(ep, name, component),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector_labels(ep.name, component)},
-            "template": pod,
-        },
+        "spec": spec if replicas is None else {"replicas": replicas, **spec},
     }
 
 

@@ -12,6 +12,12 @@ each), ``CUDA_VISIBLE_DEVICES`` for a GPU request, a free port, and ``--kv-event
 router uses KV events. The state (pods, the ``Ready`` condition) is written to ``state.json`` in the run
 directory, where ``splitserve get`` and ``logs`` read it.
 
+With ``spec.autoscaling``, each tick past its interval reads the load (the requests in flight on each scaled
+role's pods, the time to first token at the routers) and :class:`~splitserve.deploy.autoscale.Autoscaler` decides
+each role's replicas; a change is applied as a re-apply of the resource with those replica counts (the user's
+file is kept as written: a later ``apply`` keeps the scaled counts, within its bounds). So a new replica is ready
+before it takes traffic, and a removed one leaves the routers' lists, then finishes its requests, before it stops.
+
 With ``spec.router.replicas`` above 1, that many routers run, each on a port and an admin port of its own and
 each told the worker lists, behind a TCP balancer on the endpoint's port (``deploy.balancer``, a pod of its own),
 as a Kubernetes Service is in front of the router pods: a killed replica is restarted, and meanwhile the
@@ -47,11 +53,12 @@ from splitserve import envs
 from splitserve.auth import bearer_header
 from splitserve.config import Role
 from splitserve.deploy import vllm
+from splitserve.deploy.autoscale import TTFT_QUANTILE, Autoscaler, RoleLoad, quantile_of
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
 from splitserve.deploy.render import REDIS_MAX_MEMORY
-from splitserve.endpoint import InferenceEndpointConfig, WorkerEngine
-from splitserve.metrics import sum_samples
+from splitserve.endpoint import InferenceEndpointConfig, RoleSpec, WorkerEngine
+from splitserve.metrics import ROUTER_TTFT_SECONDS, histogram_buckets, sum_samples
 
 logger = logging.getLogger("splitserve.supervisor")
 
@@ -166,7 +173,12 @@ class Supervisor:
         self.admin_port = free_port()
         self.pods = PodSet(run_dir / "logs", on_change=self.write_state)
         self.plan: EndpointPlan | None = None
-        self.config: InferenceEndpointConfig | None = None
+        self.config: InferenceEndpointConfig | None = None  # what runs: the user's, with the autoscaled replicas
+        self.user_config: InferenceEndpointConfig | None = None  # as applied
+        self._autoscaler: Autoscaler | None = None
+        self._scaled: dict[str, int] = {}  # role -> replicas the autoscaler chose
+        self._next_scale_at = 0.0
+        self._ttft_seen: dict[str, dict[float, float]] = {}  # router pod -> its TTFT buckets at the last read
         self._templates: dict[str, _Template] = {}
         self._routers: list[Pod] = []
         self._admin_ports: list[int] = [self.admin_port]  # each router's, in the order of _routers
@@ -204,6 +216,11 @@ class Supervisor:
         ``revision`` names what was applied (a digest of the file); ``state.json`` reports it once done.
         """
         plan(config, Target.LOCAL, redis_url="redis://127.0.0.1:6379/0")  # every EndpointError before any change
+        if config.spec.autoscaling != (self.user_config.spec.autoscaling if self.user_config is not None else None):
+            scaling = config.spec.autoscaling
+            self._autoscaler = Autoscaler(scaling) if scaling is not None else None
+        self.user_config = config
+        config = self._with_scaled_replicas(config)
         if config.spec.worker.engine == WorkerEngine.VLLM:
             self._vllm_command = vllm.local_command(envs.copy())  # RuntimeError before any change, too
         redis_url = self._ensure_redis(config)
@@ -240,8 +257,10 @@ class Supervisor:
         self.write_state()
 
     def tick(self) -> None:
-        """Keep pods alive (restarts with back-off) and report the endpoint's readiness when it changes."""
+        """Keep pods alive (restarts with back-off), scale (``spec.autoscaling``) and report the endpoint's
+        readiness when it changes."""
         self.pods.tick()
+        self._autoscale()
         ready = self.is_ready
         if ready != self._was_ready:
             self._was_ready = ready
@@ -261,6 +280,67 @@ class Supervisor:
     @property
     def ready_message(self) -> str:
         return DPD_READY_MESSAGE if self.plan is not None and self.plan.is_disaggregated else COLOCATED_READY_MESSAGE
+
+    # -- autoscaling --------------------------------------------------------------------------------------
+
+    def _with_scaled_replicas(self, config: InferenceEndpointConfig) -> InferenceEndpointConfig:
+        """``config`` with each autoscaled role's replicas: the autoscaler's, else the file's, within the bounds."""
+        scaling = config.spec.autoscaling
+        if scaling is None:
+            self._scaled = {}
+            return config
+        spec = config.spec
+        for role, bounds in scaling.roles().items():
+            written = spec.replicas if role == "colocated" else _role_spec(config, role).replicas
+            replicas = min(bounds.max_replicas, max(bounds.min_replicas, self._scaled.get(role, written)))
+            self._scaled[role] = replicas
+            if role == "colocated":
+                spec = spec.model_copy(update={"replicas": replicas})
+            else:
+                assert spec.pd_spec is not None
+                key = "prefill_spec" if role == "prefill" else "decoding_spec"
+                role_spec = getattr(spec.pd_spec, key).model_copy(update={"replicas": replicas})
+                spec = spec.model_copy(update={"pd_spec": spec.pd_spec.model_copy(update={key: role_spec})})
+        return config.model_copy(update={"spec": spec})
+
+    def _autoscale(self) -> None:
+        """Once per interval: each scaled role's load, the autoscaler's decision, and a re-apply if one changed."""
+        if self._autoscaler is None or self.user_config is None or time.monotonic() < self._next_scale_at:
+            return
+        self._next_scale_at = time.monotonic() + self._autoscaler.spec.interval_seconds
+        ttft_p90 = self._router_ttft_p90()
+        changed = False
+        for role in self._autoscaler.spec.roles():
+            pods = self.pods.by_role(role)
+            in_flight = sum(_requests_in_worker(p) for p in pods)
+            load = RoleLoad(len(pods), in_flight, ttft_p90 if role != "decode" else None)
+            wanted = self._autoscaler.decide(role, load)
+            if wanted != load.replicas:
+                ttft = "none" if load.ttft_p90_s is None else f"{load.ttft_p90_s:.2f} s"
+                logger.info("autoscaling %s: %d -> %d replicas (%.0f requests in flight, time to first token p90 %s)",
+                            role, load.replicas, wanted, load.in_flight, ttft)  # fmt: skip
+                self._scaled[role] = wanted
+                changed = True
+        if changed:
+            self.apply(self.user_config, self.revision)
+
+    def _router_ttft_p90(self) -> float | None:
+        """The 90th percentile of the time to first token the routers saw since the last read (None: no first
+        token since). A router that restarted counts from zero."""
+        total: dict[float, float] = {}
+        for router in self._routers:
+            try:
+                text = httpx.get(f"{router.spec.url}/metrics", timeout=2, trust_env=False).text
+            except httpx.HTTPError:
+                continue
+            now = histogram_buckets(text, ROUTER_TTFT_SECONDS)
+            before = self._ttft_seen.get(router.name, {})
+            if any(now.get(bound, 0.0) < count for bound, count in before.items()):
+                before = {}  # restarted
+            self._ttft_seen[router.name] = now
+            for bound, count in now.items():
+                total[bound] = total.get(bound, 0.0) + count - before.get(bound, 0.0)
+        return quantile_of(total, TTFT_QUANTILE)
 
     # -- pods ---------------------------------------------------------------------------------------------
 
@@ -407,6 +487,7 @@ class Supervisor:
             "router_url": self.router_url,
             "admin_url": self.admin_url,
             "admin_urls": self.admin_urls,
+            "autoscaled": dict(self._scaled),  # role -> replicas, where spec.autoscaling scales it
             "supervisor_pid": os.getpid(),
             "revision": self.revision,
             "condition": {"type": "Ready", "status": self.is_ready,
@@ -424,6 +505,11 @@ def _requests_in_worker(pod: Pod) -> float:
     except httpx.HTTPError:
         return 0.0
     return sum_samples(text, "vllm:num_requests_running") + sum_samples(text, "vllm:num_requests_waiting")
+
+
+def _role_spec(config: InferenceEndpointConfig, role: str) -> RoleSpec:
+    assert config.spec.pd_spec is not None
+    return config.spec.pd_spec.prefill_spec if role == "prefill" else config.spec.pd_spec.decoding_spec
 
 
 def _cluster_secret(path: Path) -> str:

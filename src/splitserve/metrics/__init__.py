@@ -36,6 +36,7 @@ __all__ = [
     "TierStatsLike",
     "WorkerMetrics",
     "WorkerRow",
+    "histogram_buckets",
     "sample_totals",
     "sum_samples",
 ]
@@ -49,6 +50,18 @@ def sample_totals(text: str) -> dict[str, float]:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """Histogram ``name``'s cumulative counts by upper bound (``le``), summed over its other labels, from a
+    Prometheus text page."""
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket" and "le" in sample.labels:
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
 
 
 def sum_samples(text: str, name: str, **labels: str) -> float:

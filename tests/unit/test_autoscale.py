@@ -1,0 +1,93 @@
+"""The autoscaler's decisions (``deploy/autoscale.py``): a role's replicas follow its requests in flight and the
+time to first token, up at once, down only as far as the stabilization window agrees, within the bounds; and the
+resource's rules for ``spec.autoscaling``."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+
+from splitserve.deploy.autoscale import Autoscaler, RoleLoad, quantile_of, recommend
+from splitserve.endpoint import AutoscalingSpec, EndpointError, RoleScaling, parse_endpoint
+from tests.support.paths import EXAMPLES
+
+
+def scaling(**fields: Any) -> RoleScaling:
+    return RoleScaling.model_validate({"minReplicas": 1, "maxReplicas": 4, **fields})
+
+
+def test_concurrency_asks_for_a_replica_per_target_of_requests_in_flight() -> None:
+    rule = scaling(targetConcurrency=4)
+    assert [recommend(rule, RoleLoad(2, in_flight)) for in_flight in (0, 3, 4, 5, 12, 100)] == [1, 1, 1, 2, 3, 4]
+
+
+def test_the_ttft_scales_in_proportion_outside_a_tenth_of_its_target() -> None:
+    rule = scaling(targetTtftSeconds=2.0)
+    assert recommend(rule, RoleLoad(2, 0, ttft_p90_s=2.1)) == 2  # within 10%: no change
+    assert recommend(rule, RoleLoad(2, 0, ttft_p90_s=3.0)) == 3  # ceil(2 x 1.5)
+    assert recommend(rule, RoleLoad(2, 0, ttft_p90_s=0.5)) == 1
+    assert recommend(rule, RoleLoad(3, 0)) == 1  # no first token in the interval: idle
+
+
+def test_either_target_missed_is_a_reason_to_scale_up() -> None:
+    rule = scaling(targetConcurrency=4, targetTtftSeconds=2.0)
+    assert recommend(rule, RoleLoad(1, 2, ttft_p90_s=5.0)) == 3  # the TTFT asks for 3, the concurrency for 1
+    assert recommend(rule, RoleLoad(1, 14, ttft_p90_s=0.3)) == 4  # and the other way round
+
+
+def test_up_at_once_down_only_as_far_as_the_window_agrees() -> None:
+    now = [0.0]
+    spec = AutoscalingSpec.model_validate(
+        {"colocated": {"minReplicas": 1, "maxReplicas": 3, "targetConcurrency": 4}, "scaleDownStabilizationSeconds": 30}
+    )
+    scaler = Autoscaler(spec, clock=lambda: now[0])
+    assert scaler.decide("colocated", RoleLoad(1, 10)) == 3  # at once
+    now[0] = 5
+    assert scaler.decide("colocated", RoleLoad(3, 1)) == 3  # a lull: the window still holds the burst's 3
+    now[0] = 20
+    assert scaler.decide("colocated", RoleLoad(3, 6)) == 3  # 2 now, 3 within 30 s
+    now[0] = 36
+    assert scaler.decide("colocated", RoleLoad(3, 1)) == 2  # the 3 left the window; the 2 at 20 s has not
+    now[0] = 51
+    assert scaler.decide("colocated", RoleLoad(2, 0)) == 1
+    assert scaler.decide("colocated", RoleLoad(1, 40)) == 3  # never past the maximum
+
+
+def test_the_quantile_is_the_bound_of_the_bucket_that_reaches_it() -> None:
+    buckets = {0.1: 50.0, 0.5: 80.0, 1.0: 95.0, 5.0: 100.0, math.inf: 100.0}
+    assert quantile_of(buckets, 0.9) == 1.0 and quantile_of(buckets, 0.5) == 0.1
+    assert quantile_of({0.1: 0.0, 1.0: 0.0, math.inf: 3.0}, 0.9) == 1.0  # past every bound: the largest
+    assert quantile_of({}, 0.9) is None and quantile_of({1.0: 0.0, math.inf: 0.0}, 0.9) is None
+
+
+def example(**autoscaling: Any) -> dict[str, Any]:
+    import yaml
+
+    data: dict[str, Any] = yaml.safe_load((EXAMPLES / "autoscaling.yaml").read_text())
+    data["spec"]["autoscaling"] = autoscaling
+    return data
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "message"),
+    [
+        ({"colocated": {"minReplicas": 3, "maxReplicas": 2, "targetConcurrency": 4}}, "minReplicas (3) exceeds"),
+        ({"colocated": {"maxReplicas": 2}}, "needs a target"),
+        ({"prefill": {"maxReplicas": 2, "targetConcurrency": 4}}, "a colocated endpoint scales colocated, not prefill"),
+        ({}, "names no role to scale"),
+        ({"colocated": {"maxReplicas": 2, "targetConcurrency": 0}}, "greater than 0"),
+    ],
+)
+def test_a_bad_autoscaling_section_is_one_precise_error(autoscaling: dict[str, Any], message: str) -> None:
+    with pytest.raises(EndpointError, match=re.escape(message)):
+        parse_endpoint(example(**autoscaling))
+
+
+def test_decode_scales_by_concurrency_not_by_the_prefill_pools_ttft() -> None:
+    data = example(decode={"maxReplicas": 2, "targetTtftSeconds": 1.0})
+    data["spec"]["pdSpec"] = {}
+    with pytest.raises(EndpointError, match="scale decode by targetConcurrency"):
+        parse_endpoint(data)
