@@ -69,12 +69,17 @@ async def one_request(client: httpx.AsyncClient, text: str, max_tokens: int) -> 
                 return None, False
             done = False
             async for line in answer.aiter_lines():
-                if line.startswith("data: ") and ttft is None and '"content"' in line:
-                    ttft = time.monotonic() - began
+                if ttft is None and line.startswith("data: {") and _has_text(line):
+                    ttft = time.monotonic() - began  # the first text: a chat's first chunk may be its role alone
                 done = done or line == "data: [DONE]"
             return ttft, done
     except httpx.HTTPError:
         return ttft, False
+
+
+def _has_text(line: str) -> bool:
+    choices = json.loads(line.removeprefix("data: ")).get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
 
 
 async def load(url: str, args: argparse.Namespace, started: float) -> list[dict[str, Any]]:

@@ -110,7 +110,6 @@ def test_autoscaling_adds_a_replica_under_load_and_takes_it_away_after_without_l
             stories = [pool.submit(chat, up.url, f"Tell a long story about the number {i}.", 160) for i in range(8)]
             wait_until(lambda: workers(ready=True) == 2, timeout_s=READY_S, interval_s=0.3)
             assert all(story.result().status_code == 200 for story in stories)
-        assert state(up.home, up.name)["autoscaled"] == {"colocated": 2}
         answers = []
         while workers() == 2:  # the load is gone: within the window and a drain, back to one, serving throughout
             answers.append(chat(up.url, max_tokens=4).status_code)
