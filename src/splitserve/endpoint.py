@@ -349,6 +349,9 @@ class ModelMetrics(_Spec):
 class MetricsSpec(_Spec):
     enabled: bool = False
     model_metrics: ModelMetrics | None = None
+    # splitserve extension: the OTLP/HTTP endpoint (a tracing backend or gateway, http://host:port) each pod's
+    # collector also sends spans to; unset: only the collectors' logs (deploy/collector.py)
+    traces_exporter_endpoint: str | None = None
 
 
 class S3Storage(_Spec):
@@ -478,12 +481,29 @@ def _semantic_errors(config: InferenceEndpointConfig) -> list[str]:
         errors.append(f"spec.loadBalancer.healthCheckPath: {spec.load_balancer.health_check_path!r} must start with /")
     errors += _env_errors(spec.worker.environment_variables)
     errors += _autoscaling_errors(spec)
+    errors += _exporter_errors(spec.metrics)
     for path, args in args_lists(spec):
         try:
             parse_args(args, path)
         except EndpointError as exc:
             errors += exc.errors
     return errors
+
+
+def _exporter_errors(metrics: MetricsSpec) -> list[str]:
+    endpoint = metrics.traces_exporter_endpoint
+    if endpoint is None:
+        return []
+    where = "spec.metrics.tracesExporterEndpoint"
+    bad = [f"{where}: {endpoint!r} must be an http(s)://host[:port] URL (an OTLP/HTTP receiver)"]
+    url = urlsplit(endpoint)
+    try:
+        url.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+    except ValueError:
+        return bad
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return bad
+    return [] if metrics.enabled else [f"{where}: set metrics.enabled too: the collectors run only with it"]
 
 
 def _autoscaling_errors(spec: EndpointSpec) -> list[str]:

@@ -616,6 +616,32 @@ def test_metrics_enabled_puts_a_trace_collector_beside_every_splitserve_process(
     assert collector.CONTAINER_NAME in [c["name"] for c in router["spec"]["template"]["spec"]["containers"]]
 
 
+def test_a_traces_exporter_endpoint_gets_the_collectors_exporter_and_the_egress_to_it() -> None:
+    data = example_data("kvaware")
+    data["spec"]["metrics"]["tracesExporterEndpoint"] = "http://tempo.monitoring.svc:4318"
+    manifests = render(parse_endpoint(data))
+    pipeline = yaml.safe_load(find(manifests, "ConfigMap", "kvaware-otel-collector")["data"][collector.CONFIG_KEY])
+    assert pipeline["exporters"]["otlphttp"] == {"endpoint": "http://tempo.monitoring.svc:4318"}
+    assert pipeline["service"]["pipelines"]["traces"]["exporters"] == ["debug", "otlphttp"]
+    for name in ("kvaware-router", "kvaware-worker"):
+        egress = find(manifests, "NetworkPolicy", name)["spec"]["egress"]
+        assert {"ports": [{"protocol": "TCP", "port": 4318}]} in egress  # to any address: a policy names no host
+    plain = render(example("kvaware"))
+    assert "otlphttp" not in find(plain, "ConfigMap", "kvaware-otel-collector")["data"][collector.CONFIG_KEY]
+    assert {"ports": [{"protocol": "TCP", "port": 4318}]} not in find(plain, "NetworkPolicy", "kvaware-worker")["spec"][
+        "egress"
+    ]
+    data["spec"]["metrics"]["tracesExporterEndpoint"] = "https://traces.example.com"
+    assert collector.exporter_port("https://traces.example.com") == 443
+    for bad, message in (("tempo:4318", "must be an http(s)://host[:port] URL"), ("http://t:99999", "http(s)://")):
+        data["spec"]["metrics"]["tracesExporterEndpoint"] = bad
+        with pytest.raises(EndpointError, match=re.escape(message)):
+            parse_endpoint(data)
+    data["spec"]["metrics"] = {"enabled": False, "tracesExporterEndpoint": "http://tempo:4318"}
+    with pytest.raises(EndpointError, match="set metrics.enabled too"):
+        parse_endpoint(data)
+
+
 def test_objects_live_in_the_resources_namespace() -> None:
     data = example_data("dpd")
     data["metadata"]["namespace"] = "llm"

@@ -55,6 +55,12 @@ def test_what_a_worker_reports_beyond_this_routers_own_requests_is_what_other_re
     assert balance.decoding(worker) == 4 and balance.load_count(worker) == 2 + 2 + 3
     worker.report(WorkerLoad())  # a report from before ours arrived: ours are counted by us, never below
     assert worker.unseen == NOTHING_UNSEEN
+    worker.report(WorkerLoad(running=4))  # ours decoding and 3 others'
+    assert worker.unseen.decoding == 3
+    decoding.release()  # ours ended after the report, which may still count it: wait for the next one
+    assert worker.unseen == NOTHING_UNSEEN
+    worker.report(WorkerLoad(running=3))
+    assert worker.unseen.decoding == 3
     worker.report(WorkerLoad(running=9))
     later = time.monotonic() + REPORT_FRESH_S + 1
     monkeypatch.setattr(discovery.time, "monotonic", lambda: later)

@@ -7,11 +7,10 @@ container (``COLLECTOR_IMAGE``, the collector's core distribution) that receives
 pointing at it: every hop of a request (router, prefill, the KV push, decode, a migration) is a span of one trace
 (``splitserve.tracing``). Each collector reads the endpoint's ConfigMap ``<name>-otel-collector``
 (:func:`config_map`): spans are batched and written to the container's log (``kubectl logs -c otel-collector``) by
-the ``debug`` exporter. The resource has no field for another exporter yet, and the operator re-applies the
-ConfigMap and the NetworkPolicies as rendered: to send spans to a tracing backend (Tempo, Jaeger, an OTLP
-gateway), render with ``splitserve render``, add its exporter to the ConfigMap's ``exporters`` and
-``service.pipelines.traces`` and the collector's egress to the NetworkPolicies, and apply that (a collector reads
-its configuration when it starts). The image must have ``splitserve[tracing]`` (this repository's has). vLLM
+the ``debug`` exporter, and, with ``spec.metrics.tracesExporterEndpoint`` (a tracing backend or gateway that takes
+OTLP/HTTP: Tempo, Jaeger, an OpenTelemetry gateway), sent there too by the ``otlphttp`` exporter; the
+NetworkPolicies then let the router and worker pods reach that port (any address: a policy cannot name a host).
+The image must have ``splitserve[tracing]`` (this repository's has). vLLM
 workers get neither: ``vllm serve`` traces only where its image has OpenTelemetry installed, and a flag it
 cannot honour stops it.
 """
@@ -19,6 +18,7 @@ cannot honour stops it.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -38,26 +38,36 @@ def config_map_name(endpoint: str) -> str:
     return f"{endpoint}-otel-collector"
 
 
-def collector_config() -> dict[str, Any]:
-    """The collector's pipeline: OTLP/HTTP on loopback in, batched, the ``debug`` exporter out."""
+def collector_config(exporter_endpoint: str | None = None) -> dict[str, Any]:
+    """The collector's pipeline: OTLP/HTTP on loopback in, batched, the ``debug`` exporter out, and the
+    ``otlphttp`` one to ``exporter_endpoint`` when given."""
+    exporters: dict[str, Any] = {"debug": {"verbosity": "basic"}}
+    if exporter_endpoint is not None:
+        exporters["otlphttp"] = {"endpoint": exporter_endpoint}
     return {
         "receivers": {"otlp": {"protocols": {"http": {"endpoint": f"127.0.0.1:{OTLP_HTTP_PORT}"}}}},
         "processors": {"batch": {}},
-        "exporters": {"debug": {"verbosity": "basic"}},
+        "exporters": exporters,
         "service": {
-            "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"], "exporters": ["debug"]}},
+            "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"], "exporters": list(exporters)}},
             "telemetry": {"metrics": {"level": "none"}},
         },
     }
 
 
-def config_map(endpoint: str, namespace: str, labels: dict[str, str]) -> Manifest:
+def exporter_port(exporter_endpoint: str) -> int:
+    """The port the collectors send spans to: the URL's, else its scheme's."""
+    url = urlsplit(exporter_endpoint)
+    return url.port or (443 if url.scheme == "https" else 80)
+
+
+def config_map(endpoint: str, namespace: str, labels: dict[str, str], exporter_endpoint: str | None = None) -> Manifest:
     """The endpoint's collector configuration, which every collector container mounts."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": config_map_name(endpoint), "namespace": namespace, "labels": labels},
-        "data": {CONFIG_KEY: yaml.safe_dump(collector_config(), sort_keys=False)},
+        "data": {CONFIG_KEY: yaml.safe_dump(collector_config(exporter_endpoint), sort_keys=False)},
     }
 
 

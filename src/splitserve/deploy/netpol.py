@@ -11,6 +11,8 @@
   only prefill pods reach a decode pod's KV port. Prefill pods reach decode KV ports; every worker reaches the
   router (KV events, when the router takes them), Redis (the in-cluster one by its labels, a Redis the resource
   names by its port) and DNS.
+- with ``spec.metrics.tracesExporterEndpoint``, the router and the workers reach its port (any address: their
+  collectors send spans there).
 - Redis (``<endpoint>-redis``): only the workers reach it; it reaches nothing.
 
 DNS is UDP and TCP 53 to any address (kube-dns or a node-local cache alike). Kubelet probes are not subject to
@@ -45,6 +47,7 @@ class Network:
     router_takes_events: bool  # workers send KV events to the router
     redis_port: int | None  # the endpoint's own Redis; None without one
     external_redis_port: int | None  # a Redis the resource names (l2CacheLocalUrl), reached by its port
+    traces_exporter_port: int | None = None  # where the pods' collectors send spans (metrics.tracesExporterEndpoint)
 
 
 def network_policies(net: Network) -> list[Manifest]:
@@ -64,6 +67,8 @@ def _router_rules(net: Network) -> tuple[list[Manifest], list[Manifest]]:
     ingress = [_rule("from", None, [net.router_port])]  # clients, wherever they are
     worker_ports = [net.worker_port, *net.worker_event_ports]
     egress = [_rule("to", _workers(net), worker_ports), _rule("to", None, API_SERVER_PORTS), _dns()]
+    if net.traces_exporter_port is not None:
+        egress.append(_rule("to", None, [net.traces_exporter_port]))
     return ingress, egress
 
 
@@ -81,6 +86,8 @@ def _worker_rules(net: Network, component: str) -> tuple[list[Manifest], list[Ma
         egress.append(_rule("to", [{"podSelector": {"matchLabels": _pods(net, "redis")}}], [net.redis_port]))
     if net.external_redis_port is not None:
         egress.append(_rule("to", None, [net.external_redis_port]))
+    if net.traces_exporter_port is not None:
+        egress.append(_rule("to", None, [net.traces_exporter_port]))
     return ingress, egress
 
 

@@ -190,7 +190,8 @@ def render(
     ep = _Endpoint(config, endpoint_plan, image, router_image, values)
     manifests = [_secret(ep), *network_policies(_network(ep)), *_router_rbac(ep)]
     if ep.traces:
-        manifests.append(collector.config_map(ep.name, ep.namespace, _labels(ep, "router")))
+        exporter = config.spec.metrics.traces_exporter_endpoint
+        manifests.append(collector.config_map(ep.name, ep.namespace, _labels(ep, "router"), exporter))
     if config.needs_local_redis:
         manifests += [_redis_deployment(ep), _service(ep, f"{ep.name}-redis", "redis", _redis_ports())]
     for role in endpoint_plan.roles:
@@ -634,7 +635,13 @@ def _network(ep: _Endpoint) -> Network:
         router_takes_events=ep.plan.router.kv_events,
         redis_port=REDIS_PORT if ep.config.needs_local_redis else None,
         external_redis_port=_external_redis_port(ep),
+        traces_exporter_port=_traces_exporter_port(ep),
     )
+
+
+def _traces_exporter_port(ep: _Endpoint) -> int | None:
+    exporter = ep.config.spec.metrics.traces_exporter_endpoint
+    return collector.exporter_port(exporter) if ep.traces and exporter is not None else None
 
 
 def _external_redis_port(ep: _Endpoint) -> int | None:

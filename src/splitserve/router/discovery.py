@@ -46,6 +46,7 @@ class Worker:
     forces_first_token: bool = True  # a decode worker takes prefill's first token (splitserve's); vLLM samples its own
     reported: WorkerLoad | None = None  # its engine's load, with its last KV event batch (kvaware)
     reported_at: float = 0.0  # time.monotonic() of that report
+    left_at: float = 0.0  # time.monotonic() one of this router's requests there last answered or ended
 
     def report(self, load: WorkerLoad) -> None:
         self.reported, self.reported_at = load, time.monotonic()
@@ -54,9 +55,12 @@ class Worker:
     def unseen(self) -> Unseen:
         """What the worker last reported running beyond this router's own requests there: other replicas'. A
         report older than ``REPORT_FRESH_S`` (its event subscription broken) counts for nothing, as does a
-        report of less than this router sent (its own requests in transit count in its own counters)."""
+        report of less than this router sent (its own requests in transit count in its own counters), and one from
+        before one of this router's requests there answered or ended: it may still count that request, which this
+        router no longer does, until the next report (the worker's long poll answers when its load changes)."""
         load = self.reported
-        if load is None or time.monotonic() - self.reported_at > REPORT_FRESH_S:
+        now = time.monotonic()
+        if load is None or now - self.reported_at > REPORT_FRESH_S or self.reported_at < self.left_at:
             return NOTHING_UNSEEN
         own = self.pending_prefill
         own_decoding = max(0, self.in_flight - own.num_requests)
@@ -100,6 +104,8 @@ class WorkerLease:
 
     def answered(self) -> None:
         """The worker started to answer (or failed): its tokens are no longer queued prefill there."""
+        if self.queued_tokens:
+            self.worker.left_at = time.monotonic()
         self.worker.pending_prefill.remove(self.queued_tokens)
         self.queued_tokens = 0
 
@@ -114,6 +120,7 @@ class WorkerLease:
             return
         self.answered()
         self.worker.in_flight -= 1
+        self.worker.left_at = time.monotonic()
         if self.is_streaming:
             self.worker.num_streaming -= 1
         self.is_released = True
