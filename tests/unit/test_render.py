@@ -638,7 +638,7 @@ def test_a_traces_exporter_endpoint_gets_the_collectors_exporter_and_the_egress_
         with pytest.raises(EndpointError, match=re.escape(message)):
             parse_endpoint(data)
     data["spec"]["metrics"] = {"enabled": False, "tracesExporterEndpoint": "http://tempo:4318"}
-    with pytest.raises(EndpointError, match="set metrics.enabled too"):
+    with pytest.raises(EndpointError, match=re.escape("set metrics.enabled too")):
         parse_endpoint(data)
 
 
