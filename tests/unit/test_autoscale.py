@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from splitserve.deploy.autoscale import Autoscaler, RoleLoad, quantile_of, recommend
+from splitserve.deploy.supervisor import Supervisor
 from splitserve.endpoint import AutoscalingSpec, EndpointError, RoleScaling, parse_endpoint
 from tests.support.paths import EXAMPLES
+from tests.support.workers import free_port
 
 
 def scaling(**fields: Any) -> RoleScaling:
@@ -91,3 +94,23 @@ def test_decode_scales_by_concurrency_not_by_the_prefill_pools_ttft() -> None:
     data["spec"]["pdSpec"] = {}
     with pytest.raises(EndpointError, match="scale decode by targetConcurrency"):
         parse_endpoint(data)
+
+
+def test_the_supervisor_runs_the_scaled_replicas_and_keeps_them_over_a_reapply(tmp_path: Path) -> None:
+    """What the supervisor applies for a disaggregated endpoint: the file's replicas within the bounds at first,
+    then the autoscaler's, kept when the file is applied again; a role without bounds keeps the file's."""
+    data = example(decode={"minReplicas": 2, "maxReplicas": 4, "targetConcurrency": 8})
+    data["spec"]["pdSpec"] = {"prefillSpec": {"replicas": 1}, "decodingSpec": {"replicas": 1}}
+    config = parse_endpoint(data)
+    supervisor = Supervisor(tmp_path / "run", router_port=free_port())
+    applied = supervisor._with_scaled_replicas(config)
+    assert applied.spec.pd_spec is not None and config.spec.pd_spec is not None
+    assert applied.spec.pd_spec.decoding_spec.replicas == 2  # the file's 1, raised to the minimum
+    assert applied.spec.pd_spec.prefill_spec.replicas == 1 and config.spec.pd_spec.decoding_spec.replicas == 1
+    supervisor._scaled["decode"] = 3  # what the autoscaler chose
+    assert supervisor._with_scaled_replicas(config).spec.pd_spec.decoding_spec.replicas == 3  # type: ignore[union-attr]
+    data["spec"]["autoscaling"]["decode"]["maxReplicas"] = 2  # the file now bounds it lower
+    assert supervisor._with_scaled_replicas(parse_endpoint(data)).spec.pd_spec.decoding_spec.replicas == 2  # type: ignore[union-attr]
+    del data["spec"]["autoscaling"]
+    assert supervisor._with_scaled_replicas(parse_endpoint(data)).spec.pd_spec.decoding_spec.replicas == 1  # type: ignore[union-attr]
+    assert supervisor._scaled == {}
