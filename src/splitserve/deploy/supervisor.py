@@ -57,7 +57,7 @@ from splitserve.deploy.autoscale import TTFT_QUANTILE, Autoscaler, RoleLoad, qua
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
 from splitserve.deploy.render import REDIS_MAX_MEMORY
-from splitserve.endpoint import InferenceEndpointConfig, RoleSpec, WorkerEngine
+from splitserve.endpoint import EndpointError, InferenceEndpointConfig, RoleSpec, WorkerEngine
 from splitserve.metrics import ROUTER_TTFT_SECONDS, histogram_buckets, sum_samples
 
 logger = logging.getLogger("splitserve.supervisor")
@@ -216,13 +216,13 @@ class Supervisor:
         ``revision`` names what was applied (a digest of the file); ``state.json`` reports it once done.
         """
         plan(config, Target.LOCAL, redis_url="redis://127.0.0.1:6379/0")  # every EndpointError before any change
+        if config.spec.worker.engine == WorkerEngine.VLLM:
+            self._vllm_command = vllm.local_command(envs.copy())  # RuntimeError before any change, too
         if config.spec.autoscaling != (self.user_config.spec.autoscaling if self.user_config is not None else None):
             scaling = config.spec.autoscaling
             self._autoscaler = Autoscaler(scaling) if scaling is not None else None
         self.user_config = config
         config = self._with_scaled_replicas(config)
-        if config.spec.worker.engine == WorkerEngine.VLLM:
-            self._vllm_command = vllm.local_command(envs.copy())  # RuntimeError before any change, too
         redis_url = self._ensure_redis(config)
         new_plan = plan(config, Target.LOCAL, redis_url=redis_url)
         for warning in new_plan.warnings:
@@ -322,7 +322,10 @@ class Supervisor:
                 self._scaled[role] = wanted
                 changed = True
         if changed:
-            self.apply(self.user_config, self.revision)
+            try:
+                self.apply(self.user_config, self.revision)
+            except (EndpointError, RuntimeError) as exc:  # the endpoint keeps running as it is
+                logger.error("autoscaling not applied: %s", exc)
 
     def _router_ttft_p90(self) -> float | None:
         """The 90th percentile of the time to first token the routers saw since the last read (None: no first
