@@ -218,12 +218,12 @@ class Supervisor:
         plan(config, Target.LOCAL, redis_url="redis://127.0.0.1:6379/0")  # every EndpointError before any change
         if config.spec.worker.engine == WorkerEngine.VLLM:
             self._vllm_command = vllm.local_command(envs.copy())  # RuntimeError before any change, too
+        redis_url = self._ensure_redis(config)  # RuntimeError without a redis-server, before the pods change
         if config.spec.autoscaling != (self.user_config.spec.autoscaling if self.user_config is not None else None):
             scaling = config.spec.autoscaling
             self._autoscaler = Autoscaler(scaling) if scaling is not None else None
-        self.user_config = config
+        self.user_config = config  # taken as current once nothing before the pods' changes can fail
         config = self._with_scaled_replicas(config)
-        redis_url = self._ensure_redis(config)
         new_plan = plan(config, Target.LOCAL, redis_url=redis_url)
         for warning in new_plan.warnings:
             logger.warning("%s", warning)
