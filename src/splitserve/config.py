@@ -128,6 +128,7 @@ class KVCacheDtype(StrEnum):
     FP8_E4M3 = "fp8_e4m3"  # the same
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024  # --max-num-batched-tokens; the routing score's step, too (policy.balance)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # --kv-cache-memory unset on CPU (less where less memory is available)
 
 
@@ -241,7 +242,9 @@ class SchedulerConfig:
     """Continuous batching limits, and who goes first."""
 
     max_num_seqs: int = setting(64, "Requests running at once.")
-    max_num_batched_tokens: int = setting(1024, "Tokens computed per engine step (prefill chunks and decodes).")
+    max_num_batched_tokens: int = setting(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "Tokens computed per engine step (prefill chunks and decodes)."
+    )
     enable_chunked_prefill: bool = setting(True, "Split long prompts across steps (off: one step, budget permitting).")
     policy: SchedulingPolicy = setting(
         SchedulingPolicy.LPM,

@@ -40,8 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from splitserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 SCORE_TOLERANCE = 1.1  # scores within 10% of the lowest are ties
-PREFILL_TOKENS_PER_STEP = 1024  # the engine's default --max-num-batched-tokens
+PREFILL_TOKENS_PER_STEP = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the engine's default step budget
 # A decode row's cost in a step, in prompt tokens: on a CPU both are a row through every matrix (a decode row
 # also reads its context's KV, which a prompt token of a short prompt does not), within a factor of 2 at 135M-1B.
 DECODE_ROW_TOKENS = 1.0
@@ -128,10 +130,15 @@ class Decision(Generic[W]):
     uncached_tokens: int = 0
 
 
+def answered(worker: Loaded) -> int:
+    """This router's streams on ``worker``: its requests in flight there that have answered (none queued as
+    prefill)."""
+    return max(0, worker.in_flight - worker.pending_prefill.num_requests)
+
+
 def decoding(worker: Loaded) -> int:
-    """The streams ``worker`` is decoding: the requests in flight there that have answered (none queued as
-    prefill), and those others sent."""
-    return max(0, worker.in_flight - worker.pending_prefill.num_requests) + worker.unseen.decoding
+    """The streams ``worker`` is decoding: this router's (:func:`answered`) and those others sent."""
+    return answered(worker) + worker.unseen.decoding
 
 
 def load_count(worker: Loaded) -> int:

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from splitserve.breaker import CircuitBreaker
 from splitserve.config import checked_worker_url
-from splitserve.policy.balance import NOTHING_UNSEEN, PendingPrefill, Unseen
+from splitserve.policy.balance import NOTHING_UNSEEN, PendingPrefill, Unseen, answered
 from splitserve.protocol.kv_events import WorkerLoad
 from splitserve.router.health import worker_breaker
 
@@ -63,11 +63,10 @@ class Worker:
         if load is None or now - self.reported_at > REPORT_FRESH_S or self.reported_at < self.left_at:
             return NOTHING_UNSEEN
         own = self.pending_prefill
-        own_decoding = max(0, self.in_flight - own.num_requests)
         return Unseen(
             requests=max(0, load.waiting + load.prefilling - own.num_requests),
             tokens=max(0, load.prefill_tokens - own.total),
-            decoding=max(0, load.running - load.prefilling - own_decoding),
+            decoding=max(0, load.running - load.prefilling - answered(self)),
         )
 
     @property
