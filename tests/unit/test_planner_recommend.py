@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from splitserve.cli import app
-from splitserve.config import Role, RoutingStrategy
+from splitserve.config import CacheConfig, Role, RoutingStrategy, SchedulerConfig
 from splitserve.deploy.plan import plan
 from splitserve.endpoint import load_endpoint, loads_endpoint
 from splitserve.planner.calibrate import calibration_key
@@ -131,6 +132,22 @@ def test_each_role_keeps_its_engine_flags() -> None:
     assert engine_limits(config, Role.DECODE, 23040).cache_tokens == (2 << 30) // 23040
     kvaware = load_endpoint(EXAMPLES / "kvaware.yaml")
     assert engine_limits(kvaware, Role.COLOCATED, 23040).l1_tokens == (1 << 30) // 23040
+
+
+def test_a_worker_without_flags_is_simulated_with_the_worker_defaults() -> None:
+    manifest = yaml.safe_load((EXAMPLES / "colocated.yaml").read_text())
+    manifest["spec"]["worker"]["args"] = []
+    limits = engine_limits(loads_endpoint(json.dumps(manifest)), Role.COLOCATED, 23040)
+    scheduler, cache = SchedulerConfig(), CacheConfig()
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens, limits.block_size) == (
+        scheduler.max_num_seqs,
+        scheduler.max_num_batched_tokens,
+        cache.block_size,
+    )
+    assert (limits.step_time_target_s, limits.max_wait_s) == (scheduler.step_time_target, scheduler.max_wait_s)
+    manifest["spec"]["worker"]["args"] = ["--scheduling-max-wait", "2.5", "--step-time-target", "0"]
+    limits = engine_limits(loads_endpoint(json.dumps(manifest)), Role.COLOCATED, 23040)
+    assert (limits.step_time_target_s, limits.max_wait_s) == (0.0, 2.5)
 
 
 # ---------------------------------------------------------------------------------------------- recommending

@@ -32,7 +32,6 @@ from splitserve.config import (
     KVTierConfig,
     Role,
     RoutingStrategy,
-    SchedulerConfig,
     parse_bytes,
 )
 from splitserve.deploy.plan import plan
@@ -200,20 +199,19 @@ def engine_limits(config: InferenceEndpointConfig, role: Role, kv_bytes_per_toke
     """The scheduler and cache settings of a ``role`` worker, from the resource's flags and cache spec."""
     flags = _role_flags(config, role)
 
-    def value(name: str, default: int) -> int:
-        return _flag_value(flags, name, int, default)
-
     caching = last_flag(flags, "enable-prefix-caching")
     kv_memory = last_flag(flags, "kv-cache-memory")
     kv_bytes = _kv_cache_bytes(kv_memory.value if kv_memory is not None else None)
     cache_tokens = 0 if caching is not None and caching.name.startswith("no-") else kv_bytes // kv_bytes_per_token
     kv = config.spec.kv_cache_spec
     l1_bytes = _flag_bytes(flags, "l1-cache-bytes", KVTierConfig().l1_cache_bytes)
+    defaults = EngineLimits()
     return EngineLimits(
-        max_num_seqs=value("max-num-seqs", 64),
-        max_num_batched_tokens=value("max-num-batched-tokens", 1024),
-        block_size=value("block-size", 16),
-        step_time_target_s=_flag_value(flags, "step-time-target", float, SchedulerConfig().step_time_target),
+        max_num_seqs=_flag_value(flags, "max-num-seqs", int, defaults.max_num_seqs),
+        max_num_batched_tokens=_flag_value(flags, "max-num-batched-tokens", int, defaults.max_num_batched_tokens),
+        block_size=_flag_value(flags, "block-size", int, defaults.block_size),
+        step_time_target_s=_flag_value(flags, "step-time-target", float, defaults.step_time_target_s),
+        max_wait_s=_flag_value(flags, "scheduling-max-wait", float, defaults.max_wait_s),
         cache_tokens=cache_tokens,
         l1_tokens=l1_bytes // kv_bytes_per_token if kv is not None and kv.enable_l1_cache else 0,
     )

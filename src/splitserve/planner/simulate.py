@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from splitserve.bench.metrics import Slo, percentile
-from splitserve.config import Role, RoutingStrategy
+from splitserve.config import CacheConfig, Role, RoutingStrategy, SchedulerConfig
 from splitserve.planner.costs import LoadCost, StepCost
 from splitserve.planner.routing import RoutingQuery, SimRouter
 from splitserve.planner.workload import TraceRequest
@@ -47,17 +47,19 @@ from splitserve.policy.scheduling import RunningBudget, StepRate, admitted_token
 
 NUM_SENDER_THREADS = 2  # pd/sender.py's pool
 ROUTER_RATE_TOKENS = 1024  # the prompt length at which a worker's seconds per prefill token are taken for routing
+_SCHEDULER = SchedulerConfig()  # a worker's defaults, as ``splitserve worker`` has them
+_CACHE = CacheConfig()
 
 
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     """A worker's scheduler and cache settings (the ``splitserve worker`` flags of the same names)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    step_time_target_s: float = 0.05  # 0: none, every step takes max_num_batched_tokens
-    max_wait_s: float = 5.0
-    block_size: int = 16
+    max_num_seqs: int = _SCHEDULER.max_num_seqs
+    max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
+    step_time_target_s: float = _SCHEDULER.step_time_target  # 0: none, every step takes max_num_batched_tokens
+    max_wait_s: float = _SCHEDULER.max_wait_s
+    block_size: int = _CACHE.block_size
     cache_tokens: int = 1 << 62  # the engine's KV cache, in tokens (what its prefix cache can keep)
     l1_tokens: int = 0  # 0: no L1
 
