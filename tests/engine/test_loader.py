@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -195,6 +197,23 @@ def test_a_model_built_around_its_weights_equals_one_loaded_into(tmp_path: Path)
     with pytest.raises(ValueError, match=r"weights lack tensor 'model\.norm\.weight'"):
         DecoderForCausalLM.from_hf_state_dict(config, {k: v for k, v in state.items() if k != "model.norm.weight"},
                                               torch.device("cpu"))  # fmt: skip
+
+
+def test_loading_for_serving_leaves_torch_dynamo_unimported(tmp_path: Path) -> None:
+    """Made on the meta device, the model runs none of torch's reference ops, whose first use imports
+    ``torch._dynamo``: a second of every worker's start."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf(tie=False), gguf.GGMLQuantizationType.Q8_0)
+    script = (
+        "import sys, torch\n"
+        "from splitserve.model.registry import load_for_serving\n"
+        "from splitserve.model.source import resolve_model\n"
+        f"load_for_serving(resolve_model({str(path)!r}), torch.float32, torch.device('cpu'), 'auto')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"]
 
 
 def test_f32_gguf_gives_transformers_logits(tmp_path: Path) -> None:

@@ -48,6 +48,16 @@ REFINE_TOP_K = 32
 # arithmetic than decode's, so a prefix-cache hit could change the answer.
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that leaves a weight on the meta device unfilled: a checkpoint's tensor replaces it
+    (``from_hf_state_dict``), and filling it runs torch's reference ops, whose first use imports ``torch._dynamo``:
+    a second of a worker's start."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that can switch to faster CPU kernels once loaded.
 
@@ -62,6 +72,10 @@ class Linear(nn.Linear):
     int4_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed codes, scales_and_zeros)
     quant: PackedWeight | None = None  # the GGUF's blocks, repacked for the native kernels
     quant_kernels: NativeKernels | None = None
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":  # see Embedding
+            super().reset_parameters()
 
     def pack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -316,10 +330,12 @@ def add_rms_norm(
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, tables_on: torch.device | None = None) -> None:
+        """``tables_on``: the device of the rotary tables, which no checkpoint holds, where it is not the one the
+        parameters are made on (``from_hf_state_dict`` makes those on the meta device)."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -328,10 +344,11 @@ class DecoderForCausalLM(nn.Module):
         self._quant_head: tuple[PackedWeight, NativeKernels] | None = None  # the head's quantized blocks
         self._forward_step: ForwardStep | None = None  # the one-call native step (bind_kv_cache)
         self.residual_dtype: torch.dtype | None = None
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
-        )
-        self.sliding_rotary = _sliding_rotary(cfg)
+        with torch.device(tables_on) if tables_on is not None else contextlib.nullcontext():
+            self.rotary = RotaryEmbedding(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+            )
+            self.sliding_rotary = _sliding_rotary(cfg)
 
     @property
     def runs_forward_step(self) -> bool:
@@ -574,12 +591,7 @@ class DecoderForCausalLM(nn.Module):
         ``load_hf_state_dict``.
         """
         with torch.device("meta"):
-            model = cls(cfg)
-        with torch.device(device):
-            model.rotary = RotaryEmbedding(
-                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
-            )
-            model.sliding_rotary = _sliding_rotary(cfg)
+            model = cls(cfg, tables_on=device)
         model.load_hf_state_dict(state, assign=True, device=device)
         return model
 
@@ -615,6 +627,15 @@ def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``; meta tensors (matrices loaded as quantized blocks only) make an empty meta one of the
+    shape without torch's reference ops (whose first use imports ``torch._dynamo``: a second of a worker's start)."""
+    if all(part.device.type == "meta" for part in parts):
+        shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+        return torch.empty(shape, dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts, dim=0)
+
+
 def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig) -> torch.Tensor:
     """The HF tensor (or the concatenation of HF tensors) that fills our parameter ``name``."""
 
@@ -634,11 +655,11 @@ def _hf_tensor_for(name: str, state: dict[str, torch.Tensor], cfg: DecoderConfig
     hf = f"model.layers.{index}."
     if leaf in ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"):
         kind = leaf.rpartition(".")[2]
-        return torch.cat([get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv"], dim=0)
+        return _cat_rows([get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv"])
     if leaf in ("self_attn.q_norm", "self_attn.k_norm"):
         return get(hf + leaf + ".weight")
     if leaf == "mlp.gate_up_proj.weight":
-        return torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], dim=0)
+        return _cat_rows([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")])
     if cfg.sandwich_norms:  # Gemma's names: its post_attention_layernorm norms the attention's output
         gemma = {"post_attention_layernorm": "pre_feedforward_layernorm", "attn_out_norm": "post_attention_layernorm",
                  "mlp_out_norm": "post_feedforward_layernorm"}  # fmt: skip
