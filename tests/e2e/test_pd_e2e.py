@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,21 +54,26 @@ class Endpoint:
                            "--pd-buffer-size", "20MB")  # fmt: skip
         self.colocated = worker("colocated", "--kv-cache-memory", "640MiB")
         self.workers = [self.prefill, self.decode, self.tiny, self.colocated]
-        args = ["--prefill", self.prefill.url, "--decode", self.decode.url, "--decode", self.tiny.url,
-                "--routing-threshold", str(THRESHOLD), "--health-interval", "0.5"]  # fmt: skip
 
-        def router(name: str, decision: PDDecision) -> RouterProcess:
-            return RouterProcess(log_dir / f"{name}.log", [*args, "--pd-decision", decision.value])
+        def router(name: str, decision: PDDecision, decoders: tuple[WorkerProcess, ...]) -> RouterProcess:
+            args = ["--prefill", self.prefill.url, *(a for d in decoders for a in ("--decode", d.url)),
+                    "--routing-threshold", str(THRESHOLD), "--health-interval", "0.5",
+                    "--pd-decision", decision.value]  # fmt: skip
+            return RouterProcess(log_dir / f"{name}.log", args)
 
-        self.router = router("router", PDDecision.THRESHOLD)  # the reference system's rule
-        self.cost_router = router("cost-router", PDDecision.COST)
-        for process in [*self.workers, self.router, self.cost_router]:
+        both = (self.decode, self.tiny)
+        self.router = router("router", PDDecision.THRESHOLD, both)  # the reference system's rule
+        self.cost_router = router("cost-router", PDDecision.COST, both)
+        # the reference request's 138 MB of KV fit only the first decoder's buffer
+        self.reference_router = router("reference-router", PDDecision.THRESHOLD, (self.decode,))
+        self.routers = [self.router, self.cost_router, self.reference_router]
+        for process in [*self.workers, *self.routers]:
             process.wait_healthy()
-        for router in (self.router, self.cost_router):
+        for router in self.routers:
             router.wait_every_worker_healthy()
 
     def stop(self) -> None:
-        for process in [self.router, self.cost_router, *self.workers]:
+        for process in [*self.routers, *self.workers]:
             process.stop()
 
 
@@ -189,9 +195,12 @@ def test_structured_outputs_and_tool_calls_through_the_router_direct_and_disaggr
 
 
 def test_the_reference_request_of_600_sentences_is_disaggregated(endpoint: Endpoint) -> None:
-    answer = endpoint.router.complete(FOX * 600, 30)
+    answer = endpoint.reference_router.complete(FOX * 600, 30)
     assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 6001
-    assert "Conditional routing: estimated_tokens=6001, threshold=256, disaggregate=True" in endpoint.router.logs()
+    routed = "Conditional routing: estimated_tokens=6001, threshold=256, disaggregate=True"
+    assert routed in endpoint.reference_router.logs()
+    # the decoder took every pushed token it lacked (what an earlier prompt left in its cache it had)
+    assert re.search(r"Retrieved (\d+) out of \1 required tokens \(from 6001 total tokens\)", endpoint.decode.logs())
 
 
 def test_concurrent_long_prompts_on_a_tiny_buffer_degrade_to_recompute(endpoint: Endpoint) -> None:

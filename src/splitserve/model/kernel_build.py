@@ -237,16 +237,18 @@ def prebuilt(level: IsaLevel) -> Path | None:
     return path if path is not None and path.exists() else None
 
 
-def prebuild(out_dir: Path, arch: str | None = None) -> list[Path]:
+def prebuild(out_dir: Path, arch: str | None = None, extra: Sequence[str] = ()) -> list[Path]:
     """Build every level of ``arch`` (this machine's by default) into ``out_dir``, for an image (the levels at
-    once, one compiler per core)."""
+    once, one compiler per core; ``extra``: more flags, e.g. ``-Werror``). ``OSError`` with the compiler's
+    message when a level does not build."""
     compiler = _compiler()
     out_dir.mkdir(parents=True, exist_ok=True)
     levels = levels_of(arch or platform.machine())
     built = [out_dir / prebuilt_name(level) for level in levels]
     with ThreadPoolExecutor(max(1, min(len(levels), os.cpu_count() or 1))) as pool:
         builds = [
-            pool.submit(_compile, compiler, generic(level), target) for level, target in zip(levels, built, strict=True)
+            pool.submit(_compile, compiler, generic(level), target, extra)
+            for level, target in zip(levels, built, strict=True)
         ]
         for build in builds:
             build.result()
@@ -260,15 +262,16 @@ def _compiler() -> str:
     return compiler
 
 
-def _compile(compiler: str, level: IsaLevel, target: Path) -> None:
+def _compile(compiler: str, level: IsaLevel, target: Path, extra: Sequence[str] = ()) -> None:
     """Build to a temporary name beside ``target``, then rename: a reader never sees half a library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run(compile_command(compiler, level, tmp), capture_output=True, text=True, timeout=300)
+        command = compile_command(compiler, level, tmp, extra)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} failed for {level.name}: {result.stderr.strip()[-3000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
