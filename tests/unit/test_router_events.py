@@ -5,6 +5,7 @@ socket: the workers are in-process apps behind the in-memory transport."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -96,12 +97,17 @@ def test_a_worker_without_events_gets_one_warning_and_the_prefix_index(
     assert router.events is not None and not router.events.has_events(plain[0][0])
 
 
-def test_two_router_replicas_each_see_the_load_the_other_puts_on_a_worker(stack: ExitStack) -> None:
-    """The workers' load rides on the events both replicas pull: a long request replica b sends to the worker
-    shows on replica a's entry for it while it runs, and is gone from it once it has finished."""
+@pytest.mark.parametrize("strategy", [RoutingStrategy.KVAWARE, RoutingStrategy.PREFIXAWARE, RoutingStrategy.SESSION])
+def test_two_router_replicas_each_see_the_load_the_other_puts_on_a_worker(
+    stack: ExitStack, strategy: RoutingStrategy
+) -> None:
+    """The workers' load rides on the events both replicas pull (the load alone where the strategy keeps no KV
+    index): a long request replica b sends to the worker shows on replica a's entry for it while it runs, and is
+    gone from it once it has finished."""
     worker = MemoryWorker("http://worker-a:8000", "a")
-    router_a, _ = start_kvaware(stack, [worker])
-    _, client_b = start_kvaware(stack, [worker])
+    urls, apps = [worker.url], {worker.url: worker.app}
+    router_a, _ = start_router_in_memory(stack, urls, apps, routing_strategy=strategy)
+    _, client_b = start_router_in_memory(stack, urls, apps, routing_strategy=strategy)
     worker.engine.step_delay_s = 0.05
     entry = router_a.pool.get(worker.url)
     assert entry is not None
@@ -113,3 +119,19 @@ def test_two_router_replicas_each_see_the_load_the_other_puts_on_a_worker(stack:
         assert entry.in_flight == 0  # none of it is replica a's own
         assert answer.result(30).status_code == 200
     wait_until(lambda: entry.unseen == NOTHING_UNSEEN, timeout_s=5)
+    if strategy != RoutingStrategy.KVAWARE:  # no index: none fed, nobody registered, pushes not taken as pulled
+        assert router_a.events is not None and router_a.events.index is None
+        assert not router_a.kv_index.is_registered(worker.url) and not router_a.events.has_events(worker.url)
+
+
+def test_a_load_only_poll_answers_no_events_and_waits_for_the_load_alone() -> None:
+    worker = MemoryWorker("http://worker-a:8000", "a")
+    worker.log.stored(Tier.ENGINE, hash_blocks(PROMPT, 16))
+    with TestClient(worker.app) as client:
+        first = client.get("/kv/events", params={"load_only": "true"}).json()
+        assert first["events"] == [] and not first["reset"] and first["load"]["running"] == 0
+        worker.log.stored(Tier.ENGINE, hash_blocks([*PROMPT, 1], 16))  # a new event: no reason to answer
+        after = {"load_only": "true", "after": first["seq"], "epoch": first["epoch"], "wait": "0.3"}
+        start = time.monotonic()
+        assert client.get("/kv/events", params=after).json()["events"] == []
+        assert time.monotonic() - start >= 0.25  # the new event did not end the wait

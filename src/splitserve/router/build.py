@@ -112,16 +112,20 @@ def _health_checker(config: RouterConfig, pool: WorkerPool, transport: Transport
 def _event_subscriber(
     config: RouterConfig, pool: WorkerPool, kv_index: KVIndex, transport: Transport
 ) -> EventSubscriber | None:
-    """kvaware's: the router pulls every worker's KV events itself (workers may also push them)."""
-    if config.routing_strategy != RoutingStrategy.KVAWARE:
+    """kvaware's: the router pulls every worker's KV events itself (workers may also push them), and their load.
+    The other strategies that weigh load (``session``'s and ``prefixaware``'s load guard) pull the load alone, so
+    router replicas see each other's requests; ``roundrobin`` none."""
+    if config.routing_strategy == RoutingStrategy.ROUNDROBIN:
         return None
-    on_register = functools.partial(register_worker, pool, config)
 
     def on_load(url: str, load: WorkerLoad) -> None:
         worker = pool.get(url)
         if worker is not None:
             worker.report(load)
 
+    if config.routing_strategy != RoutingStrategy.KVAWARE:
+        return EventSubscriber(None, transport, kind=config.backend_kind, on_load=on_load)
+    on_register = functools.partial(register_worker, pool, config)
     return EventSubscriber(
         kv_index, transport, on_register, config.backend_kind, VLLMSource.from_config(config), on_load
     )

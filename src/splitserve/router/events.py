@@ -7,7 +7,9 @@ hold, each later one the events since (``worker.kv_events.KVEventLog``). Batches
 events are current, the router acknowledges its pushes and drops them, since a push in flight could only
 take the index back to an older state.
 Each answer also carries the worker's engine load, and the long poll answers when it changes: ``on_load`` hands
-it to the worker's entry, so router replicas see the requests the others sent (``Worker.unseen``).
+it to the worker's entry, so router replicas see the requests the others sent (``Worker.unseen``). A router
+whose strategy keeps no KV index but weighs load (``session``, ``prefixaware``) follows the load alone
+(``index`` None: the polls ask for ``load_only``, and vLLM workers, which report none, are not followed).
 A worker that has no such route (an older splitserve, vLLM without a matching event source) or stops
 answering gets one warning; meanwhile ``kvaware`` routes it by the router's own prefix index
 (``policies.KVAwarePolicy``), and the subscription keeps retrying with back-off.
@@ -46,13 +48,13 @@ SILENT_AFTER_S = 30.0  # a worker without events this long gets its warning
 
 
 class EventSubscriber:
-    """One task per worker (a long poll, or a vLLM worker's ZMQ subscription), feeding ``index``; :meth:`sync`
-    follows the worker list. ``transport`` carries the long polls (and the questions to each worker); ``kind``
-    says what the workers are (``auto``: ask each); ``vllm`` where vLLM workers' events are."""
+    """One task per worker (a long poll, or a vLLM worker's ZMQ subscription), feeding ``index`` (None: the load
+    alone); :meth:`sync` follows the worker list. ``transport`` carries the long polls (and the questions to each
+    worker); ``kind`` says what the workers are (``auto``: ask each); ``vllm`` where vLLM workers' events are."""
 
     def __init__(
         self,
-        index: KVIndex,
+        index: KVIndex | None,
         transport: Transport,
         on_register: Callable[[str, str, dict[str, Any]], None] | None = None,
         kind: BackendKind = BackendKind.SPLITSERVE,
@@ -95,14 +97,16 @@ class EventSubscriber:
             self._zmq = None
 
     def has_events(self, url: str) -> bool:
-        """True while ``url``'s events are current (a batch within the last long poll and a half)."""
-        at = self.last_batch_at.get(url)
+        """True while ``url``'s events are current (a batch within the last long poll and a half); never while
+        following the load alone."""
+        at = self.last_batch_at.get(url) if self.index is not None else None
         return at is not None and time.monotonic() - at < WAIT_S * 1.5
 
     async def _follow(self, url: str) -> None:
         kind = self.kinds[url] = await self._kind_of(url)
         if kind == BackendKind.VLLM:
-            await self._follow_vllm(url)
+            if self.index is not None:  # a vLLM worker reports no load: nothing to follow without an index
+                await self._follow_vllm(url)
         else:
             await self._follow_splitserve(url)
 
@@ -120,6 +124,7 @@ class EventSubscriber:
             status, body = await self._answer(f"{url}/kv_event_sources")
             sources = body if status == 200 else None
         endpoint, replay = self.vllm.endpoints(url, sources)
+        assert self.index is not None
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
         keys = VLLMBlockKeys(self.vllm.block_size, self.vllm.max_blocks)
@@ -164,9 +169,10 @@ class EventSubscriber:
             if batch is not None:
                 worker_id, _, reset, events = parse_batch(batch)
                 meta = batch.get("meta") if isinstance(batch.get("meta"), dict) else None
-                self.index.apply(url, worker_id, reset, events, meta)
-                if reset:
-                    self._on_register(url, worker_id, meta or {})
+                if self.index is not None:
+                    self.index.apply(url, worker_id, reset, events, meta)
+                    if reset:
+                        self._on_register(url, worker_id, meta or {})
                 if (load := parse_load(batch)) is not None:
                     self._on_load(url, load)
                 seq, epoch = int(batch["seq"]), str(batch.get("epoch") or "")
@@ -177,9 +183,13 @@ class EventSubscriber:
                 continue
             seq = epoch = None  # the next answer must be a snapshot
             if not warned and time.monotonic() - silent_since >= SILENT_AFTER_S:
+                fallback = (
+                    "kvaware routes it by the router's prefix index" if self.index is not None
+                    else "its load counts this router's own requests alone"
+                )  # fmt: skip
                 logger.warning(
-                    "no KV events from worker %s for %.0f s (%s): kvaware routes it by the router's prefix index",
-                    url, time.monotonic() - silent_since, reason,
+                    "no KV events from worker %s for %.0f s (%s): %s",
+                    url, time.monotonic() - silent_since, reason, fallback,
                 )  # fmt: skip
                 warned = True
             await asyncio.sleep(backoff_s)
@@ -187,6 +197,8 @@ class EventSubscriber:
 
     async def _poll(self, url: str, seq: int | None, epoch: str | None) -> dict[str, Any]:
         params = {"wait": str(WAIT_S)} | ({"after": str(seq), "epoch": epoch or ""} if seq is not None else {})
+        if self.index is None:
+            params["load_only"] = "true"
         try:
             answer = await self._transport.get(f"{url}/kv/events?{urlencode(params)}", WAIT_S + 10)
             if answer.status != 200:

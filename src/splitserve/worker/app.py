@@ -140,11 +140,12 @@ def _add_kv_routes(
 
     @app.get("/kv/events")
     async def kv_events(
-        raw: Request, after: int | None = None, epoch: str | None = None, wait: float = 0.0
+        raw: Request, after: int | None = None, epoch: str | None = None, wait: float = 0.0, load_only: bool = False
     ) -> Response:
         """The events after ``after`` (of ``epoch``), waiting up to ``wait`` seconds for one or for a change of
         the engine's load; a snapshot when the caller has nothing, or has fallen behind what the log keeps
-        (``worker.kv_events.KVEventLog``). Every answer carries the load (``protocol.kv_events.WorkerLoad``)."""
+        (``worker.kv_events.KVEventLog``). Every answer carries the load (``protocol.kv_events.WorkerLoad``).
+        ``load_only``: no events at all (a router that keeps no KV index), and the wait is for the load alone."""
         if events is None:
             raise ApiError(404, "this worker publishes no KV events", code="not_found")
         if draining.is_set():  # subscribers back off, rather than poll a worker on its way out
@@ -152,13 +153,18 @@ def _add_kv_routes(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait, 0.0), MAX_EVENTS_WAIT_S)
         seen = _load(engine).changes
-        while after is not None and events.seq <= after and epoch in (None, events.epoch) and loop.time() < deadline:
+
+        def up_to_date() -> bool:
+            return load_only or (after is not None and events.seq <= after and epoch in (None, events.epoch))
+
+        while after is not None and up_to_date() and loop.time() < deadline:
             if draining.is_set() or await raw.is_disconnected():
                 raise ApiError(503, "the worker is draining", code="draining")
             await asyncio.sleep(EVENTS_POLL_S)
             if _load(engine).changes != seen:
                 break
-        return _json({**events.batch_after(after, epoch), "load": _load(engine).to_json()})
+        batch = events.no_events() if load_only else events.batch_after(after, epoch)
+        return _json({**batch, "load": _load(engine).to_json()})
 
     @app.post("/kv/lookup")
     async def kv_lookup(body: KVLookupRequest) -> Response:

@@ -117,6 +117,11 @@ class KVEventLog:
         with self._lock:
             return self._lock.wait_for(lambda: self._seq > seq, timeout_s)
 
+    def no_events(self) -> KVEventsBatch:
+        """A batch with no events at the log's position: the answer to a reader that follows the load alone."""
+        with self._lock:
+            return events_batch(self.worker_id, self.worker_url, self._seq, self.epoch, [])
+
     def batch_after(self, seq: int | None, epoch: str | None = None) -> KVEventsBatch:
         """The batch that brings a reader who has seen everything up to ``seq`` (of ``epoch``) up to date."""
         with self._lock:
