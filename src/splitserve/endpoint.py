@@ -319,6 +319,9 @@ class RoleScaling(_Spec):
     target_concurrency: float | None = Field(default=None, gt=0)
     # the 90th percentile of the time to first token clients see at the router; colocated and prefill only
     target_ttft_seconds: float | None = Field(default=None, gt=0)
+    # prefill only, instead of targets: prefill replicas per decode replica (the P:D ratio `splitserve plan`
+    # recommends), rounded up; the operator keeps it on Kubernetes
+    decode_ratio: float | None = Field(default=None, gt=0)
 
 
 class AutoscalingSpec(_Spec):
@@ -333,8 +336,9 @@ class AutoscalingSpec(_Spec):
     scale_down_stabilization_seconds: float = Field(default=60.0, ge=0)
 
     def roles(self) -> dict[str, RoleScaling]:
-        """The scaled roles by name (colocated, prefill, decode)."""
-        scaled = {"colocated": self.colocated, "prefill": self.prefill, "decode": self.decode}
+        """The scaled roles by name, in the order they are decided: decode before the prefill pool that may follow it
+        (``decodeRatio``)."""
+        scaled = {"colocated": self.colocated, "decode": self.decode, "prefill": self.prefill}
         return {role: scaling for role, scaling in scaled.items() if scaling is not None}
 
 
@@ -519,8 +523,15 @@ def _autoscaling_errors(spec: EndpointSpec) -> list[str]:
             errors.append(f"{where}: {mode} scales {' and '.join(allowed)}, not {role}")
         if scaling.min_replicas > scaling.max_replicas:
             errors.append(f"{where}: minReplicas ({scaling.min_replicas}) exceeds maxReplicas ({scaling.max_replicas})")
-        if scaling.target_concurrency is None and scaling.target_ttft_seconds is None:
-            errors.append(f"{where}: needs a target: targetConcurrency, targetTtftSeconds or both")
+        targets = scaling.target_concurrency is not None or scaling.target_ttft_seconds is not None
+        if scaling.decode_ratio is not None and role != "prefill":
+            errors.append(f"{where}.decodeRatio: only the prefill pool follows the decode pool")
+        elif scaling.decode_ratio is not None and targets:
+            errors.append(f"{where}.decodeRatio: the prefill pool follows the decode pool by it; give it no "
+                          "targetConcurrency or targetTtftSeconds beside it")  # fmt: skip
+        elif not targets and scaling.decode_ratio is None:
+            errors.append(f"{where}: needs a target: targetConcurrency, targetTtftSeconds or both"
+                          + (" (or decodeRatio)" if role == "prefill" else ""))  # fmt: skip
         if role == "decode" and scaling.target_ttft_seconds is not None:
             errors.append(f"{where}.targetTtftSeconds: the time to first token is the prefill pool's; scale decode by "
                           "targetConcurrency")  # fmt: skip

@@ -63,6 +63,13 @@ class KubeApi:
         headers = {"Content-Type": "application/apply-patch+yaml"}
         self._call("PATCH", path, params=params, json=manifest, headers=headers)
 
+    def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """Set the replicas of a Deployment (or another scalable kind) through its scale subresource, as a
+        HorizontalPodAutoscaler does: no field of the object's own is taken over."""
+        path = _path(api_version, kind, namespace, name) + "/scale"
+        headers = {"Content-Type": "application/merge-patch+json"}
+        self._call("PATCH", path, json={"spec": {"replicas": replicas}}, headers=headers)
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         """The object, or None if there is none."""
         found: Manifest | None = self._call("GET", _path(api_version, kind, namespace, name), missing_ok=True)

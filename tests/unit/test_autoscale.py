@@ -82,6 +82,7 @@ def example(**autoscaling: Any) -> dict[str, Any]:
         ({"prefill": {"maxReplicas": 2, "targetConcurrency": 4}}, "a colocated endpoint scales colocated, not prefill"),
         ({}, "names no role to scale"),
         ({"colocated": {"maxReplicas": 2, "targetConcurrency": 0}}, "greater than 0"),
+        ({"colocated": {"maxReplicas": 2, "decodeRatio": 0.5}}, "only the prefill pool follows the decode pool"),
     ],
 )
 def test_a_bad_autoscaling_section_is_one_precise_error(autoscaling: dict[str, Any], message: str) -> None:
@@ -94,6 +95,25 @@ def test_decode_scales_by_concurrency_not_by_the_prefill_pools_ttft() -> None:
     data["spec"]["pdSpec"] = {}
     with pytest.raises(EndpointError, match="scale decode by targetConcurrency"):
         parse_endpoint(data)
+
+
+def test_a_prefill_pool_with_a_decode_ratio_follows_the_decode_pool_and_has_no_targets_of_its_own() -> None:
+    follows = scaling(decodeRatio=0.5)
+    assert [recommend(follows, RoleLoad(1, 50.0, 2.0, decode_replicas=d)) for d in (1, 2, 3, 4, 9)] == [1, 1, 2, 2, 4]
+    data = example(prefill={"maxReplicas": 2, "decodeRatio": 0.5, "targetConcurrency": 4})
+    data["spec"]["pdSpec"] = {}
+    with pytest.raises(EndpointError, match="give it no targetConcurrency or targetTtftSeconds beside it"):
+        parse_endpoint(data)
+
+
+def test_the_supervisor_keeps_the_prefill_pool_at_its_ratio_of_the_decode_pool(tmp_path: Path) -> None:
+    data = example(decode={"minReplicas": 2, "maxReplicas": 6, "targetConcurrency": 8},
+                   prefill={"maxReplicas": 3, "decodeRatio": 0.5})  # fmt: skip
+    data["spec"]["pdSpec"] = {"prefillSpec": {"replicas": 1}, "decodingSpec": {"replicas": 4}}
+    supervisor = Supervisor(tmp_path / "run", router_port=free_port())
+    applied = supervisor._with_scaled_replicas(parse_endpoint(data)).spec.pd_spec
+    assert applied is not None and (applied.decoding_spec.replicas, applied.prefill_spec.replicas) == (4, 2)
+    assert list(parse_endpoint(data).spec.autoscaling.roles()) == ["decode", "prefill"]  # type: ignore[union-attr]
 
 
 def test_the_supervisor_runs_the_scaled_replicas_and_keeps_them_over_a_reapply(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ class FakeKube:
         self.applied: list[str] = []
         self.forced: list[str] = []  # applied with force (taking over fields)
         self.deleted: list[str] = []
+        self.scaled: list[str] = []  # through the scale subresource
         self.fail: str | None = None
 
     def apply(self, manifest: dict[str, Any], *, force: bool = False) -> None:
@@ -99,6 +100,11 @@ class FakeKube:
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, namespace, name), None)
         self.deleted.append(f"{kind}/{name}")
+
+    def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
+        self._maybe_fail()
+        self.objects[(kind, namespace, name)]["spec"]["replicas"] = replicas
+        self.scaled.append(f"{kind}/{name}={replicas}")
 
     def set_ready(self, *, ready: bool = True) -> None:
         """Every Deployment reports its replicas ready (or none)."""
@@ -202,6 +208,26 @@ def test_scaling_a_role_updates_only_its_deployment() -> None:
     assert kube.objects[("Deployment", "default", "prefill-dpd")]["spec"]["replicas"] == 3
     assert kube.objects[("Deployment", "default", "decode-dpd")]["spec"]["replicas"] == 1
     assert kube.deleted == []
+
+
+def test_the_prefill_pool_keeps_its_decode_ratio_of_what_the_decode_autoscaler_chose() -> None:
+    autoscaling = {
+        "decode": {"maxReplicas": 8, "targetConcurrency": 4},
+        "prefill": {"maxReplicas": 3, "decodeRatio": 0.5},
+    }
+    kube = FakeKube()
+    reconcile(body("dpd", autoscaling=autoscaling), kube)
+    prefill, decode = (kube.objects[("Deployment", "default", f"{role}-dpd")] for role in ("prefill", "decode"))
+    assert "replicas" not in decode["spec"]  # its HorizontalPodAutoscaler's
+    assert kube.names("HorizontalPodAutoscaler") == {"decode-dpd"}
+    assert kube.scaled == ["Deployment/prefill-dpd=1"]  # half of the decode pool's 1 (the resource's), rounded up
+    for chosen, expected in ((5, 3), (8, 3), (2, 1)):  # the HPA's choice; 8 would ask for 4: past maxReplicas
+        decode["spec"]["replicas"] = chosen
+        refresh(body("dpd", autoscaling=autoscaling), kube)
+        assert prefill["spec"]["replicas"] == expected
+    kube.scaled.clear()
+    refresh(body("dpd", autoscaling=autoscaling), kube)  # nothing changed: nothing written
+    assert kube.scaled == []
 
 
 def test_router_replicas_scale_the_router_and_its_disruption_budget_comes_and_goes_with_them() -> None:
@@ -382,6 +408,13 @@ def test_the_http_client_applies_server_side_and_treats_missing_objects_as_none(
     assert seen[-1].url.path == "/api/v1/namespaces/default/services" and seen[-1].url.params["labelSelector"] == "a=b"
     kube.delete("rbac.authorization.k8s.io/v1", "Role", "default", "r")  # already gone: fine
     assert seen[-1].url.path == "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/r"
+    kube.scale("apps/v1", "Deployment", "default", "prefill-dpd", 3)  # as an HPA does: the scale subresource
+    assert (seen[-1].method, seen[-1].url.path) == (
+        "PATCH",
+        "/apis/apps/v1/namespaces/default/deployments/prefill-dpd/scale",
+    )
+    assert seen[-1].headers["content-type"] == "application/merge-patch+json"
+    assert json.loads(seen[-1].content) == {"spec": {"replicas": 3}}
 
 
 def test_the_http_client_raises_api_errors() -> None:

@@ -357,6 +357,10 @@ def test_an_autoscaled_role_gets_a_horizontal_pod_autoscaler_that_owns_its_repli
     decode = find(manifests, "HorizontalPodAutoscaler", "decode-dpd")["spec"]["metrics"][0]["pods"]["target"]
     assert decode["averageValue"] == "12500m"
     assert find(manifests, "Deployment", "prefill-dpd")["spec"]["replicas"] == 1  # not scaled: the resource's
+    data["spec"]["autoscaling"]["prefill"] = {"maxReplicas": 2, "decodeRatio": 0.5}
+    manifests = render(parse_endpoint(data))
+    assert [m["metadata"]["name"] for m in manifests if m["kind"] == "HorizontalPodAutoscaler"] == ["decode-dpd"]
+    assert "replicas" not in find(manifests, "Deployment", "prefill-dpd")["spec"]  # the operator's (decodeRatio)
 
 
 def test_router_replicas_leave_one_at_a_time_and_spread_over_nodes() -> None:

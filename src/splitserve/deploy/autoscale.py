@@ -6,6 +6,8 @@ Every ``intervalSeconds`` each scaled role gets a recommendation:
   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``) over the target, rounded up: Knative's
   concurrency rule. At a steady load the requests in flight are the arrival rate times the latency, so the
   replicas follow the rate, and a load that stops leaves none in flight.
+- ``decodeRatio`` (prefill only, instead of targets): the decode pool's replicas, as just decided, times the ratio,
+  rounded up: the prefill pool keeps the P:D ratio ``splitserve plan`` recommends while decode follows the load.
 - ``targetTtftSeconds``: the replicas now times the 90th percentile of the time to first token clients saw at
   the router over the interval, over the target, rounded up: HPA's proportional rule, with its tolerance (within
   10% of the target, no change). An interval without a first token recommends the minimum.
@@ -40,6 +42,7 @@ class RoleLoad:
     replicas: int  # the role's pods now
     in_flight: float  # requests running and waiting on them
     ttft_p90_s: float | None = None  # at the router, over the interval; None: no first token in it
+    decode_replicas: int | None = None  # prefill: the decode pool's replicas (decodeRatio)
 
 
 def recommend(scaling: RoleScaling, load: RoleLoad) -> int:
@@ -47,6 +50,8 @@ def recommend(scaling: RoleScaling, load: RoleLoad) -> int:
     wanted = [scaling.min_replicas]
     if scaling.target_concurrency is not None:
         wanted.append(math.ceil(load.in_flight / scaling.target_concurrency - 1e-9))
+    if scaling.decode_ratio is not None and load.decode_replicas is not None:
+        wanted.append(math.ceil(load.decode_replicas * scaling.decode_ratio - 1e-9))
     if scaling.target_ttft_seconds is not None and load.ttft_p90_s is not None:
         ratio = load.ttft_p90_s / scaling.target_ttft_seconds
         wanted.append(load.replicas if abs(ratio - 1) <= TOLERANCE else math.ceil(load.replicas * ratio - 1e-9))

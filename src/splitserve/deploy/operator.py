@@ -31,6 +31,8 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from splitserve import envs
+from splitserve.config import Role
+from splitserve.deploy.autoscale import RoleLoad, recommend
 from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
 from splitserve.deploy.labels import (
     LABEL_COMPONENT,
@@ -83,7 +85,7 @@ Clock = Callable[[], datetime]
 
 
 class KubeClient(Protocol):
-    """The four calls the operator makes (``kube.KubeApi``, or a fake). Namespaced objects only; errors raise
+    """The calls the operator makes (``kube.KubeApi``, or a fake). Namespaced objects only; errors raise
     KubeApiError, and the operator retries the handler later."""
 
     def apply(self, manifest: Manifest, *, force: bool = False) -> None:
@@ -101,6 +103,10 @@ class KubeClient(Protocol):
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         """Delete the object; one that is already gone is not an error."""
+        ...
+
+    def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """Set the object's replicas through its scale subresource (as a HorizontalPodAutoscaler does)."""
         ...
 
 
@@ -134,6 +140,7 @@ def reconcile(
         client.apply(_owned(manifest, owner), force=live[_key(manifest)] is not None)
     keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
     _delete_managed(client, config.metadata.namespace, config.metadata.name, keep, uid)
+    keep_prefill_ratio(config, client)
     return _valid_status(body, config, manifests, client, now)
 
 
@@ -149,7 +156,33 @@ def refresh(
         manifests = render(config, default_image=default_image)
     except EndpointError as exc:
         return _invalid_status(body, exc, now)
+    keep_prefill_ratio(config, client)
     return _valid_status(body, config, manifests, client, now)
+
+
+def keep_prefill_ratio(config: InferenceEndpointConfig, client: KubeClient) -> int | None:
+    """With ``spec.autoscaling.prefill.decodeRatio``, set the prefill Deployment's replicas from the decode
+    Deployment's (its HorizontalPodAutoscaler's, or the resource's): the ratio times them, rounded up, within
+    the prefill bounds (``deploy/autoscale.py``), through the scale subresource, on every reconcile and timer.
+    Returns the replicas it wants (None: no ratio to keep, or no decode Deployment yet)."""
+    scaling = config.spec.autoscaling
+    bounds = scaling.prefill if scaling is not None else None
+    if bounds is None or bounds.decode_ratio is None:
+        return None
+    roles = {role.role: role for role in plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config)).roles}
+    prefill, decode = roles[Role.PREFILL], roles[Role.DECODE]
+    namespace = config.metadata.namespace
+    live_decode = client.get("apps/v1", "Deployment", namespace, decode.name)
+    live_prefill = client.get("apps/v1", "Deployment", namespace, prefill.name)
+    if live_decode is None or live_prefill is None:
+        return None
+    decode_replicas = int((live_decode.get("spec") or {}).get("replicas", decode.replicas))
+    wanted = recommend(bounds, RoleLoad(0, 0.0, decode_replicas=decode_replicas))
+    if (live_prefill.get("spec") or {}).get("replicas") != wanted:
+        logger.info("%s: prefill replicas %d (decodeRatio %g of %d decode)", prefill.name, wanted,
+                    bounds.decode_ratio, decode_replicas)  # fmt: skip
+        client.scale("apps/v1", "Deployment", namespace, prefill.name, wanted)
+    return wanted
 
 
 def teardown(body: Mapping[str, Any], client: KubeClient) -> list[str]:
@@ -516,6 +549,7 @@ def _operator_rules(cluster_wide: bool) -> list[Manifest]:
         {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": list(manage)},
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]},
         {
             "apiGroups": [""],
             "resources": ["services", "serviceaccounts", "secrets", "configmaps"],

@@ -199,8 +199,8 @@ def render(
             _worker_deployment(ep, role),
             _service(ep, role.name, COMPONENTS[role.role], _worker_ports(ep, role)),
         ]
-        if (scaling := _scaling(ep, role)) is not None:
-            manifests.append(_autoscaler(ep, role, scaling))
+        if (scaling := _scaling(ep, role)) is not None and scaling.decode_ratio is None:
+            manifests.append(_autoscaler(ep, role, scaling))  # a decodeRatio's replicas are the operator's
     router_port = [_port(HTTP_PORT_NAME, ROUTER_PORT)]
     manifests += [_router_deployment(ep), _service(ep, endpoint_plan.router.name, "router", router_port)]
     if endpoint_plan.router.replicas > 1:
@@ -316,7 +316,8 @@ def _worker_deployment(ep: _Endpoint, role: RolePlan) -> Manifest:
         volumes.append(collector.volume(ep.name))
     pod_spec = _pod_spec(containers, volumes, terminationGracePeriodSeconds=TERMINATION_GRACE_S)
     pod = {"metadata": _pod_metadata(ep, labels, role.container_port), "spec": pod_spec}
-    # an autoscaled role's replicas are its HorizontalPodAutoscaler's: a re-apply must not set them back
+    # an autoscaled role's replicas are its HorizontalPodAutoscaler's (with decodeRatio, the operator's, through the
+    # scale subresource): a re-apply must not set them back
     replicas = None if _scaling(ep, role) is not None else role.replicas
     return _deployment(ep, role.name, COMPONENTS[role.role], replicas, pod)
 

@@ -53,7 +53,7 @@ from splitserve import envs
 from splitserve.auth import bearer_header
 from splitserve.config import Role
 from splitserve.deploy import vllm
-from splitserve.deploy.autoscale import TTFT_QUANTILE, Autoscaler, RoleLoad, quantile_of
+from splitserve.deploy.autoscale import TTFT_QUANTILE, Autoscaler, RoleLoad, quantile_of, recommend
 from splitserve.deploy.plan import ROLE_URL_FLAG, EndpointPlan, RolePlan, Target, plan
 from splitserve.deploy.pods import Pod, PodSet, PodSpec, pod_name
 from splitserve.deploy.render import REDIS_MAX_MEMORY
@@ -292,6 +292,9 @@ class Supervisor:
         spec = config.spec
         for role, bounds in scaling.roles().items():
             written = spec.replicas if role == "colocated" else _role_spec(config, role).replicas
+            if role == "prefill" and bounds.decode_ratio is not None and role not in self._scaled:
+                decode = self._scaled.get("decode", _role_spec(config, "decode").replicas)
+                written = recommend(bounds, RoleLoad(written, 0.0, decode_replicas=decode))
             replicas = min(bounds.max_replicas, max(bounds.min_replicas, self._scaled.get(role, written)))
             self._scaled[role] = replicas
             if role == "colocated":
@@ -313,7 +316,8 @@ class Supervisor:
         for role in self._autoscaler.spec.roles():
             pods = self.pods.by_role(role)
             in_flight = sum(_requests_in_worker(p) for p in pods)
-            load = RoleLoad(len(pods), in_flight, ttft_p90 if role != "decode" else None)
+            decode = self._scaled.get("decode", len(self.pods.by_role("decode"))) if role == "prefill" else None
+            load = RoleLoad(len(pods), in_flight, ttft_p90 if role != "decode" else None, decode)
             wanted = self._autoscaler.decide(role, load)
             if wanted != load.replicas:
                 ttft = "none" if load.ttft_p90_s is None else f"{load.ttft_p90_s:.2f} s"
