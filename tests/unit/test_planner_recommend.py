@@ -4,6 +4,7 @@ end to end on a calibration made by hand (no engine: the calibration itself is t
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -220,6 +221,27 @@ def test_the_written_resource_keeps_the_memory_asked_for() -> None:
         "limits": {"cpu": "1", "memory": "6Gi"},
     }
     assert "pdSpec" not in manifest["spec"]
+
+
+def test_a_disaggregated_pick_seeds_the_prefill_pools_decode_ratio_and_a_colocated_one_takes_the_targets() -> None:
+    """An autoscaled resource planned onto 1P2D: decode scales by the colocated pool's concurrency target within
+    the resource's bounds, prefill follows it by the pick's ratio; planned back onto colocated workers, the
+    concurrency target returns to them."""
+    config = load_endpoint(EXAMPLES / "autoscaling.yaml")
+    assert config.spec.autoscaling is not None and config.spec.autoscaling.colocated is not None
+    colocated = config.spec.autoscaling.colocated
+    planned = loads_endpoint(json.dumps(planned_manifest(config, Layout(0, 1, 2, 1, 1024, RoutingStrategy.KVAWARE))))
+    scaling, pd = planned.spec.autoscaling, planned.spec.pd_spec
+    assert scaling is not None and scaling.decode is not None and scaling.prefill is not None and pd is not None
+    assert scaling.decode.target_concurrency == colocated.target_concurrency
+    assert scaling.decode.max_replicas == max(2, colocated.max_replicas)
+    assert (scaling.prefill.decode_ratio, scaling.prefill.target_concurrency) == (0.5, None)
+    assert scaling.prefill.max_replicas == math.ceil(scaling.decode.max_replicas / 2)
+    assert (pd.prefill_spec.replicas, pd.decoding_spec.replicas) == (1, 2)  # the pick starts the pools
+    back = planned_manifest(planned, Layout(3, 0, 0, 1, None, RoutingStrategy.KVAWARE))
+    again = loads_endpoint(json.dumps(back)).spec.autoscaling
+    assert again is not None and again.colocated is not None and again.prefill is None
+    assert again.colocated.target_concurrency == colocated.target_concurrency and again.colocated.max_replicas >= 3
 
 
 def test_a_disaggregated_pick_keeps_the_roles_args() -> None:

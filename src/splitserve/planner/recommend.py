@@ -19,6 +19,7 @@ Each worker keeps its role's engine flags from the resource (``max-num-seqs``, `
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -358,11 +359,53 @@ def planned_manifest(config: InferenceEndpointConfig, layout: Layout, note: str 
             pd.setdefault(field_name, {}).update({"replicas": count, "resources": resources})
         pd["routingThreshold"] = layout.routing_threshold
     spec["intelligentRoutingSpec"] = {"enabled": True, "routingStrategy": layout.strategy.value}
+    if "autoscaling" in spec:
+        scaled = planned_autoscaling(spec["autoscaling"], layout)
+        if scaled is None:
+            del spec["autoscaling"]
+        else:
+            spec["autoscaling"] = scaled
     if note:
         manifest["metadata"].setdefault("annotations", {})[PLANNED_ANNOTATION] = note
     checked = parse_endpoint(manifest, "the planned resource")
     plan(checked)
     return manifest
+
+
+def planned_autoscaling(autoscaling: dict[str, Any], layout: Layout) -> dict[str, Any] | None:
+    """The resource's ``spec.autoscaling`` (as written) for ``layout``: the roles it scales, their targets carried
+    over from the role that had them (a colocated pool's requests in flight become the decode pool's, and back),
+    and a disaggregated pick's P:D ratio seeding the prefill pool's ``decodeRatio``, so that prefill follows decode
+    in the proportion the planner found. The pick's counts start the pools (their ``replicas``); each pool's upper
+    bound grows to hold them. None where no role is left with a target to scale by."""
+    old = {role: dict(autoscaling.get(role) or {}) for role in ("colocated", "prefill", "decode")}
+
+    def carried(key: str, *roles: str) -> Any:
+        return next((old[r][key] for r in roles if old[r].get(key) is not None), None)
+
+    kept = {k: v for k, v in autoscaling.items() if k not in old}  # intervalSeconds, the stabilization window
+    if layout.num_colocated:
+        targets = {"targetConcurrency": carried("targetConcurrency", "colocated", "decode"),
+                   "targetTtftSeconds": carried("targetTtftSeconds", "colocated", "prefill")}  # fmt: skip
+        if all(v is None for v in targets.values()):
+            return None
+        most = old["colocated"].get("maxReplicas") or old["decode"].get("maxReplicas", 0) + old["prefill"].get(
+            "maxReplicas", 0
+        )
+        colocated = {"minReplicas": carried("minReplicas", "colocated", "decode") or 1,
+                     "maxReplicas": max(layout.num_colocated, most)}  # fmt: skip
+        return {**kept, "colocated": colocated | {k: v for k, v in targets.items() if v is not None}}
+    concurrency = carried("targetConcurrency", "decode", "colocated")
+    if concurrency is None:
+        return None
+    ratio = layout.num_prefill / layout.num_decode
+    decode_max = max(layout.num_decode, carried("maxReplicas", "decode", "colocated") or 0)
+    decode = {"minReplicas": carried("minReplicas", "decode", "colocated") or 1, "maxReplicas": decode_max,
+              "targetConcurrency": concurrency}  # fmt: skip
+    prefill_max = max(layout.num_prefill, math.ceil(decode_max * ratio - 1e-9))
+    prefill = {"minReplicas": min(old["prefill"].get("minReplicas", 1), prefill_max), "maxReplicas": prefill_max,
+               "decodeRatio": round(ratio, 4)}  # fmt: skip
+    return {**kept, "decode": decode, "prefill": prefill}
 
 
 def _resources(config: InferenceEndpointConfig, num_threads: int) -> dict[str, Any]:
