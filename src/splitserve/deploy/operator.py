@@ -5,7 +5,8 @@ functions take the resource body and a :class:`KubeClient`, so tests drive them 
 kopf. :func:`reconcile` (create, update, resume) parses the body with ``endpoint.parse_endpoint``, renders,
 applies every manifest (server-side apply, owned by the resource) and deletes what an earlier render made
 and this one does not (toggling ``pdSpec`` swaps the colocated Deployment for prefill and decode ones).
-:func:`refresh` (a timer) reads the Deployments and sets the ``Ready`` condition; :func:`teardown` (delete)
+:func:`refresh` (a timer) reads the Deployments and sets the ``Ready`` condition (and keeps a prefill pool
+that follows the decode pool at its ``decodeRatio``, :func:`keep_prefill_ratio`); :func:`teardown` (delete)
 removes this endpoint's objects. A resource that does not validate is never an exception: its ``Ready``
 condition is False with reason ``InvalidSpec`` and the EndpointError's text.
 
@@ -147,8 +148,9 @@ def reconcile(
 def refresh(
     body: Mapping[str, Any], client: KubeClient, *, now: Clock | None = None, default_image: str = DEFAULT_IMAGE
 ) -> dict[str, Any]:
-    """The resource's ``status`` from its Deployments' readiness (the timer); reads only, except after a
-    ``Conflict``, which it retries with :func:`reconcile`. Raises KubeApiError."""
+    """The resource's ``status`` from its Deployments' readiness (the timer); reads only, except that it keeps a
+    prefill pool's ``decodeRatio`` (:func:`keep_prefill_ratio`) and retries a ``Conflict`` with :func:`reconcile`.
+    Raises KubeApiError."""
     if _ready_reason(body) == CONFLICT:
         return reconcile(body, client, now=now, default_image=default_image)
     try:
