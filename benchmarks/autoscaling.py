@@ -13,6 +13,11 @@ window from which every window of the phase keeps p99 within the SLO), replica-s
 against ``--max-replicas`` x the run's duration, and the requests that did not get a 200 with a whole answer.
 ``--fixed`` runs the same load with the autoscaling section removed and ``--max-replicas`` workers throughout,
 for comparison. Results go to ``benchmarks/results/autoscaling_<cpu class>.json``.
+
+``--dpd`` runs ``examples/dpd.yaml`` instead (one core per pod, prompts from ``--threshold`` tokens through
+prefill): decode scaled by ``--target-concurrency`` requests in flight per pod, between 1 and ``--max-replicas``,
+and prefill following it by ``--decode-ratio`` (``decodeRatio``); replica-seconds then count every worker pod,
+against a fleet fixed at both maxima.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -44,6 +50,8 @@ WORDS = [
 
 
 def resource(args: argparse.Namespace, fixed: bool) -> dict[str, Any]:
+    if args.dpd:
+        return dpd_resource(args, fixed)
     data: dict[str, Any] = yaml.safe_load((REPO / "examples" / "autoscaling.yaml").read_text())
     scaling = data["spec"]["autoscaling"]
     scaling["colocated"].update(maxReplicas=args.max_replicas, targetTtftSeconds=args.slo_s)
@@ -51,6 +59,30 @@ def resource(args: argparse.Namespace, fixed: bool) -> dict[str, Any]:
     if fixed:
         del data["spec"]["autoscaling"]
         data["spec"]["replicas"] = args.max_replicas
+    return data
+
+
+def max_prefill(args: argparse.Namespace) -> int:
+    return math.ceil(args.max_replicas * args.decode_ratio - 1e-9)
+
+
+def max_workers(args: argparse.Namespace) -> int:
+    """The fleet fixed at the maximum: every worker pod."""
+    return args.max_replicas + (max_prefill(args) if args.dpd else 0)
+
+
+def dpd_resource(args: argparse.Namespace, fixed: bool) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((REPO / "examples" / "dpd.yaml").read_text())
+    pd = data["spec"]["pdSpec"]
+    pd["routingThreshold"] = args.threshold
+    if fixed:
+        pd["prefillSpec"]["replicas"], pd["decodingSpec"]["replicas"] = max_prefill(args), args.max_replicas
+        return data
+    data["spec"]["autoscaling"] = {
+        "decode": {"minReplicas": 1, "maxReplicas": args.max_replicas, "targetConcurrency": args.target_concurrency},
+        "prefill": {"minReplicas": 1, "maxReplicas": max_prefill(args), "decodeRatio": args.decode_ratio},
+        "intervalSeconds": 2, "scaleDownStabilizationSeconds": args.scale_down_s,
+    }  # fmt: skip
     return data
 
 
@@ -102,11 +134,19 @@ async def load(url: str, args: argparse.Namespace, started: float) -> list[dict[
 
 
 def ready_workers(home: Path, name: str) -> int:
+    return sum(ready_by_role(home, name).values())
+
+
+def ready_by_role(home: Path, name: str) -> dict[str, int]:
     try:
         state = json.loads((home / "endpoints" / name / "state.json").read_text())
     except (OSError, ValueError):
-        return 0
-    return sum(p["role"] == "colocated" and bool(p["ready"]) for p in state["pods"])
+        return {}
+    counts: dict[str, int] = {}
+    for pod in state["pods"]:
+        if pod["role"] in ("colocated", "prefill", "decode") and pod["ready"]:
+            counts[pod["role"]] = counts.get(pod["role"], 0) + 1
+    return counts
 
 
 def run(args: argparse.Namespace, fixed: bool) -> dict[str, Any]:
@@ -124,24 +164,30 @@ def run(args: argparse.Namespace, fixed: bool) -> dict[str, Any]:
         name = data["metadata"]["name"]
         try:
             deadline = time.monotonic() + 300
-            want = args.max_replicas if fixed else 1
+            want = max_workers(args) if fixed else 2 if args.dpd else 1
             while ready_workers(home, name) < want or not _healthy(port):
                 if time.monotonic() > deadline or up.poll() is not None:
                     raise RuntimeError(f"the endpoint did not start (log: {log})")
                 time.sleep(0.5)
             started = time.monotonic()
             samples: list[tuple[float, int]] = []
+            roles: list[tuple[float, dict[str, int]]] = []
             loop = asyncio.new_event_loop()
             task = loop.create_task(load(f"http://127.0.0.1:{port}", args, started))
             while not task.done():
-                samples.append((time.monotonic() - started, ready_workers(home, name)))
+                counts = ready_by_role(home, name)
+                samples.append((time.monotonic() - started, sum(counts.values())))
+                roles.append((round(time.monotonic() - started, 1), counts))
                 loop.run_until_complete(asyncio.wait([task], timeout=0.5))
             records = task.result()
             loop.close()
         finally:
             up.send_signal(2)
             up.wait(120)
-    return summarize(records, samples, args)
+    summary = summarize(records, samples, args)
+    if args.dpd:  # each role's count whenever it changed
+        summary["roles_timeline"] = [r for i, r in enumerate(roles) if i == 0 or r[1] != roles[i - 1][1]]
+    return summary
 
 
 def _healthy(port: int) -> bool:
@@ -175,7 +221,7 @@ def summarize(records: list[dict[str, Any]], samples: list[tuple[float, int]], a
             "replicas_min_max": [min(replicas), max(replicas)] if replicas else None,
         })  # fmt: skip
     return {"phases": phases, "duration_s": round(duration, 1), "replica_seconds": round(replica_s, 1),
-            "fixed_at_max_replica_seconds": round(args.max_replicas * duration, 1),
+            "fixed_at_max_replica_seconds": round(max_workers(args) * duration, 1),
             "replica_timeline": [(round(t, 1), n) for t, n in samples[:: max(1, len(samples) // 200)]],
             "lost": sum(not r["ok"] for r in records), "requests": len(records)}  # fmt: skip
 
@@ -193,6 +239,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fixed", action="store_true", help="also run a fleet fixed at --max-replicas")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dpd", action="store_true", help="examples/dpd.yaml: decode scaled, prefill by ratio")
+    parser.add_argument("--target-concurrency", type=float, default=4.0, help="--dpd: decode's targetConcurrency")
+    parser.add_argument("--decode-ratio", type=float, default=0.5, help="--dpd: prefill's decodeRatio")
+    parser.add_argument("--threshold", type=int, default=256, help="--dpd: routingThreshold (prompt tokens)")
     args = parser.parse_args()
     out = args.out or REPO / "benchmarks" / "results" / f"autoscaling_{detect_cpu().isa_class}.json"
     results = {"autoscaled": run(args, fixed=False)}
