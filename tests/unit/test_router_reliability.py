@@ -285,6 +285,27 @@ def test_an_n_stream_resumes_each_unfinished_choice_with_its_own_seed(
     assert router.metrics.migrations.labels("resumed")._value.get() == 1
 
 
+def test_an_echoed_stream_resumes_without_a_second_echo_and_a_choice_never_started_gets_its_echo(
+    workers: list[FakeWorker], stack: ExitStack
+) -> None:
+    """n=2 with echo: choice 0's first chunk (the echo and "Pa") reached the client, choice 1's never did. The
+    resumed requests do not echo; choice 1's echo goes out before its resumed text, and the held-back text and
+    the resumed prompts are the answers' own, without the echo."""
+    common = {"id": "cmpl-e", "object": "text_completion", "created": 5, "model": MODEL}
+    first = common | {"choices": [{"index": 0, "text": "Hi there" + "Pa", "prompt_token_ids": [72, 105],
+                                   "token_ids": [80, 97], "finish_reason": None}]}  # fmt: skip
+    dying = _dying(stack, [first])
+    router, client = start_router(stack, [dying.url, workers[1].url], health_interval_s=60)
+    before = len(workers[1].engine.seen_prompts)
+    body = {"model": MODEL, "prompt": "Hi there", "echo": True, "max_tokens": 4, "n": 2, "stream": True}
+    out = _stream(client, "/v1/completions", body)
+    chunks = [e for e in out if isinstance(e, dict) and e["choices"]]
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(2)}
+    assert texts == {0: "Hi there" + "Pa" + REPLY[:2], 1: "Hi there" + REPLY[:4]}
+    assert sorted(workers[1].engine.seen_prompts[before:]) == [[72, 105], [72, 105, 80, 97]]  # no echo text in them
+    assert out[-1] == "[DONE]" and router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
 def test_a_stream_no_worker_can_resume_ends_with_an_error_event(stack: ExitStack) -> None:
     first = {"id": "c", "choices": [{"index": 0, "text": "Pa", "prompt_token_ids": [1], "token_ids": [80, 97]}]}
     dying = _dying(stack, [first])
@@ -351,7 +372,10 @@ def test_which_streams_migrate() -> None:
     assert is_migratable("/v1/completions", chat | {"logprobs": 0})
     assert not is_migratable("/v1/completions", chat | {"logprobs": "many"})  # the worker refuses it anyway
     assert not is_migratable("/v1/completions", chat | {"prompt_logprobs": 1})
-    assert not is_migratable("/v1/completions", chat | {"echo": True})
+    assert is_migratable("/v1/completions", chat | {"prompt": "Hi", "echo": True})
+    assert is_migratable("/v1/completions", chat | {"prompt": ["Hi"], "echo": True})  # a batch of one
+    assert not is_migratable("/v1/completions", chat | {"prompt": [1, 2], "echo": True})  # its text: the worker's
+    assert not is_migratable("/v1/completions", chat | {"prompt": "Hi", "echo": True, "logprobs": 0})
     assert not is_migratable("/v1/chat/completions", chat | {"stream": False})
 
 

@@ -43,6 +43,7 @@ from splitserve.router.migrate import (
     SSEBuffer,
     StreamTracker,
     WorkerStreamFailed,
+    echoed_text,
     held_back_text,
     requested_logprobs,
     resume_body,
@@ -131,9 +132,11 @@ class Forwarder:
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         wants_ids = body.get("return_token_ids") is True
         n = body["n"] if isinstance(body.get("n"), int) else 1
-        call.tracker = StreamTracker(call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n,
-                                     logprobs=requested_logprobs(call.path, body))  # fmt: skip
-        call.tracker.choices[0].text = sent_text
+        call.tracker = StreamTracker(
+            call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n,
+            logprobs=requested_logprobs(call.path, body), echo=echoed_text(call.path, body),
+        )  # fmt: skip
+        call.tracker.choices[0].text = call.tracker.answer_text(call.tracker.choices[0], sent_text)
         call.tracker.choices[0].num_logprobs = sent_logprobs
         if not wants_ids:
             call.raw = json.dumps(body | {"return_token_ids": True}).encode()

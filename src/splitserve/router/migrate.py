@@ -41,7 +41,12 @@ token's ``token``, ``logprob``, ``bytes`` of its text and its k most likely toke
 because it ended in half a character) is not sent twice. The completions shape names the most likely tokens by
 their text, so two of them with the same text (byte-fallback pieces of one character) come back as one.
 
-Not migrated: ``echo``, the prompt's logprobs and tool calls; those end with an error event as before.
+``echo`` (without logprobs, of a prompt given as text) migrates: the tracker knows the echoed text (the prompt as
+sent), keeps it apart from the answer's, and a choice whose echo never reached the client gets it before its
+resumed text; the resumed request does not echo.
+
+Not migrated: the prompt's logprobs (``echo`` with ``logprobs``, ``prompt_logprobs``) and tool calls; those end
+with an error event as before.
 """
 
 from __future__ import annotations
@@ -67,17 +72,31 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover 
 
 
 def is_migratable(path: str, body: dict[str, Any]) -> bool:
-    """A streamed request the router can resume elsewhere: no echo, no prompt logprobs, no tool calls (their
-    deltas are not text). ``n`` choices resume each on its own; a schema, regex or grammar resumes: the new
-    worker's grammar takes the tokens sent; logprobs resume in the stream's shape."""
+    """A streamed request the router can resume elsewhere: no prompt logprobs, no tool calls (their deltas are not
+    text), an echo only of a prompt given as text. ``n`` choices resume each on its own; a schema, regex or
+    grammar resumes: the new worker's grammar takes the tokens sent; logprobs resume in the stream's shape."""
     if body.get("stream") is not True or not path.endswith(("/v1/completions", "/v1/chat/completions")):
         return False
     n = 1 if body.get("n") is None else body["n"]
-    if not isinstance(n, int) or n < 1 or body.get("best_of") not in (None, n) or body.get("echo"):
+    if not isinstance(n, int) or n < 1 or body.get("best_of") not in (None, n):
         return False
+    if body.get("echo") and (requested_logprobs(path, body) is not None or echoed_text(path, body) is None):
+        return False  # echo with logprobs: the prompt's logprobs
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
     return body.get("prompt_logprobs") is None and requested_logprobs(path, body) != INVALID_LOGPROBS
+
+
+def echoed_text(path: str, body: dict[str, Any]) -> str | None:
+    """The text a completions request's ``echo`` puts before its answer, where the router knows it: the prompt as
+    sent, given as text (a string, or a batch of one); None otherwise (no echo, or token ids, whose text only the
+    worker's tokenizer knows)."""
+    if not body.get("echo") or path.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) and prompt else None
 
 
 INVALID_LOGPROBS = -1
@@ -112,6 +131,7 @@ class ChoiceTrack:
     num_logprobs: int = 0  # tokens whose logprobs the client got
     next_logprob: int = 0  # resumed: the output position of the resumed request's next logprobs entry
     text_base: int = 0  # resumed: characters the client had before the resumed request's text (text_offset)
+    echo_pending: bool = False  # the client has yet to get the echoed prompt's text before this choice's
 
     @property
     def num_output(self) -> int:
@@ -132,6 +152,7 @@ class StreamTracker:
     client_wants_usage: bool
     num_choices: int = 1
     logprobs: int | None = None  # requested_logprobs: each token's most likely tokens (None: no logprobs)
+    echo: str | None = None  # echoed_text: what each choice's text starts with, not the answer's (kept apart)
     prompt_ids: list[int] | None = None
     choices: list[ChoiceTrack] = field(default_factory=list)
     done: bool = False  # [DONE] was seen (or, resumed, every choice's)
@@ -143,7 +164,18 @@ class StreamTracker:
     pending: set[int] = field(default_factory=set)  # choices whose resumed request has not sent [DONE] yet
 
     def __post_init__(self) -> None:
-        self.choices = self.choices or [ChoiceTrack(i) for i in range(self.num_choices)]
+        self.choices = self.choices or [
+            ChoiceTrack(i, echo_pending=self.echo is not None) for i in range(self.num_choices)
+        ]
+
+    def answer_text(self, track: ChoiceTrack, text: str) -> str:
+        """``text`` of choice ``track`` as the worker sent it, without the echo the choice's first text starts
+        with (which the client now has)."""
+        if not track.echo_pending or not text:
+            return text
+        track.echo_pending = False
+        assert self.echo is not None
+        return text[len(self.echo) :] if text.startswith(self.echo) else text
 
     @property
     def finished(self) -> bool:
@@ -213,7 +245,7 @@ class StreamTracker:
                 ids = choice.pop("token_ids") if not self.client_wants_ids else choice["token_ids"]
                 changed = changed or not self.client_wants_ids
                 track.output_ids.extend(_ids(ids or []))
-            track.text += openai.choice_text(self.is_chat, choice)
+            track.text += self.answer_text(track, openai.choice_text(self.is_chat, choice))
             track.num_logprobs += num_logprobs(self.is_chat, choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 track.finished = True
@@ -259,6 +291,9 @@ class StreamTracker:
         text = str(choice.get("text") or "")
         track.text += text
         finish = choice.get("finish_reason")
+        if track.echo_pending and (text or finish is not None) and self.echo is not None:
+            track.echo_pending = False  # the echo never reached the client: it goes first
+            text = self.echo + text
         if finish is not None:
             track.finished = True
         logprobs = self._logprobs(choice.get("logprobs"), track) if self.logprobs is not None else None
