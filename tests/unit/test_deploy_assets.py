@@ -189,12 +189,13 @@ def test_the_image_runs_as_the_non_root_user_the_manifests_name() -> None:
 
 
 def test_the_adapter_rules_serve_the_metrics_the_autoscalers_read_from_metrics_the_endpoint_exposes() -> None:
-    from splitserve.deploy.render import IN_FLIGHT_METRIC, TTFT_METRIC
+    from splitserve.deploy.render import ENDPOINT_IN_FLIGHT_METRIC, IN_FLIGHT_METRIC, TTFT_METRIC
 
     rules = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())["rules"]
-    assert [rule["name"]["as"] for rule in rules] == [IN_FLIGHT_METRIC, TTFT_METRIC]
+    assert [rule["name"]["as"] for rule in rules] == [IN_FLIGHT_METRIC, TTFT_METRIC, ENDPOINT_IN_FLIGHT_METRIC]
     queries = " ".join(rule["metricsQuery"] + rule["seriesQuery"] for rule in rules)
-    for name in (metrics.NUM_REQUESTS_RUNNING, metrics.NUM_REQUESTS_WAITING, metrics.ROUTER_TTFT_SECONDS):
+    for name in (metrics.NUM_REQUESTS_RUNNING, metrics.NUM_REQUESTS_WAITING, metrics.ROUTER_TTFT_SECONDS,
+                 metrics.ROUTER_REQUESTS_IN_FLIGHT):  # fmt: skip
         assert name in queries
     assert {rule["resources"]["overrides"].get("pod", rule["resources"]["overrides"].get("service"))["resource"]
             for rule in rules} == {"pod", "service"}  # fmt: skip

@@ -361,6 +361,11 @@ def test_an_autoscaled_role_gets_a_horizontal_pod_autoscaler_that_owns_its_repli
     manifests = render(parse_endpoint(data))
     assert [m["metadata"]["name"] for m in manifests if m["kind"] == "HorizontalPodAutoscaler"] == ["decode-dpd"]
     assert "replicas" not in find(manifests, "Deployment", "prefill-dpd")["spec"]  # the operator's (decodeRatio)
+    # decode then scales by every request the router has in flight: those still in prefill decode next
+    (metric,) = find(manifests, "HorizontalPodAutoscaler", "decode-dpd")["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] == "splitserve_endpoint_requests_in_flight"
+    assert metric["object"]["describedObject"] == {"apiVersion": "v1", "kind": "Service", "name": "dpd-router"}
+    assert metric["object"]["target"] == {"type": "AverageValue", "averageValue": "12500m"}
 
 
 def test_router_replicas_leave_one_at_a_time_and_spread_over_nodes() -> None:

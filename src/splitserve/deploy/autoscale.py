@@ -8,6 +8,8 @@ Every ``intervalSeconds`` each scaled role gets a recommendation:
   replicas follow the rate, and a load that stops leaves none in flight.
 - ``decodeRatio`` (prefill only, instead of targets): the decode pool's replicas, as just decided, times the ratio,
   rounded up: the prefill pool keeps the P:D ratio ``splitserve plan`` recommends while decode follows the load.
+  Decode's requests in flight then count the endpoint's, those still in prefill too (they decode next): a
+  prefill bottleneck queues requests before they reach a decode pod, and would otherwise scale nothing.
 - ``targetTtftSeconds``: the replicas now times the 90th percentile of the time to first token clients saw at
   the router over the interval, over the target, rounded up: HPA's proportional rule, with its tolerance (within
   10% of the target, no change). An interval without a first token recommends the minimum.

@@ -103,6 +103,7 @@ ROUTER_ADMIN_PORT = 8081  # the router's admin listener (/admin/*): loopback onl
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"  # a node, to spread router replicas over
 # the custom metrics the HorizontalPodAutoscalers read (deploy/prometheus/adapter-rules.yaml serves them)
 IN_FLIGHT_METRIC = "splitserve_requests_in_flight"  # per worker pod: running + waiting
+ENDPOINT_IN_FLIGHT_METRIC = "splitserve_endpoint_requests_in_flight"  # on the router's Service: all it has in flight
 TTFT_METRIC = "splitserve_ttft_p90_seconds"  # on the router's Service: over the last minute
 REDIS_IMAGE = "redis:7-alpine"
 REDIS_PORT = 6379
@@ -333,7 +334,17 @@ def _autoscaler(ep: _Endpoint, role: RolePlan, scaling: RoleScaling) -> Manifest
     ``targetTtftSeconds`` (an Object metric), both from the custom metrics API a Prometheus adapter serves
     (``deploy/prometheus/adapter-rules.yaml``); scale-down over the resource's stabilization window."""
     metrics: list[Manifest] = []
-    if scaling.target_concurrency is not None:
+    autoscaling = ep.config.spec.autoscaling
+    assert autoscaling is not None
+    follows = (
+        role.role == Role.DECODE and autoscaling.prefill is not None and autoscaling.prefill.decode_ratio is not None
+    )
+    if scaling.target_concurrency is not None and follows:  # decode counts the requests still in prefill too
+        router = {"apiVersion": "v1", "kind": "Service", "name": ep.plan.router.name}
+        target = {"type": "AverageValue", "averageValue": _milli(scaling.target_concurrency)}
+        endpoint = {"describedObject": router, "metric": {"name": ENDPOINT_IN_FLIGHT_METRIC}, "target": target}
+        metrics.append({"type": "Object", "object": endpoint})
+    elif scaling.target_concurrency is not None:
         target = {"type": "AverageValue", "averageValue": _milli(scaling.target_concurrency)}
         metrics.append({"type": "Pods", "pods": {"metric": {"name": IN_FLIGHT_METRIC}, "target": target}})
     if scaling.target_ttft_seconds is not None:

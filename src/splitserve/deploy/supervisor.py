@@ -315,7 +315,8 @@ class Supervisor:
         changed = False
         for role in self._autoscaler.spec.roles():
             pods = self.pods.by_role(role)
-            in_flight = sum(_requests_in_worker(p) for p in pods)
+            counted = [*pods, *self.pods.by_role("prefill")] if role == "decode" and _prefill_follows(self) else pods
+            in_flight = sum(_requests_in_worker(p) for p in counted)
             decode = self._scaled.get("decode", len(self.pods.by_role("decode"))) if role == "prefill" else None
             load = RoleLoad(len(pods), in_flight, ttft_p90 if role != "decode" else None, decode)
             wanted = self._autoscaler.decide(role, load)
@@ -504,6 +505,13 @@ class Supervisor:
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "state.json")
+
+
+def _prefill_follows(supervisor: Supervisor) -> bool:
+    """Whether the prefill pool follows decode by ``decodeRatio``: then decode's requests in flight are the
+    endpoint's, those still in prefill included (they decode next), or a prefill bottleneck would never show."""
+    spec = supervisor._autoscaler.spec if supervisor._autoscaler is not None else None
+    return spec is not None and spec.prefill is not None and spec.prefill.decode_ratio is not None
 
 
 def _requests_in_worker(pod: Pod) -> float:
