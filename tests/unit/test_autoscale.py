@@ -100,6 +100,10 @@ def test_decode_scales_by_concurrency_not_by_the_prefill_pools_ttft() -> None:
 def test_a_prefill_pool_with_a_decode_ratio_follows_the_decode_pool_and_has_no_targets_of_its_own() -> None:
     follows = scaling(decodeRatio=0.5)
     assert [recommend(follows, RoleLoad(1, 50.0, 2.0, decode_replicas=d)) for d in (1, 2, 3, 4, 9)] == [1, 1, 2, 2, 4]
+    # down at once with decode, whose own window already held it: no second window
+    autoscaler = Autoscaler(AutoscalingSpec(prefill=follows, scale_down_stabilization_seconds=60), clock=lambda: 0.0)
+    assert autoscaler.decide("prefill", RoleLoad(1, 0.0, decode_replicas=6)) == 3
+    assert autoscaler.decide("prefill", RoleLoad(3, 0.0, decode_replicas=2)) == 1
     data = example(prefill={"maxReplicas": 2, "decodeRatio": 0.5, "targetConcurrency": 4})
     data["spec"]["pdSpec"] = {}
     with pytest.raises(EndpointError, match="give it no targetConcurrency or targetTtftSeconds beside it"):

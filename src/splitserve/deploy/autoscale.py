@@ -9,7 +9,8 @@ Every ``intervalSeconds`` each scaled role gets a recommendation:
 - ``decodeRatio`` (prefill only, instead of targets): the decode pool's replicas, as just decided, times the ratio,
   rounded up: the prefill pool keeps the P:D ratio ``splitserve plan`` recommends while decode follows the load.
   Decode's requests in flight then count the endpoint's, those still in prefill too (they decode next): a
-  prefill bottleneck queues requests before they reach a decode pod, and would otherwise scale nothing.
+  prefill bottleneck queues requests before they reach a decode pod, and would otherwise scale nothing. The
+  prefill pool follows at once, both ways: decode's own window already held its scale-down.
 - ``targetTtftSeconds``: the replicas now times the 90th percentile of the time to first token clients saw at
   the router over the interval, over the target, rounded up: HPA's proportional rule, with its tolerance (within
   10% of the target, no change). An interval without a first token recommends the minimum.
@@ -71,7 +72,10 @@ class Autoscaler:
     def decide(self, role: str, load: RoleLoad) -> int:
         """The replicas ``role`` should have now: at once any more the load asks for, and fewer only as far as
         every recommendation of the stabilization window allows."""
-        recommendation = recommend(self.spec.roles()[role], load)
+        scaling = self.spec.roles()[role]
+        recommendation = recommend(scaling, load)
+        if scaling.decode_ratio is not None:  # decode's replicas are already past its window: no second one
+            return recommendation
         now, history = self._clock(), self._recommended[role]
         history.append((now, recommendation))
         while history and history[0][0] < now - self.spec.scale_down_stabilization_seconds:
