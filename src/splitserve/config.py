@@ -692,7 +692,8 @@ class RouterConfig(AccessConfig):
     )  # fmt: skip
     backend_kind: BackendKind = setting(
         BackendKind.AUTO, "kvaware: what the workers are, hence where their KV events come from: splitserve "
-        "(GET /kv/events), vllm (its ZMQ publisher, --kv-events-config) or auto (ask each worker's /version).",
+        "(GET /kv/events), vllm (its ZMQ publisher, --kv-events-config) or auto (ask each worker's /version). "
+        "session and prefixaware follow the splitserve workers' load the same way (vLLM reports none).",
         panel=ROUTING_PANEL,
     )  # fmt: skip
     vllm_kv_events_port: str | None = setting(
