@@ -341,6 +341,12 @@ class AutoscalingSpec(_Spec):
         scaled = {"colocated": self.colocated, "decode": self.decode, "prefill": self.prefill}
         return {role: scaling for role, scaling in scaled.items() if scaling is not None}
 
+    @property
+    def prefill_follows_decode(self) -> bool:
+        """Whether the prefill pool follows the decode pool by ``decodeRatio`` (then decode's requests in flight are
+        the endpoint's, those still in prefill included: ``deploy/autoscale.py``)."""
+        return self.prefill is not None and self.prefill.decode_ratio is not None
+
 
 class LoadBalancer(_Spec):
     health_check_path: str = "/health"

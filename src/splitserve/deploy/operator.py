@@ -36,6 +36,7 @@ from splitserve.config import Role
 from splitserve.deploy.autoscale import RoleLoad, recommend
 from splitserve.deploy.crd import GROUP, PLURAL, VERSION, crd
 from splitserve.deploy.labels import (
+    COMPONENTS,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
@@ -141,7 +142,7 @@ def reconcile(
         client.apply(_owned(manifest, owner), force=live[_key(manifest)] is not None)
     keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
     _delete_managed(client, config.metadata.namespace, config.metadata.name, keep, uid)
-    keep_prefill_ratio(config, client)
+    keep_prefill_ratio(config, manifests, client)
     return _valid_status(body, config, manifests, client, now)
 
 
@@ -158,32 +159,36 @@ def refresh(
         manifests = render(config, default_image=default_image)
     except EndpointError as exc:
         return _invalid_status(body, exc, now)
-    keep_prefill_ratio(config, client)
+    keep_prefill_ratio(config, manifests, client)
     return _valid_status(body, config, manifests, client, now)
 
 
-def keep_prefill_ratio(config: InferenceEndpointConfig, client: KubeClient) -> int | None:
+def keep_prefill_ratio(
+    config: InferenceEndpointConfig, manifests: Sequence[Manifest], client: KubeClient
+) -> int | None:
     """With ``spec.autoscaling.prefill.decodeRatio``, set the prefill Deployment's replicas from the decode
     Deployment's (its HorizontalPodAutoscaler's, or the resource's): the ratio times them, rounded up, within
     the prefill bounds (``deploy/autoscale.py``), through the scale subresource, on every reconcile and timer.
-    Returns the replicas it wants (None: no ratio to keep, or no decode Deployment yet)."""
+    ``manifests``: the resource's render, which names the two Deployments. Returns the replicas it wants (None: no
+    ratio to keep, or no decode Deployment yet)."""
     scaling = config.spec.autoscaling
-    bounds = scaling.prefill if scaling is not None else None
-    if bounds is None or bounds.decode_ratio is None:
+    if scaling is None or not scaling.prefill_follows_decode or config.spec.pd_spec is None:
         return None
-    roles = {role.role: role for role in plan(config, Target.KUBERNETES, redis_url=in_cluster_redis_url(config)).roles}
-    prefill, decode = roles[Role.PREFILL], roles[Role.DECODE]
+    assert scaling.prefill is not None
+    names = {_component(m): m["metadata"]["name"] for m in manifests if m["kind"] == "Deployment"}
+    prefill, decode = names[COMPONENTS[Role.PREFILL]], names[COMPONENTS[Role.DECODE]]
     namespace = config.metadata.namespace
-    live_decode = client.get("apps/v1", "Deployment", namespace, decode.name)
-    live_prefill = client.get("apps/v1", "Deployment", namespace, prefill.name)
+    live_decode = client.get("apps/v1", "Deployment", namespace, decode)
+    live_prefill = client.get("apps/v1", "Deployment", namespace, prefill)
     if live_decode is None or live_prefill is None:
         return None
-    decode_replicas = int((live_decode.get("spec") or {}).get("replicas", decode.replicas))
-    wanted = recommend(bounds, RoleLoad(0, 0.0, decode_replicas=decode_replicas))
+    written = config.spec.pd_spec.decoding_spec.replicas
+    decode_replicas = int((live_decode.get("spec") or {}).get("replicas", written))
+    wanted = recommend(scaling.prefill, RoleLoad(0, 0.0, decode_replicas=decode_replicas))
     if (live_prefill.get("spec") or {}).get("replicas") != wanted:
-        logger.info("%s: prefill replicas %d (decodeRatio %g of %d decode)", prefill.name, wanted,
-                    bounds.decode_ratio, decode_replicas)  # fmt: skip
-        client.scale("apps/v1", "Deployment", namespace, prefill.name, wanted)
+        logger.info("%s: prefill replicas %d (decodeRatio %g of %d decode)", prefill, wanted,
+                    scaling.prefill.decode_ratio, decode_replicas)  # fmt: skip
+        client.scale("apps/v1", "Deployment", namespace, prefill, wanted)
     return wanted
 
 

@@ -336,9 +336,7 @@ def _autoscaler(ep: _Endpoint, role: RolePlan, scaling: RoleScaling) -> Manifest
     metrics: list[Manifest] = []
     autoscaling = ep.config.spec.autoscaling
     assert autoscaling is not None
-    follows = (
-        role.role == Role.DECODE and autoscaling.prefill is not None and autoscaling.prefill.decode_ratio is not None
-    )
+    follows = role.role == Role.DECODE and autoscaling.prefill_follows_decode
     if scaling.target_concurrency is not None and follows:  # decode counts the requests still in prefill too
         router = {"apiVersion": "v1", "kind": "Service", "name": ep.plan.router.name}
         target = {"type": "AverageValue", "averageValue": _milli(scaling.target_concurrency)}

@@ -315,7 +315,8 @@ class Supervisor:
         changed = False
         for role in self._autoscaler.spec.roles():
             pods = self.pods.by_role(role)
-            counted = [*pods, *self.pods.by_role("prefill")] if role == "decode" and self._prefill_follows() else pods
+            follows = role == "decode" and self._autoscaler.spec.prefill_follows_decode
+            counted = [*pods, *self.pods.by_role("prefill")] if follows else pods
             in_flight = sum(_requests_in_worker(p) for p in counted)
             decode = self._scaled.get("decode", len(self.pods.by_role("decode"))) if role == "prefill" else None
             load = RoleLoad(len(pods), in_flight, ttft_p90 if role != "decode" else None, decode)
@@ -331,12 +332,6 @@ class Supervisor:
                 self.apply(self.user_config, self.revision)
             except (EndpointError, RuntimeError) as exc:  # the endpoint keeps running as it is
                 logger.error("autoscaling not applied: %s", exc)
-
-    def _prefill_follows(self) -> bool:
-        """Whether the prefill pool follows decode by ``decodeRatio``: then decode's requests in flight are the
-        endpoint's, those still in prefill included (they decode next), or a prefill bottleneck would never show."""
-        spec = self._autoscaler.spec if self._autoscaler is not None else None
-        return spec is not None and spec.prefill is not None and spec.prefill.decode_ratio is not None
 
     def _router_ttft_p90(self) -> float | None:
         """The 90th percentile of the time to first token the routers saw since the last read (None: no first
