@@ -652,6 +652,13 @@ class BackendKind(StrEnum):
     SPLITSERVE = "splitserve"  # GET /kv/events, a long poll
     VLLM = "vllm"  # vLLM's ZMQ publisher (vLLM started with --kv-events-config)
 
+    @staticmethod
+    def shown_by(version: Any) -> BackendKind | None:
+        """The kind a worker's ``GET /version`` answer (its JSON) shows; None without one."""
+        if not isinstance(version, dict):
+            return None
+        return BackendKind.VLLM if "version" in version and "cpu" not in version else BackendKind.SPLITSERVE
+
 
 @dataclass(frozen=True)
 class RouterConfig(AccessConfig):

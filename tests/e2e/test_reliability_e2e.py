@@ -1,6 +1,7 @@
 """Faults against real processes: a SIGKILLed worker's stream resumes on the other worker with the same greedy
-text, colocated or disaggregated (a decode worker killed after the prefill worker's first token), and a
-SIGTERMed worker drains (finishes its stream, refuses new requests, exits 0)."""
+text, colocated or disaggregated (a decode worker killed after the prefill worker's first token), its n choices,
+its schema and its tool call going on, and a SIGTERMed worker drains (finishes its stream, refuses new requests,
+exits 0)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import jsonschema
 import pytest
 import redis
 
+from tests.support.client_features import TOOLS_TEMPLATE_ARGS
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_until
 from tests.support.workers import RouterProcess, WorkerProcess
@@ -39,7 +41,7 @@ class Pair:
     def __init__(self, log_dir: Path, redis_url: str) -> None:
         self.log_dir = log_dir
         self.redis_url = redis_url
-        self.args = [*WORKER_ARGS, "--l2-backend", "redis", "--l2-url", redis_url]
+        self.args = [*WORKER_ARGS, *TOOLS_TEMPLATE_ARGS, "--l2-backend", "redis", "--l2-url", redis_url]
         self.workers = [self._worker(name) for name in "ab"]
         backends = [arg for w in self.workers for arg in ("--backend", w.url)]
         args = ["--routing-strategy", "session", "--health-interval", "0.3", *backends]
@@ -96,6 +98,22 @@ def stream_events(url: str, body: dict[str, Any], on_event: Any = None) -> list[
     return events
 
 
+class KillServing:
+    """An ``on_event`` for :func:`stream_events`: once ``after`` events came, SIGKILLs the one worker of
+    ``workers`` the router counts a request in flight at (``in_flight``: by URL); ``killed`` then holds it."""
+
+    def __init__(self, workers: list[WorkerProcess], in_flight: Any, after: int) -> None:
+        self.workers, self.in_flight, self.after = workers, in_flight, after
+        self.killed: list[WorkerProcess] = []
+
+    def __call__(self, events: list[dict[str, Any] | str]) -> None:
+        if len(events) == self.after and not self.killed:
+            serving = [w for w in self.workers if self.in_flight()[w.url] == 1]
+            assert len(serving) == 1
+            serving[0].process.send_signal(signal.SIGKILL)
+            self.killed.append(serving[0])
+
+
 def chat_text(events: list[dict[str, Any] | str]) -> str:
     return "".join(
         (choice.get("delta") or {}).get("content") or ""
@@ -122,16 +140,9 @@ def test_a_killed_workers_stream_resumes_on_the_other_with_the_same_greedy_text(
     finally:
         store.close()
 
-    killed: list[WorkerProcess] = []
-
-    def kill_the_serving_worker(events: list[dict[str, Any] | str]) -> None:
-        if len(events) == 300 and not killed:  # the role chunk and 299 tokens: mid-stream
-            serving = [w for w in pair.workers if pair.in_flight_by_worker()[w.url] == 1]
-            assert len(serving) == 1
-            serving[0].process.send_signal(signal.SIGKILL)
-            killed.append(serving[0])
-
-    events = stream_events(f"{router.url}/v1/chat/completions", body, kill_the_serving_worker)
+    kill = KillServing(pair.workers, pair.in_flight_by_worker, after=300)  # the role chunk and 299 tokens
+    events = stream_events(f"{router.url}/v1/chat/completions", body, kill)
+    killed = kill.killed
     assert killed, "the stream ended before the worker could be killed"
     # the session kept both requests on one worker, so the survivor never saw the prompt (else its own cache
     # answers, and the L2 load below is not what resumed it)
@@ -165,15 +176,9 @@ def test_a_killed_workers_n_stream_resumes_each_choice_with_the_same_seeded_text
     expected = choice_texts(reference)
     assert len(set(expected.values())) == 3  # three different draws
     before = pair.router.metric(MIGRATIONS, outcome="resumed")
-    killed: list[WorkerProcess] = []
-
-    def kill_the_serving_worker(events: list[dict[str, Any] | str]) -> None:
-        if len(events) == 300 and not killed:  # about 100 tokens into each choice
-            serving = [w for w in pair.workers if pair.in_flight_by_worker()[w.url] == 1]
-            serving[0].process.send_signal(signal.SIGKILL)
-            killed.append(serving[0])
-
-    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill_the_serving_worker)
+    kill = KillServing(pair.workers, pair.in_flight_by_worker, after=300)  # about 100 tokens into each choice
+    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill)
+    killed = kill.killed
     assert killed, "the stream ended before the worker could be killed"
     assert choice_texts(events) == expected  # each choice went on from seed + its index, as the worker drew it
     assert logprob_entries(events) == logprob_entries(reference)  # each token's, once, as chat gives them
@@ -226,19 +231,57 @@ def test_a_killed_workers_schema_constrained_stream_resumes_and_still_validates(
     reference = chat_text(stream_events(f"{pair.router.url}/v1/chat/completions", body))
     jsonschema.validate(json.loads(reference), LONG_SCHEMA)
     before = pair.router.metric(MIGRATIONS, outcome="resumed")
-    killed: list[WorkerProcess] = []
-
-    def kill_the_serving_worker(events: list[dict[str, Any] | str]) -> None:
-        if len(events) == 200 and not killed:  # mid-way through the rows
-            serving = [w for w in pair.workers if pair.in_flight_by_worker()[w.url] == 1]
-            serving[0].process.send_signal(signal.SIGKILL)
-            killed.append(serving[0])
-
-    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill_the_serving_worker)
+    kill = KillServing(pair.workers, pair.in_flight_by_worker, after=200)  # mid-way through the rows
+    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill)
+    killed = kill.killed
     assert killed, "the stream ended before the worker could be killed"
     text = chat_text(events)
     jsonschema.validate(json.loads(text), LONG_SCHEMA)  # the new worker's grammar went on from the tokens sent
     assert text == reference and events[-1] == "[DONE]"
+    assert pair.router.metric(MIGRATIONS, outcome="resumed") == before + 1
+    pair.replace(pair.workers.index(killed[0]))
+
+
+ROWS_SCHEMA = {**LONG_SCHEMA, "properties": {"rows": {**LONG_SCHEMA["properties"]["rows"], "minItems": 30,
+                                                      "maxItems": 30}}}  # fmt: skip
+ROWS_TOOL = {"type": "function", "function": {"name": "record_rows", "description": "Records numbered words",
+                                              "parameters": ROWS_SCHEMA}}  # fmt: skip
+
+
+def tool_calls(events: list[dict[str, Any] | str]) -> list[dict[str, Any]]:
+    """The streamed tool-call deltas assembled as a client does: each call's ids, name and arguments."""
+    calls: dict[int, dict[str, Any]] = {}
+    for event in events:
+        for choice in event.get("choices") or [] if isinstance(event, dict) else []:
+            for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+                call = calls.setdefault(delta["index"], {"ids": [], "name": "", "arguments": ""})
+                call["ids"] += [delta["id"]] if "id" in delta else []
+                call["name"] += (delta.get("function") or {}).get("name") or ""
+                call["arguments"] += (delta.get("function") or {}).get("arguments") or ""
+    return [call for _, call in sorted(calls.items())]
+
+
+def test_a_killed_workers_tool_call_stream_resumes_and_its_call_goes_on(pair: Pair) -> None:
+    """The call's arguments (30 rows, about 250 tokens) stream token by token; the new worker replays the tokens
+    sent through its reader and sends the rest of the same call: one call, one id, the same arguments as an
+    uninterrupted run."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Record thirty numbered words."}],
+            "max_tokens": 800, "temperature": 0, "stream": True, "user": "tools-1", "tools": [ROWS_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "record_rows"}}}  # fmt: skip
+    reference = stream_events(f"{pair.router.url}/v1/chat/completions", body)
+    [expected] = tool_calls(reference)
+    jsonschema.validate(json.loads(expected["arguments"]), ROWS_SCHEMA)
+    before = pair.router.metric(MIGRATIONS, outcome="resumed")
+    kill = KillServing(pair.workers, pair.in_flight_by_worker, after=100)  # mid-way through the arguments
+    events = stream_events(f"{pair.router.url}/v1/chat/completions", body, kill)
+    killed = kill.killed
+    assert killed, "the stream ended before the worker could be killed"
+    [call] = tool_calls(events)
+    assert (call["name"], call["arguments"]) == ("record_rows", expected["arguments"]) and len(call["ids"]) == 1
+    finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices") or []]
+    assert [f for f in finishes if f] == [f for e in reference if isinstance(e, dict)
+                                          for c in e.get("choices") or [] if (f := c["finish_reason"])]  # fmt: skip
+    assert not chat_text(events) and events[-1] == "[DONE]"
     assert pair.router.metric(MIGRATIONS, outcome="resumed") == before + 1
     pair.replace(pair.workers.index(killed[0]))
 
@@ -325,16 +368,10 @@ def test_a_killed_decode_workers_disaggregated_stream_resumes_with_the_same_gree
     disaggregated_before = router.metric("splitserve:router_pd_decisions_total", path="disaggregated")
     assert disaggregated_before >= 1  # the reference went through the prefill worker too
 
-    killed: list[WorkerProcess] = []
-
-    def kill_the_decode_worker(events: list[dict[str, Any] | str]) -> None:
-        if len(events) == 100 and not killed:  # the prefill worker's first token, then some of decode's
-            serving = [d for d in disaggregated.decoders if disaggregated.in_flight_by_worker()[d.url] == 1]
-            assert len(serving) == 1
-            serving[0].process.send_signal(signal.SIGKILL)
-            killed.append(serving[0])
-
-    events = stream_events(f"{router.url}{path}", body, kill_the_decode_worker)
+    # after the prefill worker's first token, then some of decode's
+    kill = KillServing(disaggregated.decoders, disaggregated.in_flight_by_worker, after=100)
+    events = stream_events(f"{router.url}{path}", body, kill)
+    killed = kill.killed
     assert killed, "the stream ended before the decode worker could be killed"
     assert router.metric("splitserve:router_pd_decisions_total", path="disaggregated") == disaggregated_before + 1
     assert not any(isinstance(e, dict) and "error" in e for e in events), events

@@ -2,8 +2,10 @@
 
 The tokenizer maps characters to their code points (1..255); the engine answers every request with the
 characters of ``REPLY`` in order, one token per step, until ``max_tokens`` (``length``), a stop token id
-(``stop``) or the end of ``REPLY`` (``stop``, like EOS, unless ``ignore_eos``). It records which thread
-called it, so tests can check that only the engine thread does.
+(``stop``) or the end of ``REPLY`` (``stop``, like EOS, unless ``ignore_eos``). A resumed request that replays
+its output (``replay_output``) first hands out the text of it that the original stream held back, as the
+engine's replayed detokenizer does. It records which thread called it, so tests can check that only the engine
+thread does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.outputs import FinishReason, RequestOutput, TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutput
 from splitserve.engine.speculative import SpecStats
@@ -84,6 +87,7 @@ class _FakeRequest:
     num_cached: int = 0
     added_s: float = field(default_factory=time.monotonic)
     first_token_s: float = 0.0
+    held_back: str = ""  # replay_output: the resumed output's text the original stream had not handed out
 
 
 @dataclass
@@ -127,6 +131,13 @@ class FakeEngine:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
         self.requests[request_id] = _FakeRequest(list(prompt_token_ids), params, num_cached=num_cached)
+        if params.replay_output and params.resumed_prompt_tokens:
+            prompt, output = (
+                prompt_token_ids[: params.resumed_prompt_tokens],
+                prompt_token_ids[params.resumed_prompt_tokens :],
+            )
+            detok = IncrementalDetokenizer.replayed(self.tokenizer, params.stop, False, prompt, output)
+            self.requests[request_id].held_back = detok.text[len(detok.emitted_text) :]
         self.added_ids.append(request_id)
 
     def abort_request(self, request_id: str) -> None:
@@ -166,6 +177,7 @@ class FakeEngine:
         if reason is not None:
             del self.requests[request_id]
         text = "" if token == 0 or stop_reason is not None else chr(token)
+        text, req.held_back = req.held_back + text, ""
         params = req.params
         prompt_logprobs = None
         if params.prompt_logprobs is not None and req.num_output == 1:

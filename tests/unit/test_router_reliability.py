@@ -157,13 +157,17 @@ def test_past_max_concurrent_requests_a_request_waits_then_gets_a_429(stack: Exi
 
 
 class DyingWorker:
-    """Streams ``events`` (SSE data strings) to any POST, then drops the connection; answers /health."""
+    """Streams ``events`` (SSE data strings) to any POST, then drops the connection (with ``finishes``: ends the
+    stream properly instead); answers /health, and /version with ``version`` when given."""
 
-    def __init__(self, events: list[str]) -> None:
+    def __init__(self, events: list[str], version: dict[str, Any] | None = None, finishes: bool = False) -> None:
         self.events = events
+        self.version = version
+        self.finishes = finishes
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.bodies: list[dict[str, Any]] = []
+        self.paths: list[str] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -181,23 +185,33 @@ class DyingWorker:
             if head.startswith(b"GET /health"):
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                 return
+            if head.startswith(b"GET /version") and self.version is not None:
+                answer = json.dumps(self.version).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s"
+                             % (len(answer), answer))  # fmt: skip
+                return
             if head.startswith(b"GET "):  # /version, /metrics...: a worker that has no such route
                 conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                 return
             self.bodies.append(json.loads(body))
+            self.paths.append(head.split(b" ")[1].decode())
             head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
             conn.sendall(head)
             for data in self.events:
                 event = f"data: {data}\n\n".encode()
                 conn.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            if self.finishes:
+                conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+                return
             time.sleep(0.1)  # then the connection drops, without the last chunk
 
     def close(self) -> None:
         self.sock.close()
 
 
-def _dying(stack: ExitStack, events: list[dict[str, Any]]) -> DyingWorker:
-    worker = DyingWorker([json.dumps(e) for e in events])
+def _dying(stack: ExitStack, events: list[dict[str, Any]], **kwargs: Any) -> DyingWorker:
+    worker = DyingWorker([json.dumps(e) for e in events], **kwargs)
     stack.callback(worker.close)
     return worker
 
@@ -236,14 +250,20 @@ def test_a_chat_stream_resumes_as_chat_with_held_back_text_and_whole_usage(
         "prompt_token_ids": [60, 117, 62],
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
     }
-    # three tokens generated, "r" held back (as for a possible stop string) when the worker died
+    # three tokens generated, "r" held back (the possible start of the stop string) when the worker died
     token = common | {"choices": [{"index": 0, "delta": {"content": "Pa"}, "token_ids": [80, 97, 114],
                                    "finish_reason": None}]}  # fmt: skip
     dying = _dying(stack, [role, token])
     _, client = start_router(stack, [dying.url, workers[0].url], health_interval_s=60)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "u"}], "max_tokens": 6, "stream": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "return_token_ids": True, "stream_options": {"include_usage": True}, "stop": ["rx"]}  # fmt: skip
+    before = len(workers[0].engine.seen_prompts)
     events = _stream(client, "/v1/chat/completions", body)
+    # a splitserve worker went on as a chat request: the prompt's and the answer's ids, its output replayed, so
+    # that it handed out the held-back "r" itself
+    assert workers[0].engine.seen_prompts[before:] == [[60, 117, 62, 80, 97, 114]]
+    params = workers[0].engine.seen_params[-1]
+    assert params.resumed_prompt_tokens == 3 and params.replay_output and params.max_tokens == 3
     chunks = [e for e in events if isinstance(e, dict)]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {"chatcmpl-9"}
     text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
@@ -304,6 +324,80 @@ def test_an_echoed_stream_resumes_without_a_second_echo_and_a_choice_never_start
     assert texts == {0: "Hi there" + "Pa" + REPLY[:2], 1: "Hi there" + REPLY[:4]}
     assert sorted(workers[1].engine.seen_prompts[before:]) == [[72, 105], [72, 105, 80, 97]]  # no echo text in them
     assert out[-1] == "[DONE]" and router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
+NAMED_TOOL = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+
+
+def _tool_chunks(common: dict[str, Any], deltas: list[tuple[dict[str, Any], list[int]]]) -> list[dict[str, Any]]:
+    return [common | {"choices": [{"index": 0, "delta": delta, "token_ids": ids, "finish_reason": None}]}
+            for delta, ids in deltas]  # fmt: skip
+
+
+def test_a_tool_call_stream_resumes_as_chat_on_a_splitserve_worker_and_its_call_goes_on(stack: ExitStack) -> None:
+    """The call's head and the start of its arguments reached the client; the new worker, given the prompt's
+    and the answer's ids, sends the rest of the arguments under the same call index, in the original stream."""
+    common = {"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 4, "model": MODEL}
+    head = {"index": 0, "id": "chatcmpl-tool-1", "type": "function", "function": {"name": "get_weather",
+                                                                                   "arguments": ""}}  # fmt: skip
+    role = common | {"prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                      "content": ""}}]}  # fmt: skip
+    first = [
+        role,
+        *_tool_chunks(
+            common,
+            [
+                ({"tool_calls": [head]}, [1, 2]),
+                ({"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}, [3, 4]),
+            ],
+        ),
+    ]
+    other = {"id": "chatcmpl-other", "object": "chat.completion.chunk", "created": 9, "model": MODEL}
+    rest = [other | {"prompt_token_ids": [5, 6, 1, 2, 3, 4], "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                                   "content": ""}}]},
+            other | {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+                "arguments": 'ty": "Oslo"}'}}]}, "token_ids": [7, 8], "finish_reason": "stop"}]},
+            other | {"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 2,
+                                              "total_tokens": 8}}]  # fmt: skip
+    dying = _dying(stack, first)
+    resuming = _dying(stack, rest, version={"version": "0", "cpu": "x86"}, finishes=True)
+    router, client = start_router(stack, [dying.url, resuming.url], health_interval_s=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "u"}], "max_tokens": 20, "stream": True,
+            "stream_options": {"include_usage": True}, **NAMED_TOOL}  # fmt: skip
+    events = _stream(client, "/v1/chat/completions", body)
+    assert resuming.paths == ["/v1/chat/completions"]
+    sent = resuming.bodies[0]
+    assert sent["resume_from"] == {"prompt_token_ids": [5, 6], "output_token_ids": [1, 2, 3, 4]}
+    assert sent["max_completion_tokens"] == 16 and "max_tokens" not in sent and sent["return_token_ids"] is True
+    assert sent["tools"] == NAMED_TOOL["tools"] and sent["tool_choice"] == NAMED_TOOL["tool_choice"]
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert {c["id"] for c in chunks} == {"chatcmpl-t"} and {c["created"] for c in chunks} == {4}
+    calls = [d for c in chunks for choice in c["choices"] for d in choice["delta"].get("tool_calls", [])]
+    assert [d["index"] for d in calls] == [0, 0, 0] and [d.get("id") for d in calls] == ["chatcmpl-tool-1", None, None]
+    assert "".join(d["function"].get("arguments", "") for d in calls) == '{"city": "Oslo"}'
+    assert all("token_ids" not in choice for c in chunks for choice in c["choices"])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:] if c["choices"]]
+    assert all(d.get("tool_calls") for d in deltas)  # no second role chunk, no empty ones
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and events[-1] == "[DONE]"
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
+def test_a_tool_call_stream_is_not_resumed_as_text(stack: ExitStack) -> None:
+    """A worker that is not splitserve's (no /version naming a cpu) would go on as a completion, whose text is
+    no tool call: the stream ends with an error event instead."""
+    common = {"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 4, "model": MODEL}
+    head = {"index": 0, "id": "chatcmpl-tool-1", "type": "function", "function": {"name": "get_weather",
+                                                                                   "arguments": ""}}  # fmt: skip
+    role = common | {"prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    dying = _dying(stack, [role, *_tool_chunks(common, [({"tool_calls": [head]}, [1, 2])])])
+    other = _dying(stack, [])
+    _, client = start_router(stack, [dying.url, other.url], health_interval_s=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "u"}], "max_tokens": 20, "stream": True,
+            **NAMED_TOOL}  # fmt: skip
+    events = _stream(client, "/v1/chat/completions", body)
+    assert other.bodies == [] and "no other worker could resume" in events[-2]["error"]["message"]
 
 
 def test_a_stream_no_worker_can_resume_ends_with_an_error_event(stack: ExitStack) -> None:

@@ -135,3 +135,36 @@ def test_reasoning_splits_the_same_whole_and_streamed(parser: str, text: str) ->
         assert whole == ("\nHmm.\n", "Paris.")
     if text == "Paris.":
         assert whole == (("Paris.", None) if parser == "deepseek_r1" else (None, "Paris."))
+
+
+def _call_deltas(parts: list[tuple[str, list[dict[str, Any]]]]) -> list[Any]:
+    """A stream's content and call deltas, the calls' random ids left out."""
+    return [(piece, [{k: v for k, v in d.items() if k != "id"} for d in deltas]) for piece, deltas in parts]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), AUTO_CASES)
+def test_a_stream_that_took_its_text_at_once_goes_on_as_one_fed_piece_by_piece(
+    parser: Any, text: str, content: Any, calls: Any
+) -> None:
+    """A resumed stream's reader takes the text its client has in one piece: from there, it sends what the
+    original reader, fed a character at a time, would have (the next call's index, the rest of the content)."""
+    plan = ToolPlan(ToolChoice.AUTO, NAMES, parser)
+    for cut in range(len(text) + 1):
+        original, resumed = ToolStream(plan), ToolStream(plan)
+        for ch in text[:cut]:
+            original.feed(ch)
+        resumed.feed(text[:cut])
+        goes_on = [[s.feed(ch) for ch in text[cut:]] + [s.finish()] for s in (original, resumed)]
+        assert _call_deltas(goes_on[0]) == _call_deltas(goes_on[1]), cut
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_reasoning_split_that_took_its_text_at_once_goes_on_the_same(parser: str) -> None:
+    text = "<think>\nHmm, <b>no</b>.\n</think>\n\nParis."
+    for cut in range(len(text) + 1):
+        original, resumed = ReasoningSplitter(parser), ReasoningSplitter(parser)
+        for ch in text[:cut]:
+            original.feed(ch)
+        resumed.feed(text[:cut])
+        goes_on = [[s.feed(ch) for ch in text[cut:]] + [s.feed("", final=True)] for s in (original, resumed)]
+        assert goes_on[0] == goes_on[1], cut

@@ -187,8 +187,9 @@ class TestStreaming:
         assert events[-1] == "[DONE]"
         deltas = [e["choices"][0]["delta"] for e in events[:-1]]
         assert deltas[0] == {"role": "assistant", "content": ""}
-        assert deltas[-1] == {}
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        # each output is one chunk, its finish included (as vLLM's): the last token's text comes with the reason
+        assert deltas[-1] == {"content": REPLY[3]} and len(deltas) == 1 + 4
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * 4 + ["length"]
         assert "".join(d.get("content", "") for d in deltas) == REPLY[:4]
         assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
         assert "usage" not in events[-2] or events[-2]["usage"] is None

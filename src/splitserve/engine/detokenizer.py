@@ -8,6 +8,10 @@ space, and a request resumed from its prompt plus earlier output continues its t
 (U+FFFD at the end) is held back until the next token completes it. When stop strings are set, the last
 ``max(len(stop)) - 1`` characters are held back too, so a stop string split across tokens is never
 partly emitted.
+
+A stream resumed on another worker (the router's migration) can replay the output the original worker made
+(:meth:`IncrementalDetokenizer.replayed`): the replay leaves it where the original worker's detokenizer was,
+holding back the same characters, so the text goes on exactly as the original stream's would have.
 """
 
 from __future__ import annotations
@@ -37,6 +41,24 @@ class IncrementalDetokenizer:
         self._num_context = len(self._ids)
         self._prefix_offset = 0
         self._read_offset = self._num_context
+
+    @classmethod
+    def replayed(
+        cls, tokenizer: Decoder, stop: tuple[str, ...], include_stop_str: bool, prompt: list[int], output: list[int]
+    ) -> IncrementalDetokenizer:
+        """A detokenizer that has taken ``output`` after ``prompt`` token by token and handed out its text, as the
+        original stream's had; later :meth:`update` calls take the output generated after ``output`` alone.
+        ``emitted_text`` is what it handed out (the client of the original stream has it)."""
+        detok = cls(tokenizer, stop, include_stop_str, prompt)
+        for end in range(1, len(output) + 1):
+            detok.update(output[:end])
+        detok.take_new_text(finished=False)
+        detok._num_context += len(output)
+        return detok
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self.num_emitted_chars]
 
     def update(self, output_ids: list[int]) -> str | None:
         """Take the request's whole output token list; returns the matched stop string, if any.

@@ -179,7 +179,13 @@ class LLMEngine:
         request.grammar = self._grammar_for(request)
         if self.tokenizer is not None:
             stop, include = params.stop, params.include_stop_str_in_output
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, stop, include, prompt_token_ids)
+            resumed = params.resumed_prompt_tokens
+            if params.replay_output and resumed:
+                prompt, output = prompt_token_ids[:resumed], prompt_token_ids[resumed:]
+                detok = IncrementalDetokenizer.replayed(self.tokenizer, stop, include, prompt, output)
+            else:
+                detok = IncrementalDetokenizer(self.tokenizer, stop, include, prompt_token_ids)
+            self._detokenizers[request_id] = detok
         self.requests[request_id] = request
         self.scheduler.add(request)
 

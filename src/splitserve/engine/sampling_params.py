@@ -83,6 +83,9 @@ class SamplingParams:
     # a stream resumed here after its worker failed (the router's migration): the length of the original
     # prompt, which the prompt continues with the tokens generated before; what --verify-sample-rate replays
     resumed_prompt_tokens: int | None = None
+    # with it: the text goes on from the original stream's, its detokenizer having replayed the tokens generated
+    # before (``IncrementalDetokenizer.replayed``); without it, the text of the new tokens alone
+    replay_output: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +133,8 @@ class SamplingParams:
             raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, all encodable as UTF-8")
         if self.resumed_prompt_tokens is not None and self.resumed_prompt_tokens < 1:
             raise ValueError(f"the resumed prompt's length must be positive, got {self.resumed_prompt_tokens}")
+        if self.replay_output and self.resumed_prompt_tokens is None:
+            raise ValueError("replaying the output needs the resumed prompt's length")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
         for name in ("presence_penalty", "frequency_penalty"):

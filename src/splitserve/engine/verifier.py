@@ -105,4 +105,5 @@ def shadow_params(params: SamplingParams, num_tokens: int) -> SamplingParams:
         stop=(),
         kv_transfer=None,
         resumed_prompt_tokens=None,
+        replay_output=False,
     )

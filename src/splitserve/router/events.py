@@ -115,7 +115,7 @@ class EventSubscriber:
         if self.kind != BackendKind.AUTO:
             return self.kind
         status, body = await self._answer(f"{url}/version")
-        is_vllm = status == 200 and isinstance(body, dict) and "version" in body and "cpu" not in body
+        is_vllm = status == 200 and BackendKind.shown_by(body) == BackendKind.VLLM
         return BackendKind.VLLM if is_vllm else BackendKind.SPLITSERVE
 
     async def _follow_vllm(self, url: str) -> None:

@@ -28,7 +28,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve import tracing
-from splitserve.config import RouterConfig
+from splitserve.config import BackendKind, RouterConfig
 from splitserve.errors import SplitserveError
 from splitserve.httpserver import RESUMED_PROMPT_TOKENS_HEADER
 from splitserve.metrics import RouterMetrics
@@ -43,10 +43,12 @@ from splitserve.router.migrate import (
     SSEBuffer,
     StreamTracker,
     WorkerStreamFailed,
+    calls_tools,
     echoed_text,
     held_back_text,
     requested_logprobs,
     resume_body,
+    resume_chat_body,
 )
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest
 from splitserve.router.transport import Transport, TransportError, Upstream
@@ -135,6 +137,7 @@ class Forwarder:
         call.tracker = StreamTracker(
             call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n,
             logprobs=requested_logprobs(call.path, body), echo=echoed_text(call.path, body),
+            calls_tools=calls_tools(call.path, body),
         )  # fmt: skip
         call.tracker.choices[0].text = call.tracker.answer_text(call.tracker.choices[0], sent_text)
         call.tracker.choices[0].num_logprobs = sent_logprobs
@@ -396,17 +399,26 @@ class Forwarder:
         refuses the request itself; None when another worker may do better."""
         unfinished = tracker.unfinished()
         assert tracker.prompt_ids is not None
-        tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
-        context = await self._detokenize(worker, tail, tracker.model)  # once: every choice follows it
-        catch_ups = {c.index: await self._held_back_text(worker, tracker, c, context) for c in unfinished}
-        max_model_len = await self._max_model_len(worker)
-        bodies = {c.index: resume_body(tracker, c, call.body, max_model_len) for c in unfinished}
+        as_chat = tracker.is_chat and await self._is_splitserve(worker)
+        if as_chat:  # the worker replays what the client has: nothing held back to recover here
+            path = "/v1/chat/completions"
+            catch_ups = {c.index: "" for c in unfinished}
+            bodies = {c.index: resume_chat_body(tracker, c, call.body) for c in unfinished}
+        elif tracker.calls_tools:
+            return None  # tool calls are not text: a splitserve worker may take it
+        else:
+            path = "/v1/completions"
+            tail = tracker.prompt_ids[-PROMPT_CONTEXT_TOKENS:]
+            context = await self._detokenize(worker, tail, tracker.model)  # once: every choice follows it
+            catch_ups = {c.index: await self._held_back_text(worker, tracker, c, context) for c in unfinished}
+            max_model_len = await self._max_model_len(worker)
+            bodies = {c.index: resume_body(tracker, c, call.body, max_model_len) for c in unfinished}
         resumed = {**tracing.inject(call.headers), RESUMED_PROMPT_TOKENS_HEADER: str(len(tracker.prompt_ids))}
         opened: dict[int, AsyncIterator[bytes]] = {}
         for index, body in bodies.items():
             if body is None:  # every token was generated; only the finish was lost
                 continue
-            stream = await self._open_resumed(worker, body, resumed, lease, keep=bool(opened))
+            stream = await self._open_resumed(worker, path, body, resumed, lease, keep=bool(opened))
             if stream is None or isinstance(stream, _Refused):
                 lease.release()
                 return stream
@@ -418,11 +430,17 @@ class Forwarder:
                 finish = "length" if bodies[choice.index] is None else None
                 preamble.append(sse_event(tracker.chunk(catch_ups[choice.index], finish, index=choice.index)))
                 choice.finished = finish is not None
-        tracker.resume()
+        tracker.resume(as_chat)
         return _merged(opened), preamble
 
     async def _open_resumed(
-        self, worker: Worker, body: dict[str, Any], headers: dict[str, str], lease: _Lease, keep: bool = False
+        self,
+        worker: Worker,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        lease: _Lease,
+        keep: bool = False,
     ) -> AsyncIterator[bytes] | _Refused | None:
         """The resumed request's stream on ``worker`` (``lease`` now holds it; with ``keep``, beside what it
         holds); a :class:`_Refused` for a client error, which any worker would answer; None for a failure another
@@ -432,7 +450,7 @@ class Forwarder:
         upstream: Upstream | None = None
         handed_over = False
         try:
-            upstream = await self.transport.post(worker.url + "/v1/completions", json.dumps(body).encode(), headers)
+            upstream = await self.transport.post(worker.url + path, json.dumps(body).encode(), headers)
             if upstream.status != 200:
                 reason = _error_code(await _read_quietly(upstream)) or str(upstream.status)
                 raise _Refused(f"status {upstream.status} ({reason})", upstream.status)
@@ -472,6 +490,13 @@ class Forwarder:
                 return held_back_text(choice, context, full)
             choice.output_ids.pop()
         return ""
+
+    async def _is_splitserve(self, worker: Worker) -> bool:
+        """Whether ``worker`` is a splitserve worker (``--backend-kind``, else its ``GET /version``)."""
+        kind = self.config.backend_kind
+        if kind == BackendKind.AUTO:
+            kind = BackendKind.shown_by(await self.get_json(f"{worker.url}/version")) or BackendKind.AUTO
+        return kind == BackendKind.SPLITSERVE
 
     async def _max_model_len(self, worker: Worker) -> int | None:
         """The worker's context length, from its ``/v1/models`` card (splitserve's and vLLM's carry it)."""

@@ -20,7 +20,8 @@ What it guarantees:
   token's position only, see ``engine/sampler.py``); unseeded sampling goes on from a fresh draw;
 - text: the same characters. Text a worker held back when it died (a possible stop string) is recovered from
   the new worker's ``/detokenize``; tokens that end in half of a multi-byte character are generated again by
-  the new worker, so the character comes out whole. A stop string that straddles the cut is not seen.
+  the new worker, so the character comes out whole. A stop string that straddles the cut is not seen (a chat
+  stream resumed as chat, below, sees it);
 - the prompt's KV: where the workers share an L2 tier, the new worker loads the prompt's chunks from it and
   computes only the tokens generated since.
 
@@ -45,8 +46,17 @@ their text, so two of them with the same text (byte-fallback pieces of one chara
 sent), keeps it apart from the answer's, and a choice whose echo never reached the client gets it before its
 resumed text; the resumed request does not echo.
 
-Not migrated: the prompt's logprobs (``echo`` with ``logprobs``, ``prompt_logprobs``) and tool calls; those end
-with an error event as before.
+A chat stream resumed on a splitserve worker goes on as a chat request (:func:`resume_chat_body`): the original
+request with the prompt's and the answer's token ids (``resume_from``). That worker replays those tokens through
+its detokenizer and its readers before it generates (``worker/serving.py``), so what follows is exactly what the
+original stream would have sent: the text it held back (a possible stop string, half a character), the
+reasoning split off by a ``--reasoning-parser``, and tool calls, whose deltas go on with the next call's index
+(a call half sent goes on with its arguments). Its chunks need only the original stream's id, ``created``, model
+and choice index. On a vLLM worker a chat stream goes on as a completion, as above; one with tools cannot (its
+calls are not text), and waits for a splitserve worker.
+
+Not migrated: the prompt's logprobs (``echo`` with ``logprobs``, ``prompt_logprobs``); those end with an error
+event as before.
 """
 
 from __future__ import annotations
@@ -72,9 +82,9 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output to recover 
 
 
 def is_migratable(path: str, body: dict[str, Any]) -> bool:
-    """A streamed request the router can resume elsewhere: no prompt logprobs, no tool calls (their deltas are not
-    text), an echo only of a prompt given as text. ``n`` choices resume each on its own; a schema, regex or
-    grammar resumes: the new worker's grammar takes the tokens sent; logprobs resume in the stream's shape."""
+    """A streamed request the router can resume elsewhere: no prompt logprobs, an echo only of a prompt given as
+    text. ``n`` choices resume each on its own; a schema, regex or grammar resumes: the new worker's grammar takes
+    the tokens sent; logprobs resume in the stream's shape; tool calls resume on splitserve workers."""
     if body.get("stream") is not True or not path.endswith(("/v1/completions", "/v1/chat/completions")):
         return False
     n = 1 if body.get("n") is None else body["n"]
@@ -82,9 +92,12 @@ def is_migratable(path: str, body: dict[str, Any]) -> bool:
         return False
     if body.get("echo") and (requested_logprobs(path, body) is not None or echoed_text(path, body) is None):
         return False  # echo with logprobs: the prompt's logprobs
-    if body.get("tools") and body.get("tool_choice") != "none":
-        return False
     return body.get("prompt_logprobs") is None and requested_logprobs(path, body) != INVALID_LOGPROBS
+
+
+def calls_tools(path: str, body: dict[str, Any]) -> bool:
+    """A chat request whose answer may be tool calls: only a splitserve worker resumes it (a chat request)."""
+    return path.endswith("/chat/completions") and bool(body.get("tools")) and body.get("tool_choice") != "none"
 
 
 def echoed_text(path: str, body: dict[str, Any]) -> str | None:
@@ -162,6 +175,8 @@ class StreamTracker:
     num_migrations: int = 0
     cached_tokens: int | None = None  # the first resumed request's cached prompt tokens
     pending: set[int] = field(default_factory=set)  # choices whose resumed request has not sent [DONE] yet
+    calls_tools: bool = False  # calls_tools(): only a splitserve worker resumes it
+    chat_resume: bool = False  # the current resume is chat requests (``resume_chat_body``), not completions
 
     def __post_init__(self) -> None:
         self.choices = self.choices or [
@@ -214,7 +229,8 @@ class StreamTracker:
             error = chunk.get("error")
             raise WorkerStreamFailed(str(error.get("message", error) if isinstance(error, dict) else error))
         if self.is_resumed:
-            out = self._reframe(chunk, self._choice(index))
+            track = self._choice(index)
+            out = self._reframe_chat(chunk, track) if self.chat_resume else self._reframe(chunk, track)
             return b"" if out is None else sse_event(out)
         if self.id is None:
             self.id, self.created, self.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
@@ -260,9 +276,11 @@ class StreamTracker:
     def unfinished(self) -> list[ChoiceTrack]:
         return [c for c in self.choices if not c.finished]
 
-    def resume(self) -> None:
-        """A new worker takes over the unfinished choices from here, one request each."""
+    def resume(self, as_chat: bool = False) -> None:
+        """A new worker takes over the unfinished choices from here, one request each (``as_chat``: chat
+        requests, :func:`resume_chat_body`)."""
         self.num_migrations += 1
+        self.chat_resume = as_chat
         unfinished = self.unfinished()
         self.pending = {c.index for c in unfinished}
         for choice in unfinished:
@@ -304,6 +322,35 @@ class StreamTracker:
             out["choices"][0]["logprobs"] = logprobs
         continuous = self.client_wants_usage and isinstance(chunk.get("usage"), dict)
         return out | {"usage": self.whole_usage()} if continuous else out  # continuous_usage_stats
+
+    def _reframe_chat(self, chunk: dict[str, Any], track: ChoiceTrack) -> dict[str, Any] | None:
+        """A resumed chat request's chunk as choice ``track`` of the original stream: the deltas as they are (its
+        worker replayed what the client has), under the original id, ``created``, model and index; its role
+        chunk and its own usage left out."""
+        self._take_usage(chunk.get("usage"), track)
+        choices = chunk.get("choices") or []
+        choice = choices[0] if choices and isinstance(choices[0], dict) else None
+        if choice is None:
+            return None  # its usage: the whole answer's goes out at the end
+        given = choice.get("delta")
+        delta = {key: value for key, value in given.items() if key != "role"} if isinstance(given, dict) else {}
+        if delta == {"content": ""}:
+            delta = {}  # its role chunk's, or a token whose text it holds back
+        ids = _ids(choice.get("token_ids") or [])
+        track.output_ids.extend(ids)
+        track.text += openai.choice_text(True, {"delta": delta})
+        track.num_logprobs += num_logprobs(True, choice.get("logprobs"))
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            track.finished = True
+        if not delta and finish is None and not (ids and self.client_wants_ids) and not choice.get("logprobs"):
+            return None  # the role chunk, or ids the client did not ask for
+        out_choice = {**choice, "index": track.index, "delta": delta or ({} if finish else {"content": ""})}
+        if not self.client_wants_ids:
+            out_choice.pop("token_ids", None)
+        out = {**self._common(), "object": openai.CHAT_CHUNK, "choices": [out_choice]}
+        continuous = self.client_wants_usage and isinstance(chunk.get("usage"), dict)
+        return out | {"usage": self.whole_usage()} if continuous else out
 
     def _logprobs(self, value: Any, track: ChoiceTrack) -> dict[str, Any] | None:
         """A resumed chunk's logprobs (the completions shape) in the original stream's, without the entries the
@@ -388,20 +435,54 @@ def resume_body(
         if not isinstance(requested, int) or requested - done < 1:
             return None
         body["max_tokens"] = requested - done
-    if isinstance(original.get("min_tokens"), int):
-        body["min_tokens"] = max(0, original["min_tokens"] - done)
-    if isinstance(original.get("seed"), int) and choice.index:
-        body["seed"] = original["seed"] + choice.index
+    body |= _per_choice(original, choice)
     if tracker.logprobs is not None:
         body["logprobs"] = tracker.logprobs
     if original.get("model") is not None:
         body["model"] = original["model"]
     body |= {"prompt": tracker.prompt_ids + choice.output_ids, "stream": True, "return_token_ids": True}
+    return body | _usage_options(tracker, original)
+
+
+def resume_chat_body(tracker: StreamTracker, choice: ChoiceTrack, original: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat request that goes on with ``choice`` of ``tracker``'s answer on a splitserve worker: the original
+    request, one choice, the tokens left of its budget, and ``resume_from`` (the prompt's and the choice's token
+    ids); None when no token is left. Choice i of a seeded ``n`` draws from seed + i, as the worker drew it."""
+    assert tracker.prompt_ids is not None
+    done = len(choice.output_ids)
+    dropped = ("n", "max_tokens", "stream_options", "kv_transfer_params")
+    body = {key: value for key, value in original.items() if key not in dropped}
+    requested = original.get("max_completion_tokens")
+    requested = original.get("max_tokens") if requested is None else requested
+    if requested is not None:  # none: the context left, which the worker works out
+        if not isinstance(requested, int) or requested - done < 1:
+            return None
+        body["max_completion_tokens"] = requested - done
+    body |= _per_choice(original, choice)
+    body |= {"stream": True, "return_token_ids": True}
+    body["resume_from"] = {"prompt_token_ids": tracker.prompt_ids, "output_token_ids": choice.output_ids}
+    return body | _usage_options(tracker, original)
+
+
+def _per_choice(original: dict[str, Any], choice: ChoiceTrack) -> dict[str, Any]:
+    """What a resumed request of ``choice`` changes of the original's: the ``min_tokens`` left, and choice i's seed
+    (seed + i, as the worker drew it)."""
+    fields: dict[str, Any] = {}
+    if isinstance(original.get("min_tokens"), int):
+        fields["min_tokens"] = max(0, original["min_tokens"] - len(choice.output_ids))
+    if isinstance(original.get("seed"), int) and choice.index:
+        fields["seed"] = original["seed"] + choice.index
+    return fields
+
+
+def _usage_options(tracker: StreamTracker, original: dict[str, Any]) -> dict[str, Any]:
+    """A resumed request's ``stream_options``: its usage when the client wants the whole answer's (continuously,
+    if it asked so)."""
+    if not tracker.client_wants_usage:
+        return {}
     options = original.get("stream_options")
-    if tracker.client_wants_usage:
-        continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
-        body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if continuous else {})
-    return body
+    continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
+    return {"stream_options": {"include_usage": True} | ({"continuous_usage_stats": True} if continuous else {})}
 
 
 def _most_likely(top: dict[str, Any], k: int) -> list[tuple[str, Any]]:

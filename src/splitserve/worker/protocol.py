@@ -4,10 +4,11 @@
 Requests accept every field the official ``openai`` client sends for completions and chat completions, plus
 vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``prompt_logprobs``, ``cache_salt``) and ``kv_transfer_params`` (disaggregated
-prefill/decode). Unknown fields are a validation error naming the field. Fields that are accepted but
-unsupported with a non-default value (``suffix``, other modalities, ...) are refused by
-``unsupported_reason()`` with a message the server returns as a 400. Tool-call messages (``tool_calls``,
-``tool_call_id``, ``name``) reach the chat template, which must render them (else a 400, never a silent drop).
+prefill/decode), and a chat request's ``resume_from`` (a migrated stream, :class:`ResumeFrom`). Unknown fields are
+a validation error naming the field. Fields that are accepted but unsupported with a non-default value
+(``suffix``, other modalities, ...) are refused by ``unsupported_reason()`` with a message the server returns as a
+400. Tool-call messages (``tool_calls``, ``tool_call_id``, ``name``) reach the chat template, which must render
+them (else a 400, never a silent drop).
 """
 
 from __future__ import annotations
@@ -251,6 +252,17 @@ class ChatMessage(_Open):
         return "\n".join(part.text for part in self.content)
 
 
+class ResumeFrom(_Strict):
+    """splitserve's extension of a chat request: a stream the router resumes here after its worker failed
+    (``router/migrate.py``). The prompt is these ids, not the messages' template, and the answer goes on after
+    ``output_token_ids``: its text, reasoning and tool calls continue exactly where the original stream's would
+    have (the detokenizer and the readers replay those tokens first); the grammar, penalties and seeded draws go on
+    from them too."""
+
+    prompt_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    output_token_ids: list[Annotated[int, Field(ge=0)]]
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -265,6 +277,7 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    resume_from: ResumeFrom | None = None
 
     def unsupported_reason(self) -> tuple[str, str] | None:
         if (reason := super().unsupported_reason()) is not None:

@@ -45,6 +45,7 @@ from splitserve.worker.protocol import (
     KVLookupResponse,
     ModelCard,
     ModelList,
+    ResumeFrom,
     TokenizeRequest,
     TokenizeResponse,
     now_s,
@@ -95,6 +96,7 @@ class EngineInput:
     echo: str | None = None  # completions' echo: the prompt's text, which the answer's text starts with
     tools: ToolPlan | None = None  # chat: how the answer becomes tool calls
     reasoning: str | None = None  # chat: the --reasoning-parser that splits reasoning_content off
+    resumed_text: str = ""  # a resumed chat stream: the text the client has, which its readers take first
 
     def sequences(self) -> list[tuple[str, SamplingParams]]:
         """The engine request of each sequence: its id and parameters. With a seed, sequence i draws from
@@ -231,10 +233,18 @@ class OpenAIServing:
         )  # fmt: skip
 
     async def chat_input(self, request: ChatCompletionRequest) -> EngineInput:
+        """A resumed stream (``resume_from``) takes its prompt from there, and its readers and detokenizer replay
+        the output the client has."""
         self._check_common(request)
-        prompt_ids = await self._chat_prompt_ids(
-            request.message_dicts(), request.add_generation_prompt, request.template_tools()
-        )
+        resume = request.resume_from
+        if resume is not None:
+            if not request.stream or (request.n or 1) != 1:
+                raise ApiError(400, "resume_from goes on with one streamed choice", "resume_from")
+            prompt_ids = resume.prompt_token_ids + resume.output_token_ids
+        else:
+            prompt_ids = await self._chat_prompt_ids(
+                request.message_dicts(), request.add_generation_prompt, request.template_tools()
+            )
         if not prompt_ids:
             raise ApiError(400, "the messages produced an empty prompt", "messages")
         max_tokens = self._resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids), None, "messages")
@@ -252,11 +262,24 @@ class OpenAIServing:
             await self._off_loop(self._ready_engine().check_structured, tool_grammar)
             structured = tool_grammar
         params = dataclasses.replace(params, structured=structured)
+        resumed_text = ""
+        if resume is not None:
+            params = dataclasses.replace(params, resumed_prompt_tokens=len(resume.prompt_token_ids), replay_output=True)
+            resumed_text = await self._off_loop(self._emitted_text, params, resume)
         n, best_of = self._check_choices(request, None, len(prompt_ids), max_tokens)
         return EngineInput(
             random_id("chatcmpl"), prompt_ids, params, bool(request.return_token_ids), n, best_of, top is not None,
-            tools=tools, reasoning=self.reasoning_parser,
+            tools=tools, reasoning=self.reasoning_parser, resumed_text=resumed_text,
         )  # fmt: skip
+
+    def _emitted_text(self, params: SamplingParams, resume: ResumeFrom) -> str:
+        """The text the original stream handed out for a resumed stream's output so far (as its worker's
+        detokenizer did: the engine's replays the same)."""
+        detok = IncrementalDetokenizer.replayed(
+            self._tokenizer(), params.stop, params.include_stop_str_in_output, resume.prompt_token_ids,
+            resume.output_token_ids,
+        )  # fmt: skip
+        return detok.emitted_text
 
     def _tool_plan(self, request: ChatCompletionRequest) -> tuple[ToolPlan | None, StructuredOutput | None]:
         """How the answer becomes tool calls, and the grammar a required or named tool_choice needs."""
@@ -616,7 +639,9 @@ class OpenAIServing:
                 yield event
             else:
                 index, output = event
-                reader = readers.setdefault(index, _ChatStreamReader(engine_input))
+                reader = readers.get(index)
+                if reader is None:
+                    reader = readers[index] = _ChatStreamReader.resumed(engine_input)
                 token_ids = output.new_token_ids if with_ids else None
                 usage = _usage(output) if continuous_usage else None
                 logprobs = (
@@ -624,19 +649,16 @@ class OpenAIServing:
                     if engine_input.logprobs and output.new_logprobs
                     else None
                 )
-                for delta in reader.deltas(output.new_text, output.finished):
-                    yield chunk([openai.chat_chunk_choice(delta, None, token_ids, index=index, logprobs=logprobs)],
+                # one chunk per output, its finish included (as vLLM's): a stream cut between chunks has either
+                # all of an output's tokens (their ids, text and calls) or none, which a migration relies on
+                delta: openai.ChatDelta = {}
+                for part in reader.deltas(output.new_text, output.finished):
+                    delta.update(part)  # reasoning, content and calls: distinct keys
+                reason = reader.finish_reason(_reason(output)) if output.finished else None
+                if delta or output.finished or token_ids is not None or logprobs is not None:
+                    delta = delta or ({} if output.finished else openai.chat_delta(""))  # text held back: empty
+                    yield chunk([openai.chat_chunk_choice(delta, reason, token_ids, index=index, logprobs=logprobs)],
                                 usage)  # fmt: skip
-                    token_ids = logprobs = None
-                if (token_ids is not None or logprobs is not None) and not output.finished:  # its text held back
-                    delta = openai.chat_delta("")
-                    yield chunk([openai.chat_chunk_choice(delta, None, token_ids, index=index, logprobs=logprobs)],
-                                usage)  # fmt: skip
-                    token_ids = logprobs = None
-                if output.finished:  # its text went in the chunk before: an empty delta
-                    reason = reader.finish_reason(_reason(output))
-                    finish = openai.chat_chunk_choice({}, reason, token_ids, index=index, logprobs=logprobs)
-                    yield chunk([finish], usage)
 
     async def _skipped_chars(self, engine_input: EngineInput) -> int | None:
         """The characters a stream leaves out because its router already sent its first token (the prefill
@@ -729,6 +751,14 @@ class _ChatStreamReader:
         self.splitter = ReasoningSplitter(engine_input.reasoning) if engine_input.reasoning is not None else None
         self.tools = ToolStream(engine_input.tools) if engine_input.tools is not None else None
         self.plain = self.splitter is None and self.tools is None
+
+    @classmethod
+    def resumed(cls, engine_input: EngineInput) -> _ChatStreamReader:
+        """A reader that has taken the text a resumed stream's client has (its deltas were sent before)."""
+        reader = cls(engine_input)
+        if engine_input.resumed_text:
+            reader.deltas(engine_input.resumed_text, finished=False)
+        return reader
 
     def deltas(self, new_text: str, finished: bool) -> list[openai.ChatDelta]:
         if self.plain:
