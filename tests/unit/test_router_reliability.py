@@ -326,6 +326,46 @@ def test_an_echoed_stream_resumes_without_a_second_echo_and_a_choice_never_start
     assert out[-1] == "[DONE]" and router.metrics.migrations.labels("resumed")._value.get() == 1
 
 
+def test_a_stream_with_the_prompts_logprobs_resumes_once_they_were_sent(
+    workers: list[FakeWorker], stack: ExitStack
+) -> None:
+    """echo with logprobs: the first chunk carried the echoed prompt's entries, then the first tokens'. The resumed
+    request asks only for the output's logprobs, whose text_offset goes on past the echo and the text sent."""
+    common = {"id": "cmpl-p", "object": "text_completion", "created": 5, "model": MODEL}
+    entries = {
+        "tokens": ["H", "i", "P", "a"],
+        "token_logprobs": [None, -1.0, -0.5, -0.5],
+        "top_logprobs": [None, {"i": -1.0}, {"P": -0.5}, {"a": -0.5}],
+        "text_offset": [0, 1, 2, 3],
+    }
+    first = common | {"choices": [{"index": 0, "text": "Hi" + "Pa", "prompt_token_ids": [72, 105],
+                                   "token_ids": [80, 97], "logprobs": entries, "finish_reason": None}]}  # fmt: skip
+    dying = _dying(stack, [first])
+    router, client = start_router(stack, [dying.url, workers[1].url], health_interval_s=60)
+    body = {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1, "prompt_logprobs": 1, "max_tokens": 5,
+            "stream": True}  # fmt: skip
+    out = _stream(client, "/v1/completions", body)
+    chunks = [e for e in out if isinstance(e, dict) and e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "HiPa" + REPLY[:3]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 1, 2, 3, 4, 5, 6]  # the resumed tokens' go on past "HiPa"
+    params = workers[1].engine.seen_params[-1]
+    assert params.prompt_logprobs is None and params.logprobs == 1  # the prompt's were sent: not asked again
+    assert out[-1] == "[DONE]" and router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
+def test_a_choice_that_never_got_the_prompts_logprobs_is_not_resumed(stack: ExitStack) -> None:
+    common = {"id": "cmpl-p", "object": "text_completion", "created": 5, "model": MODEL}
+    first = common | {"choices": [{"index": 0, "text": "Pa", "prompt_token_ids": [72, 105], "token_ids": [80, 97],
+                                   "prompt_logprobs": [None, {"105": {"logprob": -1.0, "rank": 1}}],
+                                   "finish_reason": None}]}  # fmt: skip
+    dying, other = _dying(stack, [first]), _dying(stack, [])
+    _, client = start_router(stack, [dying.url, other.url], health_interval_s=60)
+    body = {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 1, "n": 2, "max_tokens": 5, "stream": True}
+    out = _stream(client, "/v1/completions", body)
+    assert other.bodies == [] and "no other worker could resume" in out[-2]["error"]["message"]
+
+
 NAMED_TOOL = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
 
@@ -465,11 +505,11 @@ def test_which_streams_migrate() -> None:
     assert is_migratable("/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 2})
     assert is_migratable("/v1/completions", chat | {"logprobs": 0})
     assert not is_migratable("/v1/completions", chat | {"logprobs": "many"})  # the worker refuses it anyway
-    assert not is_migratable("/v1/completions", chat | {"prompt_logprobs": 1})
+    assert is_migratable("/v1/completions", chat | {"prompt_logprobs": 1})  # once each choice's first chunk came
     assert is_migratable("/v1/completions", chat | {"prompt": "Hi", "echo": True})
     assert is_migratable("/v1/completions", chat | {"prompt": ["Hi"], "echo": True})  # a batch of one
     assert not is_migratable("/v1/completions", chat | {"prompt": [1, 2], "echo": True})  # its text: the worker's
-    assert not is_migratable("/v1/completions", chat | {"prompt": "Hi", "echo": True, "logprobs": 0})
+    assert is_migratable("/v1/completions", chat | {"prompt": "Hi", "echo": True, "logprobs": 0})
     assert not is_migratable("/v1/chat/completions", chat | {"stream": False})
 
 

@@ -49,6 +49,7 @@ from splitserve.router.migrate import (
     requested_logprobs,
     resume_body,
     resume_chat_body,
+    sends_prompt_logprobs,
 )
 from splitserve.router.policies import Decision, RoutingPolicy, RoutingRequest
 from splitserve.router.transport import Transport, TransportError, Upstream
@@ -137,7 +138,7 @@ class Forwarder:
         call.tracker = StreamTracker(
             call.path.endswith("/chat/completions"), wants_ids, wants_usage, num_choices=n,
             logprobs=requested_logprobs(call.path, body), echo=echoed_text(call.path, body),
-            calls_tools=calls_tools(call.path, body),
+            calls_tools=calls_tools(call.path, body), prompt_logprobs=sends_prompt_logprobs(call.path, body),
         )  # fmt: skip
         call.tracker.choices[0].text = call.tracker.answer_text(call.tracker.choices[0], sent_text)
         call.tracker.choices[0].num_logprobs = sent_logprobs

@@ -55,8 +55,11 @@ reasoning split off by a ``--reasoning-parser``, and tool calls, whose deltas go
 and choice index. On a vLLM worker a chat stream goes on as a completion, as above; one with tools cannot (its
 calls are not text), and waits for a splitserve worker.
 
-Not migrated: the prompt's logprobs (``echo`` with ``logprobs``, ``prompt_logprobs``); those end with an error
-event as before.
+The prompt's logprobs (``prompt_logprobs``, ``echo`` with ``logprobs``) come in each choice's first chunk of a
+completion stream: once every unfinished choice had its first chunk, the resumed requests ask only for the
+output's logprobs, and their entries' ``text_offset`` goes on past the echo and the text sent. A choice that
+had no chunk yet when its worker died would need the prompt's logprobs again: such a stream ends with an error
+event, as before. A chat stream carries no prompt logprobs; its resumed request does not ask for them.
 """
 
 from __future__ import annotations
@@ -90,9 +93,19 @@ def is_migratable(path: str, body: dict[str, Any]) -> bool:
     n = 1 if body.get("n") is None else body["n"]
     if not isinstance(n, int) or n < 1 or body.get("best_of") not in (None, n):
         return False
-    if body.get("echo") and (requested_logprobs(path, body) is not None or echoed_text(path, body) is None):
-        return False  # echo with logprobs: the prompt's logprobs
-    return body.get("prompt_logprobs") is None and requested_logprobs(path, body) != INVALID_LOGPROBS
+    if body.get("echo") and echoed_text(path, body) is None:
+        return False  # an echo of token ids: its text is the worker's
+    return requested_logprobs(path, body) != INVALID_LOGPROBS
+
+
+def sends_prompt_logprobs(path: str, body: dict[str, Any]) -> bool:
+    """A completion stream whose choices' first chunks carry the prompt's logprobs (``prompt_logprobs``, or
+    ``echo`` with ``logprobs``)."""
+    if path.endswith("/chat/completions"):
+        return False
+    return body.get("prompt_logprobs") is not None or bool(
+        body.get("echo") and requested_logprobs(path, body) is not None
+    )
 
 
 def calls_tools(path: str, body: dict[str, Any]) -> bool:
@@ -145,6 +158,7 @@ class ChoiceTrack:
     next_logprob: int = 0  # resumed: the output position of the resumed request's next logprobs entry
     text_base: int = 0  # resumed: characters the client had before the resumed request's text (text_offset)
     echo_pending: bool = False  # the client has yet to get the echoed prompt's text before this choice's
+    started: bool = False  # its first chunk (with the prompt's logprobs, where asked for) reached the client
 
     @property
     def num_output(self) -> int:
@@ -176,6 +190,7 @@ class StreamTracker:
     cached_tokens: int | None = None  # the first resumed request's cached prompt tokens
     pending: set[int] = field(default_factory=set)  # choices whose resumed request has not sent [DONE] yet
     calls_tools: bool = False  # calls_tools(): only a splitserve worker resumes it
+    prompt_logprobs: bool = False  # sends_prompt_logprobs(): each choice's first chunk has the prompt's logprobs
     chat_resume: bool = False  # the current resume is chat requests (``resume_chat_body``), not completions
 
     def __post_init__(self) -> None:
@@ -262,7 +277,11 @@ class StreamTracker:
                 changed = changed or not self.client_wants_ids
                 track.output_ids.extend(_ids(ids or []))
             track.text += self.answer_text(track, openai.choice_text(self.is_chat, choice))
-            track.num_logprobs += num_logprobs(self.is_chat, choice.get("logprobs"))
+            entries = num_logprobs(self.is_chat, choice.get("logprobs"))
+            if not track.started and self.echo is not None and entries:  # the echoed prompt's entries first
+                entries -= len(self.prompt_ids or [])
+            track.num_logprobs += entries
+            track.started = True
             if choice.get("finish_reason") is not None:
                 track.finished = True
         return changed
@@ -271,7 +290,10 @@ class StreamTracker:
 
     @property
     def can_resume(self) -> bool:
-        return self.prompt_ids is not None and not self.finished
+        """The prompt's ids are known, a choice is unfinished, and none needs the prompt's logprobs again."""
+        if self.prompt_ids is None or self.finished:
+            return False
+        return not self.prompt_logprobs or all(c.started for c in self.unfinished())
 
     def unfinished(self) -> list[ChoiceTrack]:
         return [c for c in self.choices if not c.finished]
@@ -285,7 +307,8 @@ class StreamTracker:
         self.pending = {c.index for c in unfinished}
         for choice in unfinished:
             choice.resumed_at, choice.resumed_tokens = len(choice.output_ids), None
-            choice.next_logprob, choice.text_base = len(choice.output_ids), len(choice.text)
+            echoed = len(self.echo) if self.echo is not None and not choice.echo_pending else 0
+            choice.next_logprob, choice.text_base = len(choice.output_ids), echoed + len(choice.text)
 
     def end(self) -> bytes:
         """What ends the client's stream once every choice finished: after a resume, the whole answer's usage
@@ -450,7 +473,7 @@ def resume_chat_body(tracker: StreamTracker, choice: ChoiceTrack, original: dict
     ids); None when no token is left. Choice i of a seeded ``n`` draws from seed + i, as the worker drew it."""
     assert tracker.prompt_ids is not None
     done = len(choice.output_ids)
-    dropped = ("n", "max_tokens", "stream_options", "kv_transfer_params")
+    dropped = ("n", "max_tokens", "stream_options", "kv_transfer_params", "prompt_logprobs")
     body = {key: value for key, value in original.items() if key not in dropped}
     requested = original.get("max_completion_tokens")
     requested = original.get("max_tokens") if requested is None else requested
