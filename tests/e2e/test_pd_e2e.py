@@ -28,7 +28,7 @@ from tests.support.client_features import (
     tool_round_trip,
 )
 from tests.support.waiting import wait_until
-from tests.support.workers import RouterProcess, WorkerProcess
+from tests.support.workers import RouterProcess, WorkerProcess, stopping_on_failure
 
 pytestmark = [
     pytest.mark.e2e,
@@ -67,10 +67,11 @@ class Endpoint:
         # the reference request's 138 MB of KV fit only the first decoder's buffer
         self.reference_router = router("reference-router", PDDecision.THRESHOLD, (self.decode,))
         self.routers = [self.router, self.cost_router, self.reference_router]
-        for process in [*self.workers, *self.routers]:
-            process.wait_healthy()
-        for router in self.routers:
-            router.wait_every_worker_healthy()
+        with stopping_on_failure(self.stop):
+            for process in [*self.workers, *self.routers]:
+                process.wait_healthy()
+            for router in self.routers:
+                router.wait_every_worker_healthy()
 
     def stop(self) -> None:
         for process in [*self.routers, *self.workers]:

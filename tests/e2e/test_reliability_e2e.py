@@ -21,7 +21,7 @@ import redis
 from tests.support.client_features import TOOLS_TEMPLATE_ARGS
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_until
-from tests.support.workers import RouterProcess, WorkerProcess
+from tests.support.workers import RouterProcess, WorkerProcess, stopping_on_failure
 
 pytestmark = [
     pytest.mark.e2e,
@@ -46,10 +46,11 @@ class Pair:
         backends = [arg for w in self.workers for arg in ("--backend", w.url)]
         args = ["--routing-strategy", "session", "--health-interval", "0.3", *backends]
         self.router = RouterProcess(log_dir / "router.log", args)
-        for worker in self.workers:
-            worker.wait_healthy()
-        self.router.wait_healthy()
-        self.router.wait_every_worker_healthy()  # else the first session could be handed to the other worker
+        with stopping_on_failure(self.stop):
+            for worker in self.workers:
+                worker.wait_healthy()
+            self.router.wait_healthy()
+            self.router.wait_every_worker_healthy()  # else the first session could be handed to the other worker
 
     def _worker(self, name: str, port: int | None = None) -> WorkerProcess:
         return WorkerProcess(self.log_dir / f"worker-{name}-{time.monotonic_ns()}.log", self.args, port)
@@ -320,9 +321,10 @@ class Disaggregated:
         urls = ["--prefill", self.prefill.url, *(arg for d in self.decoders for arg in ("--decode", d.url))]
         args = [*urls, "--routing-threshold", "128", "--health-interval", "0.3"]
         self.router = RouterProcess(log_dir / "router.log", args)
-        for process in [self.prefill, *self.decoders, self.router]:
-            process.wait_healthy()
-        self.router.wait_every_worker_healthy()
+        with stopping_on_failure(self.stop):
+            for process in [self.prefill, *self.decoders, self.router]:
+                process.wait_healthy()
+            self.router.wait_every_worker_healthy()
 
     def in_flight_by_worker(self) -> dict[str, int]:
         return {state["url"]: state["in_flight"] for state in self.router.worker_states()}

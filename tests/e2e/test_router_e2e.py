@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.tiers import long_prompt
 from tests.support.waiting import wait_until
-from tests.support.workers import RouterProcess, WorkerProcess, free_port
+from tests.support.workers import RouterProcess, WorkerProcess, free_port, stopping_on_failure
 
 pytestmark = [
     pytest.mark.e2e,
@@ -39,8 +39,9 @@ class Endpoint:
         self.workers = [self._worker(name) for name in "ab"]
         self.routers: list[RouterProcess] = []
         self.kvaware = self.router("kvaware", port=self.events_port)
-        for worker in self.workers:
-            worker.wait_healthy()
+        with stopping_on_failure(self.stop):
+            for worker in self.workers:
+                worker.wait_healthy()
 
     def _worker(self, name: str, port: int | None = None) -> WorkerProcess:
         events = ["--kv-events-url", f"http://127.0.0.1:{self.events_port}/kv/events", "--worker-id", f"worker-{name}"]

@@ -3,12 +3,13 @@ health, stop, read their logs and metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,30 @@ from splitserve.metrics import sum_samples
 STARTUP_TIMEOUT_S = 240.0
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this test process: it never gives one twice
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on now, and that this process has not handed out before (processes started
+    together each get their own, though none has bound its port yet)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+@contextlib.contextmanager
+def stopping_on_failure(stop: Callable[[], None]) -> Iterator[None]:
+    """Run the block; if it fails (a process never got healthy), ``stop`` every process started before it raises:
+    a fixture that fails while starting leaves no process behind."""
+    try:
+        yield
+    except BaseException:
+        stop()
+        raise
 
 
 class WorkerProcess:
