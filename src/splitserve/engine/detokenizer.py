@@ -50,8 +50,10 @@ class IncrementalDetokenizer:
         original stream's had; later :meth:`update` calls take the output generated after ``output`` alone.
         ``emitted_text`` is what it handed out (the client of the original stream has it)."""
         detok = cls(tokenizer, stop, include_stop_str, prompt)
-        for end in range(1, len(output) + 1):
-            detok.update(output[:end])
+        taken: list[int] = []
+        for token in output:  # one token at a time, as the original took them (update reads the new tail only)
+            taken.append(token)
+            detok.update(taken)
         detok.take_new_text(finished=False)
         detok._num_context += len(output)
         return detok
