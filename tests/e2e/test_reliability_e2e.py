@@ -9,7 +9,7 @@ import importlib.util
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ class KillServing:
     """An ``on_event`` for :func:`stream_events`: once ``after`` events came, SIGKILLs the one worker of
     ``workers`` the router counts a request in flight at (``in_flight``: by URL); ``killed`` then holds it."""
 
-    def __init__(self, workers: list[WorkerProcess], in_flight: Any, after: int) -> None:
+    def __init__(self, workers: list[WorkerProcess], in_flight: Callable[[], dict[str, int]], after: int) -> None:
         self.workers, self.in_flight, self.after = workers, in_flight, after
         self.killed: list[WorkerProcess] = []
 

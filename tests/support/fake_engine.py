@@ -136,7 +136,8 @@ class FakeEngine:
                 prompt_token_ids[: params.resumed_prompt_tokens],
                 prompt_token_ids[params.resumed_prompt_tokens :],
             )
-            detok = IncrementalDetokenizer.replayed(self.tokenizer, params.stop, False, prompt, output)
+            include = params.include_stop_str_in_output
+            detok = IncrementalDetokenizer.replayed(self.tokenizer, params.stop, include, prompt, output)
             self.requests[request_id].held_back = detok.text[len(detok.emitted_text) :]
         self.added_ids.append(request_id)
 

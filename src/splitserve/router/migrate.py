@@ -447,8 +447,7 @@ def resume_body(
     done = len(choice.output_ids)
     body: dict[str, Any] = {key: original[key] for key in CARRIED_FIELDS if key in original}
     if tracker.is_chat:
-        requested = original.get("max_completion_tokens")
-        requested = original.get("max_tokens") if requested is None else requested
+        requested = chat_budget(original)
         if requested is None and max_model_len is not None:
             requested = max_model_len - len(tracker.prompt_ids)
     else:
@@ -475,8 +474,7 @@ def resume_chat_body(tracker: StreamTracker, choice: ChoiceTrack, original: dict
     done = len(choice.output_ids)
     dropped = ("n", "max_tokens", "stream_options", "kv_transfer_params", "prompt_logprobs")
     body = {key: value for key, value in original.items() if key not in dropped}
-    requested = original.get("max_completion_tokens")
-    requested = original.get("max_tokens") if requested is None else requested
+    requested = chat_budget(original)
     if requested is not None:  # none: the context left, which the worker works out
         if not isinstance(requested, int) or requested - done < 1:
             return None
@@ -485,6 +483,13 @@ def resume_chat_body(tracker: StreamTracker, choice: ChoiceTrack, original: dict
     body |= {"stream": True, "return_token_ids": True}
     body["resume_from"] = {"prompt_token_ids": tracker.prompt_ids, "output_token_ids": choice.output_ids}
     return body | _usage_options(tracker, original)
+
+
+def chat_budget(original: dict[str, Any]) -> Any:
+    """A chat request's token budget as it gave it: ``max_completion_tokens`` (the current OpenAI name) over the
+    deprecated ``max_tokens``; None without either."""
+    requested = original.get("max_completion_tokens")
+    return original.get("max_tokens") if requested is None else requested
 
 
 def _per_choice(original: dict[str, Any], choice: ChoiceTrack) -> dict[str, Any]:
